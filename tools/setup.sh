@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Set up a checkout: system Vulkan packages (Debian/Ubuntu), a virtualenv, and vkrt
+# installed editable with its dev extras. Safe to run again: each step checks first.
+#
+#   VKRT_SETUP_SKIP_APT=1   never call apt-get (install the packages yourself)
+#   VKRT_VENV=DIR           virtualenv location (default: .venv in the repo root)
+#
+# The pip step is skipped while pyproject.toml is unchanged since the last install;
+# delete "$VKRT_VENV/.vkrt-setup-stamp" to force it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VKRT_VENV:-$ROOT/.venv}"
+STAMP="$VENV/.vkrt-setup-stamp"
+
+say() { printf '==> %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+quietly() {  # run a noisy command; show its output only if it fails
+  local log rc=0
+  log="$(mktemp)"
+  "$@" >"$log" 2>&1 || rc=$?
+  ((rc == 0)) || cat "$log" >&2
+  rm -f "$log"
+  ((rc == 0)) || die "failed (exit $rc): $*"
+}
+
+cd "$ROOT"
+
+# --- system packages ----------------------------------------------------------------
+have_deb() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+have_ensurepip() { python3 -c 'import ensurepip, venv' >/dev/null 2>&1; }
+
+command -v python3 >/dev/null || die "python3 not found; install Python 3.10 or newer"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || die "vkrt needs Python >= 3.10; python3 is $(python3 -V 2>&1)"
+
+if [[ "${VKRT_SETUP_SKIP_APT:-}" == 1 ]]; then
+  say "system packages: skipped (VKRT_SETUP_SKIP_APT=1)"
+elif ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
+  say "system packages: no apt here; install a Vulkan loader and driver yourself"
+else
+  missing=()
+  for pkg in mesa-vulkan-drivers libvulkan1; do
+    have_deb "$pkg" || missing+=("$pkg")
+  done
+  if [[ ! -x "$VENV/bin/python" ]] && ! have_ensurepip; then
+    missing+=("python3-venv")
+  fi
+  if ((${#missing[@]} == 0)); then
+    say "system packages: already installed"
+  else
+    sudo=""
+    if [[ "$(id -u)" != 0 ]]; then
+      command -v sudo >/dev/null \
+        || die "need root to install ${missing[*]}; run as root, install them, or set VKRT_SETUP_SKIP_APT=1"
+      sudo="sudo"
+    fi
+    apt_get() { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -qq "$@"; }
+    say "system packages: installing ${missing[*]}"
+    quietly apt_get update
+    quietly apt_get install --no-install-recommends "${missing[@]}"
+    # vulkaninfo only lists the devices below; never fail over it.
+    have_deb vulkan-tools || apt_get install --no-install-recommends vulkan-tools >/dev/null 2>&1 \
+      || say "system packages: vulkan-tools unavailable (optional), continuing"
+  fi
+fi
+
+# --- virtualenv ---------------------------------------------------------------------
+if [[ -x "$VENV/bin/python" ]]; then
+  say "virtualenv: $VENV exists"
+else
+  say "virtualenv: creating $VENV"
+  python3 -m venv "$VENV" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+fi
+PY="$VENV/bin/python"
+
+# --- python packages ----------------------------------------------------------------
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $ROOT"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$PY" -c 'import vkrt' 2>/dev/null; then
+  say "python packages: up to date"
+else
+  say "python packages: upgrading pip"
+  quietly "$PY" -m pip install --upgrade pip
+  say "python packages: pip install -e .[dev]"
+  quietly "$PY" -m pip install -e ".[dev]"
+  printf '%s\n' "$want" >"$STAMP"
+fi
+
+# --- report -------------------------------------------------------------------------
+if command -v vulkaninfo >/dev/null; then
+  say "vulkan devices:"
+  vulkaninfo --summary 2>/dev/null | grep -E '^\s*(deviceName|deviceType|driverName)\s*=' \
+    | sed 's/^\s*/    /' || echo "    (vulkaninfo found none)"
+fi
+say "setup done: $PY"
