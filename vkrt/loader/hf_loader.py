@@ -1,0 +1,203 @@
+"""Hugging Face model directories (config.json + *.safetensors) -> LoadedModel."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.loader.arch import ArchSpec, arch_for_hf, check_weights, supported_hf_archs
+from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+
+log = logging.getLogger(__name__)
+
+# safetensors dtype -> (vkrt storage format, numpy dtype of WeightData.data)
+_DTYPES: dict[str, tuple[str, type[np.generic]]] = {
+    "F32": ("f32", np.float32),
+    "F16": ("f16", np.float16),
+    "BF16": ("bf16", np.uint16),  # numpy has no bf16: keep the raw bits
+}
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: cannot read JSON ({exc}); fix or re-download the file") from exc
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object at the top level")
+    return value
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{index}: no 'weight_map' object; re-download the model")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelFormatError(f"{index}: lists shard {f.name!r}, which is missing; download all shards")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(
+            f"{model_dir}: no *.safetensors files; vkrt reads safetensors checkpoints "
+            "(convert .bin/.pth weights to safetensors first)"
+        )
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
+    """Memory-map one .safetensors file: {tensor name: (format, shape, array view)}."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(f"{path}: too short to be a safetensors file; re-download it")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise ModelFormatError(f"{path}: header length {header_len} exceeds the file; the file is truncated")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelFormatError(f"{path}: unreadable safetensors header ({exc}); re-download it") from exc
+    data_start = 8 + header_len
+    mapped = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype")
+        if dtype not in _DTYPES:
+            raise UnsupportedModelError(
+                f"{path}: tensor {name!r} has dtype {dtype}, which vkrt does not support "
+                f"(supported: {', '.join(_DTYPES)}); save the model in one of those"
+            )
+        fmt, np_dtype = _DTYPES[dtype]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(x) for x in info["data_offsets"])
+        if data_start + end > size:
+            raise ModelFormatError(f"{path}: tensor {name!r} runs past the end of the file; the file is truncated")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
+        if end - begin != nbytes:
+            raise ModelFormatError(f"{path}: tensor {name!r} has {end - begin} bytes, expected {nbytes}")
+        view = mapped[data_start + begin : data_start + end].view(np_dtype).reshape(shape)
+        tensors[name] = (fmt, shape, view)
+    return tensors
+
+
+def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
+    if hf_name in spec.hf_global:
+        return spec.hf_global[hf_name]
+    m = _LAYER_NAME.match(hf_name)
+    if m and m.group(2) in spec.hf_layer:
+        return f"layers.{m.group(1)}.{spec.hf_layer[m.group(2)]}"
+    return None
+
+
+def _int_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _config(model_dir: Path, spec: ArchSpec, cfg: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ModelFormatError(f"{model_dir / 'config.json'}: required field {key!r} is missing")
+        return cfg[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    # transformers >= 5 moves rope settings into `rope_parameters`.
+    rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+    rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta") if rope_params else None)
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope_params and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    eos_ids: list[int] = []
+    for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
+        eos_ids += [i for i in _int_list(value) if i not in eos_ids]
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        architecture=spec.name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        bos_token_id=bos if isinstance(bos, int) else None,
+        eos_token_ids=tuple(eos_ids),
+        name=str(cfg.get("_name_or_path") or model_dir.name),
+    )
+
+
+def load_hf_dir(model_dir: str | Path) -> LoadedModel:
+    """Load a Hugging Face model directory; safetensors weights stay memory-mapped."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        ggufs = sorted(p.name for p in model_dir.glob("*.gguf"))
+        hint = f" (it holds {ggufs[0]!r}: pass that file instead)" if ggufs else ""
+        raise ModelFormatError(
+            f"{model_dir}: no config.json; a Hugging Face model directory needs config.json "
+            f"next to its *.safetensors{hint}"
+        )
+    cfg = _read_json(config_path)
+    archs = cfg.get("architectures") or []
+    spec = arch_for_hf(archs if isinstance(archs, list) else [])
+    if spec is None:
+        raise UnsupportedModelError(
+            f"{config_path}: architectures {archs!r} are not supported "
+            f"(supported: {supported_hf_archs()}); use a model of a supported family"
+        )
+    gen_path = model_dir / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.is_file() else {}
+    config = _config(model_dir, spec, cfg, generation)
+
+    weights: dict[str, WeightData] = {}
+    dtype_counts: Counter[str] = Counter()
+    for file in _safetensors_files(model_dir):
+        for hf_name, (fmt, shape, data) in read_safetensors(file).items():
+            name = _canonical_name(spec, hf_name)
+            if name is None:
+                if spec.hf_ignored.search(hf_name):
+                    continue
+                raise UnsupportedModelError(
+                    f"{file}: tensor {hf_name!r} is not part of the {spec.name} architecture vkrt "
+                    "implements; this variant of the model is not supported"
+                )
+            if name == "lm_head" and config.tie_word_embeddings:
+                continue  # some exports save the tied copy too; the embedding is the source of truth
+            weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
+            if len(shape) > 1:
+                dtype_counts[fmt.upper()] += 1
+    if not config.tie_word_embeddings and "lm_head" not in weights:
+        raise ModelFormatError(
+            f"{model_dir}: config.json says tie_word_embeddings is false but there is no "
+            "lm_head.weight; the checkpoint is incomplete"
+        )
+    check_weights(str(model_dir), config, weights)
+    file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
+    return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg)
