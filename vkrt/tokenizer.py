@@ -1,0 +1,484 @@
+"""Tokenizers (HF `tokenizers`, from tokenizer.json or rebuilt from GGUF metadata) and chat templates."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from vkrt.errors import ModelFormatError, RequestError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+    from vkrt.loader.config import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+
+# Token texts llama.cpp also treats as end-of-generation when the GGUF marks them as control.
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>",
+})
+
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _PreTokenizerSpec:
+    """How a GGUF `tokenizer.ggml.pre` value splits text before byte-level BPE."""
+
+    split_regex: str | None  # None: ByteLevel's own GPT-2 regex
+    individual_digits: bool = False
+    ignore_merges: bool = False
+    add_bos: bool = False  # llama.cpp's default when the GGUF has no add_bos_token key
+
+    def build(self) -> pre_tokenizers.PreTokenizer:
+        steps: list[pre_tokenizers.PreTokenizer] = []
+        if self.individual_digits:
+            steps.append(pre_tokenizers.Digits(individual_digits=True))
+        if self.split_regex is not None:
+            steps.append(pre_tokenizers.Split(Regex(self.split_regex), behavior="isolated"))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=self.split_regex is None))
+        return pre_tokenizers.Sequence(steps)
+
+
+_SMOLLM = _PreTokenizerSpec(split_regex=None, individual_digits=True)
+_LLAMA3 = _PreTokenizerSpec(split_regex=_LLAMA3_RE, ignore_merges=True, add_bos=True)
+_GPT2 = _PreTokenizerSpec(split_regex=None)
+_QWEN2 = _PreTokenizerSpec(split_regex=_QWEN2_RE)
+
+PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
+    "default": _GPT2,
+    "gpt-2": _GPT2,
+    "gpt2": _GPT2,
+    "smollm": _SMOLLM,
+    "starcoder": _SMOLLM,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "qwen2": _QWEN2,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable-character table used by byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _token_id_or_none(tok: HFTokenizer, content: Any) -> int | None:
+    if isinstance(content, dict):
+        content = content.get("content")
+    return tok.token_to_id(content) if isinstance(content, str) else None
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None,
+        byte_level: bool,
+    ) -> None:
+        self._tok = tokenizer
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self._chat_template = chat_template
+        self._byte_level = byte_level
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_model(cls, model: LoadedModel | str | Path) -> Tokenizer:
+        """The tokenizer belonging to a loaded model, a .gguf file or a HF directory."""
+        path = Path(model if isinstance(model, (str, Path)) else model.path)
+        return cls.from_hf_dir(path) if path.is_dir() else cls.from_gguf(path)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, with chat template and special tokens from tokenizer_config.json."""
+        model_dir = Path(path)
+        tok_file = model_dir / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelFormatError(
+                f"{model_dir}: no tokenizer.json; vkrt needs the fast-tokenizer file "
+                "(save it with transformers' tokenizer.save_pretrained)"
+            )
+        try:
+            tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelFormatError(f"{tok_file}: cannot be loaded ({exc})") from exc
+        tok_cfg = _read_optional_json(model_dir / "tokenizer_config.json")
+        template = tok_cfg.get("chat_template")
+        jinja_file = model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+
+        eos_ids: list[int] = []
+        eos = _token_id_or_none(tok, tok_cfg.get("eos_token"))
+        if eos is not None:
+            eos_ids.append(eos)
+        for cfg_name in ("generation_config.json", "config.json"):
+            value = _read_optional_json(model_dir / cfg_name).get("eos_token_id")
+            eos_ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
+        decoder = tok.decoder
+        byte_level = decoder is not None and "ByteLevel" in repr(decoder)
+        return cls(
+            tok,
+            bos_token_id=_token_id_or_none(tok, tok_cfg.get("bos_token")),
+            eos_token_ids=eos_ids,
+            chat_template=template if isinstance(template, str) else None,
+            byte_level=byte_level,
+        )
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: str | Path | GGUFReader) -> Tokenizer:
+        """Rebuild the tokenizer stored in GGUF metadata (byte-level BPE or SentencePiece-llama)."""
+        from vkrt.loader.gguf_loader import field_value, open_gguf
+
+        reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, Path)) else path_or_reader
+        source = str(getattr(reader.data, "filename", None) or path_or_reader)
+
+        def get(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            return field_value(field) if field is not None else default
+
+        kind = get("tokenizer.ggml.model")
+        tokens: list[str] | None = get("tokenizer.ggml.tokens")
+        if kind is None or not tokens:
+            raise ModelFormatError(f"{source}: no tokenizer in the GGUF metadata; use a GGUF that embeds one")
+        token_types: list[int] = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        if len(token_types) != len(tokens) or len(scores) != len(tokens):
+            raise ModelFormatError(
+                f"{source}: tokenizer arrays disagree ({len(tokens)} tokens, {len(token_types)} types, "
+                f"{len(scores)} scores); the GGUF is corrupt"
+            )
+        if kind == "gpt2":
+            pre_name = get("tokenizer.ggml.pre", "default")
+            pre = PRE_TOKENIZERS.get(pre_name)
+            if pre is None:
+                raise UnsupportedModelError(
+                    f"{source}: pre-tokenizer {pre_name!r} is not supported "
+                    f"(supported: {', '.join(PRE_TOKENIZERS)}); use the model's HF directory instead"
+                )
+            tok = _byte_level_bpe(tokens, get("tokenizer.ggml.merges") or [], pre)
+            add_bos_default, byte_level = pre.add_bos, True
+        elif kind == "llama":
+            add_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+            unk = get("tokenizer.ggml.unknown_token_id")
+            tok = _sentencepiece_bpe(tokens, scores, token_types, add_prefix, unk)
+            add_bos_default, byte_level = True, False
+        else:
+            raise UnsupportedModelError(
+                f"{source}: tokenizer model {kind!r} is not supported (supported: gpt2, llama); "
+                "use the model's HF directory instead"
+            )
+
+        tok.add_special_tokens([
+            AddedToken(t, special=True, normalized=False)
+            for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == _TOKEN_CONTROL
+        ])
+        tok.add_tokens([
+            AddedToken(t, special=False, normalized=False)
+            for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == _TOKEN_USER_DEFINED
+        ])
+
+        bos = get("tokenizer.ggml.bos_token_id")
+        eos = get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(get("tokenizer.ggml.add_bos_token", add_bos_default))
+        add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
+        template_parts: list[str] = []
+        special: list[tuple[str, int]] = []
+        if add_bos and bos is not None:
+            template_parts.append(tokens[bos])
+            special.append((tokens[bos], bos))
+        template_parts.append("$A")
+        if add_eos and eos is not None:
+            template_parts.append(tokens[eos])
+            special.append((tokens[eos], eos))
+        if special:
+            tok.post_processor = processors.TemplateProcessing(
+                single=" ".join(template_parts), pair=" ".join(template_parts + ["$B:1"]), special_tokens=special
+            )
+
+        eos_ids = [
+            get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        ]
+        eos_ids += [i for i, (t, k) in enumerate(zip(tokens, token_types, strict=True)) if k == _TOKEN_CONTROL and t in _EOG_TEXTS]
+        return cls(
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=[i for i in eos_ids if isinstance(i, int)],
+            chat_template=get("tokenizer.chat_template"),
+            byte_level=byte_level,
+        )
+
+    # ---- properties ---------------------------------------------------------------------
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (eos, end-of-turn, ...), primary eos first."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self._bos_token_id is None else self._tok.id_to_token(self._bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._tok.id_to_token(self._eos_token_ids[0]) if self._eos_token_ids else None
+
+    # ---- text <-> ids -------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens such as a BOS are added if the model asks for them.
+
+        Encode a rendered chat prompt with add_special_tokens=False: templates add their own BOS.
+        """
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (for logprobs); partial UTF-8 shows as U+FFFD."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token contributes to the text (for OpenAI `bytes` fields)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _unicode_to_byte()
+        if self._byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if not self._byte_level and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self.token_text(token_id).encode("utf-8")
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` with the model's chat template, as transformers does."""
+        if not self._chat_template:
+            raise RequestError("this model has no chat template; send a plain completion prompt instead")
+        try:
+            return _compile_template(self._chat_template).render(
+                messages=list(messages),
+                tools=list(tools) if tools is not None else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"chat template: {exc}", param="messages") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into new text, never splitting a UTF-8 character.
+
+    vLLM's prefix-offset technique: decode a short window ending at the new token and emit
+    what it adds beyond the window's already-emitted prefix, so byte-level pieces that
+    only form a character together wait until the character is complete.
+    """
+
+    # How many prompt tokens to include as context for the first generated token (as vLLM).
+    PROMPT_CONTEXT = 5
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids or [])[-(self.PROMPT_CONTEXT + 1) :]
+        self._read = len(self._ids)
+        self._prefix = max(self._read - self.PROMPT_CONTEXT, 0)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ('' while a character is partial)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full_text = decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        # Keep only the window the next call needs.
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, len(self._ids)
+        return new_text
+
+
+# ---- GGUF vocabularies -> tokenizers models ------------------------------------------------
+
+
+def _first_ids(tokens: Sequence[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    return vocab
+
+
+def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: _PreTokenizerSpec) -> HFTokenizer:
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        left, _, right = merge.partition(" ")
+        pairs.append((left, right))
+    model = models.BPE(vocab=_first_ids(tokens), merges=pairs, ignore_merges=pre.ignore_merges)
+    tok = HFTokenizer(model)
+    tok.pre_tokenizer = pre.build()
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(
+    tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int], add_prefix: bool, unk_id: int | None
+) -> HFTokenizer:
+    """SentencePiece-BPE as a tokenizers BPE: merges ordered by the score of the merged piece.
+
+    The same reduction transformers uses for Llama/Mistral slow->fast conversion.
+    """
+    vocab = _first_ids(tokens)
+    mergeable = {t for t, k in zip(tokens, token_types, strict=True) if k in (1, _TOKEN_USER_DEFINED)}
+    candidates: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        if piece not in mergeable:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                candidates.append((-score, vocab[left], vocab[right], left, right))
+    candidates.sort()
+    if unk_id is None:
+        unk_id = next((i for i, k in enumerate(token_types) if k == _TOKEN_UNKNOWN), None)
+    model = models.BPE(
+        vocab=vocab,
+        merges=[(left, right) for *_, left, right in candidates],
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = HFTokenizer(model)
+    # llama.cpp (and legacy HF Llama) prefix a space at the start and after each special token.
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
+    if add_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(steps)
+    dec: list[decoders.Decoder] = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        dec.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(dec)
+    return tok
+
+
+# ---- chat templates ---------------------------------------------------------------------
+
+
+class _GenerationBlock(Extension):
+    """Accepts transformers' `{% generation %}...{% endgeneration %}` markers (renders the body)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # transformers' tojson: unlike jinja's built-in, no HTML escaping and non-ASCII kept.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelFormatError(f"chat template does not parse (line {exc.lineno}: {exc.message})") from exc
+
+
+def _read_optional_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: cannot read JSON ({exc}); fix or re-download the file") from exc
+    return value if isinstance(value, dict) else {}
