@@ -1,0 +1,40 @@
+#version 450
+#extension GL_GOOGLE_include_directive : require
+//! variants: OP=add,mul,silu_mul,gelu_mul ACCESS=texel,ssbo
+// add/mul: y[i] = a[i] op b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
+// silu_mul/gelu_mul: x is [T, 2F]; y[t, f] = act(x[t, f]) * x[t, F + f], with b_len = F.
+#include "access.glsl"
+DECLARE_LOCAL_SIZE;
+
+#if defined(OP_ADD) || defined(OP_MUL)
+IN_F32(0, a);
+IN_F32(1, b);
+OUT_F32(2, y);
+#else
+IN_F32(0, x);
+OUT_F32(1, y);
+#endif
+
+layout(push_constant) uniform Push { uint n; uint b_len; } pc;
+
+void main() {
+    uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    if (i >= pc.n) return;
+#if defined(OP_ADD)
+    y[i] = LD_F32(a, i) + LD_F32(b, i % pc.b_len);
+#elif defined(OP_MUL)
+    y[i] = LD_F32(a, i) * LD_F32(b, i % pc.b_len);
+#else
+    uint row = i / pc.b_len, col = i % pc.b_len;
+    float g = LD_F32(x, row * 2u * pc.b_len + col);
+    float u = LD_F32(x, row * 2u * pc.b_len + pc.b_len + col);
+#if defined(OP_SILU_MUL)
+    y[i] = g / (1.0 + exp(-g)) * u;
+#else
+    float inner = 0.7978845608028654 * (g + 0.044715 * g * g * g);
+    // tanh via exp, clamped so exp cannot overflow to inf/inf
+    float e = exp(-2.0 * clamp(inner, -15.0, 15.0));
+    y[i] = 0.5 * g * (1.0 + (1.0 - e) / (1.0 + e)) * u;
+#endif
+#endif
+}

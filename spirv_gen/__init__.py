@@ -1,0 +1,1 @@
+"""Compile shaders/*.comp into the committed vkrt/spirv/ with a pinned glslang."""

@@ -1,0 +1,20 @@
+"""vkrt: a Vulkan-first LLM inference runtime."""
+
+from vkrt.errors import (
+    ModelFormatError,
+    OutOfDeviceMemory,
+    RequestError,
+    UnsupportedModelError,
+    VkrtError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelFormatError",
+    "OutOfDeviceMemory",
+    "RequestError",
+    "UnsupportedModelError",
+    "VkrtError",
+    "__version__",
+]

@@ -1,0 +1,166 @@
+"""The Backend protocol: storage, kernel selection, counters."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from vkrt.ops.quant import dequantize
+from vkrt.ops.registry import OpDef
+from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format
+
+log = logging.getLogger("vkrt")
+
+KernelRun = Callable[[Any, tuple[Tensor, ...], dict[str, Any], tuple[TensorSpec, ...]], tuple[Tensor, ...]]
+KernelSupports = Callable[[tuple[Tensor, ...], dict[str, Any]], bool]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A native implementation of an op on one backend."""
+
+    op: str
+    name: str
+    run: KernelRun
+    priority: int = 0
+    supports: KernelSupports | None = None
+
+
+@dataclass
+class Counters:
+    """What the device did. Per step: take a snapshot before, `since(snapshot)` after."""
+
+    dispatches: int = 0
+    submits: int = 0
+    fence_waits: int = 0
+    drains: int = 0
+    barriers: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        now = asdict(self)
+        return {key: now[key] - before.get(key, 0) for key in now}
+
+
+class Backend(ABC):
+    """Where tensors live and ops run. Subclasses register native kernels per op."""
+
+    name: str = "backend"
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.selections: Counter[tuple[str, str]] = Counter()
+        self._kernels: dict[str, list[Kernel]] = {}
+        self._warned_fallback: set[str] = set()
+
+    # -- kernels ---------------------------------------------------------------
+    def register_kernel(self, kernel: Kernel) -> None:
+        kernels = self._kernels.setdefault(kernel.op, [])
+        kernels.append(kernel)
+        kernels.sort(key=lambda k: (-k.priority, k.name))  # deterministic selection order
+
+    def kernels(self, op: str) -> list[Kernel]:
+        return list(self._kernels.get(op, ()))
+
+    def select(self, op: str, inputs: tuple[Tensor, ...], params: dict[str, Any]) -> Kernel | None:
+        for kernel in self._kernels.get(op, ()):
+            if kernel.supports is None or kernel.supports(inputs, params):
+                return kernel
+        return None
+
+    def execute(self, op: OpDef, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                out_specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        kernel = self.select(op.name, inputs, params)
+        if kernel is None:
+            self.selections[(op.name, "reference-fallback")] += 1
+            return self.fallback(op, inputs, params, out_specs)
+        self.selections[(op.name, kernel.name)] += 1
+        return kernel.run(self, inputs, params, out_specs)
+
+    def fallback(self, op: OpDef, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                 out_specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        """Run the numpy reference on host copies of the inputs (a counted drain)."""
+        if op.name not in self._warned_fallback:
+            self._warned_fallback.add(op.name)
+            log.warning("op %s has no native kernel on %s for %s; running the numpy reference "
+                        "after a drain", op.name, self.name,
+                        ", ".join(f"{t.dtype}{list(t.shape)}" for t in inputs))
+        self.counters.drains += 1
+        self.sync()
+        arrays = [self.reference_array(t) for t in inputs]
+        result = op.reference(*arrays, **params)
+        if op.inplace:
+            for index in op.inplace:
+                self.write(inputs[index], arrays[index])
+            return ()
+        results = result if isinstance(result, tuple) else (result,)
+        return tuple(self.upload(np.asarray(r), spec.dtype) for r, spec in zip(results, out_specs))
+
+    def reference_array(self, t: Tensor) -> np.ndarray:
+        """Host copy of `t` in the form references take: block formats dequantized to f32."""
+        if is_block_format(t.dtype):
+            return dequantize(self.read(t), t.dtype)
+        return self.read(t)
+
+    # -- storage ---------------------------------------------------------------
+    @abstractmethod
+    def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor:
+        """A new tensor holding `array` (bf16 given as uint16 bits; block formats as uint8 rows)."""
+
+    @abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
+        """A new tensor with undefined contents."""
+
+    @abstractmethod
+    def write(self, t: Tensor, array: np.ndarray) -> None:
+        """Overwrite the contents of `t` (same shape and dtype)."""
+
+    @abstractmethod
+    def read(self, t: Tensor) -> np.ndarray:
+        """Host copy of `t` in its storage representation (block formats: uint8 rows)."""
+
+    def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
+        """Upload a weight in its storage format (the backend may repack it, never dequantize)."""
+        return self.upload(array.reshape(shape) if not is_block_format(dtype) else array, dtype, "weights")
+
+    def sync(self) -> None:
+        """Submit pending work and wait for it."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name}
+
+    def memory_stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Release device resources."""
+
+
+def as_storage_array(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Coerce a host array into the numpy representation of `dtype`."""
+    if is_block_format(dtype):
+        return np.ascontiguousarray(array, dtype=np.uint8)
+    if dtype == "bf16" and array.dtype != np.uint16:
+        raise TypeError("bf16 tensors are uploaded as uint16 bits (vkrt.ops.quant.f32_to_bf16)")
+    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[dtype])
+
+
+def infer_dtype(array: np.ndarray) -> str:
+    for name, np_type in NUMPY_DTYPES.items():
+        if name != "bf16" and array.dtype == np_type:
+            return name
+    if array.dtype == np.float64:
+        return "f32"
+    if array.dtype == np.int64:
+        return "i32"
+    raise TypeError(f"no vkrt dtype for numpy {array.dtype}; pass dtype=")

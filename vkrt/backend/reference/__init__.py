@@ -1,0 +1,75 @@
+"""The reference backend: tensors are numpy arrays, every op runs its numpy spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vkrt.backend.base import Backend, Kernel, as_storage_array, infer_dtype
+from vkrt.ops.quant import dequantize
+from vkrt.ops.registry import OPS
+from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format, storage_nbytes
+
+
+class _Weight:
+    """Block-format storage plus its dequantized copy, made once (host memory only)."""
+
+    __slots__ = ("raw", "values")
+
+    def __init__(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
+        self.raw = raw
+        self.values = dequantize(raw, dtype).reshape(shape)
+
+
+def _run_reference(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                   out_specs: tuple[TensorSpec, ...], *, op: str) -> tuple[Tensor, ...]:
+    opdef = OPS[op]
+    arrays = [backend.reference_array(t) for t in inputs]
+    result = opdef.reference(*arrays, **params)
+    if opdef.inplace:
+        return ()
+    results = result if isinstance(result, tuple) else (result,)
+    return tuple(Tensor(spec.shape, spec.dtype, backend, as_storage_array(np.asarray(r), spec.dtype))
+                 for r, spec in zip(results, out_specs))
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self) -> None:
+        super().__init__()
+        for op in OPS:
+            self.register_kernel(Kernel(op, "numpy", lambda b, i, p, o, op=op: _run_reference(b, i, p, o, op=op)))
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor:
+        dtype = dtype or infer_dtype(np.asarray(array))
+        data = as_storage_array(np.asarray(array), dtype)
+        if is_block_format(dtype):
+            raise TypeError("block-format tensors are uploaded with upload_weight")
+        return Tensor(data.shape, dtype, self, data.copy())
+
+    def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
+        if is_block_format(dtype):
+            raw = as_storage_array(array, dtype)
+            if raw.nbytes != storage_nbytes(shape, dtype):
+                raise ValueError(f"{dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
+            return Tensor(shape, dtype, self, _Weight(raw.reshape(shape[0], -1), dtype, shape))
+        return self.upload(np.asarray(array).reshape(shape), dtype, "weights")
+
+    def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
+        return Tensor(shape, dtype, self, np.zeros(shape, NUMPY_DTYPES[dtype]))
+
+    def write(self, t: Tensor, array: np.ndarray) -> None:
+        t.handle[...] = as_storage_array(np.asarray(array), t.dtype).reshape(t.shape)
+
+    def read(self, t: Tensor) -> np.ndarray:
+        if isinstance(t.handle, _Weight):
+            return t.handle.raw.copy()
+        return t.handle.copy()
+
+    def reference_array(self, t: Tensor) -> np.ndarray:
+        # In-place ops mutate the stored array itself, so hand it over without a copy.
+        if isinstance(t.handle, _Weight):
+            return t.handle.values
+        return t.handle

@@ -1,0 +1,183 @@
+"""VulkanBackend: ties device, memory, pipelines, descriptors and the command batch together."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import struct
+import weakref
+from typing import Any
+
+import numpy as np
+
+from vkrt import config
+from vkrt.backend.base import Backend, as_storage_array, infer_dtype
+from vkrt.backend.vulkan import device as vkdevice
+from vkrt.backend.vulkan.batch import CommandBatch
+from vkrt.backend.vulkan.descriptors import DescriptorCache
+from vkrt.backend.vulkan.memory import Allocation, MemoryManager
+from vkrt.backend.vulkan.pipelines import PipelineCache
+from vkrt.errors import VkrtError
+from vkrt.ops.tensor import Tensor, is_block_format, storage_nbytes
+
+log = logging.getLogger("vkrt")
+
+
+class VulkanBackend(Backend):
+    name = "vulkan"
+
+    def __init__(self) -> None:
+        super().__init__()
+        vk = vkdevice.load_vulkan()
+        self.vk = vk
+        self.instance = vkdevice.create_instance(vk)
+        self.devices = vkdevice.enumerate_devices(vk, self.instance)
+        physical, self.caps = vkdevice.choose(self.devices)
+        self.device, self.queue, family = vkdevice.create_device(vk, physical, self.caps)
+        self.memory = MemoryManager(vk, self.device, physical, self.caps, config.force_staging())
+        self.pipelines = PipelineCache(vk, self.device, self.caps)
+        self.descriptors = DescriptorCache(vk, self.device)
+        self.batch = CommandBatch(vk, self.device, self.queue, family, self.counters, self._release_now)
+        self._weight_sources: dict[int, np.ndarray] = {}
+        self._checked_layouts: set[str] = set()
+        self._closed = False
+        from vkrt.backend.vulkan.kernels import register_all
+
+        register_all(self)
+        atexit.register(self.close)
+
+    # -- tensors ---------------------------------------------------------------------
+    def _new_tensor(self, shape: tuple[int, ...], dtype: str, purpose: str, nbytes: int | None = None) -> Tensor:
+        alloc = self.memory.alloc(nbytes if nbytes is not None else storage_nbytes(shape, dtype), purpose)
+        tensor = Tensor(shape, dtype, self, alloc)
+        weakref.finalize(tensor, self._release, alloc)
+        return tensor
+
+    def _release(self, alloc: Allocation) -> None:
+        if self._closed:
+            return
+        self._weight_sources.pop(alloc.id, None)
+        if not self.batch.defer_free(alloc):
+            self._release_now(alloc)
+
+    def _release_now(self, alloc: Allocation) -> None:
+        self.descriptors.forget(alloc)
+        self.memory.free(alloc)
+
+    def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
+        return self._new_tensor(tuple(shape), dtype, purpose)
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor:
+        array = np.asarray(array)
+        dtype = dtype or infer_dtype(array)
+        if is_block_format(dtype):
+            raise TypeError("block-format tensors are uploaded with upload_weight")
+        data = as_storage_array(array, dtype)
+        tensor = self._new_tensor(data.shape, dtype, purpose)
+        self._write_bytes(tensor.handle, data.view(np.uint8).reshape(-1))
+        return tensor
+
+    def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
+        """Weights keep their storage format; kernels' device layouts may repack blocks."""
+        from vkrt.backend.vulkan.kernels.layouts import device_layout
+
+        raw = as_storage_array(np.asarray(array), dtype)
+        if raw.nbytes != storage_nbytes(shape, dtype):
+            raise VkrtError(f"weight {dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
+        packed = device_layout(raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(1, -1), dtype)
+        tensor = self._new_tensor(tuple(shape), dtype, "weights", nbytes=packed.nbytes)
+        self._write_bytes(tensor.handle, packed)
+        self._weight_sources[tensor.handle.id] = raw  # for read(): the storage-format bytes
+        return tensor
+
+    def _write_bytes(self, alloc: Allocation, data: np.ndarray) -> None:
+        if alloc.id in self.batch.referenced:
+            self.batch.flush()  # a recorded dispatch still needs the old contents
+        if alloc.host_visible:
+            alloc.host_view()[: data.nbytes] = data
+        else:
+            staging = self.memory.alloc(data.nbytes, "staging")
+            staging.host_view()[: data.nbytes] = data
+            self.batch.copy(staging, alloc, data.nbytes)
+            self.batch.defer_free(staging)
+        self.counters.bytes_up += data.nbytes
+
+    def write(self, t: Tensor, array: np.ndarray) -> None:
+        data = as_storage_array(np.asarray(array), t.dtype)
+        if data.nbytes != t.nbytes:
+            raise VkrtError(f"write: {t} holds {t.nbytes} bytes, got {data.nbytes}")
+        self._write_bytes(t.handle, data.view(np.uint8).reshape(-1))
+
+    def read(self, t: Tensor) -> np.ndarray:
+        alloc: Allocation = t.handle
+        source = self._weight_sources.get(alloc.id)
+        if source is not None:
+            return source.copy()
+        nbytes = t.nbytes
+        if alloc.host_visible:
+            if alloc.id in self.batch.referenced:
+                self.batch.flush()
+            raw = alloc.host_view()[:nbytes].copy()
+        else:
+            staging = self.memory.alloc(nbytes, "staging")
+            self.batch.copy(alloc, staging, nbytes)
+            self.batch.flush()
+            raw = staging.host_view()[:nbytes].copy()
+            self.memory.free(staging)
+        self.counters.bytes_down += nbytes
+        from vkrt.ops.tensor import NUMPY_DTYPES
+
+        return raw.view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
+
+    def sync(self) -> None:
+        self.batch.flush()
+
+    # -- dispatch --------------------------------------------------------------------
+    def run_shader(self, module: str, bindings: list[tuple[Tensor, str, bool]],
+                   groups: tuple[int, int, int], push: tuple[str, tuple] | None = None,
+                   spec: dict[int, int] | None = None) -> None:
+        """Record one dispatch of `module`. bindings: (tensor, texel view kind, written)."""
+        pipeline = self.pipelines.get(module, spec)
+        if module not in self._checked_layouts:
+            manifest = [(b["type"], b["written"]) for b in pipeline.bindings]
+            declared = [(manifest[i][0] if i < len(manifest) else "?", w) for i, (_, _, w) in enumerate(bindings)]
+            if len(manifest) != len(bindings) or declared != manifest or any(
+                    w and typ != "storage_buffer" for typ, w in manifest):
+                from vkrt.backend.vulkan.pipelines import LayoutMismatch
+
+                raise LayoutMismatch(f"{module}: kernel binds {[(k, w) for _, k, w in bindings]} but the "
+                                     f"shader's manifest declares {manifest}")
+            self._checked_layouts.add(module)
+        set_ptr = self.descriptors.get(pipeline, [(t.handle, kind) for t, kind, _ in bindings])
+        push_size = 0
+        push_data: Any = None
+        if push is not None:
+            packed = struct.pack(push[0], *push[1])
+            push_size = len(packed)
+            if push_size != pipeline.push_constant_size:
+                raise VkrtError(f"{module}: {push_size} bytes of push constants, shader takes "
+                                f"{pipeline.push_constant_size}")
+            push_data = self.vk.ffi.new("char[]", packed)
+        reads = tuple(t.handle.id for t, _, w in bindings if not w)
+        writes = tuple(t.handle.id for t, _, w in bindings if w)
+        self.batch.dispatch(pipeline, set_ptr, push_data, push_size, groups, reads, writes)
+        if self.batch.over_cap:
+            self.batch.flush()
+
+    # -- reporting -------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "device": self.caps.as_dict(),
+                "devices": [c.as_dict() for _, c in self.devices]}
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.memory.stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.batch.close()
+            self.pipelines.close()
+            self.descriptors.close()
+        finally:
+            self._closed = True

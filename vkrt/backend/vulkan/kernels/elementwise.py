@@ -1,0 +1,43 @@
+"""add, mul, silu_and_mul, gelu_tanh_and_mul: shaders/elementwise.comp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+
+def _binary(variant: str):
+    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+            out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        a, b = inputs
+        y = backend.empty(out[0].shape, "f32")
+        backend.run_shader(module(backend, "elementwise", variant),
+                           [(a, "f32", False), (b, "f32", False), (y, "f32", True)],
+                           grid_1d(a.numel), ("<II", (a.numel, b.numel)), local_size())
+        return (y,)
+
+    return run
+
+
+def _gated(variant: str):
+    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+            out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        (x,) = inputs
+        y = backend.empty(out[0].shape, "f32")
+        n = y.numel
+        backend.run_shader(module(backend, "elementwise", variant),
+                           [(x, "f32", False), (y, "f32", True)],
+                           grid_1d(n), ("<II", (n, out[0].shape[1])), local_size())
+        return (y,)
+
+    return run
+
+
+def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
+    backend.register_kernel(Kernel("mul", "elementwise.mul", _binary("mul")))
+    backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))
+    backend.register_kernel(Kernel("gelu_tanh_and_mul", "elementwise.gelu_mul", _gated("gelu_mul")))

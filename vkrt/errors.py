@@ -1,0 +1,37 @@
+"""Typed errors. Each message says what failed, where, and what to do about it."""
+
+from __future__ import annotations
+
+
+class VkrtError(Exception):
+    """Base class of every error vkrt raises on purpose."""
+
+
+class ModelFormatError(VkrtError):
+    """A model file or directory is missing, truncated or malformed."""
+
+
+class UnsupportedModelError(VkrtError):
+    """The model is well formed but uses an architecture or tensor type vkrt lacks."""
+
+
+class OutOfDeviceMemory(VkrtError):
+    """An allocation does not fit on the device."""
+
+    def __init__(self, message: str, *, requested: int = 0, purpose: str = "") -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.purpose = purpose
+
+
+class RequestError(VkrtError):
+    """A generation request is invalid (bad parameter, prompt too long, ...)."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class DeviceUnavailable(VkrtError):
+    """No usable Vulkan loader or device; callers fall back to the reference backend."""

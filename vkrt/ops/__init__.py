@@ -1,0 +1,101 @@
+"""The op registry. Each op is declared once with its numpy reference (the spec); backends
+register native kernels for it. Call ops through the functions below."""
+
+from __future__ import annotations
+
+
+from vkrt.ops import attention as _attention
+from vkrt.ops import elementwise as _elementwise
+from vkrt.ops import linear as _linear
+from vkrt.ops import norm as _norm
+from vkrt.ops.attention import rope_cos_sin
+from vkrt.ops.registry import OPS, OpDef, OpError, dispatch
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+del _attention, _elementwise, _linear, _norm  # imported for their registrations
+
+
+def embedding(table: Tensor, ids: Tensor) -> Tensor:
+    return dispatch("embedding", table, ids)
+
+
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    return dispatch("matmul", x, w)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return dispatch("rms_norm", x, w, eps=float(eps))
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return dispatch("add_rms_norm", x, residual, w, eps=float(eps))
+
+
+def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
+    return dispatch("layer_norm", x, w, b, eps=float(eps))
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    return dispatch("add", a, b)
+
+
+def mul(a: Tensor, b: Tensor) -> Tensor:
+    return dispatch("mul", a, b)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    return dispatch("silu_and_mul", x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    return dispatch("gelu_tanh_and_mul", x)
+
+
+def softmax(x: Tensor) -> Tensor:
+    return dispatch("softmax", x)
+
+
+def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, head_dim: int,
+         interleaved: bool = False) -> Tensor:
+    return dispatch("rope", x, positions, cos_sin, head_dim=int(head_dim), interleaved=bool(interleaved))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int,
+              scale: float) -> Tensor:
+    return dispatch("attention", q, k, v, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                    scale=float(scale))
+
+
+def kv_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    dispatch("kv_write", k_cache, v_cache, k, v, slots)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                    seq_index: Tensor, positions: Tensor, num_heads: int, num_kv_heads: int,
+                    scale: float) -> Tensor:
+    return dispatch("paged_attention", q, k_cache, v_cache, block_table, seq_index, positions,
+                    num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale))
+
+
+def argmax(x: Tensor) -> Tensor:
+    return dispatch("argmax", x)
+
+
+def cast(x: Tensor, dtype: str) -> Tensor:
+    return dispatch("cast", x, dtype=dtype)
+
+
+def copy(x: Tensor) -> Tensor:
+    return dispatch("copy", x)
+
+
+def op_names() -> list[str]:
+    return sorted(OPS)
+
+
+__all__ = [
+    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
+    "attention", "cast", "copy", "dispatch", "embedding", "gelu_tanh_and_mul", "kv_write",
+    "layer_norm", "matmul", "mul", "op_names", "paged_attention", "rms_norm", "rope",
+    "rope_cos_sin", "silu_and_mul", "softmax",
+]

@@ -1,0 +1,162 @@
+"""Rotary embedding, causal attention, the paged KV cache write and paged attention.
+
+Layouts: activations are [T, heads * head_dim]. The KV cache of one layer is
+[num_blocks, block_size, kv_heads * head_dim]; a token's slot is block * block_size +
+offset. `block_table[s]` lists sequence s's blocks in order; token t of the batch belongs to
+sequence `seq_index[t]` at position `positions[t]` and attends to positions 0..positions[t].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkrt.ops.registry import register_op, require
+from vkrt.ops.tensor import TensorSpec
+
+KV_DTYPES = ("f32", "f16")
+
+
+def rope_cos_sin(max_positions: int, rot_dim: int, theta: float,
+                 inv_freq: np.ndarray | None = None) -> np.ndarray:
+    """[P, rot_dim] float32 table: cos in the first half, sin in the second (float64 math)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def _rope_infer(x: TensorSpec, positions: TensorSpec, cos_sin: TensorSpec, head_dim: int,
+                interleaved: bool = False) -> tuple[TensorSpec, ...]:
+    specs = (x, positions, cos_sin)
+    require(x.dtype == "f32" and len(x.shape) == 2 and x.shape[1] % head_dim == 0, "rope", specs,
+            f"x must be f32 [T, heads * {head_dim}]")
+    require(positions.dtype == "i32" and positions.shape == (x.shape[0],), "rope", specs,
+            "positions must be i32 [T]")
+    require(cos_sin.dtype == "f32" and len(cos_sin.shape) == 2 and cos_sin.shape[1] % 2 == 0
+            and cos_sin.shape[1] <= head_dim, "rope", specs, "cos_sin must be f32 [P, rot_dim <= head_dim]")
+    return (x,)
+
+
+@register_op("rope", _rope_infer)
+def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray, head_dim: int,
+         interleaved: bool = False) -> np.ndarray:
+    """Rotate the first rot_dim dims of each head: NeoX pairs (i, i + rot/2) or pairs (2i, 2i+1)."""
+    t = x.shape[0]
+    half = cos_sin.shape[1] // 2
+    heads = x.reshape(t, -1, head_dim).astype(np.float32).copy()
+    cos = cos_sin[positions, :half][:, None, :]
+    sin = cos_sin[positions, half:][:, None, :]
+    if interleaved:
+        a, b = heads[..., 0 : 2 * half : 2].copy(), heads[..., 1 : 2 * half : 2].copy()
+        heads[..., 0 : 2 * half : 2] = a * cos - b * sin
+        heads[..., 1 : 2 * half : 2] = b * cos + a * sin
+    else:
+        a, b = heads[..., :half].copy(), heads[..., half : 2 * half].copy()
+        heads[..., :half] = a * cos - b * sin
+        heads[..., half : 2 * half] = b * cos + a * sin
+    return heads.reshape(t, -1)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """One query head over its context: q [hd], k/v [L, hd] -> [hd]."""
+    s = (k.astype(np.float64) @ q.astype(np.float64)) * scale
+    p = np.exp(s - s.max())
+    return ((p / p.sum()) @ v.astype(np.float64)).astype(np.float32)
+
+
+def _attention_infer(q: TensorSpec, k: TensorSpec, v: TensorSpec, num_heads: int,
+                     num_kv_heads: int, scale: float) -> tuple[TensorSpec, ...]:
+    specs = (q, k, v)
+    require(all(s.dtype == "f32" and len(s.shape) == 2 for s in specs), "attention", specs,
+            "q, k, v must be f32 [T, heads * head_dim]")
+    require(num_heads % num_kv_heads == 0, "attention", specs, "num_heads must be a multiple of num_kv_heads")
+    head_dim = q.shape[1] // num_heads
+    require(q.shape[1] == num_heads * head_dim and k.shape == v.shape
+            and k.shape == (q.shape[0], num_kv_heads * head_dim), "attention", specs,
+            "k and v must be [T, num_kv_heads * head_dim] matching q")
+    return (q,)
+
+
+@register_op("attention", _attention_infer)
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_heads: int, num_kv_heads: int,
+              scale: float) -> np.ndarray:
+    """Causal grouped-query attention over one contiguous sequence."""
+    t = q.shape[0]
+    hd = q.shape[1] // num_heads
+    group = num_heads // num_kv_heads
+    out = np.empty_like(q, dtype=np.float32)
+    for i in range(t):
+        for h in range(num_heads):
+            kvh = h // group
+            out[i, h * hd:(h + 1) * hd] = _attend(q[i, h * hd:(h + 1) * hd],
+                                                  k[: i + 1, kvh * hd:(kvh + 1) * hd],
+                                                  v[: i + 1, kvh * hd:(kvh + 1) * hd], scale)
+    return out
+
+
+def _kv_write_infer(k_cache: TensorSpec, v_cache: TensorSpec, k: TensorSpec, v: TensorSpec,
+                    slots: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (k_cache, v_cache, k, v, slots)
+    require(k_cache == v_cache and k_cache.dtype in KV_DTYPES and len(k_cache.shape) == 3,
+            "kv_write", specs, f"caches must be equal [blocks, block_size, kv_dim] in {KV_DTYPES}")
+    require(k == v and k.dtype == "f32" and k.shape[1:] == k_cache.shape[2:], "kv_write", specs,
+            "k and v must be f32 [T, kv_dim] matching the cache")
+    require(slots.dtype == "i32" and slots.shape == (k.shape[0],), "kv_write", specs, "slots must be i32 [T]")
+    return ()
+
+
+@register_op("kv_write", _kv_write_infer, inplace=(0, 1))
+def kv_write(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+             slots: np.ndarray) -> None:
+    """Store each token's k and v at its slot; slots < 0 are padding and skipped."""
+    flat_k = k_cache.reshape(-1, k_cache.shape[-1])
+    flat_v = v_cache.reshape(-1, v_cache.shape[-1])
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            flat_k[slot] = k[i]
+            flat_v[slot] = v[i]
+
+
+def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_table: TensorSpec,
+                 seq_index: TensorSpec, positions: TensorSpec, num_heads: int, num_kv_heads: int,
+                 scale: float) -> tuple[TensorSpec, ...]:
+    specs = (q, k_cache, v_cache, block_table, seq_index, positions)
+    name = "paged_attention"
+    require(q.dtype == "f32" and len(q.shape) == 2 and q.shape[1] % num_heads == 0, name, specs,
+            "q must be f32 [T, heads * head_dim]")
+    head_dim = q.shape[1] // num_heads
+    require(k_cache == v_cache and k_cache.dtype in KV_DTYPES and len(k_cache.shape) == 3
+            and k_cache.shape[2] == num_kv_heads * head_dim, name, specs,
+            "caches must be [blocks, block_size, kv_heads * head_dim]")
+    require(num_heads % num_kv_heads == 0, name, specs, "num_heads must be a multiple of num_kv_heads")
+    require(block_table.dtype == "i32" and len(block_table.shape) == 2, name, specs,
+            "block_table must be i32 [S, max_blocks]")
+    require(seq_index.dtype == "i32" and positions.dtype == "i32"
+            and seq_index.shape == positions.shape == (q.shape[0],), name, specs,
+            "seq_index and positions must be i32 [T]")
+    return (q,)
+
+
+@register_op("paged_attention", _paged_infer)
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    block_table: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
+                    num_heads: int, num_kv_heads: int, scale: float) -> np.ndarray:
+    """Causal GQA of each token over its sequence's cached positions 0..positions[t]."""
+    block_size = k_cache.shape[1]
+    hd = q.shape[1] // num_heads
+    group = num_heads // num_kv_heads
+    out = np.zeros_like(q, dtype=np.float32)
+    for t in range(q.shape[0]):
+        if seq_index[t] < 0:
+            continue  # padding row
+        n = int(positions[t]) + 1
+        blocks = block_table[seq_index[t]]
+        slots = blocks[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
+        keys = k_cache.reshape(-1, k_cache.shape[-1])[slots].astype(np.float32)
+        values = v_cache.reshape(-1, v_cache.shape[-1])[slots].astype(np.float32)
+        for h in range(num_heads):
+            kvh = h // group
+            out[t, h * hd:(h + 1) * hd] = _attend(q[t, h * hd:(h + 1) * hd],
+                                                  keys[:, kvh * hd:(kvh + 1) * hd],
+                                                  values[:, kvh * hd:(kvh + 1) * hd], scale)
+    return out

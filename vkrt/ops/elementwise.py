@@ -1,0 +1,93 @@
+"""Elementwise ops, gated activations and dtype casts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkrt.ops.quant import bf16_to_f32, f32_to_bf16
+from vkrt.ops.registry import register_op, require
+from vkrt.ops.tensor import TensorSpec
+
+CAST_DTYPES = ("f32", "f16", "bf16")
+
+
+def _binary_infer(name: str):
+    def infer(a: TensorSpec, b: TensorSpec) -> tuple[TensorSpec, ...]:
+        require(a.dtype == "f32" and b.dtype == "f32", name, (a, b), "both inputs must be f32")
+        require(
+            b.shape == a.shape or (len(a.shape) >= 1 and b.shape == a.shape[-1:]),
+            name, (a, b), "b must have a's shape or be a row broadcast over a's last dim",
+        )
+        return (TensorSpec(a.shape, "f32"),)
+
+    return infer
+
+
+@register_op("add", _binary_infer("add"))
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b (b may be one row broadcast over a)."""
+    return (a + b).astype(np.float32)
+
+
+@register_op("mul", _binary_infer("mul"))
+def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a * b (b may be one row broadcast over a)."""
+    return (a * b).astype(np.float32)
+
+
+def _gated_infer(name: str):
+    def infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
+        require(x.dtype == "f32" and len(x.shape) == 2, name, (x,), "expects f32 [T, 2F]")
+        require(x.shape[1] % 2 == 0, name, (x,), "last dim must be even (gate and up halves)")
+        return (TensorSpec((x.shape[0], x.shape[1] // 2), "f32"),)
+
+    return infer
+
+
+@register_op("silu_and_mul", _gated_infer("silu_and_mul"))
+def silu_and_mul(x: np.ndarray) -> np.ndarray:
+    """silu(x[:, :F]) * x[:, F:] — the SwiGLU gate of Llama MLPs."""
+    f = x.shape[1] // 2
+    gate, up = x[:, :f].astype(np.float64), x[:, f:]
+    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+
+
+@register_op("gelu_tanh_and_mul", _gated_infer("gelu_tanh_and_mul"))
+def gelu_tanh_and_mul(x: np.ndarray) -> np.ndarray:
+    """gelu_tanh(x[:, :F]) * x[:, F:] — the GeGLU gate of Gemma MLPs."""
+    f = x.shape[1] // 2
+    g, up = x[:, :f].astype(np.float64), x[:, f:]
+    gelu = 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+    return (gelu * up).astype(np.float32)
+
+
+def _cast_infer(x: TensorSpec, dtype: str) -> tuple[TensorSpec, ...]:
+    require(x.dtype in CAST_DTYPES, "cast", (x,), f"input dtype must be one of {CAST_DTYPES}")
+    require(dtype in CAST_DTYPES, "cast", (x,), f"target dtype must be one of {CAST_DTYPES}, not {dtype!r}")
+    return (TensorSpec(x.shape, dtype),)
+
+
+def _to_f32(x: np.ndarray) -> np.ndarray:
+    return bf16_to_f32(x) if x.dtype == np.uint16 else x.astype(np.float32)
+
+
+@register_op("cast", _cast_infer)
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Convert between f32, f16 and bf16 (round to nearest even)."""
+    f = _to_f32(x)
+    if dtype == "f32":
+        return f
+    if dtype == "f16":
+        return f.astype(np.float16)
+    return f32_to_bf16(f)
+
+
+def _copy_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(x.dtype in ("f32", "f16", "bf16", "i32", "u32"), "copy", (x,), "activation dtypes only")
+    return (TensorSpec(x.shape, x.dtype),)
+
+
+@register_op("copy", _copy_infer)
+def copy(x: np.ndarray) -> np.ndarray:
+    """A new tensor with the same bytes."""
+    return x.copy()

@@ -1,0 +1,50 @@
+"""Matmul against stored-format weights, embedding gather, argmax."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkrt.ops.registry import register_op, require
+from vkrt.ops.tensor import BLOCK_LAYOUT, FLOAT_WEIGHT_DTYPES, TensorSpec
+
+WEIGHT_DTYPES = FLOAT_WEIGHT_DTYPES + tuple(BLOCK_LAYOUT)
+
+
+def _matmul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (x, w)
+    require(x.dtype == "f32" and len(x.shape) == 2, "matmul", specs, "x must be f32 [T, K]")
+    require(w.dtype in WEIGHT_DTYPES and len(w.shape) == 2, "matmul", specs,
+            f"w must be [N, K] in one of {WEIGHT_DTYPES}")
+    require(x.shape[1] == w.shape[1], "matmul", specs, "x and w disagree on K")
+    return (TensorSpec((x.shape[0], w.shape[0]), "f32"),)
+
+
+@register_op("matmul", _matmul_infer)
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T with w [N, K] (PyTorch Linear layout); weights arrive dequantized."""
+    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+
+def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (table, ids)
+    require(table.dtype in WEIGHT_DTYPES and len(table.shape) == 2, "embedding", specs,
+            "table must be [V, D] in a weight format")
+    require(ids.dtype == "i32" and len(ids.shape) == 1, "embedding", specs, "ids must be i32 [T]")
+    return (TensorSpec((ids.shape[0], table.shape[1]), "f32"),)
+
+
+@register_op("embedding", _embedding_infer)
+def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows of the (dequantized) table; out-of-range ids are an error of the caller."""
+    return table[ids.astype(np.int64)].astype(np.float32)
+
+
+def _argmax_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(x.dtype == "f32" and len(x.shape) == 2, "argmax", (x,), "x must be f32 [T, N]")
+    return (TensorSpec((x.shape[0],), "i32"),)
+
+
+@register_op("argmax", _argmax_infer)
+def argmax(x: np.ndarray) -> np.ndarray:
+    """Index of the largest value per row; the first one on ties."""
+    return x.argmax(axis=-1).astype(np.int32)
