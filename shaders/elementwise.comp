@@ -1,7 +1,8 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=add,mul,silu_mul,gelu_mul ACCESS=texel,ssbo
+//! variants: OP=add,mul,silu_mul,gelu_mul,gather ACCESS=texel,ssbo
 // add/mul: y[i] = a[i] op b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
+// gather: y[r, d] = a[b[r], d] (b holds i32 row indices, b_len = D).
 // silu_mul/gelu_mul: x is [T, 2F]; y[t, f] = act(x[t, f]) * x[t, F + f], with b_len = F.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
@@ -9,6 +10,10 @@ DECLARE_LOCAL_SIZE;
 #if defined(OP_ADD) || defined(OP_MUL)
 IN_F32(0, a);
 IN_F32(1, b);
+OUT_F32(2, y);
+#elif defined(OP_GATHER)
+IN_F32(0, a);
+IN_I32(1, b);
 OUT_F32(2, y);
 #else
 IN_F32(0, x);
@@ -24,6 +29,8 @@ void main() {
     y[i] = LD_F32(a, i) + LD_F32(b, i % pc.b_len);
 #elif defined(OP_MUL)
     y[i] = LD_F32(a, i) * LD_F32(b, i % pc.b_len);
+#elif defined(OP_GATHER)
+    y[i] = LD_F32(a, uint(LD_I32(b, i / pc.b_len)) * pc.b_len + i % pc.b_len);
 #else
     uint row = i / pc.b_len, col = i % pc.b_len;
     float g = LD_F32(x, row * 2u * pc.b_len + col);

@@ -77,6 +77,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
                     num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale))
 
 
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    return dispatch("gather_rows", x, index)
+
+
 def argmax(x: Tensor) -> Tensor:
     return dispatch("argmax", x)
 
@@ -95,7 +99,7 @@ def op_names() -> list[str]:
 
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
-    "attention", "cast", "copy", "dispatch", "embedding", "gelu_tanh_and_mul", "kv_write",
+    "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
     "layer_norm", "matmul", "mul", "op_names", "paged_attention", "rms_norm", "rope",
     "rope_cos_sin", "silu_and_mul", "softmax",
 ]

@@ -48,3 +48,16 @@ def _argmax_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
 def argmax(x: np.ndarray) -> np.ndarray:
     """Index of the largest value per row; the first one on ties."""
     return x.argmax(axis=-1).astype(np.int32)
+
+
+def _gather_rows_infer(x: TensorSpec, index: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (x, index)
+    require(x.dtype == "f32" and len(x.shape) == 2, "gather_rows", specs, "x must be f32 [T, D]")
+    require(index.dtype == "i32" and len(index.shape) == 1, "gather_rows", specs, "index must be i32 [R]")
+    return (TensorSpec((index.shape[0], x.shape[1]), "f32"),)
+
+
+@register_op("gather_rows", _gather_rows_infer)
+def gather_rows(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """x[index]: picks the rows that need logits (the last token of each sequence)."""
+    return x[index.astype(np.int64)].astype(np.float32)

@@ -164,6 +164,13 @@ class VulkanBackend(Backend):
         if self.batch.over_cap:
             self.batch.flush()
 
+    def set_access_path(self, path: str) -> None:
+        """Switch kernels between the texel and ssbo access paths (tests run both)."""
+        if path not in ("texel", "ssbo"):
+            raise VkrtError(f"access path must be 'texel' or 'ssbo', not {path!r}")
+        self.sync()
+        self.caps.access_path = path
+
     # -- reporting -------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "device": self.caps.as_dict(),

