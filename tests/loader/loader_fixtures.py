@@ -219,7 +219,7 @@ def write_hf_dir(
     if shards == 1:
         write_safetensors(model_dir / "model.safetensors", dict(items))
         return
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for s in range(shards):
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = dict(items[s::shards])
