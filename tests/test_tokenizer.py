@@ -11,22 +11,11 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from vkrt.errors import RequestError, UnsupportedModelError, VkrtError
+from vkrt.errors import RequestError, UnsupportedModelError
 from vkrt.loader import load_model
 from vkrt.tokenizer import IncrementalDetokenizer, Tokenizer
 
 UNICODE_TEXT = "Café déjà vu — 東京は日本の首都です。 emoji: 🙂👍🏽👨‍👩‍👧 and math ∑x² = 42\n\ttabs"
-
-
-# Until this moves to the shared tests/conftest.py (same code as tests/loader/conftest.py).
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    from vkrt.loader.pull import ensure_default_model
-
-    try:
-        return ensure_default_model(progress=False)
-    except VkrtError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
 
 
 @pytest.fixture(scope="module")
