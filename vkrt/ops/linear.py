@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkrt.ops.quant import bf16_to_f32
 from vkrt.ops.registry import register_op, require
 from vkrt.ops.tensor import BLOCK_LAYOUT, FLOAT_WEIGHT_DTYPES, TensorSpec
 
 WEIGHT_DTYPES = FLOAT_WEIGHT_DTYPES + tuple(BLOCK_LAYOUT)
+
+
+def _weight_values(w: np.ndarray) -> np.ndarray:
+    """Weights reach references dequantized, except bf16, which arrives as its uint16 bits."""
+    return bf16_to_f32(w) if w.dtype == np.uint16 else w
 
 
 def _matmul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
@@ -22,7 +28,7 @@ def _matmul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
 @register_op("matmul", _matmul_infer)
 def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w.T with w [N, K] (PyTorch Linear layout); weights arrive dequantized."""
-    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+    return (x.astype(np.float64) @ _weight_values(w).astype(np.float64).T).astype(np.float32)
 
 
 def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
@@ -36,7 +42,7 @@ def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ..
 @register_op("embedding", _embedding_infer)
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of the (dequantized) table; out-of-range ids are an error of the caller."""
-    return table[ids.astype(np.int64)].astype(np.float32)
+    return _weight_values(table)[ids.astype(np.int64)].astype(np.float32)
 
 
 def _argmax_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:

@@ -1,0 +1,24 @@
+"""Architectures, looked up by ModelConfig.architecture."""
+
+from __future__ import annotations
+
+from vkrt.backend.base import Backend
+from vkrt.errors import UnsupportedModelError
+from vkrt.loader.config import LoadedModel
+from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
+from vkrt.models.llama import LlamaModel
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {"llama": LlamaModel}
+
+
+def build_model(loaded: LoadedModel, backend: Backend) -> CausalLM:
+    """Instantiate the architecture of `loaded` on `backend` (weights uploaded as stored)."""
+    cls = MODEL_REGISTRY.get(loaded.config.architecture)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"{loaded.path}: architecture {loaded.config.architecture!r} is not supported "
+            f"(supported: {', '.join(sorted(MODEL_REGISTRY))})")
+    return cls(loaded, backend)
+
+
+__all__ = ["MODEL_REGISTRY", "CausalLM", "ForwardBatch", "KVCache", "StepTensors", "build_model"]

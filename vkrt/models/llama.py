@@ -1,0 +1,108 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral without sliding window).
+
+embedding -> N x [RMSNorm, GQA attention with RoPE, residual, RMSNorm, SwiGLU MLP, residual]
+-> final RMSNorm -> LM head. Written against vkrt.ops only; the engine decides batching.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkrt import ops
+from vkrt.backend.base import Backend
+from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.loader.config import LoadedModel, WeightData
+from vkrt.models.base import CausalLM, KVCache, StepTensors
+from vkrt.models.rope import inv_frequencies
+from vkrt.ops.quant import dequantize
+from vkrt.ops.tensor import Tensor
+
+
+def _concat_rows(parts: list[WeightData], name: str) -> WeightData:
+    """Stack weights along output rows (e.g. gate and up into one matmul), format kept."""
+    if len({p.fmt for p in parts}) != 1:
+        return WeightData(name, "f32", (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                          np.concatenate([dequantize(p.data, p.fmt).reshape(p.shape) for p in parts]))
+    data = np.concatenate([np.asarray(p.data) for p in parts], axis=0)
+    return WeightData(name, parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]), data)
+
+
+class Layer:
+    def __init__(self, model: LlamaModel, i: int) -> None:
+        w = model.weight
+        self.attn_norm = model.norm_weight(f"layers.{i}.attn_norm")
+        self.q_proj = w(f"layers.{i}.q_proj")
+        self.k_proj = w(f"layers.{i}.k_proj")
+        self.v_proj = w(f"layers.{i}.v_proj")
+        self.o_proj = w(f"layers.{i}.o_proj")
+        self.ffn_norm = model.norm_weight(f"layers.{i}.ffn_norm")
+        gate, up = model.raw(f"layers.{i}.gate_proj"), model.raw(f"layers.{i}.up_proj")
+        self.gate_up = model.upload(_concat_rows([gate, up], f"layers.{i}.gate_up"))
+        self.down_proj = w(f"layers.{i}.down_proj")
+
+
+class LlamaModel(CausalLM):
+    def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
+        self.config = c = loaded.config
+        self.backend = backend
+        self._weights = loaded.weights
+        self._path = loaded.path
+        if c.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"{loaded.path}: hidden_act {c.hidden_act!r} is not supported "
+                                        "for llama (expected silu)")
+        self.embed_tokens = self.weight("embed_tokens")
+        self.layers = [Layer(self, i) for i in range(c.num_layers)]
+        self.final_norm = self.norm_weight("final_norm")
+        tied = c.tie_word_embeddings or "lm_head" not in self._weights
+        self.lm_head = self.embed_tokens if tied else self.weight("lm_head")
+        freqs = self._weights.get("rope_freqs")
+        inv = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling,
+                              dequantize(freqs.data, freqs.fmt).reshape(-1) if freqs is not None else None)
+        table = ops.rope_cos_sin(c.max_position_embeddings, c.head_dim, c.rope_theta, inv_freq=inv)
+        self.cos_sin = backend.upload(table, "f32", purpose="weights")
+        self.scale = 1.0 / float(np.sqrt(c.head_dim))
+        self._weights = {}  # uploaded: drop the host (memory-mapped) references
+
+    # -- weight upload ------------------------------------------------------------
+    def raw(self, name: str) -> WeightData:
+        try:
+            return self._weights[name]
+        except KeyError:
+            raise ModelFormatError(f"{self._path}: missing weight {name!r}") from None
+
+    def upload(self, wd: WeightData) -> Tensor:
+        return self.backend.upload_weight(wd.data, wd.fmt, wd.shape)
+
+    def weight(self, name: str) -> Tensor:
+        return self.upload(self.raw(name))
+
+    def norm_weight(self, name: str) -> Tensor:
+        wd = self.raw(name)
+        return self.backend.upload(dequantize(wd.data, wd.fmt).reshape(-1), "f32", purpose="weights")
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
+        c = self.config
+        eps = c.rms_norm_eps
+        h = ops.embedding(self.embed_tokens, step.token_ids)
+        residual: Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                x, residual = ops.rms_norm(h, layer.attn_norm, eps), h
+            else:
+                x, residual = ops.add_rms_norm(h, residual, layer.attn_norm, eps)
+            q = ops.rope(ops.matmul(x, layer.q_proj), step.positions, self.cos_sin, c.head_dim)
+            k = ops.rope(ops.matmul(x, layer.k_proj), step.positions, self.cos_sin, c.head_dim)
+            v = ops.matmul(x, layer.v_proj)
+            ops.kv_write(kv.keys[i], kv.values[i], k, v, step.slots)
+            attn = ops.paged_attention(q, kv.keys[i], kv.values[i], step.block_tables, step.seq_index,
+                                       step.positions, c.num_heads, c.num_kv_heads, self.scale)
+            h = ops.matmul(attn, layer.o_proj)
+            x, residual = ops.add_rms_norm(h, residual, layer.ffn_norm, eps)
+            h = ops.matmul(ops.silu_and_mul(ops.matmul(x, layer.gate_up)), layer.down_proj)
+        assert residual is not None
+        # Only the rows that need logits go through the final norm and the LM head.
+        last_h = ops.gather_rows(h, step.logits_index)
+        last_residual = ops.gather_rows(residual, step.logits_index)
+        x, _ = ops.add_rms_norm(last_h, last_residual, self.final_norm, eps)
+        return ops.matmul(x, self.lm_head)
