@@ -1,0 +1,150 @@
+"""`vkrt` command line: generate, chat, serve, bench, devices, ops, pull."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from vkrt import __version__, config
+from vkrt.errors import VkrtError
+
+log = logging.getLogger("vkrt")
+
+
+def _setup_logging(debug: bool) -> None:
+    level = logging.DEBUG if debug else getattr(logging, config.log_level(), logging.WARNING)
+    logging.basicConfig(level=level, format="vkrt: %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+# -- devices / ops / pull ------------------------------------------------------------
+def cmd_devices(args: argparse.Namespace) -> int:
+    from vkrt.backend import get_backend, vulkan_unavailable_reason
+
+    reason = vulkan_unavailable_reason()
+    if reason is not None:
+        info: dict[str, Any] = {"vulkan": False, "reason": reason, "backend": "reference"}
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            print(f"Vulkan unavailable: {reason}\nvkrt will run on the reference (numpy) backend.")
+        return 0
+    desc = get_backend("vulkan").describe()
+    chosen = desc["device"]
+    if args.json:
+        print(json.dumps({"vulkan": True, "chosen": chosen["index"], "devices": desc["devices"]}, indent=2))
+        return 0
+    for dev in desc["devices"]:
+        mark = "*" if dev["index"] == chosen["index"] else " "
+        print(f"{mark} {dev['index']}: {dev['name']} ({dev['device_type']}, Vulkan {dev['api_version']})")
+    c = chosen
+    print(f"\nchosen: {c['index']} {c['name']}  (override with VKRT_DEVICE=<index|name>)")
+    print(f"  kernel access path: {c['access_path']}  (override with VKRT_ACCESS=texel|ssbo)")
+    print(f"  unified memory: {c['unified_memory']}, device-local heap {c['device_local_bytes'] >> 20} MiB, "
+          f"max allocation {c['max_allocation'] >> 20} MiB")
+    print(f"  subgroup size {c['subgroup_size']} ({', '.join(c['subgroup_ops'])}), shared memory "
+          f"{c['max_shared_memory'] >> 10} KiB")
+    print(f"  16-bit storage {c['storage_buffer_16bit']}, 8-bit storage {c['storage_buffer_8bit']}, "
+          f"float16 {c['shader_float16']}, int8 {c['shader_int8']}")
+    print(f"  max storage range {c['max_storage_range'] >> 20} MiB, uniform range {c['max_uniform_range'] >> 10} KiB, "
+          f"texel elements {c['max_texel_elements']}")
+    return 0
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    from vkrt.backend import get_backend, vulkan_unavailable_reason
+    from vkrt.ops import OPS
+
+    reason = vulkan_unavailable_reason()
+    vk = get_backend("vulkan") if reason is None else None
+    rows = []
+    for name in sorted(OPS):
+        kernels = [k.name for k in vk.kernels(name)] if vk is not None else []
+        rows.append({"op": name, "reference": "numpy",
+                     "vulkan": kernels if kernels else ("reference (drain)" if vk is not None else None),
+                     "doc": OPS[name].doc})
+    if args.json:
+        out: dict[str, Any] = {"ops": rows, "vulkan_available": vk is not None}
+        if vk is not None:
+            out["access_path"] = vk.caps.access_path  # type: ignore[attr-defined]
+        else:
+            out["reason"] = reason
+        print(json.dumps(out, indent=2))
+        return 0
+    if vk is None:
+        print(f"Vulkan unavailable ({reason}); every op runs on the reference backend.\n")
+    else:
+        print(f"device: {vk.caps.name}, access path: {vk.caps.access_path}\n")  # type: ignore[attr-defined]
+    width = max(len(r["op"]) for r in rows)
+    print(f"{'op':<{width}}  vulkan")
+    for r in rows:
+        vulkan = r["vulkan"]
+        shown = ", ".join(vulkan) if isinstance(vulkan, list) else (vulkan or "-")
+        print(f"{r['op']:<{width}}  {shown}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from vkrt.loader.pull import pull
+
+    path = pull(args.name, progress=not args.quiet)
+    print(path)
+    return 0
+
+
+# -- entry point -------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vkrt", description="Vulkan-first LLM inference runtime")
+    parser.add_argument("--version", action="version", version=f"vkrt {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("devices", help="list Vulkan devices, the chosen one and its capabilities")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("ops", help="list ops and which backend runs each natively")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ops)
+
+    p = sub.add_parser("pull", help="fetch the default model into the model cache")
+    from vkrt.loader.pull import DEFAULT_MODEL
+
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_pull)
+
+    for register in _LATE_COMMANDS:
+        register(sub)
+    return parser
+
+
+# Commands defined in other modules (generate/chat/serve/bench) add themselves here.
+_LATE_COMMANDS: list[Callable[[Any], None]] = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vkrt import cli_generate  # noqa: F401  (registers generate/chat/bench/serve)
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.debug)
+    try:
+        return int(args.func(args) or 0)
+    except VkrtError as exc:
+        if args.debug:
+            raise
+        print(f"vkrt: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("vkrt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

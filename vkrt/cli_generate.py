@@ -1,0 +1,1 @@
+"""generate / chat / bench / serve subcommands (placeholder until the engine lands)."""
