@@ -1,0 +1,91 @@
+"""kv_write, paged_attention, attention: shaders/{kv_write,paged_attention,attention}.comp.
+
+Attention runs one invocation per (token, head) with q and the output accumulator in
+registers (head_dim / 4 vec4s, sized by specialisation constant 1) and an online softmax over
+the context in position order, so a token's result never depends on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+# Invocations per workgroup for attention: llvmpipe's SIMD width (subgroup size 8), so a
+# decode step of a few heads still spreads over more than one workgroup (and CPU thread).
+ATTENTION_WORKGROUP = 8
+MAX_HEAD_DIM = 256
+
+
+def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+              out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    k_cache, v_cache, k, v, slots = inputs
+    tokens, kv_dim = k.shape
+    f16 = k_cache.dtype == "f16"
+    row_items = kv_dim // 2 + 1 if f16 else kv_dim  # f16: words a row can touch
+    kind = "u32" if f16 else "f32"
+    backend.run_shader(module(backend, "kv_write", k_cache.dtype),
+                       [(k_cache, kind, True), (v_cache, kind, True), (k, "f32", False),
+                        (v, "f32", False), (slots, "i32", False)],
+                       grid_1d(tokens * row_items), ("<III", (tokens, kv_dim, row_items)), local_size())
+    return ()
+
+
+def _head_dim_ok(head_dim: int) -> bool:
+    return head_dim % 4 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+
+
+def _attention_spec(head_dim: int) -> dict[int, int]:
+    return {**local_size(ATTENTION_WORKGROUP), 1: head_dim // 4}
+
+
+def _paged_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    return _head_dim_ok(inputs[0].shape[1] // params["num_heads"])
+
+
+def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    q, k_cache, v_cache, block_table, seq_index, positions = inputs
+    num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
+    tokens = q.shape[0]
+    head_dim = q.shape[1] // num_heads
+    _, block_size, kv_dim = k_cache.shape
+    kind = "u32x2" if k_cache.dtype == "f16" else "f32x4"
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "paged_attention", k_cache.dtype),
+                       [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
+                        (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
+                        (y, "f32x4", True)],
+                       grid_1d(tokens * num_heads, ATTENTION_WORKGROUP),
+                       ("<IIIIIIf", (tokens, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
+                                     block_table.shape[1], params["scale"])),
+                       _attention_spec(head_dim))
+    return (y,)
+
+
+def _attention_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    return _head_dim_ok(inputs[0].shape[1] // params["num_heads"])
+
+
+def _attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    q, k, v = inputs
+    num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
+    tokens = q.shape[0]
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "attention"),
+                       [(q, "f32x4", False), (k, "f32x4", False), (v, "f32x4", False), (y, "f32x4", True)],
+                       grid_1d(tokens * num_heads, ATTENTION_WORKGROUP),
+                       ("<IIIIf", (tokens, num_heads, num_heads // num_kv_heads, k.shape[1] // 4,
+                                   params["scale"])),
+                       _attention_spec(q.shape[1] // num_heads))
+    return (y,)
+
+
+def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("kv_write", "kv_write", _kv_write))
+    backend.register_kernel(Kernel("paged_attention", "paged_attention", _paged_attention,
+                                   supports=_paged_supports))
+    backend.register_kernel(Kernel("attention", "attention", _attention, supports=_attention_supports))
