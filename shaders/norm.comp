@@ -1,0 +1,72 @@
+#version 450
+#extension GL_GOOGLE_include_directive : require
+//! variants: OP=rms,add_rms,layer ACCESS=texel,ssbo
+// Row norms of x [rows, dim], one row per workgroup of W lanes (spec constant 0), two-pass:
+// first the row statistic (sum of squares, or mean then centred sum of squares), then the
+// normalise pass reads the row again. Reductions follow include/reduce.glsl, whose order is
+// independent of the row count. 1.0/sqrt, not inversesqrt (DESIGN invariant 8).
+//   rms:     y = x / sqrt(mean(x^2) + eps) * w
+//   add_rms: h = x + residual; y = rms(h) * w; both written (the fused residual step)
+//   layer:   y = (x - mean) / sqrt(var + eps) * w + b
+#include "access.glsl"
+#include "reduce.glsl"
+DECLARE_LOCAL_SIZE;
+
+IN_F32(0, x);
+#if defined(OP_ADD_RMS)
+IN_F32(1, residual);
+IN_F32(2, w);
+OUT_F32(3, y);
+OUT_F32(4, h);
+#elif defined(OP_LAYER)
+IN_F32(1, w);
+IN_F32(2, b);
+OUT_F32(3, y);
+#else
+IN_F32(1, w);
+OUT_F32(2, y);
+#endif
+
+layout(push_constant) uniform Push { uint rows; uint dim; float eps; } pc;
+
+// The value being normalised; add_rms recomputes x + residual in the second pass rather
+// than reading h back, which would need a barrier on a buffer other lanes write.
+float row_value(uint i) {
+#if defined(OP_ADD_RMS)
+    return LD_F32(x, i) + LD_F32(residual, i);
+#else
+    return LD_F32(x, i);
+#endif
+}
+
+void main() {
+    uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    if (row >= pc.rows) return;  // the whole workgroup leaves: no barrier is skipped by half of it
+    uint lane = gl_LocalInvocationID.x;
+    uint base = row * pc.dim;
+    float n = float(pc.dim);
+#if defined(OP_LAYER)
+    float sum = 0.0;
+    for (uint j = lane; j < pc.dim; j += ROW_LANES) sum += LD_F32(x, base + j);
+    float mean = workgroup_sum(sum) / n;
+    float sq = 0.0;
+    for (uint j = lane; j < pc.dim; j += ROW_LANES) {
+        float c = LD_F32(x, base + j) - mean;
+        sq += c * c;
+    }
+    float inv = 1.0 / sqrt(workgroup_sum(sq) / n + pc.eps);
+    for (uint j = lane; j < pc.dim; j += ROW_LANES)
+        y[base + j] = (LD_F32(x, base + j) - mean) * inv * LD_F32(w, j) + LD_F32(b, j);
+#else
+    float sq = 0.0;
+    for (uint j = lane; j < pc.dim; j += ROW_LANES) {
+        float v = row_value(base + j);
+        sq += v * v;
+#if defined(OP_ADD_RMS)
+        h[base + j] = v;
+#endif
+    }
+    float inv = 1.0 / sqrt(workgroup_sum(sq) / n + pc.eps);
+    for (uint j = lane; j < pc.dim; j += ROW_LANES) y[base + j] = row_value(base + j) * inv * LD_F32(w, j);
+#endif
+}

@@ -1,0 +1,70 @@
+"""rms_norm, add_rms_norm, layer_norm: shaders/norm.comp, one row per workgroup."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.kernels.common import grid_1d, module
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+
+def row_workgroup(caps: Any) -> int:
+    """Lanes per row for the row-reduction shaders (norm, softmax, argmax): spec constant 0.
+
+    Must be a power of two (include/reduce.glsl's tree). On llvmpipe, whose workgroups each
+    run on one CPU thread, 8 lanes (its SIMD width) measured fastest: 1 lane leaves the
+    vector unit idle, wider groups pay for barriers and shared memory (LLVMPIPE_NOTES.md).
+    GPUs take 256 lanes so one row fills several warps and the loads coalesce.
+    """
+    if caps.device_type == "cpu":
+        return max(1, min(8, caps.subgroup_size))
+    return min(256, caps.max_workgroup_invocations or 256)
+
+
+def _row_grid(rows: int) -> tuple[int, int, int]:
+    return grid_1d(rows, 1)  # one workgroup per row
+
+
+def _rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+              out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, w = inputs
+    rows, dim = x.shape
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "norm", "rms"),
+                       [(x, "f32", False), (w, "f32", False), (y, "f32", True)],
+                       _row_grid(rows), ("<IIf", (rows, dim, params["eps"])),
+                       {0: row_workgroup(backend.caps)})
+    return (y,)
+
+
+def _add_rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, residual, w = inputs
+    rows, dim = x.shape
+    y = backend.empty(out[0].shape, "f32")
+    h = backend.empty(out[1].shape, "f32")
+    backend.run_shader(module(backend, "norm", "add_rms"),
+                       [(x, "f32", False), (residual, "f32", False), (w, "f32", False),
+                        (y, "f32", True), (h, "f32", True)],
+                       _row_grid(rows), ("<IIf", (rows, dim, params["eps"])),
+                       {0: row_workgroup(backend.caps)})
+    return (y, h)
+
+
+def _layer_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, w, b = inputs
+    rows, dim = x.shape
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "norm", "layer"),
+                       [(x, "f32", False), (w, "f32", False), (b, "f32", False), (y, "f32", True)],
+                       _row_grid(rows), ("<IIf", (rows, dim, params["eps"])),
+                       {0: row_workgroup(backend.caps)})
+    return (y,)
+
+
+def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("rms_norm", "norm.rms", _rms_norm))
+    backend.register_kernel(Kernel("add_rms_norm", "norm.add_rms", _add_rms_norm))
+    backend.register_kernel(Kernel("layer_norm", "norm.layer", _layer_norm))
