@@ -33,16 +33,14 @@ def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return ()
 
 
-def _head_dim_ok(head_dim: int) -> bool:
+def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    """q (input 0) rows split into heads of whole vec4s; the register arrays cap head_dim."""
+    head_dim = inputs[0].shape[1] // params["num_heads"]
     return head_dim % 4 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
 def _attention_spec(head_dim: int) -> dict[int, int]:
     return {**local_size(ATTENTION_WORKGROUP), 1: head_dim // 4}
-
-
-def _paged_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
-    return _head_dim_ok(inputs[0].shape[1] // params["num_heads"])
 
 
 def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
@@ -65,10 +63,6 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     return (y,)
 
 
-def _attention_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
-    return _head_dim_ok(inputs[0].shape[1] // params["num_heads"])
-
-
 def _attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     q, k, v = inputs
@@ -87,5 +81,5 @@ def _attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
 def register(backend: Any) -> None:
     backend.register_kernel(Kernel("kv_write", "kv_write", _kv_write))
     backend.register_kernel(Kernel("paged_attention", "paged_attention", _paged_attention,
-                                   supports=_paged_supports))
-    backend.register_kernel(Kernel("attention", "attention", _attention, supports=_attention_supports))
+                                   supports=_supports))
+    backend.register_kernel(Kernel("attention", "attention", _attention, supports=_supports))

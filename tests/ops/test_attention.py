@@ -1,0 +1,208 @@
+"""Native kv_write, paged_attention and attention vs their numpy references, both access paths.
+
+kv_write is a copy (bit-exact, f16 rounded like numpy). Attention kernels meet NMSE <= 1e-6
+against the float64-softmax references (measured ~1e-14) and must be batch invariant: a
+token's output is bit-identical whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from tests.conftest import nmse
+from vkrt import ops
+from vkrt.backend.base import Backend
+from vkrt.errors import VkrtError
+
+reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
+
+ATTENTION_NMSE = 1e-6
+NP_KV = {"f32": np.float32, "f16": np.float16}
+
+
+def _native(vk: Backend, op: str, before: dict[str, int], count: int) -> None:
+    """`op` ran on its native kernel, with no drain to the reference tier."""
+    assert vk.selections[(op, op)] >= count
+    assert vk.counters.since(before)["drains"] == 0
+
+
+def _kv_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Magnitudes from f16 subnormals to past f16 overflow, plus exact f16 rounding ties."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-8, 5.5, shape)
+    flat = x.reshape(-1)
+    ties = np.array([1 + 2**-11, 1 + 3 * 2**-11, -(2**-24) * 1.5, 2**-25, 65520.0, 65519.0, 0.0, -0.0])
+    flat[: ties.size] = ties[: flat.size]
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("kv_dim", [7, 64])
+def test_kv_write_bit_exact(vk: Backend, rng: np.random.Generator, kv_dtype: str, kv_dim: int) -> None:
+    blocks, block_size = 5, 4
+    k_cache = rng.standard_normal((blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype])
+    v_cache = rng.standard_normal((blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype])
+    # Adjacent slots (3, 4 and 8, 9) share a u32 word of an odd-width f16 row; -1 is padding.
+    slots = np.array([3, 4, -1, 9, 8, 19, 0, -1], np.int32)
+    k = _kv_values(rng, (slots.size, kv_dim))
+    v = _kv_values(rng, (slots.size, kv_dim))
+    tk, tv = vk.upload(k_cache, kv_dtype), vk.upload(v_cache, kv_dtype)
+    before = vk.counters.snapshot()
+    ops.kv_write(tk, tv, vk.upload(k), vk.upload(v), vk.upload(slots))
+    with np.errstate(over="ignore"):  # numpy warns on the values that round to f16 inf
+        reference.kv_write(k_cache, v_cache, k, v, slots)
+    assert tk.numpy().tobytes() == k_cache.tobytes()
+    assert tv.numpy().tobytes() == v_cache.tobytes()
+    _native(vk, "kv_write", before, 1)
+
+
+def _paged_case(rng: np.random.Generator, lengths: list[int], num_heads: int, num_kv_heads: int,
+                head_dim: int, kv_dtype: str, block_size: int = 16) -> dict[str, np.ndarray]:
+    """A cache holding sequences of `lengths` in shuffled (non-contiguous) blocks, one decode
+    token per sequence at its last position."""
+    max_blocks = max(-(-n // block_size) for n in lengths)
+    num_blocks = len(lengths) * max_blocks + 3
+    kv_dim = num_kv_heads * head_dim
+    order = rng.permutation(num_blocks).astype(np.int32)
+    return {
+        "q": rng.standard_normal((len(lengths), num_heads * head_dim)).astype(np.float32),
+        "k_cache": rng.standard_normal((num_blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype]),
+        "v_cache": rng.standard_normal((num_blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype]),
+        "block_table": order[: len(lengths) * max_blocks].reshape(len(lengths), max_blocks),
+        "seq_index": np.arange(len(lengths), dtype=np.int32),
+        "positions": np.array(lengths, np.int32) - 1,
+    }
+
+
+def _run_paged(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str, num_heads: int,
+               num_kv_heads: int, scale: float) -> np.ndarray:
+    tensors = {name: vk.upload(a, kv_dtype if name.endswith("cache") else None) for name, a in case.items()}
+    return ops.paged_attention(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["block_table"],
+                               tensors["seq_index"], tensors["positions"], num_heads, num_kv_heads,
+                               scale).numpy()
+
+
+GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3, 4
+    (4, 4, 16),
+    (9, 3, 64),  # SmolLM2-135M
+    (8, 2, 80),
+    (4, 1, 128),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
+def test_paged_attention_decode(vk: Backend, rng: np.random.Generator, kv_dtype: str,
+                                geometry: tuple[int, int, int]) -> None:
+    num_heads, num_kv_heads, head_dim = geometry
+    case = _paged_case(rng, [1, 5, 17, 40], num_heads, num_kv_heads, head_dim, kv_dtype)
+    scale = head_dim ** -0.5
+    before = vk.counters.snapshot()
+    got = _run_paged(vk, case, kv_dtype, num_heads, num_kv_heads, scale)
+    want = reference.paged_attention(**case, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale)
+    assert nmse(got, want) <= ATTENTION_NMSE
+    _native(vk, "paged_attention", before, 1)
+
+
+def test_paged_attention_long_context(vk: Backend, rng: np.random.Generator) -> None:
+    """Thousands of positions, with a peaked softmax so the running maximum keeps moving."""
+    case = _paged_case(rng, [3000, 1200], 9, 3, 64, "f16")
+    case["q"] *= 6.0
+    got = _run_paged(vk, case, "f16", 9, 3, 0.125)
+    want = reference.paged_attention(**case, num_heads=9, num_kv_heads=3, scale=0.125)
+    assert nmse(got, want) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_chunked_prefill_through_kv_write(vk: Backend, rng: np.random.Generator, kv_dtype: str) -> None:
+    """The model's order: kv_write the chunk, then paged_attention over prefix + chunk."""
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    prefix, chunk = 21, 9
+    case = _paged_case(rng, [prefix + chunk], num_heads, num_kv_heads, head_dim, kv_dtype, block_size)
+    positions = np.arange(prefix, prefix + chunk, dtype=np.int32)
+    blocks = case["block_table"][0]
+    slots = (blocks[positions // block_size] * block_size + positions % block_size).astype(np.int32)
+    k = rng.standard_normal((chunk, num_kv_heads * head_dim)).astype(np.float32)
+    v = rng.standard_normal((chunk, num_kv_heads * head_dim)).astype(np.float32)
+    q = rng.standard_normal((chunk, num_heads * head_dim)).astype(np.float32)
+    seq_index = np.zeros(chunk, np.int32)
+
+    tk, tv = vk.upload(case["k_cache"], kv_dtype), vk.upload(case["v_cache"], kv_dtype)
+    before = vk.counters.snapshot()
+    ops.kv_write(tk, tv, vk.upload(k), vk.upload(v), vk.upload(slots))
+    got = ops.paged_attention(vk.upload(q), tk, tv, vk.upload(case["block_table"]), vk.upload(seq_index),
+                              vk.upload(positions), num_heads, num_kv_heads, 0.125).numpy()
+    _native(vk, "paged_attention", before, 1)
+
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    reference.kv_write(k_cache, v_cache, k, v, slots)
+    want = reference.paged_attention(q, k_cache, v_cache, case["block_table"], seq_index, positions,
+                                     num_heads, num_kv_heads, 0.125)
+    assert nmse(got, want) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_paged_attention_batch_invariant(vk: Backend, rng: np.random.Generator, kv_dtype: str) -> None:
+    """A sequence's rows are bit-identical alone and batched with others of other lengths."""
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    lengths = [37, 3, 70, 18]
+    case = _paged_case(rng, lengths, num_heads, num_kv_heads, head_dim, kv_dtype)
+    # Sequence 0: a chunk of its last 5 positions, plus one decode token of every other sequence.
+    chunk = np.arange(lengths[0] - 5, lengths[0], dtype=np.int32)
+    q0 = rng.standard_normal((chunk.size, num_heads * head_dim)).astype(np.float32)
+    alone = dict(case, q=q0, seq_index=np.zeros(chunk.size, np.int32), positions=chunk)
+    batched = dict(case, q=np.concatenate([case["q"][1:3], q0, case["q"][3:], case["q"][1:2]]),
+                   seq_index=np.array([1, 2, 0, 0, 0, 0, 0, 3, -1], np.int32),
+                   positions=np.concatenate([[2, 69], chunk, [17, 0]]).astype(np.int32))
+    solo = _run_paged(vk, alone, kv_dtype, num_heads, num_kv_heads, 0.125)
+    mixed = _run_paged(vk, batched, kv_dtype, num_heads, num_kv_heads, 0.125)
+    assert mixed[2:7].tobytes() == solo.tobytes()
+    one = _run_paged(vk, dict(alone, q=q0[-1:], seq_index=alone["seq_index"][-1:], positions=chunk[-1:]),
+                     kv_dtype, num_heads, num_kv_heads, 0.125)
+    assert one.tobytes() == solo[-1:].tobytes()
+
+
+def test_paged_attention_padding_rows(vk: Backend, rng: np.random.Generator) -> None:
+    case = _paged_case(rng, [20, 9, 33], 4, 2, 16, "f32")
+    case["seq_index"] = np.array([0, -1, 2], np.int32)
+    got = _run_paged(vk, case, "f32", 4, 2, 0.25)
+    want = reference.paged_attention(**case, num_heads=4, num_kv_heads=2, scale=0.25)
+    assert not got[1].any()
+    assert nmse(got, want) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+@pytest.mark.parametrize("geometry", [(9, 3, 64), (4, 4, 16), (8, 2, 80), (4, 2, 256)], ids=lambda g: "h{}kv{}d{}".format(*g))
+def test_attention(vk: Backend, rng: np.random.Generator, tokens: int, geometry: tuple[int, int, int]) -> None:
+    num_heads, num_kv_heads, head_dim = geometry
+    q = rng.standard_normal((tokens, num_heads * head_dim)).astype(np.float32)
+    k = rng.standard_normal((tokens, num_kv_heads * head_dim)).astype(np.float32)
+    v = rng.standard_normal((tokens, num_kv_heads * head_dim)).astype(np.float32)
+    scale = head_dim ** -0.5
+    before = vk.counters.snapshot()
+    got = ops.attention(vk.upload(q), vk.upload(k), vk.upload(v), num_heads, num_kv_heads, scale).numpy()
+    want = reference.attention(q, k, v, num_heads, num_kv_heads, scale)
+    assert nmse(got, want) <= ATTENTION_NMSE
+    _native(vk, "attention", before, 1)
+    # Causal: the first rows do not change when later tokens join (batch invariance in T).
+    head = ops.attention(vk.upload(q[:1]), vk.upload(k[:1]), vk.upload(v[:1]), num_heads, num_kv_heads,
+                         scale).numpy()
+    assert head.tobytes() == got[:1].tobytes()
+
+
+def test_bad_inputs_name_the_op(vk: Backend, rng: np.random.Generator) -> None:
+    case = _paged_case(rng, [4], 4, 2, 16, "f32")
+    t = {name: vk.upload(a) for name, a in case.items()}
+    with pytest.raises(VkrtError, match="paged_attention"):
+        ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], vk.upload(case["block_table"].astype(np.float32)),
+                            t["seq_index"], t["positions"], 4, 2, 0.25)
+    with pytest.raises(VkrtError, match="paged_attention"):  # kv_dim does not match the heads
+        ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"],
+                            t["positions"], 4, 1, 0.25)
+    with pytest.raises(VkrtError, match="kv_write"):
+        ops.kv_write(t["k_cache"], t["v_cache"], vk.upload(np.zeros((2, 31), np.float32)),
+                     vk.upload(np.zeros((2, 31), np.float32)), vk.upload(np.zeros(2, np.int32)))
+    with pytest.raises(VkrtError, match="attention"):
+        ops.attention(t["q"], t["q"], t["q"], 4, 3, 0.25)
