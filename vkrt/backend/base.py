@@ -136,6 +136,12 @@ class Backend(ABC):
     def sync(self) -> None:
         """Submit pending work and wait for it."""
 
+    # Backends that can record a step once and re-submit it (see VulkanBackend.capture).
+    supports_replay: bool = False
+
+    def capture(self) -> Any:
+        raise NotImplementedError(f"the {self.name} backend cannot record steps for replay")
+
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 

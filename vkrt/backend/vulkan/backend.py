@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import struct
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,7 @@ import numpy as np
 from vkrt import config
 from vkrt.backend.base import Backend, as_storage_array, infer_dtype
 from vkrt.backend.vulkan import device as vkdevice
-from vkrt.backend.vulkan.batch import CommandBatch
+from vkrt.backend.vulkan.batch import CommandBatch, RecordedCommands
 from vkrt.backend.vulkan.descriptors import DescriptorCache
 from vkrt.backend.vulkan.memory import Allocation, MemoryManager
 from vkrt.backend.vulkan.pipelines import PipelineCache
@@ -23,8 +25,33 @@ from vkrt.ops.tensor import Tensor, is_block_format, storage_nbytes
 log = logging.getLogger("vkrt")
 
 
+class StepGraph:
+    """Dispatches recorded once by `VulkanBackend.capture()`, replayed with one submit."""
+
+    def __init__(self, backend: VulkanBackend) -> None:
+        self.backend = backend
+        self.tensors: list[Tensor] = []
+        self.recorded: RecordedCommands | None = None
+
+    @property
+    def dispatches(self) -> int:
+        return self.recorded.dispatches if self.recorded else 0
+
+    def replay(self) -> None:
+        if self.recorded is None:
+            raise VkrtError("this step graph was released")
+        self.backend.batch.replay(self.recorded)
+
+    def release(self) -> None:
+        if self.recorded is not None and not self.backend._closed:
+            self.backend.batch.free_recorded(self.recorded)
+        self.recorded = None
+        self.tensors.clear()
+
+
 class VulkanBackend(Backend):
     name = "vulkan"
+    supports_replay = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,6 +68,7 @@ class VulkanBackend(Backend):
         self._weight_sources: dict[int, np.ndarray] = {}
         self._checked_layouts: set[str] = set()
         self._closed = False
+        self._graph_tensors: list[Tensor] | None = None
         from vkrt.backend.vulkan.kernels import register_all
 
         register_all(self)
@@ -158,11 +186,34 @@ class VulkanBackend(Backend):
                 raise VkrtError(f"{module}: {push_size} bytes of push constants, shader takes "
                                 f"{pipeline.push_constant_size}")
             push_data = self.vk.ffi.new("char[]", packed)
+        if self._graph_tensors is not None:
+            self._graph_tensors.extend(t for t, _, _ in bindings)
         reads = tuple(t.handle.id for t, _, w in bindings if not w)
         writes = tuple(t.handle.id for t, _, w in bindings if w)
         self.batch.dispatch(pipeline, set_ptr, push_data, push_size, groups, reads, writes)
         if self.batch.over_cap:
             self.batch.flush()
+
+    # -- record once, replay -------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[StepGraph]:
+        """Record the ops run inside the block once; `graph.replay()` re-submits them.
+
+        Everything that changes per step must live in tensors written with `write()`
+        before each replay; the graph keeps every tensor it binds alive.
+        """
+        graph = StepGraph(self)
+        self._graph_tensors = graph.tensors
+        self.batch.begin_capture()
+        try:
+            yield graph
+        except BaseException:
+            self._graph_tensors = None
+            graph.recorded = self.batch.end_capture()
+            graph.release()
+            raise
+        self._graph_tensors = None
+        graph.recorded = self.batch.end_capture()
 
     def set_access_path(self, path: str) -> None:
         """Switch kernels between the texel and ssbo access paths (tests run both)."""

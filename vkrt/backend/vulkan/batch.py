@@ -8,15 +8,28 @@ vkWaitForFences: fence polling passed on llvmpipe but gave wrong reads on other 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vkrt.backend.base import Counters
 from vkrt.backend.vulkan.memory import Allocation
+from vkrt.errors import VkrtError
 
 UINT64_MAX = 0xFFFFFFFFFFFFFFFF
 # Memory freed while a batch is open is recycled only after it completes; past this many
 # bytes the batch is submitted early so a long prefill cannot exhaust the device.
 DEFERRED_FREE_CAP = 256 << 20
+
+
+@dataclass(eq=False)
+class RecordedCommands:
+    """A command buffer recorded once and re-submitted per step."""
+
+    cmd: Any
+    cmd_array: Any
+    submit: Any
+    dispatches: int
+    barriers: int
 
 
 class CommandBatch:
@@ -52,6 +65,9 @@ class CommandBatch:
         self._bind_point = vk.VK_PIPELINE_BIND_POINT_COMPUTE
         self._compute_stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
         self._copy_region = ffi.new("VkBufferCopy*")
+        self._replay_begin_info = ffi.new("VkCommandBufferBeginInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
+        self.capturing = False
         self.recording = False
         self.recorded = 0
         self.referenced: set[int] = set()  # allocation ids the open batch touches
@@ -119,9 +135,57 @@ class CommandBatch:
     def over_cap(self) -> bool:
         return self._deferred_bytes > DEFERRED_FREE_CAP
 
+    # -- record once, replay ----------------------------------------------------------
+    def begin_capture(self) -> None:
+        """Record the following dispatches into a command buffer of their own, kept for replay."""
+        self.flush()
+        vk = self.vk
+        self._batch_cmd = self.cmd
+        self.cmd = vk.vkAllocateCommandBuffers(self.device, vk.VkCommandBufferAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=self.pool,
+            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+        self.lib.vkBeginCommandBuffer(self.cmd, self._replay_begin_info)
+        self.recording = True
+        self.capturing = True
+        self._bound_pipeline = None
+        self._capture_start = (self.counters.dispatches, self.counters.barriers)
+
+    def end_capture(self) -> RecordedCommands:
+        lib = self.lib
+        lib.vkCmdPipelineBarrier(self.cmd, self._stages, self.vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1,
+                                 self._host_barrier, 0, self.ffi.NULL, 0, self.ffi.NULL)
+        lib.vkEndCommandBuffer(self.cmd)
+        cmd_array = self.ffi.new("VkCommandBuffer[1]", [self.cmd])
+        submit = self.ffi.new("VkSubmitInfo*", {"sType": self.vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                                "commandBufferCount": 1, "pCommandBuffers": cmd_array})
+        recorded = RecordedCommands(self.cmd, cmd_array, submit,
+                                    self.counters.dispatches - self._capture_start[0],
+                                    self.counters.barriers - self._capture_start[1])
+        self.cmd = self._batch_cmd
+        self.capturing = False
+        self.recording = False
+        self.recorded = 0
+        self.referenced.clear()
+        self._written.clear()
+        self._read.clear()
+        return recorded
+
+    def replay(self, recorded: RecordedCommands) -> None:
+        """Submit a recorded step again and wait for it: one submit, one fence wait."""
+        self.flush()
+        self.submit_and_wait(recorded.submit)
+        self.counters.dispatches += recorded.dispatches
+        self.counters.barriers += recorded.barriers
+
+    def free_recorded(self, recorded: RecordedCommands) -> None:
+        self.vk.vkFreeCommandBuffers(self.device, self.pool, 1, [recorded.cmd])
+
     # -- submission -----------------------------------------------------------------
     def flush(self) -> None:
         """Submit what was recorded and block until the device finishes it."""
+        if self.capturing:
+            raise VkrtError("the host needs device results while a step is being recorded for "
+                            "replay; recorded steps must not read back or upload mid-step")
         if not self.recording:
             return
         lib = self.lib
