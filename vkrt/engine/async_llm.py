@@ -1,0 +1,270 @@
+"""`AsyncLLM`: the server's facade. The blocking engine loop runs in one background thread;
+asyncio callers submit requests and read their updates from per-request queues."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vkrt.engine.config import EngineConfig, SamplingParams
+from vkrt.engine.engine import EngineCore, IterationStats, StatsListener
+from vkrt.engine.llm import make_config
+from vkrt.engine.prompts import Messages, Prompt, encode_prompt, render_chat
+from vkrt.engine.request import RequestOutput
+from vkrt.errors import RequestError, VkrtError
+from vkrt.models.base import CausalLM
+from vkrt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineMetrics:
+    """Gauges and running totals for /metrics, consistent as of the end of one step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    steps: int = 0
+    counters: dict[str, int] = field(default_factory=dict)  # summed over all steps
+    last_step_counters: dict[str, int] = field(default_factory=dict)
+
+
+class _Stream:
+    """Where the engine thread puts one request's outputs for its asyncio consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncLLM:
+    """Continuous batching for concurrent asyncio callers.
+
+    `load_in_background=True` returns at once and loads the model in the engine thread;
+    `is_ready` turns True when it can take requests (the server's /health).
+    """
+
+    def __init__(self, config: EngineConfig | str | Path | None = None, *, model: CausalLM | None = None,
+                 tokenizer: Tokenizer | None = None, load_in_background: bool = False, **kwargs: Any) -> None:
+        self.config = make_config(config, **kwargs)
+        self.load_error: BaseException | None = None
+        self._engine: EngineCore | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._adds: list[tuple[str, str | None, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._listeners: list[StatsListener] = []
+        self._metrics = EngineMetrics()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._ready = threading.Event()
+        if not load_in_background:
+            self._engine = EngineCore.from_config(self.config, model, tokenizer)
+            self._on_loaded()
+        self._thread = threading.Thread(target=self._run, args=(model, tokenizer), name="vkrt-engine", daemon=True)
+        self._thread.start()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until loaded (True) or the timeout passes; re-raises a load failure."""
+        ready = self._ready.wait(timeout)
+        if self.load_error is not None:
+            raise self.load_error
+        return ready
+
+    @property
+    def engine(self) -> EngineCore:
+        if self._engine is None:
+            raise VkrtError("the model is still loading" if self.load_error is None
+                            else f"the model failed to load: {self.load_error}")
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def metrics(self) -> EngineMetrics:
+        """A copy of the gauges and totals as of the last completed step."""
+        with self._cond:
+            m = self._metrics
+            return EngineMetrics(**{**m.__dict__, "counters": dict(m.counters),
+                                    "last_step_counters": dict(m.last_step_counters)})
+
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        """Call `listener(IterationStats)` after every step, on the engine thread (TTFT, ITL, ...)."""
+        self._listeners.append(listener)
+        if self._engine is not None:
+            self._engine.stats_listeners.append(listener)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    def render_chat(self, messages: Messages, chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        return render_chat(self.tokenizer, messages, chat_template_kwargs, tools)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError now for what add_request would reject (call before streaming starts)."""
+        self.engine.validate_prompt(prompt_token_ids)
+        params.validate(self.engine.vocab_size, self.engine.max_model_len)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                       *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Updates of one request, one per generated token, the last with finished=True.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request, which
+        frees its KV blocks before the next step.
+        """
+        text, ids = self.encode(prompt)
+        self.check_request(ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop())
+        with self._cond:
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use", param="request_id", status=409)
+            self._streams[request_id] = stream
+            self._adds.append((request_id, prompt_text if prompt_text is not None else text, ids, params))
+            self._cond.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed before the next step runs."""
+        with self._cond:
+            if self._streams.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._cond.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _on_loaded(self) -> None:
+        assert self._engine is not None
+        self._engine.stats_listeners.extend(self._listeners)
+        self._engine.stats_listeners.append(self._update_metrics)
+        self._update_metrics(None)
+        self._ready.set()
+
+    def _run(self, model: CausalLM | None, tokenizer: Tokenizer | None) -> None:
+        if self._engine is None:
+            try:
+                self._engine = EngineCore.from_config(self.config, model, tokenizer)
+            except BaseException as exc:  # reported by wait_ready / engine
+                log.exception("model load failed")
+                self.load_error = exc
+                self._ready.set()
+                return
+            self._on_loaded()
+        engine = self._engine
+        while True:
+            with self._cond:
+                while not (self._stopped or self._adds or self._aborts or engine.has_unfinished()):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for request_id in aborts:
+                engine.abort(request_id)
+            for request_id, text, ids, params in adds:
+                try:
+                    engine.add_request(request_id, ids, params, prompt=text)
+                except Exception as exc:  # validated by the caller already; belt and braces
+                    self._deliver_error(request_id, exc)
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(VkrtError(f"engine step failed: {exc}"))
+                continue
+            if not outputs and aborts:
+                self._update_metrics(None)  # an abort-only round still changes the gauges
+            with self._cond:
+                streams = [(self._streams.get(o.request_id), o) for o in outputs]
+                for output in outputs:
+                    if output.finished:
+                        self._streams.pop(output.request_id, None)
+            for stream, output in streams:
+                if stream is not None:
+                    stream.put(output)
+        self._fail_all(VkrtError("the engine was shut down"))
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            if self._engine is not None:
+                self._engine.abort(request_id)
+            stream.put(exc)
+
+    def _update_metrics(self, stats: IterationStats | None) -> None:
+        engine = self.engine
+        blocks = engine.block_manager
+        totals = engine.totals
+        metrics = EngineMetrics(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
+            kv_usage=blocks.usage,
+            num_kv_blocks=blocks.num_blocks,
+            num_free_kv_blocks=blocks.num_free_blocks,
+            num_preemptions=engine.num_preemptions,
+            prompt_tokens=totals.prompt_tokens,
+            generation_tokens=totals.generation_tokens,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+            steps=totals.steps,
+            counters=dict(totals.counters),
+            last_step_counters=dict(stats.step.counters) if stats is not None else {},
+        )
+        with self._cond:
+            self._metrics = metrics

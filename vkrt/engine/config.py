@@ -1,0 +1,153 @@
+"""Engine and per-request configuration, built once at the edge and validated there."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vkrt.errors import RequestError, VkrtError
+
+# Most top/scored logprobs one request may ask for per position (OpenAI caps top_logprobs at 20).
+MAX_LOGPROBS = 20
+# Most ids one request may score explicitly with logprob_token_ids (each costs a gather per row).
+MAX_LOGPROB_TOKEN_IDS = 1024
+# Default KV budget when kv_cache_memory is not given: enough for max_num_seqs full-length
+# sequences, but never more than this (a laptop iGPU shares its memory with everything else).
+DEFAULT_KV_BUDGET = 512 * 1024 * 1024
+
+
+@dataclass
+class EngineConfig:
+    """How one engine is built: model, device, batching limits and the KV pool."""
+
+    model: str | Path = ""
+    device: str = "auto"  # "auto" | "vulkan" | "reference"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers; None: sized below
+    num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
+    kv_dtype: str = "f32"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise VkrtError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise VkrtError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_dtype not in ("f32", "f16"):
+            raise VkrtError(f"EngineConfig.kv_dtype must be 'f32' or 'f16', got {self.kv_dtype!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise VkrtError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
+        """KV pool size in blocks: explicit, from kv_cache_memory, or sized for the batch limits."""
+        if self.num_kv_blocks is not None:
+            num_blocks = self.num_kv_blocks
+        elif self.kv_cache_memory is not None:
+            num_blocks = self.kv_cache_memory // bytes_per_block
+        else:
+            wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size)
+            num_blocks = min(wanted, max(DEFAULT_KV_BUDGET // bytes_per_block, 1))
+        # One sequence of max_model_len must always fit alone, or it could never finish.
+        needed = math.ceil(max_model_len / self.block_size)
+        if num_blocks < needed:
+            raise VkrtError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens but one "
+                f"sequence of max_model_len={max_model_len} needs {needed}; raise "
+                f"kv_cache_memory (>= {needed * bytes_per_block} bytes) or lower max_model_len"
+            )
+        return num_blocks
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks for. n=1 only. `validate` before handing it to the engine."""
+
+    max_tokens: int | None = 16  # None: until max_model_len
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N alternatives per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None  # also score exactly these ids at every position
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int, max_model_len: int) -> None:
+        """Raise RequestError(param=...) naming the first bad field."""
+
+        def bad(param: str, message: str) -> RequestError:
+            return RequestError(f"{param}: {message}", param=param)
+
+        if self.n != 1:
+            raise bad("n", f"only n=1 is supported, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens > max_model_len:
+            raise bad("max_tokens", f"{self.max_tokens} exceeds the model's context length {max_model_len}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for token_id, bias in self.logit_bias.items():
+            if not 0 <= int(token_id) < vocab_size:
+                raise bad("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= float(bias) <= 100.0:
+                raise bad("logit_bias", f"bias {bias} for token {token_id} must be in [-100, 100]")
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise bad("stop_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"{self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.logprob_token_ids is not None:
+            if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise bad("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} ids per request")
+            for token_id in self.logprob_token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise bad("logprob_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad("seed", f"must be in [0, 2**63), got {self.seed}")

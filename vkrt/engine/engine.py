@@ -1,0 +1,243 @@
+"""EngineCore: one synchronous step = schedule -> one forward -> sample -> outputs.
+
+LLM drives it in a loop; AsyncLLM drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vkrt.engine.config import EngineConfig, SamplingParams
+from vkrt.engine.kv_cache import BlockManager
+from vkrt.engine.output import OutputProcessor
+from vkrt.engine.request import Request, RequestOutput
+from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
+from vkrt.engine.sampler import Sampler, token_logprobs
+from vkrt.engine.scheduler import Scheduler
+from vkrt.errors import ModelFormatError, RequestError
+from vkrt.models.base import CausalLM
+from vkrt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one step did, for metrics: token counts, latencies observed, device counters."""
+
+    step: StepStats
+    num_prompt_tokens: int = 0  # prompts of requests that produced their first token this step
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class EngineTotals:
+    """Running totals since start (the facades derive tok/s and per-step averages from these)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    # A step with any prefill token counts as prefill time; pure-decode steps as decode time.
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)  # all steps
+    decode_counters: dict[str, int] = field(default_factory=dict)  # pure-decode steps, summed
+    decode_counters_max: dict[str, int] = field(default_factory=dict)  # worst pure-decode step
+
+    def decode_counters_per_step(self) -> dict[str, float]:
+        return {k: v / self.decode_steps for k, v in self.decode_counters.items()} if self.decode_steps else {}
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+StatsListener = Callable[[IterationStats], None]
+
+
+class EngineCore:
+    """Requests in, RequestOutputs out, one `step()` at a time. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        bytes_per_block = model.kv_bytes_per_block(config.block_size, config.kv_dtype)
+        num_blocks = config.resolve_num_blocks(bytes_per_block, self.max_model_len)
+        kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, kv)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
+        self.totals = EngineTotals()
+        self.stats_listeners: list[StatsListener] = []
+        self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests without one
+        log.info("KV cache: %d blocks x %d tokens (%d MiB), max_model_len %d", num_blocks,
+                 config.block_size, kv.nbytes >> 20, self.max_model_len)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: CausalLM | None = None,
+                    tokenizer: Tokenizer | None = None) -> EngineCore:
+        """Load the model named by `config` (unless one is given) with its tokenizer, if it has one."""
+        if model is None:
+            from vkrt.backend import get_backend
+            from vkrt.loader import load_model
+            from vkrt.models import build_model
+
+            path = config.model
+            if not path:
+                from vkrt.loader.pull import ensure_default_model
+
+                path = ensure_default_model()
+            loaded = load_model(path)
+            model = build_model(loaded, get_backend(config.device))
+            if tokenizer is None:
+                try:
+                    tokenizer = Tokenizer.from_model(loaded)
+                except ModelFormatError as exc:  # e.g. test fixtures that ship only weights
+                    log.warning("%s; only token-id prompts will work", exc)
+        return cls(config, model, tokenizer)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty; send at least one token", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but this model's context length is "
+                f"{self.max_model_len} (max_model_len), leaving no room to generate; shorten the prompt",
+                param="prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; raises RequestError for a bad prompt or parameter."""
+        self.validate_prompt(prompt_token_ids)
+        params.validate(self.vocab_size, self.max_model_len)
+        request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                          prompt=prompt, generator_seed=int(self._seed_rng.integers(2**63)),
+                          arrival_time=arrival_time)
+        self.scheduler.add_request(request)
+        self.outputs.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort and free the request's blocks now; its final output, or None if not in flight."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        output = self.outputs.make_output(request)
+        self.outputs.remove(request_id)
+        return output
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward; an output for every request that got a token."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        batch, layout = build_forward_batch(scheduled, self.block_manager)
+        logits = self.runner.execute(batch)
+        now = time.monotonic()
+        for s in scheduled.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+        for request, row, position, count in layout.prompt_rows:
+            assert request.prompt_logprobs is not None
+            for k in range(count):
+                entry = token_logprobs(logits[row + k], request.prompt_token_ids[position + k],
+                                       request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
+                self.outputs.fill_text(entry)
+                request.prompt_logprobs.append(entry)
+
+        stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted))
+        requests = [request for request, _ in layout.sample_rows]
+        sampled = self.sampler.sample(logits[[row for _, row in layout.sample_rows]], requests)
+        results: list[RequestOutput] = []
+        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                stats.ttfts.append(now - metrics.arrival_time)
+                stats.num_prompt_tokens += request.num_prompt_tokens
+            elif metrics.last_token_time is not None:
+                stats.inter_token_latencies.append(now - metrics.last_token_time)
+            metrics.last_token_time = now
+            stats.num_generation_tokens += 1
+            status = self.outputs.append_token(request, token_id, logprobs)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                stats.finished.append(FinishedRequestStats(
+                    status.finish_reason or "", now - metrics.arrival_time,
+                    request.num_prompt_tokens, request.num_output_tokens))
+            results.append(self.outputs.make_output(request))
+            if status is not None:
+                self.outputs.remove(request.request_id)
+        self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
+        return results
+
+    def _record(self, stats: IterationStats, num_prefill: int) -> None:
+        totals = self.totals
+        step = stats.step
+        totals.steps += 1
+        totals.prompt_tokens += stats.num_prompt_tokens
+        totals.generation_tokens += stats.num_generation_tokens
+        if num_prefill:
+            totals.prefill_tokens += num_prefill
+            totals.prefill_seconds += step.seconds
+        else:
+            totals.decode_tokens += stats.num_generation_tokens
+            totals.decode_steps += 1
+            totals.decode_seconds += step.seconds
+        for key, value in step.counters.items():
+            totals.counters[key] = totals.counters.get(key, 0) + value
+            if not num_prefill:
+                totals.decode_counters[key] = totals.decode_counters.get(key, 0) + value
+                totals.decode_counters_max[key] = max(totals.decode_counters_max.get(key, 0), value)
+        for listener in self.stats_listeners:
+            listener(stats)
+
+    # ---- state for metrics ----------------------------------------------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def kv_usage(self) -> float:
+        return self.block_manager.usage

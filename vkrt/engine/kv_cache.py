@@ -1,0 +1,169 @@
+"""The KV-cache block manager: a fixed pool of blocks, ref-counted, with prefix caching.
+
+A block holds `block_size` consecutive tokens of one sequence. A *full* block is named by a
+hash chained over its parent's hash and its own token ids, so two requests whose prompts
+share a prefix share the physical blocks of that prefix. Freed blocks keep their hash and
+stay reusable until the allocator evicts them, least recently freed first (vLLM v1's scheme).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from vkrt.engine.request import Request
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Content hash of one full block, chained so equal blocks at different prefixes differ."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+class BlockManager:
+    """Owns which request holds which blocks; the tensors themselves live in the model's KVCache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        # Blocks with ref count 0, front = next to be reused (evicted, if it holds a cached hash).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._req_blocks: dict[str, list[int]] = {}
+        self._req_num_hashed: dict[str, int] = {}  # leading blocks of a request already in the cache map
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which served from the cache
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._req_blocks.get(request_id, [])
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def slots(self, request_id: str, start: int, count: int) -> np.ndarray:
+        """Cache slots (block * block_size + offset) of positions start..start+count-1."""
+        blocks = np.asarray(self._req_blocks[request_id], dtype=np.int64)
+        positions = np.arange(start, start + count)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the request's first `num_blocks` full blocks (memoised on it)."""
+        hashes: list[BlockHash] = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.all_token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks matching the request's leading full blocks (not yet referenced)."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need logits at every prompt position, so compute them all
+        # At least the last token must be computed: its logits give the next token.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        for request_id in self._req_num_hashed:
+            self._req_num_hashed[request_id] = 0
+
+    # ---- allocation -----------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones; False if the pool is short.
+
+        `computed_blocks` (from get_computed_blocks) are prefix-cache hits to attach first.
+        """
+        blocks = self._req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        need = max(math.ceil(total / self.block_size) - len(blocks) - len(computed_blocks), 0)
+        # Hits with ref count 0 sit in the free queue: taking them shrinks what is left to allocate.
+        revived = sum(1 for b in computed_blocks if self._ref_counts[b] == 0)
+        if need > len(self._free) - revived:
+            if not blocks:
+                del self._req_blocks[request.request_id]
+            return False
+        if not blocks and request.num_computed_tokens == 0:  # first admission (or after preemption)
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(computed_blocks) * self.block_size
+        for block_id in computed_blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        blocks.extend(computed_blocks)
+        for _ in range(need):
+            blocks.append(self._pop_free())
+        if computed_blocks:
+            self._req_num_hashed[request.request_id] = len(blocks) - need
+        if self.enable_prefix_caching:
+            # Blocks this step fills are published now: the step writes their K/V before any
+            # later step (or a later token of this step, in the same layer) can read them.
+            self._cache_full_blocks(request, blocks, total // self.block_size)
+        return True
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        old_hash = self._block_hash[block_id]
+        if old_hash is not None:  # evict: the block is about to hold other tokens
+            if self._cached.get(old_hash) == block_id:
+                del self._cached[old_hash]
+            self._block_hash[block_id] = None
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _cache_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:
+        start = self._req_num_hashed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            block_id = blocks[i]
+            if self._block_hash[block_id] is None and hashes[i] not in self._cached:
+                self._cached[hashes[i]] = block_id
+                self._block_hash[block_id] = hashes[i]
+        self._req_num_hashed[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references (finish, abort or preemption); cached blocks stay reusable."""
+        blocks = self._req_blocks.pop(request.request_id, [])
+        self._req_num_hashed.pop(request.request_id, None)
+        # Tail blocks first, so a shared prefix outlives the suffixes that hang off it.
+        for block_id in reversed(blocks):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is None:  # nothing worth keeping: reuse it first
+                    self._free.move_to_end(block_id, last=False)

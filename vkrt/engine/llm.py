@@ -1,0 +1,133 @@
+"""`LLM`: the offline facade. Prompts in, finished outputs (or a stream of updates) out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from vkrt.engine.config import EngineConfig, SamplingParams
+from vkrt.engine.engine import EngineCore
+from vkrt.engine.prompts import Messages, Prompt, encode_prompt, is_single_prompt, render_chat
+from vkrt.engine.request import RequestOutput
+from vkrt.loader.config import ModelConfig
+from vkrt.models.base import CausalLM
+from vkrt.tokenizer import Tokenizer
+
+
+def make_config(config: EngineConfig | str | Path | None, **kwargs: Any) -> EngineConfig:
+    """An EngineConfig from a config, a model path or nothing (the default model), plus overrides."""
+    if isinstance(config, EngineConfig):
+        return dataclasses.replace(config, **kwargs) if kwargs else config
+    return EngineConfig(model=config or "", **kwargs)
+
+
+class LLM:
+    """Synchronous generation over the continuous-batching engine.
+
+    `LLM("path/to/model.gguf", device="reference", max_model_len=1024)`; tests may inject an
+    already-built `model` (a CausalLM) and `tokenizer` instead of loading from a path.
+    """
+
+    def __init__(self, config: EngineConfig | str | Path | None = None, *, model: CausalLM | None = None,
+                 tokenizer: Tokenizer | None = None, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        self.config = make_config(config, **kwargs)
+        self.engine = EngineCore.from_config(self.config, model, tokenizer)
+        self.load_seconds = time.perf_counter() - start
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order."""
+        batch = [cast(Prompt, prompts)] if is_single_prompt(prompts) else cast(Sequence[Prompt], prompts)
+        return self._run([encode_prompt(self.tokenizer, p) for p in batch], params)
+
+    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several."""
+        single = len(messages) > 0 and isinstance(messages[0], dict)
+        conversations = [cast(Messages, messages)] if single else cast(Sequence[Messages], messages)
+        return self._run([render_chat(self.tokenizer, m, chat_template_kwargs) for m in conversations], params)
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield an update per generated token (deltas in `outputs[0].delta_text`), the last finished."""
+        text, ids = encode_prompt(self.tokenizer, prompt)
+        request_id = self._add(text, ids, params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, ids, params, prompt=text)
+        return request_id
+
+    def _run(self, prompts: list[tuple[str | None, list[int]]],
+             params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        for (_, ids), p in zip(prompts, per_prompt, strict=True):  # fail before anything is queued
+            self.engine.validate_prompt(ids)
+            p.validate(self.engine.vocab_size, self.max_model_len)
+        order = [self._add(text, ids, p) for (text, ids), p in zip(prompts, per_prompt, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(order):
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+        finally:
+            for request_id in order:
+                if request_id not in final:
+                    self.engine.abort(request_id)
+        return [final[request_id] for request_id in order]
+
+    # ---- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Load time, prefill/decode tok/s, and average device counters per decode step."""
+        totals = self.engine.totals
+        last = self.engine.runner.last_step
+        return {
+            "load_seconds": self.load_seconds,
+            "steps": totals.steps,
+            "prompt_tokens": totals.prompt_tokens,
+            "generation_tokens": totals.generation_tokens,
+            "prefill_tokens_per_second": totals.prefill_tokens_per_second,
+            "decode_tokens_per_second": totals.decode_tokens_per_second,
+            "decode_steps": totals.decode_steps,
+            "counters_total": dict(totals.counters),
+            "decode_counters_per_step": totals.decode_counters_per_step(),
+            "decode_counters_max": dict(totals.decode_counters_max),
+            "last_step": dataclasses.asdict(last),
+            "num_preemptions": self.engine.num_preemptions,
+            "kv_blocks": self.engine.block_manager.num_blocks,
+        }

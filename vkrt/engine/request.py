@@ -1,0 +1,180 @@
+"""A request's lifecycle inside the engine, and the outputs handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vkrt.engine.config import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the raw model distribution; rank 1 is the argmax."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    text: str = ""  # filled in by output processing when a tokenizer is present
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the chosen (or prompt) token, the top-N, the explicitly scored ids."""
+
+    token: Logprob
+    top: list[Logprob] = field(default_factory=list)
+    scored: list[Logprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class Request:
+    """Token state of one request; the engine mutates it, callers see RequestOutput snapshots."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        prompt: str | None = None,
+        generator_seed: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose K/V are in the cache (prefix-cache hits included); reset on preemption.
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks (kv_cache.BlockManager)
+        wants_logprobs = params.logprobs is not None or params.logprob_token_ids is not None
+        self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.stop_reason: str | int | None = None
+        # Advanced exactly once per sampled token of this request, so a seeded request samples
+        # the same tokens whatever else shares its batch.
+        self.generator = np.random.Generator(np.random.PCG64(
+            params.seed if params.seed is not None else generator_seed))
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+@dataclass
+class CompletionOutput:
+    """The generated continuation so far (full) and what this update added (delta)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def delta_logprobs(self) -> list[TokenLogprobs] | None:
+        if self.logprobs is None:
+            return None
+        return self.logprobs[len(self.logprobs) - len(self.delta_token_ids):]
+
+
+@dataclass
+class RequestOutput:
+    """One update of one request (streamed per step, or the final result)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

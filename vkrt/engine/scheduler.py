@@ -1,0 +1,155 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Every request carries `num_computed_tokens`; a step gives each scheduled request a run of
+new tokens (a whole or partial prompt, a recomputation after preemption, or one decode
+token), all in ONE forward. Running requests go first, oldest first; waiting ones are
+admitted while the token budget, `max_num_seqs` and the KV pool allow. When blocks run out
+the newest running request is preempted by recompute: its blocks are freed and it goes back
+to the front of the queue, to be prefilled again (prompt + tokens generated so far).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vkrt.engine.kv_cache import BlockManager
+from vkrt.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """Positions start..start+num_tokens-1 of `request` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token, so a new one is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens that extend a request by exactly one generated token (the rest is prefill)."""
+        return sum(1 for s in self.scheduled
+                   if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _priority(request: Request) -> float:
+    return request.metrics.arrival_time
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the BlockManager owns their blocks."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest (highest priority) first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                # The victim is always at the tail, so it was not scheduled yet in this step.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admitting more right after a preemption would only thrash the pool.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(request)
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:  # first admission, not a resumption
+                request.num_cached_tokens = num_cached
+                request.metrics.first_scheduled_time = time.monotonic()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            keys = [_priority(r) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, _priority(request)), request)
+            out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request (stopped, length or aborted) and free its blocks at once."""
+        if request.request_id not in self.requests:
+            return
+        del self.requests[request.request_id]
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        request.metrics.finished_time = time.monotonic()
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a request wherever it is; None if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
