@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ class ReferenceBackend(Backend):
     def __init__(self) -> None:
         super().__init__()
         for op in OPS:
-            self.register_kernel(Kernel(op, "numpy", lambda b, i, p, o, op=op: _run_reference(b, i, p, o, op=op)))
+            self.register_kernel(Kernel(op, "numpy", functools.partial(_run_reference, op=op)))
 
     def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor:
         dtype = dtype or infer_dtype(np.asarray(array))
