@@ -1,0 +1,71 @@
+"""Native add, mul, silu_and_mul, gelu_tanh_and_mul and gather_rows vs their references.
+
+add, mul and gather_rows are single correctly rounded f32 operations (or moves): bit-exact.
+The gated activations use the shader's f32 exp against a float64 reference: NMSE <= 1e-10
+(measured ~1e-14 on llvmpipe).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vkrt.ops as ops
+from tests.conftest import nmse
+from vkrt.errors import VkrtError
+
+GATED_NMSE = 1e-10
+SHAPES = [(1, 1), (3, 7), (5, 576), (2, 1000)]
+
+
+def _no_drain(vk, fn, *args):
+    drains = vk.counters.drains
+    out = fn(*args).numpy()
+    assert vk.counters.drains == drains, "the op fell back to the reference tier"
+    return out
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["same", "row"])
+@pytest.mark.parametrize("shape", SHAPES + [(7,)], ids=str)
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_binary_is_bit_exact(vk, rng, op: str, shape: tuple[int, ...], broadcast: bool) -> None:
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(shape[-1:] if broadcast else shape).astype(np.float32)
+    fn = ops.add if op == "add" else ops.mul
+    got = _no_drain(vk, fn, vk.upload(a), vk.upload(b))
+    np.testing.assert_array_equal(got, ops.OPS[op].reference(a, b))
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (3, 14), (5, 3072), (2, 2000)], ids=str)
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_gated_matches_reference(vk, rng, op: str, shape: tuple[int, int]) -> None:
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    if shape[1] >= 8:  # gates that overflow exp and saturate tanh (a lone one would dominate NMSE)
+        x[0, :4] = [-100.0, 100.0, -20.0, 20.0]
+    got = _no_drain(vk, getattr(ops, op), vk.upload(x))
+    want = ops.OPS[op].reference(x)
+    assert got.shape == want.shape
+    assert nmse(got, want) <= GATED_NMSE
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (10, 576)], ids=str)
+def test_gather_rows_is_bit_exact(vk, rng, shape: tuple[int, int]) -> None:
+    x = rng.standard_normal(shape).astype(np.float32)
+    rows = shape[0]
+    index = np.array([rows - 1, 0, rows - 1, rows // 2], np.int32)  # repeats and the last row
+    got = _no_drain(vk, ops.gather_rows, vk.upload(x), vk.upload(index))
+    np.testing.assert_array_equal(got, ops.OPS["gather_rows"].reference(x, index))
+
+
+def test_elementwise_rejects_bad_input(vk) -> None:
+    a = vk.upload(np.zeros((2, 8), np.float32))
+    with pytest.raises(VkrtError, match="add"):
+        ops.add(a, vk.upload(np.zeros((2, 7), np.float32)))
+    with pytest.raises(VkrtError, match="mul"):
+        ops.mul(a, vk.upload(np.zeros((2, 8), np.int32)))
+    with pytest.raises(VkrtError, match="silu_and_mul"):
+        ops.silu_and_mul(vk.upload(np.zeros((2, 7), np.float32)))
+    with pytest.raises(VkrtError, match="gelu_tanh_and_mul"):
+        ops.gelu_tanh_and_mul(vk.upload(np.zeros(8, np.float32)))
+    with pytest.raises(VkrtError, match="gather_rows"):
+        ops.gather_rows(a, vk.upload(np.zeros(2, np.float32)))
