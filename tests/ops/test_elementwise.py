@@ -55,9 +55,9 @@ def test_gated_matches_reference(vk, rng, op: str, shape: tuple[int, int]) -> No
 
 
 @pytest.mark.xfail(strict=True, reason="elementwise.comp forms 1 + tanh(z) with tanh near -1, "
-                   "cancelling for gate < -4; g * sigmoid(2z) = g / (1 + exp(-2z)) would not")
+                   "cancelling for gate < -3; g * sigmoid(2z) = g / (1 + exp(-2z)) measured 1.3e-6 here")
 def test_gelu_tanh_keeps_relative_precision_in_the_negative_tail(vk) -> None:
-    gate = np.linspace(-9.0, -3.0, 64, dtype=np.float32)
+    gate = np.linspace(-5.0, -3.0, 64, dtype=np.float32)  # where the float64 reference is exact
     x = np.concatenate([gate, np.ones_like(gate)])[None, :]
     got = ops.gelu_tanh_and_mul(vk.upload(x)).numpy()
     np.testing.assert_allclose(got, ops.OPS["gelu_tanh_and_mul"].reference(x), rtol=1e-4)
