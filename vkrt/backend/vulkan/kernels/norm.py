@@ -19,7 +19,8 @@ def row_workgroup(caps: Any) -> int:
     """
     if caps.device_type == "cpu":
         return max(1, min(8, caps.subgroup_size))
-    return min(256, caps.max_workgroup_invocations or 256)
+    limit = min(256, caps.max_workgroup_invocations or 256)
+    return 1 << (limit.bit_length() - 1)  # the largest power of two within the device limit
 
 
 def _row_grid(rows: int) -> tuple[int, int, int]:
