@@ -90,12 +90,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+MULTI_CHAR = {257: "ST", 258: "OPx", 259: "yz"}  # tokens spanning several characters
+
+
 def byte_tokenizer() -> Tokenizer:
-    """Token id b < 256 is byte b; 256 is <eos> (special)."""
+    """Token id b < 256 is byte b; 256 is <eos> (special); 257-259 are MULTI_CHAR."""
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<eos>", special=True, normalized=False)])
-    assert tok.token_to_id("<eos>") == EOS
+    tok.add_tokens([AddedToken(text, special=False, normalized=False) for text in MULTI_CHAR.values()])
+    assert tok.token_to_id("<eos>") == EOS and tok.get_vocab_size() == VOCAB
     return Tokenizer(tok, bos_token_id=None, eos_token_ids=[EOS], chat_template=CHAT_TEMPLATE, byte_level=True)

@@ -7,7 +7,12 @@ import pytest
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.request import Request
-from vkrt.engine.sampler import Sampler, apply_penalties_and_bias, filter_distribution, token_logprobs
+from vkrt.engine.sampler import (
+    Sampler,
+    apply_penalties_and_bias,
+    filter_distribution,
+    token_logprobs,
+)
 
 V = 32
 

@@ -1,0 +1,109 @@
+"""AsyncLLM: concurrent streams, aborts from disconnecting consumers, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from engine_fakes import FakeLM, byte_tokenizer
+
+from vkrt.engine import AsyncLLM, IterationStats, RequestOutput, SamplingParams
+from vkrt.errors import RequestError
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine() -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(model=FakeLM(), tokenizer=byte_tokenizer(), max_model_len=128, block_size=4)
+    yield llm
+    llm.shutdown()
+
+
+async def collect(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id: str | None = None
+                  ) -> list[RequestOutput]:
+    return [out async for out in llm.generate(prompt, params, request_id)]
+
+
+def test_concurrent_streams_equal_solo_runs(engine: AsyncLLM) -> None:
+    texts = [f"prompt {i} " * (i + 1) for i in range(8)]
+
+    async def main() -> list[list[RequestOutput]]:
+        return list(await asyncio.gather(*(collect(engine, t, GREEDY) for t in texts)))
+
+    streams = asyncio.run(main())
+    model = engine.engine.model
+    assert isinstance(model, FakeLM)
+    assert max(seqs for _, seqs in model.steps) > 1  # they really were batched
+    for text, updates in zip(texts, streams, strict=True):
+        assert updates[-1].finished and len(updates) == 10
+        assert updates[-1].token_ids == model.reference_greedy(list(text.encode()), 10)
+        assert "".join(u.outputs[0].delta_text for u in updates) == updates[-1].text
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(engine: AsyncLLM) -> None:
+    async def main() -> None:
+        stream = engine.generate("a long one", SamplingParams(max_tokens=100, ignore_eos=True), "gone")
+        async for out in stream:
+            if len(out.token_ids) == 3:
+                break
+        await stream.aclose()  # what a server does when the client disconnects
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 1.0
+    while engine.metrics().num_free_kv_blocks != engine.metrics().num_kv_blocks:
+        assert time.monotonic() < deadline, "blocks still held a second after the abort"
+        time.sleep(0.01)
+    metrics = engine.metrics()
+    assert metrics.num_running == 0 and metrics.kv_usage == 0.0
+
+
+def test_bad_request_raises_and_the_engine_keeps_serving(engine: AsyncLLM) -> None:
+    async def main() -> list[RequestOutput]:
+        with pytest.raises(RequestError) as info:
+            await collect(engine, "x", SamplingParams(max_tokens=0))
+        assert info.value.param == "max_tokens"
+        with pytest.raises(RequestError, match="context length"):
+            await collect(engine, "y" * 200, GREEDY)
+        return await collect(engine, "still here", GREEDY)
+
+    assert asyncio.run(main())[-1].finished
+
+
+def test_duplicate_request_id_is_rejected(engine: AsyncLLM) -> None:
+    async def main() -> None:
+        first = engine.generate("one", SamplingParams(max_tokens=50, ignore_eos=True), "same")
+        await first.__anext__()
+        with pytest.raises(RequestError) as info:
+            await collect(engine, "two", GREEDY, "same")
+        assert info.value.status == 409
+        await first.aclose()
+
+    asyncio.run(main())
+
+
+def test_metrics_and_stats_listener(engine: AsyncLLM) -> None:
+    seen: list[IterationStats] = []
+    engine.add_stats_listener(seen.append)
+
+    async def main() -> None:
+        await asyncio.gather(collect(engine, "abc", GREEDY), collect(engine, "de", GREEDY))
+
+    asyncio.run(main())
+    metrics = engine.metrics()
+    assert metrics.prompt_tokens == 5 and metrics.generation_tokens == 20
+    assert metrics.num_running == metrics.num_waiting == 0 and metrics.steps == len(seen)
+    assert sum(len(s.ttfts) for s in seen) == 2 and sum(len(s.inter_token_latencies) for s in seen) == 18
+    assert sum(len(s.finished) for s in seen) == 2
+    assert {"dispatches", "submits", "drains"} <= set(metrics.counters)
+
+
+def test_background_load_reports_readiness() -> None:
+    llm = AsyncLLM(model=FakeLM(), tokenizer=byte_tokenizer(), max_model_len=64, load_in_background=True)
+    try:
+        assert llm.wait_ready(timeout=10) and llm.is_ready
+        assert asyncio.run(collect(llm, "hi", GREEDY))[-1].finished
+    finally:
+        llm.shutdown()
