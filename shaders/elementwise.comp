@@ -38,10 +38,9 @@ void main() {
 #if defined(OP_SILU_MUL)
     y[i] = g / (1.0 + exp(-g)) * u;
 #else
-    float inner = 0.7978845608028654 * (g + 0.044715 * g * g * g);
-    // tanh via exp, clamped so exp cannot overflow to inf/inf
-    float e = exp(-2.0 * clamp(inner, -15.0, 15.0));
-    y[i] = 0.5 * g * (1.0 + (1.0 - e) / (1.0 + e)) * u;
+    // 0.5 * g * (1 + tanh(z)) == g * sigmoid(2z): no cancellation where tanh(z) -> -1.
+    float z = 0.7978845608028654 * (g + 0.044715 * g * g * g);
+    y[i] = g / (1.0 + exp(-2.0 * z)) * u;
 #endif
 #endif
 }
