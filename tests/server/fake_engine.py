@@ -1,0 +1,147 @@
+"""A deterministic stand-in for AsyncLLM: byte tokens, letters as output, no model.
+
+It follows AsyncLLM's contract (generate / abort / check_request / metrics / is_ready), so
+server logic is tested without loading a model. Output token i is the letter
+'a' + (i % 26), one per step of `step_delay` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vkrt.engine.async_llm import EngineMetrics
+from vkrt.engine.config import SamplingParams
+from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from vkrt.errors import RequestError
+
+EOS = 256
+SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
+
+
+class FakeTokenizer:
+    """Bytes are tokens 0..255; three special tokens above them."""
+
+    eos_token_ids = (EOS,)
+    vocab_size = 259
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = []
+        rest = text
+        while rest:
+            special = next((i for i, s in SPECIALS.items() if rest.startswith(s)), None)
+            if special is not None:
+                ids.append(special)
+                rest = rest[len(SPECIALS[special]):]
+            else:
+                ids.extend(rest[0].encode())
+                rest = rest[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            if i < 256:
+                pending.append(i)
+                continue
+            out.append(pending.decode(errors="replace"))
+            pending = bytearray()
+            if not skip_special_tokens:
+                out.append(SPECIALS[i])
+        out.append(pending.decode(errors="replace"))
+        return "".join(out)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else SPECIALS[token_id].encode()
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Any = None, **kwargs: Any) -> str:
+        self.last_template_kwargs = kwargs
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        if kwargs.get("enable_thinking") is False:
+            text += "/no_think\n"
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """AsyncLLM's interface over a scripted token stream."""
+
+    def __init__(self, max_model_len: int = 64, step_delay: float = 0.0, ready: bool = True) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.ready = ready
+        self.load_error: BaseException | None = None
+        self.fail_with: BaseException | None = None  # raised by generate after `fail_after` tokens
+        self.fail_after = 0
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.requests: list[tuple[str, list[int], SamplingParams, str | None]] = []
+        self.num_preemptions = 0
+        self.generation_tokens = 0
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError("prompt too long", param="prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
+            raise RequestError("prompt token id outside the vocabulary", param="prompt")
+        params.validate(self.tokenizer.vocab_size, self.max_model_len)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_request(ids, params)
+        rid = request_id or "fake"
+        self.requests.append((rid, ids, params, prompt_text))
+        self.active.add(rid)
+        out_ids: list[int] = []
+        logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        text = ""
+        finished = False
+        try:
+            max_tokens = params.max_tokens or self.max_model_len - len(ids)
+            while not finished:
+                await asyncio.sleep(self.step_delay)
+                if self.fail_with is not None and len(out_ids) >= self.fail_after:
+                    raise self.fail_with
+                token = ord("a") + len(out_ids) % 26
+                out_ids.append(token)
+                self.generation_tokens += 1
+                if logprobs is not None:
+                    top = [Logprob(token, -0.25, 1), Logprob(token + 1, -1.5, 2), Logprob(token + 2, -3.0, 3)]
+                    logprobs.append(TokenLogprobs(Logprob(token, -0.25, 1), top[: params.logprobs]))
+                text += chr(token)
+                reason, stop_reason = None, None
+                stop = next((s for s in params.stop_strings if s in text), None)
+                if stop is not None:
+                    text = text[: text.index(stop) + (len(stop) if params.include_stop_str_in_output else 0)]
+                    reason, stop_reason = "stop", stop
+                elif len(out_ids) >= max_tokens:
+                    reason = "length"
+                finished = reason is not None
+                yield RequestOutput(rid, prompt_text, ids, [CompletionOutput(
+                    0, text, list(out_ids), logprobs=list(logprobs) if logprobs is not None else None,
+                    finish_reason=reason, stop_reason=stop_reason)], finished)
+        finally:
+            if not finished:
+                self.abort(rid)
+            self.active.discard(rid)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.active:
+            self.aborted.append(request_id)
+            self.active.discard(request_id)
+
+    def metrics(self) -> EngineMetrics:
+        return EngineMetrics(num_running=len(self.active), num_waiting=0, kv_usage=len(self.active) / 8,
+                             num_kv_blocks=8, num_free_kv_blocks=8 - len(self.active),
+                             num_preemptions=self.num_preemptions, generation_tokens=self.generation_tokens,
+                             last_step_counters={"dispatches": 7, "submits": 1, "drains": 0})

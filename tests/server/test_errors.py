@@ -1,0 +1,179 @@
+"""Every bad request gets its documented status and an OpenAI error body; serving goes on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import Live
+from tests.server.fake_engine import FakeEngine
+from vkrt.server import ServerConfig, build_app
+from vkrt.server.background import BackgroundServer
+
+GOOD = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, says: str = "") -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert error["param"] == param
+    assert says.lower() in error["message"].lower()
+    assert r.headers["x-request-id"]
+    return error
+
+
+def assert_still_serving(live: Live) -> None:
+    r = live.client.post("/v1/completions", json=GOOD)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+
+
+BAD_REQUESTS = [
+    # (route, body or raw bytes, status, param, message fragment)
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"model": "fake"}, 400, "prompt", "prompt"),
+    ("/v1/completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens", ""),
+    ("/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model", "does not exist"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {**GOOD, "max_tokens": -3}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {**GOOD, "prompt": "x" * 64}, 400, "prompt", "context length"),
+    ("/v1/completions", {**GOOD, "prompt": "x" * 60, "max_tokens": 10}, 400, "max_tokens", "context length"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"100000": 5}}, 400, "logit_bias", "outside the vocabulary"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"abc": 5}}, 400, "logit_bias", "token ids"),
+    ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature", ""),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", ""),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "only n=1"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "batched"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 9999]}, 400, "prompt", "vocabulary"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {**GOOD, "suffix": "x"}, 400, "suffix", "not supported"),
+    ("/v1/completions", {**GOOD, "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
+    ("/v1/completions", {**GOOD, "logprobs": 50}, 400, "logprobs", ""),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not implemented"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+     "response_format", "not implemented"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "unknown"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", ""),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content", "only text"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("/v1/nothing-here", {}, 404, None, "no route"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param", "says"), BAD_REQUESTS,
+                         ids=[f"{i}-{case[2]}" for i, case in enumerate(BAD_REQUESTS)])
+def test_bad_request(fake: Live, route: str, body: Any, status: int, param: str | None, says: str) -> None:
+    if isinstance(body, bytes):
+        r = fake.client.post(route, content=body, headers={"content-type": "application/json"})
+    else:
+        r = fake.client.post(route, json=body)
+    assert_error(r, status, param, says)
+    assert_still_serving(fake)
+
+
+def test_wrong_method_is_405(fake: Live) -> None:
+    assert_error(fake.client.get("/v1/completions"), 405)
+    assert_still_serving(fake)
+
+
+def test_api_key(serve_fake: Any) -> None:
+    live = serve_fake(api_key="sekrit")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        error = assert_error(live.client.post("/v1/completions", json=GOOD, headers=headers), 401)
+        assert error["code"] == "invalid_api_key"
+        assert_error(live.client.get("/v1/models", headers=headers), 401)
+    ok = live.client.post("/v1/completions", json=GOOD, headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+    # Only /v1/* is protected: probes and scrapers need no key.
+    for path in ("/health", "/metrics", "/version"):
+        assert live.client.get(path).status_code == 200
+
+
+def test_oversized_body_is_413(serve_fake: Any) -> None:
+    live = serve_fake(max_request_body_bytes=1000)
+    assert_error(live.client.post("/v1/completions", json={**GOOD, "prompt": "x" * 2000}), 413)
+
+    def chunked() -> Any:  # no content-length: the limit applies while reading
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    assert_error(live.client.post("/v1/completions", content=chunked()), 413)
+    assert live.client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_overload_is_429(serve_fake: Any) -> None:
+    live = serve_fake(FakeEngine(step_delay=0.05), max_num_seqs=1, max_waiting_requests=0)
+    with live.client.stream("POST", "/v1/completions", json={**GOOD, "max_tokens": 20, "stream": True}) as r:
+        lines = r.iter_lines()  # keep it: a dropped iterator closes the connection
+        next(lines)  # the first request is in flight
+        error = assert_error(live.client.post("/v1/completions", json=GOOD), 429, says="overloaded")
+        assert error["code"] == "server_overloaded"
+        list(lines)
+    assert live.client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_engine_failure_is_500_without_traceback(serve_fake: Any) -> None:
+    engine = FakeEngine()
+    live = serve_fake(engine)
+    engine.fail_with = RuntimeError("kaboom in the kernel")
+    error = assert_error(live.client.post("/v1/completions", json=GOOD), 500)
+    assert "kaboom" not in error["message"] and error["type"] == "server_error"
+    # Mid-stream, the headers are gone already: an error event, then [DONE].
+    engine.fail_after = 2
+    r = live.client.post("/v1/completions", json={**GOOD, "max_tokens": 5, "stream": True})
+    assert r.status_code == 200
+    assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n") and "kaboom" not in r.text
+    engine.fail_with = None
+    assert_still_serving(live)
+
+
+def test_health_is_503_until_the_engine_loads() -> None:
+    gate = threading.Event()
+    engine = FakeEngine()
+
+    def loader() -> FakeEngine:
+        gate.wait(10)
+        return engine
+
+    app = build_app(None, ServerConfig(served_model_name="fake"), loader=loader)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url) as client:
+        assert_error(client.get("/health"), 503, says="loading")
+        assert_error(client.post("/v1/completions", json=GOOD), 503, says="loading")
+        assert client.get("/metrics").status_code == 200
+        gate.set()
+        deadline = time.monotonic() + 5
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_load_failure_keeps_health_503() -> None:
+    failures: list[BaseException] = []
+
+    def loader() -> FakeEngine:
+        raise RuntimeError("no such model file")
+
+    app = build_app(None, ServerConfig(served_model_name="fake"), loader=loader, on_load_error=failures.append)
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url) as client:
+        deadline = time.monotonic() + 5
+        while not failures:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert_error(client.get("/health"), 503, says="no such model file")

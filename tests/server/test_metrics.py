@@ -1,0 +1,85 @@
+"""/metrics (prometheus text format, counters that move) and aborting on client disconnect."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import Live
+from tests.server.fake_engine import FakeEngine
+
+
+def scrape(live: Live) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = live.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_parse_and_move(fake: Live) -> None:
+    before = scrape(fake)
+    for name in ("vkrt_num_requests_running", "vkrt_num_requests_waiting", "vkrt_kv_cache_usage_ratio",
+                 "vkrt_num_preemptions_total", "vkrt_step_dispatches", "vkrt_step_submits", "vkrt_step_drains",
+                 "vkrt_prompt_tokens_total", "vkrt_generation_tokens_total",
+                 "vkrt_time_to_first_token_seconds_count", "vkrt_inter_token_latency_seconds_count"):
+        assert (name, ()) in before, name
+    assert before[("vkrt_step_dispatches", ())] == 7
+    assert before[("vkrt_requests_total", (("finish_reason", "length"),))] == 0
+    fake.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    fake.client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 5, "stop": "c"})
+    after = scrape(fake)
+    assert after[("vkrt_requests_total", (("finish_reason", "length"),))] == 1
+    assert after[("vkrt_requests_total", (("finish_reason", "stop"),))] == 1
+    assert after[("vkrt_prompt_tokens_total", ())] == 5
+    assert after[("vkrt_generation_tokens_total", ())] == 6
+    assert after[("vkrt_time_to_first_token_seconds_count", ())] == 2
+    assert after[("vkrt_inter_token_latency_seconds_count", ())] == 4
+    fake.engine.num_preemptions = 3
+    assert scrape(fake)[("vkrt_num_preemptions_total", ())] == 3
+
+
+def test_metrics_can_be_disabled(serve_fake: Any) -> None:
+    live = serve_fake(disable_metrics=True)
+    assert live.client.get("/metrics").status_code == 404
+
+
+def test_private_registry_per_app(serve_fake: Any) -> None:
+    a, b = serve_fake(), serve_fake()
+    a.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert scrape(a)[("vkrt_requests_total", (("finish_reason", "length"),))] == 1
+    assert scrape(b)[("vkrt_requests_total", (("finish_reason", "length"),))] == 0
+
+
+def _wait_for(condition: Any, timeout: float = 1.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_stream_disconnect_aborts(serve_fake: Any) -> None:
+    live = serve_fake(FakeEngine(step_delay=0.05))
+    with live.client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+        assert live.engine.active
+    # Leaving the block closes the connection mid-stream.
+    _wait_for(lambda: not live.engine.active and live.engine.aborted)
+    metrics = scrape(live)
+    assert metrics[("vkrt_requests_total", (("finish_reason", "abort"),))] == 1
+    assert live.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(serve_fake: Any) -> None:
+    import httpx
+
+    live = serve_fake(FakeEngine(step_delay=0.05))
+    try:
+        httpx.post(f"{live.url}/v1/completions", json={"prompt": "hi", "max_tokens": 40}, timeout=0.3)
+    except httpx.ReadTimeout:
+        pass
+    _wait_for(lambda: not live.engine.active and live.engine.aborted)

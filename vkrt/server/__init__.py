@@ -1,0 +1,41 @@
+"""OpenAI-compatible HTTP server over the engine (`vkrt serve`)."""
+
+from __future__ import annotations
+
+import logging
+
+from vkrt.server.app import build_app
+from vkrt.server.config import ServerConfig
+from vkrt.server.engine_client import EngineClient
+
+__all__ = ["ServerConfig", "build_app", "serve"]
+
+log = logging.getLogger("vkrt.server")
+
+
+def load_engine(config: ServerConfig) -> EngineClient:
+    """Build the AsyncLLM `config` describes (the default model when none is named)."""
+    from vkrt.engine.async_llm import AsyncLLM
+
+    return AsyncLLM(config.engine_config())  # an empty model means the default, pulled if needed
+
+
+def serve(config: ServerConfig) -> None:
+    """Listen on config.host:config.port at once and load the model in the background;
+    returns when the server stops. Raises the load error if the model cannot be loaded."""
+    import uvicorn
+
+    config.validate()
+    failure: list[BaseException] = []
+
+    def stop_on_load_error(exc: BaseException) -> None:
+        failure.append(exc)
+        server.should_exit = True
+
+    app = build_app(None, config, loader=lambda: load_engine(config), on_load_error=stop_on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+    log.info("serving %s on http://%s:%d", config.model_name(), config.host, config.port)
+    server.run()
+    if failure:
+        raise failure[0]

@@ -1,0 +1,110 @@
+"""OpenAI-shaped error bodies and the exception handlers that produce them.
+
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with the
+HTTP status that fits; a handler never lets a traceback reach the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vkrt.errors import RequestError
+
+log = logging.getLogger("vkrt.server")
+
+# The OpenAI error `type` for each status the server sends.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class BodyTooLarge(Exception):
+    """A request body (sent without content-length) grew past the limit while being read."""
+
+
+class APIError(Exception):
+    """An error the server answers with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def from_request_error(cls, exc: RequestError) -> APIError:
+        return cls(exc.status, str(exc), param=exc.param, code="invalid_value")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """One readable line for the first pydantic error, the field it names, and a code."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None, "invalid_request"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json"
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "model_attributes_type":
+        message = "request body must be a JSON object"
+    return (f"{param}: {message}" if param else message), param, "invalid_value"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error class the routes raise onto its status and an OpenAI body."""
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    async def on_request_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestError)
+        err = APIError.from_request_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        # Validation failures are 400 (as OpenAI and vLLM answer), never FastAPI's 422.
+        assert isinstance(exc, RequestValidationError)
+        message, param, code = _validation_message(exc)
+        return error_response(400, message, param, code)
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc.__cause__, BodyTooLarge):
+            return error_response(413, "request body exceeds the size limit", code="request_too_large")
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestError, on_request_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -1,0 +1,186 @@
+"""Running one request on the engine: incremental updates, abort on early exit, metrics.
+
+The engine reports cumulative outputs; `Generation` turns them into per-update deltas,
+observes TTFT and inter-token latency as the client sees them, and on any early exit
+(client disconnect, cancellation, error) aborts the engine request so its KV blocks are
+freed within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from vkrt.engine.async_llm import EngineMetrics
+from vkrt.engine.config import SamplingParams
+from vkrt.engine.request import RequestOutput, TokenLogprobs
+from vkrt.server.config import ServerConfig
+from vkrt.server.engine_client import EngineClient
+from vkrt.server.errors import APIError
+from vkrt.server.metrics import ServerMetrics
+
+log = logging.getLogger("vkrt.server")
+
+
+class ServerState:
+    """What the routes share: the config, the engine once loaded, metrics, load accounting."""
+
+    def __init__(self, config: ServerConfig, engine: EngineClient | None) -> None:
+        self.config = config
+        self.engine = engine
+        self.load_error: str | None = None
+        self.model_name = config.model_name()
+        self.num_in_flight = 0
+        self.metrics = ServerMetrics(self.read_stats)
+
+    @property
+    def ready(self) -> bool:
+        engine = self.engine
+        # AsyncLLM(load_in_background=True) also turns is_ready on when its load failed.
+        return engine is not None and bool(engine.is_ready) and getattr(engine, "load_error", None) is None
+
+    def require_engine(self) -> EngineClient:
+        if self.engine is None or not self.ready:
+            error = self.load_error or getattr(self.engine, "load_error", None)
+            detail = f"the model failed to load: {error}" if error else "the model is still loading"
+            raise APIError(503, f"{detail}; retry when GET /health answers 200", code="model_not_ready")
+        return self.engine
+
+    def read_stats(self) -> EngineMetrics | None:
+        return self.engine.metrics() if self.ready and self.engine is not None else None
+
+    def check_capacity(self) -> None:
+        """429 when the requests waiting beyond the running batch exceed the configured limit."""
+        waiting = self.num_in_flight - self.config.max_num_seqs
+        if waiting >= self.config.max_waiting_requests:
+            raise APIError(429, f"server overloaded: {self.num_in_flight} requests in flight, "
+                           f"{max(waiting, 0)} waiting (limit {self.config.max_waiting_requests}); retry later",
+                           code="server_overloaded")
+
+    def abort(self, request_id: str) -> None:
+        """Synchronous on purpose: this runs inside cancelled tasks, where an await would be cancelled."""
+        if self.engine is not None:
+            self.engine.abort(request_id)
+
+
+@dataclass
+class Update:
+    """What one engine output added."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+@dataclass
+class Result:
+    """Everything generated so far, accumulated from the updates."""
+
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Generation:
+    """One request on the engine. Iterate `updates()` once; read `result` afterwards."""
+
+    def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float, prompt_text: str | None = None) -> None:
+        self.state = state
+        self.prompt_text = prompt_text
+        self.request_id = request_id
+        self.params = params
+        self.arrival_time = arrival_time
+        self.result = Result(prompt_token_ids=list(prompt_token_ids),
+                             logprobs=[] if params.logprobs is not None else None)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        state, result = self.state, self.result
+        engine = state.require_engine()
+        state.num_in_flight += 1
+        last_token_time: float | None = None
+        try:
+            outputs = engine.generate(list(result.prompt_token_ids), self.params, self.request_id,
+                                      prompt_text=self.prompt_text)
+            async for output in outputs:
+                update = self._absorb(output)
+                if update.token_ids:
+                    now = time.monotonic()
+                    if last_token_time is None:
+                        state.metrics.ttft.observe(now - self.arrival_time)
+                    else:
+                        state.metrics.itl.observe(now - last_token_time)
+                    last_token_time = now
+                if update.token_ids or update.text or update.finish_reason:
+                    yield update
+                if output.finished:
+                    break
+        finally:
+            state.num_in_flight -= 1
+            if result.finish_reason is None:
+                state.abort(self.request_id)
+                result.finish_reason = "abort"
+                log.info("request %s aborted after %d tokens", self.request_id, len(result.token_ids))
+            state.metrics.record_finished(result.finish_reason, len(result.prompt_token_ids),
+                                          len(result.token_ids))
+
+    def _absorb(self, output: RequestOutput) -> Update:
+        result = self.result
+        completion = output.outputs[0]
+        new_ids = list(completion.token_ids[len(result.token_ids):])
+        new_text = completion.text[len(result.text):]
+        new_logprobs = None
+        if result.logprobs is not None and completion.logprobs is not None:
+            new_logprobs = list(completion.logprobs[len(result.logprobs):])
+            result.logprobs.extend(new_logprobs)
+        result.token_ids.extend(new_ids)
+        result.text = completion.text
+        if output.prompt_logprobs is not None:
+            result.prompt_logprobs = output.prompt_logprobs
+        if output.finished:
+            result.finish_reason = completion.finish_reason or "stop"
+            result.stop_reason = completion.stop_reason
+        return Update(new_text, new_ids, new_logprobs, result.finish_reason if output.finished else None)
+
+    async def run(self, raw_request: Request | None = None) -> Result:
+        """Generate to the end; abort if the HTTP client disconnects first (499-style)."""
+
+        async def consume() -> None:
+            async for _ in self.updates():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw_request)) if raw_request else None
+        try:
+            waiters: set[asyncio.Future[Any]] = {task} if watcher is None else {task, watcher}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # the client went away
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(400, "client disconnected", code="client_disconnected")
+            task.result()
+            return self.result
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if not task.done():
+                task.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed its connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

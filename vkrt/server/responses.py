@@ -1,0 +1,73 @@
+"""Pieces both OpenAI routes share: response ids, usage, SSE framing, request logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from vkrt.engine.config import SamplingParams
+from vkrt.server.errors import APIError, error_body
+from vkrt.server.generation import Result, ServerState
+
+log = logging.getLogger("vkrt.server")
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def new_response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(result: Result) -> dict[str, Any]:
+    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
+
+
+def event_stream(chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+    """An SSE response; an error after the headers went out becomes an error event, then [DONE]."""
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as exc:
+            yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+        except Exception:
+            log.exception("request %s failed mid-stream", request_id)
+            yield sse(error_body(500, f"internal server error (request id {request_id})", code="internal_error"))
+        yield SSE_DONE
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def check_model(state: ServerState, requested: str | None) -> None:
+    """404 for a model name this server does not serve (no name: the served model)."""
+    if requested and requested != state.model_name:
+        raise APIError(404, f"model {requested!r} does not exist; this server serves {state.model_name!r} "
+                       "(see GET /v1/models)", param="model", code="model_not_found")
+
+
+def log_request(state: ServerState, response_id: str, header_id: str, prompt: str | None,
+                prompt_ids: list[int], params: SamplingParams) -> None:
+    if not state.config.enable_log_requests:
+        return
+    limit = state.config.max_log_len
+    shown_prompt = prompt if prompt is None or limit is None else prompt[:limit]
+    shown_ids = prompt_ids if limit is None else prompt_ids[:limit]
+    log.info("request %s (x-request-id %s): prompt=%r, prompt_token_ids=%s (%d), params=%s",
+             response_id, header_id, shown_prompt, shown_ids, len(prompt_ids), params)
