@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from vkrt import __version__, config
@@ -117,18 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_pull)
 
-    for register in _LATE_COMMANDS:
-        register(sub)
+    from vkrt import cli_generate
+
+    cli_generate.register(sub)
     return parser
 
 
-# Commands defined in other modules (generate/chat/serve/bench) add themselves here.
-_LATE_COMMANDS: list[Callable[[Any], None]] = []
-
-
 def main(argv: list[str] | None = None) -> int:
-    from vkrt import cli_generate  # noqa: F401  (registers generate/chat/bench/serve)
-
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.debug)

@@ -1,1 +1,241 @@
-"""generate / chat / bench / serve subcommands (placeholder until the engine lands)."""
+"""`vkrt generate`, `chat`, `bench` and `serve`: the commands that load a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from vkrt.backend import BACKEND_NAMES
+from vkrt.errors import VkrtError
+
+DEFAULT_MAX_TOKENS = 128
+# Sampling defaults follow llama.cpp's, which users of `llama-cli` expect.
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_MIN_P = 0.8, 40, 0.95, 0.05
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on first use)")
+    p.add_argument("--device", choices=BACKEND_NAMES, default="auto",
+                   help="vulkan, reference (numpy) or auto: Vulkan if usable (default)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 4096))")
+    p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV cache size, e.g. 256M")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
+    p.add_argument("--temperature", "--temp", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="0 = off")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
+    p.add_argument("--min-p", type=float, default=DEFAULT_MIN_P)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _params(args: argparse.Namespace, seed: int | None) -> Any:
+    from vkrt.engine.config import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _load(args: argparse.Namespace, max_num_seqs: int = 1) -> Any:
+    from vkrt.engine.llm import LLM
+
+    return LLM(args.model or "", device=args.device, max_num_seqs=max_num_seqs,
+               max_model_len=args.max_model_len or _default_len(args), kv_cache_memory=args.kv_cache_memory)
+
+
+def _default_len(args: argparse.Namespace) -> int | None:
+    return None if args.max_model_len else 4096
+
+
+def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
+    if not args.chat:
+        return args.prompt
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}]
+    from vkrt.engine.prompts import render_chat
+
+    return render_chat(llm.tokenizer, messages, None)
+
+
+def _stats_line(run: dict[str, Any]) -> str:
+    c = run["decode_counters_per_step"]
+    return (f"load {run['load_seconds']:.2f} s | prefill {run['prompt_tokens']} tok "
+            f"{run['prefill_tok_s']:.1f} tok/s | decode {run['generated_tokens']} tok {run['decode_tok_s']:.2f} tok/s"
+            f" | per decode step: {c.get('dispatches', 0):.0f} dispatches, {c.get('submits', 0):.0f} submits, "
+            f"{c.get('fence_waits', 0):.0f} fence waits, {c.get('drains', 0):.0f} drains")
+
+
+def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]:
+    start = time.perf_counter()
+    first = None
+    final = None
+    for out in llm.generate_stream(prompt, params):
+        if first is None and out.token_ids:
+            first = time.perf_counter() - start
+        if stream:
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        final = out
+    if stream:
+        sys.stdout.write("\n")
+    assert final is not None
+    totals = llm.engine.totals
+    return {"text": final.text, "ids": final.token_ids, "prompt_ids": final.prompt_token_ids,
+            "finish_reason": final.finish_reason, "first_token_s": first,
+            "seconds": time.perf_counter() - start}
+
+
+def _measure(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]:
+    """One generation with the engine's per-phase stats taken around it."""
+    engine = llm.engine
+    before = engine.totals.snapshot() if hasattr(engine.totals, "snapshot") else None
+    run = _run_once(llm, prompt, params, stream)
+    stats = llm.stats()
+    run.update(load_seconds=stats["load_seconds"], prompt_tokens=len(run["prompt_ids"]),
+               generated_tokens=len(run["ids"]),
+               prefill_tok_s=stats["prefill_tokens_per_second"], decode_tok_s=stats["decode_tokens_per_second"],
+               decode_counters_per_step=stats["decode_counters_per_step"],
+               decode_counters_max=stats["decode_counters_max"])
+    del before
+    return run
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise VkrtError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    llm = _load(args)
+    prompt = _prompt_of(args, llm)
+    runs = []
+    for i in range(max(1, args.repeat)):
+        seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+        llm.engine.reset_totals() if hasattr(llm.engine, "reset_totals") else None
+        run = _measure(llm, prompt, _params(args, seed), stream=not args.json)
+        run["seed"] = seed
+        runs.append(run)
+        if args.stats and not args.json:
+            print(f"[run {i + 1}] {_stats_line(run)}", file=sys.stderr)
+    if args.json:
+        backend = llm.engine.model.backend
+        print(json.dumps({"model": str(args.model or "default"), "device": backend.name,
+                          "runs": runs, "memory": backend.memory_stats()}, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from vkrt.engine.config import SamplingParams
+
+    start = time.perf_counter()
+    llm = _load(args)
+    load_s = time.perf_counter() - start
+    vocab = llm.model_config.vocab_size
+    rng = random.Random(0)
+    prompt_ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
+    params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
+    results = []
+    for _ in range(max(1, args.repeat)):
+        llm.engine.reset_totals() if hasattr(llm.engine, "reset_totals") else None
+        run = _measure(llm, prompt_ids, params, stream=False)
+        results.append(run)
+    best = max(results, key=lambda r: r["decode_tok_s"])
+    backend = llm.engine.model.backend
+    desc = backend.describe()
+    device = desc.get("device", {}).get("name", backend.name) if isinstance(desc.get("device"), dict) else backend.name
+    memory = backend.memory_stats()
+    report = {
+        "model": str(args.model or "default"), "quant": getattr(llm.engine.model, "file_type", None),
+        "device": device, "backend": backend.name,
+        "access_path": desc.get("device", {}).get("access_path") if isinstance(desc.get("device"), dict) else None,
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "prefill_tok_s": best["prefill_tok_s"], "decode_tok_s": best["decode_tok_s"],
+        "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "first_token_s", "seconds")} for r in results],
+        "per_step": best["decode_counters_per_step"], "per_step_max": best["decode_counters_max"],
+        "resident_bytes": memory.get("reserved_bytes"), "memory": memory,
+        "load_s": load_s, "first_token_s": best["first_token_s"],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['device']} ({report['backend']}), model {report['model']}")
+        print(f"prefill {args.prompt_tokens} tok: {report['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
+              f"{report['decode_tok_s']:.2f} tok/s | load {load_s:.2f} s")
+        print(f"per decode step: {report['per_step']}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from vkrt.server import serve
+    from vkrt.server.config import ServerConfig
+
+    serve(ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
+                       api_key=args.api_key,
+                       served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       kv_cache_memory=args.kv_cache_memory, enable_log_requests=args.enable_log_requests,
+                       max_log_len=args.max_log_len, disable_metrics=args.disable_metrics))
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    p.add_argument("prompt", help="the prompt text")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--repeat", type=int, default=1, help="run the generation N times (timing)")
+    p.add_argument("--stats", action="store_true", help="print load time, tok/s and per-step counters to stderr")
+    p.add_argument("--json", action="store_true", help="print ids, text and stats as JSON instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="like generate --chat")
+    p.add_argument("prompt")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("--system", default=None)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--stats", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate, chat=True)
+
+    p = sub.add_parser("bench", help="measure prefill and decode throughput (JSON with --json)")
+    _model_args(p)
+    p.add_argument("--prompt-tokens", "-p", type=int, default=128)
+    p.add_argument("--gen-tokens", "-g", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--enable-log-requests", action="store_true")
+    p.add_argument("--max-log-len", type=int, default=None)
+    p.add_argument("--disable-metrics", action="store_true")
+    p.set_defaults(func=cmd_serve)
+
