@@ -100,7 +100,6 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any
     if stream:
         sys.stdout.write("\n")
     assert final is not None
-    totals = llm.engine.totals
     return {"text": final.text, "ids": final.token_ids, "prompt_ids": final.prompt_token_ids,
             "finish_reason": final.finish_reason, "first_token_s": first,
             "seconds": time.perf_counter() - start}
@@ -108,8 +107,6 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any
 
 def _measure(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]:
     """One generation with the engine's per-phase stats taken around it."""
-    engine = llm.engine
-    before = engine.totals.snapshot() if hasattr(engine.totals, "snapshot") else None
     run = _run_once(llm, prompt, params, stream)
     stats = llm.stats()
     run.update(load_seconds=stats["load_seconds"], prompt_tokens=len(run["prompt_ids"]),
@@ -117,7 +114,6 @@ def _measure(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]
                prefill_tok_s=stats["prefill_tokens_per_second"], decode_tok_s=stats["decode_tokens_per_second"],
                decode_counters_per_step=stats["decode_counters_per_step"],
                decode_counters_max=stats["decode_counters_max"])
-    del before
     return run
 
 

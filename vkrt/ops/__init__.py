@@ -3,7 +3,6 @@ register native kernels for it. Call ops through the functions below."""
 
 from __future__ import annotations
 
-
 from vkrt.ops import attention as _attention
 from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
