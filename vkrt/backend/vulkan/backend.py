@@ -66,7 +66,7 @@ class VulkanBackend(Backend):
         self.descriptors = DescriptorCache(vk, self.device)
         self.batch = CommandBatch(vk, self.device, self.queue, family, self.counters, self._release_now)
         self._weight_sources: dict[int, np.ndarray] = {}
-        self._checked_layouts: set[str] = set()
+        self._checked_layouts: set[tuple[str, tuple[bool, ...]]] = set()
         self._closed = False
         self._graph_tensors: list[Tensor] | None = None
         from vkrt.backend.vulkan.kernels import register_all
@@ -166,7 +166,10 @@ class VulkanBackend(Backend):
                    spec: dict[int, int] | None = None) -> None:
         """Record one dispatch of `module`. bindings: (tensor, texel view kind, written)."""
         pipeline = self.pipelines.get(module, spec)
-        if module not in self._checked_layouts:
+        # Keyed by the written flags too: a call that passed once must not exempt a later,
+        # different binding list (a short one would leave descriptors unwritten).
+        signature = (module, tuple(w for _, _, w in bindings))
+        if signature not in self._checked_layouts:
             manifest = [(b["type"], b["written"]) for b in pipeline.bindings]
             declared = [(manifest[i][0] if i < len(manifest) else "?", w) for i, (_, _, w) in enumerate(bindings)]
             if len(manifest) != len(bindings) or declared != manifest or any(
@@ -175,7 +178,7 @@ class VulkanBackend(Backend):
 
                 raise LayoutMismatch(f"{module}: kernel binds {[(k, w) for _, k, w in bindings]} but the "
                                      f"shader's manifest declares {manifest}")
-            self._checked_layouts.add(module)
+            self._checked_layouts.add(signature)
         set_ptr = self.descriptors.get(pipeline, [(t.handle, kind) for t, kind, _ in bindings])
         push_size = 0
         push_data: Any = None
