@@ -38,6 +38,7 @@ class Block:
     mapped: np.ndarray | None  # uint8 view of the persistent mapping
     free: list[tuple[int, int]] = field(default_factory=list)  # (offset, size), sorted
     dedicated: bool = False
+    reserved: int = 0  # bytes of VkDeviceMemory behind it (the driver may round `size` up)
 
 
 @dataclass(eq=False)
@@ -137,7 +138,7 @@ class MemoryManager:
             mapped = np.frombuffer(raw, dtype=np.uint8, count=size)
         self.reserved += req.size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return Block(memory, buffer, size, is_host, mapped, [(0, size)], dedicated)
+        return Block(memory, buffer, size, is_host, mapped, [(0, size)], dedicated, req.size)
 
     # -- sub-allocation ---------------------------------------------------------------
     def alloc(self, size: int, purpose: str) -> Allocation:
@@ -190,7 +191,7 @@ class MemoryManager:
             vk.vkUnmapMemory(self.device, block.memory)
         vk.vkDestroyBuffer(self.device, block.buffer, None)
         vk.vkFreeMemory(self.device, block.memory, None)
-        self.reserved -= block.size
+        self.reserved -= block.reserved
 
     def stats(self) -> dict[str, int]:
         return {**{f"{k}_bytes": v for k, v in self.in_use.items()},
