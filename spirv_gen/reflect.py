@@ -14,7 +14,7 @@ OP_DECORATE, OP_MEMBER_DECORATE = 71, 72
 DEC_SPEC_ID, DEC_BLOCK, DEC_BUFFER_BLOCK, DEC_ARRAY_STRIDE = 1, 2, 3, 6
 DEC_NON_WRITABLE, DEC_BINDING, DEC_SET, DEC_OFFSET = 24, 33, 34, 35
 SC_UNIFORM_CONSTANT, SC_UNIFORM, SC_PUSH_CONSTANT, SC_STORAGE_BUFFER = 0, 2, 9, 12
-DIM_BUFFER, EXEC_MODE_LOCAL_SIZE = 5, 17
+DIM_BUFFER, EXEC_MODE_LOCAL_SIZE, IMAGE_SAMPLED = 5, 17, 1
 
 
 def reflect(spirv: bytes) -> dict[str, Any]:
@@ -104,7 +104,11 @@ def reflect(spirv: bytes) -> dict[str, Any]:
                 raise ValueError("only buffer textures are supported")
             descriptor, written = "uniform_texel_buffer", False
         elif storage_class == SC_UNIFORM_CONSTANT and kind[0] == "image" and kind[1] == DIM_BUFFER:
-            descriptor, written = "storage_texel_buffer", DEC_NON_WRITABLE not in dec
+            # Sampled 1: a textureBuffer (uniform texel buffer); 2: an imageBuffer (storage).
+            if kind[2] == IMAGE_SAMPLED:
+                descriptor, written = "uniform_texel_buffer", False
+            else:
+                descriptor, written = "storage_texel_buffer", DEC_NON_WRITABLE not in dec
         else:
             raise ValueError(f"unsupported descriptor (storage class {storage_class}, type {kind})")
         bindings.append({"set": dec.get(DEC_SET, [0])[0], "binding": dec[DEC_BINDING][0],
