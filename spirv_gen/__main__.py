@@ -87,7 +87,7 @@ def build(root: Path) -> tuple[dict[str, bytes], dict]:
         blobs = list(pool.map(lambda v: compile_variant(glslang, v, shader_dir, Path(tmp)), todo))
     modules: dict[str, bytes] = {}
     manifest: dict = {"glslang": GLSLANG_VERSION, "flags": FLAGS, "modules": {}}
-    for variant, blob in zip(todo, blobs):
+    for variant, blob in zip(todo, blobs, strict=True):
         modules[variant.module] = blob
         source_hash = hashlib.sha256(variant.source.read_bytes() + inc.encode()).hexdigest()
         manifest["modules"][variant.module] = {

@@ -104,7 +104,7 @@ class Backend(ABC):
                 self.write(inputs[index], arrays[index])
             return ()
         results = result if isinstance(result, tuple) else (result,)
-        return tuple(self.upload(np.asarray(r), spec.dtype) for r, spec in zip(results, out_specs))
+        return tuple(self.upload(np.asarray(r), spec.dtype) for r, spec in zip(results, out_specs, strict=True))
 
     def reference_array(self, t: Tensor) -> np.ndarray:
         """Host copy of `t` in the form references take: block formats dequantized to f32."""
@@ -133,7 +133,7 @@ class Backend(ABC):
         """Upload a weight in its storage format (the backend may repack it, never dequantize)."""
         return self.upload(array.reshape(shape) if not is_block_format(dtype) else array, dtype, "weights")
 
-    def sync(self) -> None:
+    def sync(self) -> None:  # noqa: B027 (an optional hook: nothing to submit by default)
         """Submit pending work and wait for it."""
 
     # Backends that can record a step once and re-submit it (see VulkanBackend.capture).
@@ -148,7 +148,7 @@ class Backend(ABC):
     def memory_stats(self) -> dict[str, int]:
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: nothing to release by default)
         """Release device resources."""
 
 

@@ -32,7 +32,7 @@ def _run_reference(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, A
         return ()
     results = result if isinstance(result, tuple) else (result,)
     return tuple(Tensor(spec.shape, spec.dtype, backend, as_storage_array(np.asarray(r), spec.dtype))
-                 for r, spec in zip(results, out_specs))
+                 for r, spec in zip(results, out_specs, strict=True))
 
 
 class ReferenceBackend(Backend):

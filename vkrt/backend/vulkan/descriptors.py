@@ -68,7 +68,7 @@ class DescriptorCache:
             descriptorSetCount=1, pSetLayouts=[pipeline.set_layout]))[0]
         self._free_in_pool -= 1
         writes = []
-        for meta, (alloc, kind) in zip(pipeline.bindings, bound):
+        for meta, (alloc, kind) in zip(pipeline.bindings, bound, strict=True):
             dtype = meta["type"]
             common = {"sType": vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, "dstSet": dset,
                       "dstBinding": meta["binding"], "descriptorCount": 1}
