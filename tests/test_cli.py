@@ -1,0 +1,89 @@
+"""`vkrt devices`, `vkrt ops` (human and --json) and how the CLI reports errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from vkrt.backend.base import Backend
+from vkrt.cli import main
+from vkrt.errors import VkrtError
+from vkrt.ops import OPS
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_devices_json(vk_default: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "devices", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["vulkan"] is True
+    assert [d["index"] for d in info["devices"]] == list(range(len(info["devices"])))
+    assert info["chosen"] == vk_default.caps.index
+    chosen = info["devices"][info["chosen"]]
+    assert chosen["name"] == vk_default.caps.name
+    for key in ("device_type", "subgroup_size", "unified_memory", "access_path", "max_allocation",
+                "max_storage_range", "storage_buffer_16bit", "shader_float16"):
+        assert key in chosen, key
+
+
+def test_devices_human_names_the_device(vk_default: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "devices")
+    assert code == 0
+    assert f"* {vk_default.caps.index}: {vk_default.caps.name}" in out
+    assert f"chosen: {vk_default.caps.index} {vk_default.caps.name}" in out
+    assert f"kernel access path: {vk_default.caps.access_path}" in out
+
+
+def test_ops_json(vk_default: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ops", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["vulkan_available"] is True
+    assert info["access_path"] in ("texel", "ssbo")
+    rows = {row["op"]: row for row in info["ops"]}
+    assert set(rows) == set(OPS)
+    assert len(rows) == len(info["ops"])  # one row per op
+    for name, row in rows.items():
+        assert row["reference"] == "numpy"
+        native = [k.name for k in vk_default.kernels(name)]
+        if native:
+            assert row["vulkan"] == native, name
+        else:
+            assert row["vulkan"] == "reference (drain)", name
+        assert row["doc"] == OPS[name].doc
+    assert isinstance(rows["add"]["vulkan"], list)  # add has had a native kernel from the start
+
+
+def test_ops_human_lists_every_op(vk_default: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ops")
+    assert code == 0
+    listed = {line.split()[0] for line in out.splitlines()[3:] if line.strip()}
+    assert listed == set(OPS)
+
+
+def test_error_is_one_line_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "pull", "nosuchmodel")
+    assert code == 1
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("vkrt: error: ") and "nosuchmodel" in lines[0]
+    assert "Traceback" not in err
+
+
+def test_debug_reraises(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(VkrtError, match="nosuchmodel"):
+        main(["--debug", "pull", "nosuchmodel"])
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
