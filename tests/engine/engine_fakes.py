@@ -18,7 +18,7 @@ from vkrt.backend import get_backend
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.ops.tensor import Tensor
-from vkrt.tokenizer import Tokenizer
+from vkrt.tokenizer import Tokenizer, _unicode_to_byte
 
 EOS = 256
 VOCAB = 260
@@ -73,19 +73,6 @@ class FakeLM(CausalLM):
         return ids[len(prompt):]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (what byte-level BPE vocabularies use)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -95,7 +82,7 @@ MULTI_CHAR = {257: "ST", 258: "OPx", 259: "yz"}  # tokens spanning several chara
 
 def byte_tokenizer() -> Tokenizer:
     """Token id b < 256 is byte b; 256 is <eos> (special); 257-259 are MULTI_CHAR."""
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = dict(_unicode_to_byte())  # GPT-2's printable character per byte -> that byte
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

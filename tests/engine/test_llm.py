@@ -8,7 +8,7 @@ import pytest
 from engine_fakes import CHAT_TEMPLATE, FakeLM
 
 from vkrt.engine import LLM, SamplingParams
-from vkrt.errors import RequestError
+from vkrt.errors import RequestError, VkrtError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -90,3 +90,8 @@ def test_stats(make_llm: Callable[..., LLM]) -> None:
     assert stats["decode_steps"] == 7 and stats["decode_tokens_per_second"] > 0
     assert stats["prefill_tokens_per_second"] > 0
     assert set(stats["decode_counters_per_step"]) >= {"dispatches", "submits", "fence_waits", "drains"}
+
+
+def test_max_model_len_beyond_the_model_is_refused() -> None:
+    with pytest.raises(VkrtError, match="max_position_embeddings"):
+        LLM(model=FakeLM(max_len=64), max_model_len=128)

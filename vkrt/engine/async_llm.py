@@ -171,6 +171,8 @@ class AsyncLLM:
         """Abort a request from any thread; its blocks are freed before the next step runs."""
         with self._cond:
             if self._streams.pop(request_id, None) is not None:
+                # Not yet handed to the engine: drop it here, or it would run with no reader.
+                self._adds = [add for add in self._adds if add[0] != request_id]
                 self._aborts.append(request_id)
                 self._cond.notify()
 

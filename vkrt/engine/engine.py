@@ -19,7 +19,7 @@ from vkrt.engine.request import Request, RequestOutput
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, token_logprobs
 from vkrt.engine.scheduler import Scheduler
-from vkrt.errors import ModelFormatError, RequestError
+from vkrt.errors import ModelFormatError, RequestError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
 
@@ -89,6 +89,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        if self.max_model_len > model.config.max_position_embeddings:
+            raise VkrtError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{model.config.max_position_embeddings}; lower max_model_len")
         bytes_per_block = model.kv_bytes_per_block(config.block_size, config.kv_dtype)
         num_blocks = config.resolve_num_blocks(bytes_per_block, self.max_model_len)
         kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype)

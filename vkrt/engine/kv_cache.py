@@ -92,13 +92,6 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their contents)."""
-        self._cached.clear()
-        self._block_hash = [None] * self.num_blocks
-        for request_id in self._req_num_hashed:
-            self._req_num_hashed[request_id] = 0
-
     # ---- allocation -----------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:

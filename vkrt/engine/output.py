@@ -9,6 +9,8 @@ ignore_eos) and stop_token_ids end it without adding their text.
 
 from __future__ import annotations
 
+import dataclasses
+
 from vkrt.engine.request import (
     CompletionOutput,
     Request,
@@ -147,5 +149,5 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics,
+            metrics=dataclasses.replace(request.metrics),
         )

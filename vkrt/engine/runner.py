@@ -17,10 +17,10 @@ from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 class LogitsLayout:
     """Which logits row serves what: a sampled next token, or prompt-logprob positions."""
 
-    sample_rows: list[tuple[Request, int]] = field(default_factory=list)
-    # (request, first logits row, first prompt position scored): consecutive rows score
-    # prompt tokens at consecutive positions.
-    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)  # + count
+    sample_rows: list[tuple[Request, int]] = field(default_factory=list)  # (request, row)
+    # (request, first row, first prompt position scored, count): row first + k gives the
+    # logprob of prompt token (position + k).
+    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
 def build_forward_batch(out: SchedulerOutput, blocks: BlockManager) -> tuple[ForwardBatch, LogitsLayout]:
