@@ -14,13 +14,17 @@ from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format, s
 
 
 class _Weight:
-    """Block-format storage plus its dequantized copy, made once (host memory only)."""
+    """A weight's storage bytes plus its float64 values, made once (host memory only).
+
+    float64 keeps each output row's sum essentially independent of how many rows BLAS
+    processes together, so reference runs stay batch invariant after rounding to f32.
+    """
 
     __slots__ = ("raw", "values")
 
     def __init__(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
         self.raw = raw
-        self.values = dequantize(raw, dtype).reshape(shape)
+        self.values = dequantize(raw, dtype).reshape(shape).astype(np.float64)
 
 
 def _run_reference(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
@@ -51,12 +55,11 @@ class ReferenceBackend(Backend):
         return Tensor(data.shape, dtype, self, data.copy())
 
     def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
-        if is_block_format(dtype):
-            raw = as_storage_array(array, dtype)
-            if raw.nbytes != storage_nbytes(shape, dtype):
-                raise ValueError(f"{dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
-            return Tensor(shape, dtype, self, _Weight(raw.reshape(shape[0], -1), dtype, shape))
-        return self.upload(np.asarray(array).reshape(shape), dtype, "weights")
+        raw = as_storage_array(np.asarray(array), dtype)
+        if raw.nbytes != storage_nbytes(shape, dtype):
+            raise ValueError(f"{dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
+        raw = raw.reshape(shape[0], -1) if is_block_format(dtype) else raw.reshape(shape)
+        return Tensor(shape, dtype, self, _Weight(raw.copy(), dtype, shape))
 
     def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
         return Tensor(shape, dtype, self, np.zeros(shape, NUMPY_DTYPES[dtype]))
