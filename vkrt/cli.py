@@ -36,20 +36,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"vulkan": True, "chosen": chosen["index"], "devices": desc["devices"]}, indent=2))
         return 0
-    for dev in desc["devices"]:
-        mark = "*" if dev["index"] == chosen["index"] else " "
-        print(f"{mark} {dev['index']}: {dev['name']} ({dev['device_type']}, Vulkan {dev['api_version']})")
-    c = chosen
-    print(f"\nchosen: {c['index']} {c['name']}  (override with VKRT_DEVICE=<index|name>)")
-    print(f"  kernel access path: {c['access_path']}  (override with VKRT_ACCESS=texel|ssbo)")
-    print(f"  unified memory: {c['unified_memory']}, device-local heap {c['device_local_bytes'] >> 20} MiB, "
-          f"max allocation {c['max_allocation'] >> 20} MiB")
-    print(f"  subgroup size {c['subgroup_size']} ({', '.join(c['subgroup_ops'])}), shared memory "
-          f"{c['max_shared_memory'] >> 10} KiB")
-    print(f"  16-bit storage {c['storage_buffer_16bit']}, 8-bit storage {c['storage_buffer_8bit']}, "
-          f"float16 {c['shader_float16']}, int8 {c['shader_int8']}")
-    print(f"  max storage range {c['max_storage_range'] >> 20} MiB, uniform range {c['max_uniform_range'] >> 10} KiB, "
-          f"texel elements {c['max_texel_elements']}")
+    print("\n".join(get_backend("vulkan").describe_text()))
     return 0
 
 

@@ -145,6 +145,10 @@ class Backend(ABC):
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 
+    def describe_text(self) -> list[str]:
+        """Human-readable lines about the device (for `vkrt devices`)."""
+        return [f"backend: {self.name}"]
+
     def memory_stats(self) -> dict[str, int]:
         return {}
 

@@ -230,6 +230,24 @@ class VulkanBackend(Backend):
         return {"backend": self.name, "device": self.caps.as_dict(),
                 "devices": [c.as_dict() for _, c in self.devices]}
 
+    def describe_text(self) -> list[str]:
+        c = self.caps
+        lines = [f"{'*' if d.index == c.index else ' '} {d.index}: {d.name} ({d.device_type}, Vulkan {d.api_version})"
+                 for _, d in self.devices]
+        return lines + [
+            "",
+            f"chosen: {c.index} {c.name}  (override with VKRT_DEVICE=<index|name>)",
+            f"  kernel access path: {c.access_path}  (override with VKRT_ACCESS=texel|ssbo)",
+            f"  unified memory: {c.unified_memory}, device-local heap {c.device_local_bytes >> 20} MiB, "
+            f"max allocation {c.max_allocation >> 20} MiB",
+            f"  subgroup size {c.subgroup_size} ({', '.join(c.subgroup_ops)}), shared memory "
+            f"{c.max_shared_memory >> 10} KiB",
+            f"  16-bit storage {c.storage_buffer_16bit}, 8-bit storage {c.storage_buffer_8bit}, "
+            f"float16 {c.shader_float16}, int8 {c.shader_int8}",
+            f"  max storage range {c.max_storage_range >> 20} MiB, uniform range {c.max_uniform_range >> 10} KiB, "
+            f"texel elements {c.max_texel_elements}",
+        ]
+
     def memory_stats(self) -> dict[str, int]:
         return self.memory.stats()
 
