@@ -31,6 +31,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
     kv_dtype: str = "f32"
     enable_prefix_caching: bool = True
+    enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0
 
     def validate(self) -> None:

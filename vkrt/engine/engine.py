@@ -17,7 +17,7 @@ from vkrt.engine.kv_cache import BlockManager
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.request import Request, RequestOutput
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
-from vkrt.engine.sampler import Sampler, token_logprobs
+from vkrt.engine.sampler import Sampler, SamplerOutput, is_plain_greedy, token_logprobs
 from vkrt.engine.scheduler import Scheduler
 from vkrt.errors import ModelFormatError, RequestError, VkrtError
 from vkrt.models.base import CausalLM
@@ -98,7 +98,7 @@ class EngineCore:
         kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, kv)
+        self.runner = ModelRunner(model, kv, config.max_num_seqs, self.max_model_len, replay=config.enable_replay)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
@@ -178,7 +178,9 @@ class EngineCore:
         if scheduled.is_empty:
             return []
         batch, layout = build_forward_batch(scheduled, self.block_manager)
-        logits = self.runner.execute(batch)
+        requests = [request for request, _ in layout.sample_rows]
+        greedy_only = not layout.prompt_rows and all(is_plain_greedy(r) for r in requests)
+        logits = self.runner.execute(batch, greedy_only=greedy_only)
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens
@@ -191,8 +193,11 @@ class EngineCore:
                 request.prompt_logprobs.append(entry)
 
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted))
-        requests = [request for request, _ in layout.sample_rows]
-        sampled = self.sampler.sample(logits[[row for _, row in layout.sample_rows]], requests)
+        rows = [row for _, row in layout.sample_rows]
+        if greedy_only:  # the runner returned each row's argmax
+            sampled = SamplerOutput([int(t) for t in logits[rows]], [None] * len(rows))
+        else:
+            sampled = self.sampler.sample(logits[rows], requests)
         results: list[RequestOutput] = []
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
             metrics = request.metrics

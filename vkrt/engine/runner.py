@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vkrt import ops
 from vkrt.engine.kv_cache import BlockManager
 from vkrt.engine.request import Request
 from vkrt.engine.scheduler import SchedulerOutput
@@ -79,29 +80,107 @@ class StepStats:
     num_logits_rows: int = 0
     seconds: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
+    replayed: bool = False
 
 
 class ModelRunner:
-    """Runs ForwardBatches through a CausalLM over its paged KV cache."""
+    """Runs ForwardBatches through a CausalLM over its paged KV cache.
 
-    def __init__(self, model: CausalLM, kv: KVCache) -> None:
+    Decode steps (one token per sequence, every token sampled) are padded to a power-of-two
+    bucket and, on a backend that supports it, recorded once per bucket and replayed: the
+    host only rewrites the step's input tensors, then one submit runs the whole step.
+    Prefill and mixed steps run eagerly.
+    """
+
+    def __init__(self, model: CausalLM, kv: KVCache, max_num_seqs: int, max_model_len: int,
+                 replay: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.backend = model.backend
         self.last_step = StepStats()
+        self.replay = replay and self.backend.supports_replay
+        self.max_bucket = 1 << max(0, max_num_seqs - 1).bit_length()
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        self._graphs: dict[int, _DecodeGraph] = {}
 
-    def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """Logits [len(batch.logits_index), vocab] float32; the step's K/V land in the cache."""
+    def execute(self, batch: ForwardBatch, greedy_only: bool = False) -> np.ndarray:
+        """Logits [len(batch.logits_index), vocab] float32; the step's K/V land in the cache.
+
+        With `greedy_only` the caller needs just each row's argmax: the ids come back as
+        int32 [rows] instead (computed on the device when the step is replayed).
+        """
         counters = self.backend.counters
         before = counters.snapshot()
         start = time.perf_counter()
-        step = StepTensors.upload(self.backend, batch)
-        logits = self.backend.read(self.model.forward(step, self.kv))
+        rows = int(batch.logits_index.shape[0])
+        graph = self._graph_for(batch)
+        if graph is not None:
+            result = graph.run(batch, greedy_only)
+        else:
+            step = StepTensors.upload(self.backend, batch)
+            logits = self.model.forward(step, self.kv)
+            if greedy_only:
+                result = self.backend.read(ops.argmax(logits)).reshape(rows)
+            else:
+                result = np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1)
         self.last_step = StepStats(
             num_seqs=int(batch.block_tables.shape[0]),
             num_tokens=batch.num_tokens,
-            num_logits_rows=int(batch.logits_index.shape[0]),
+            num_logits_rows=rows,
             seconds=time.perf_counter() - start,
             counters=counters.since(before),
+            replayed=graph is not None,
         )
-        return np.asarray(logits, dtype=np.float32).reshape(batch.logits_index.shape[0], -1)
+        return result
+
+    def _graph_for(self, batch: ForwardBatch) -> _DecodeGraph | None:
+        """The recorded step for this decode batch's bucket, or None to run eagerly."""
+        t = batch.num_tokens
+        if not self.replay or t == 0 or t > self.max_bucket:
+            return None
+        if batch.block_tables.shape[0] != t or batch.block_tables.shape[1] > self.max_blocks:
+            return None
+        if not np.array_equal(batch.logits_index, np.arange(t)) or not np.array_equal(batch.seq_index, np.arange(t)):
+            return None
+        bucket = 1 << (t - 1).bit_length()
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks)
+        return graph
+
+
+class _DecodeGraph:
+    """One decode bucket: persistent input tensors and the forward recorded over them."""
+
+    def __init__(self, model: CausalLM, kv: KVCache, bucket: int, max_blocks: int) -> None:
+        backend = model.backend
+        self.backend = backend
+        self.bucket = bucket
+        self.max_blocks = max_blocks
+        self.host = ForwardBatch(
+            token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
+            seq_index=np.full(bucket, -1, np.int32), slots=np.full(bucket, -1, np.int32),
+            block_tables=np.zeros((bucket, max_blocks), np.int32),
+            logits_index=np.arange(bucket, dtype=np.int32))
+        self.inputs = StepTensors.upload(backend, self.host)
+        with backend.capture() as graph:
+            self.logits = model.forward(self.inputs, kv)
+            self.argmax = ops.argmax(self.logits)
+        self.graph = graph
+
+    def run(self, batch: ForwardBatch, greedy_only: bool) -> np.ndarray:
+        t = batch.num_tokens
+        host = self.host
+        # Padding rows: seq_index -1 makes attention skip them and slot -1 keeps their K/V out.
+        host.token_ids[:t], host.token_ids[t:] = batch.token_ids, 0
+        host.positions[:t], host.positions[t:] = batch.positions, 0
+        host.seq_index[:t], host.seq_index[t:] = batch.seq_index, -1
+        host.slots[:t], host.slots[t:] = batch.slots, -1
+        host.block_tables[:] = 0
+        host.block_tables[:t, :batch.block_tables.shape[1]] = batch.block_tables
+        for name in ("token_ids", "positions", "seq_index", "slots", "block_tables"):
+            self.backend.write(getattr(self.inputs, name), getattr(host, name))
+        self.graph.replay()
+        if greedy_only:
+            return self.backend.read(self.argmax)[:t]
+        return np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t]

@@ -52,6 +52,15 @@ def token_logprobs(logits_row: np.ndarray, token_id: int, num_top: int,
     return TokenLogprobs(entry(token_id), top, scored)
 
 
+def is_plain_greedy(request: Request) -> bool:
+    """True when the next token is the raw logits' argmax: no processor or logprob is needed,
+    so the argmax may be taken on the device and only ids read back."""
+    p = request.params
+    return (p.greedy and p.logprobs is None and p.logprob_token_ids is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and request.num_output_tokens >= p.min_tokens)
+
+
 def apply_penalties_and_bias(row: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
                              output_ids: Sequence[int], eos_token_ids: Sequence[int]) -> np.ndarray:
     """The logits a request's sampling sees (float64 copy), before temperature."""

@@ -161,6 +161,9 @@ class CommandBatch:
         recorded = RecordedCommands(self.cmd, cmd_array, submit,
                                     self.counters.dispatches - self._capture_start[0],
                                     self.counters.barriers - self._capture_start[1])
+        # Recording executed nothing: count the dispatches when they are replayed.
+        self.counters.dispatches -= recorded.dispatches
+        self.counters.barriers -= recorded.barriers
         self.cmd = self._batch_cmd
         self.capturing = False
         self.recording = False
