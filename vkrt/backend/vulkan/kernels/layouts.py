@@ -2,7 +2,9 @@
 
 Block formats are split into a quants region (one uvec4 texel per 16 bytes of quants) and
 a scales region (one uint per block), so every load is aligned: GGUF's 18/20/34-byte blocks
-are not. Float rows are padded to whole uvec4/vec4 texels. Nothing is dequantized.
+are not. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F texels or 4
+uvec4 texels of f16/bf16), so the matmul kernels read every row as complete blocks, like the
+block formats, without bounds checks. Nothing is dequantized.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ def _pad_cols(a: np.ndarray, multiple: int) -> np.ndarray:
 def row_texels(dtype: str, k: int) -> int:
     """uvec4/vec4 texels per row of k values in the device layout."""
     if dtype == "f32":
-        return -(-k // 4)
+        return -(-k // 32) * 8
     if dtype in ("f16", "bf16"):
-        return -(-k // 8)
+        return -(-k // 32) * 4
     block_values = BLOCK_LAYOUT[dtype][1]
     return k // block_values * (2 if dtype == "q8_0" else 1)
 
@@ -36,9 +38,9 @@ def device_layout(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Storage-format rows [rows, ...] -> the flat uint8 device image."""
     rows = raw.shape[0]
     if dtype == "f32":
-        return _pad_cols(raw.astype(np.float32), 4).view(np.uint8).reshape(-1)
+        return _pad_cols(raw.astype(np.float32), 32).view(np.uint8).reshape(-1)
     if dtype in ("f16", "bf16"):
-        return _pad_cols(raw.view(np.uint16), 8).view(np.uint8).reshape(-1)
+        return _pad_cols(raw.view(np.uint16), 32).view(np.uint8).reshape(-1)
     block_bytes, _ = BLOCK_LAYOUT[dtype]
     blocks = raw.reshape(rows, -1, block_bytes)
     if dtype == "q8_0":

@@ -1,0 +1,61 @@
+#version 450
+#extension GL_GOOGLE_include_directive : require
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1 ACCESS=texel,ssbo
+// Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
+// reading the weight device layout (layouts.py) through one 32-bit view of the table.
+// Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
+// uncontracted f32 operations (`precise`), the order vkrt/ops/quant.py computes them in.
+#include "access.glsl"
+DECLARE_LOCAL_SIZE;
+
+#ifdef WFMT_F32
+IN_F32(0, table);
+#else
+IN_U32(0, table);
+#endif
+IN_I32(1, ids);
+OUT_F32(2, y);
+
+// row_words: 32-bit words per table row in the quants region; s_base: first scales word.
+layout(push_constant) uniform Push { uint n; uint D; uint row_words; uint blocks; uint s_base; } pc;
+
+void main() {
+    uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    if (i >= pc.n) return;
+    uint row = uint(LD_I32(ids, i / pc.D));
+    uint d = i % pc.D;
+    precise float v;
+#if defined(WFMT_F32)
+    v = LD_F32(table, row * pc.row_words + d);
+#elif defined(WFMT_F16) || defined(WFMT_BF16)
+    uint w = LD_U32(table, row * pc.row_words + d / 2u);
+#ifdef WFMT_F16
+    v = unpackHalf2x16(w)[d & 1u];
+#else
+    v = uintBitsToFloat((d & 1u) == 0u ? w << 16 : w & 0xFFFF0000u);
+#endif
+#else
+    uint blk = d / 32u, e = d % 32u;
+    vec2 dm = unpackHalf2x16(LD_U32(table, pc.s_base + row * pc.blocks + blk));
+    #ifdef WFMT_Q8_0
+    uint base = row * pc.row_words + blk * 8u;  // 32 int8 quants = 8 words
+#else
+    uint base = row * pc.row_words + blk * 4u;  // 32 nibbles = 4 words
+#endif
+#if defined(WFMT_Q8_0)
+    uint w = LD_U32(table, base + e / 4u);
+    float q = float(int(w << (24u - 8u * (e % 4u))) >> 24);
+    v = dm.x * q;
+#else
+    uint byte_index = e % 16u;
+    uint w = LD_U32(table, base + byte_index / 4u);
+    float q = float((w >> (8u * (byte_index % 4u) + (e >= 16u ? 4u : 0u))) & 0xFu);
+#if defined(WFMT_Q4_0)
+    v = dm.x * (q - 8.0);
+#else
+    v = dm.x * q + dm.y;
+#endif
+#endif
+#endif
+    y[i] = v;
+}

@@ -1,0 +1,152 @@
+// Weight decoding for the device layout of vkrt/backend/vulkan/kernels/layouts.py.
+//
+// Block formats (q8_0, q4_0, q4_1) are split into a quants region of uvec4 texels and a
+// scales region of one uint per block (f16 d in the low half; q4_1 keeps f16 m in the high
+// half). Float rows are padded with zeros to whole 32-value blocks, so every weight row is a
+// sequence of complete 32-value blocks:
+//   f32: 8 texels (RGBA32F) per block, f16/bf16: 4 uvec4 texels, q8_0: 2, q4_0/q4_1: 1.
+//
+// Reduction contract (batch invariance, DESIGN invariant 9): every matmul kernel reduces one
+// output as  acc = 0; for each block b in order: p = block_dot(w_b, x_b); acc = combine(...)
+// with the helpers below, in `precise` arithmetic, so the result never depends on how many
+// tokens or rows an invocation handles nor on which kernel (vec / tiled) ran.
+
+#ifndef VKRT_QUANT_GLSL
+#define VKRT_QUANT_GLSL
+
+// ---- raw words -> 4 consecutive values --------------------------------------------------
+// q4: byte i of a block holds element i (low nibble) and element i + 16 (high nibble), so
+// word j's low nibbles are elements 4j..4j+3 and its high nibbles 16+4j..16+4j+3.
+vec4 q4_lo(uint w) { return vec4((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu); }
+vec4 q4_hi(uint w) { return vec4((uvec4(w) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu); }
+// q8: four signed bytes, element order = byte order (little endian).
+vec4 q8_vals(uint w) { return vec4(ivec4(uvec4(w) << uvec4(24u, 16u, 8u, 0u)) >> 24); }
+vec4 f16_vals(uint a, uint b) { return vec4(unpackHalf2x16(a), unpackHalf2x16(b)); }
+vec4 bf16_vals(uint a, uint b) {
+    return uintBitsToFloat(uvec4(a << 16, a & 0xFFFF0000u, b << 16, b & 0xFFFF0000u));
+}
+
+// ---- one 32-value block -------------------------------------------------------------------
+// Weights of one block as 8 vec4 (raw quants for block formats: the scale is applied by
+// combine()). Each block-format texel decodes to the same 8 vec4 in element order.
+void q4_block(uvec4 t, out vec4 w[8]) {
+    w[0] = q4_lo(t.x); w[1] = q4_lo(t.y); w[2] = q4_lo(t.z); w[3] = q4_lo(t.w);
+    w[4] = q4_hi(t.x); w[5] = q4_hi(t.y); w[6] = q4_hi(t.z); w[7] = q4_hi(t.w);
+}
+void q8_block(uvec4 a, uvec4 b, out vec4 w[8]) {
+    w[0] = q8_vals(a.x); w[1] = q8_vals(a.y); w[2] = q8_vals(a.z); w[3] = q8_vals(a.w);
+    w[4] = q8_vals(b.x); w[5] = q8_vals(b.y); w[6] = q8_vals(b.z); w[7] = q8_vals(b.w);
+}
+void f16_block(uvec4 a, uvec4 b, uvec4 c, uvec4 d, out vec4 w[8]) {
+    w[0] = f16_vals(a.x, a.y); w[1] = f16_vals(a.z, a.w); w[2] = f16_vals(b.x, b.y); w[3] = f16_vals(b.z, b.w);
+    w[4] = f16_vals(c.x, c.y); w[5] = f16_vals(c.z, c.w); w[6] = f16_vals(d.x, d.y); w[7] = f16_vals(d.z, d.w);
+}
+void bf16_block(uvec4 a, uvec4 b, uvec4 c, uvec4 d, out vec4 w[8]) {
+    w[0] = bf16_vals(a.x, a.y); w[1] = bf16_vals(a.z, a.w); w[2] = bf16_vals(b.x, b.y); w[3] = bf16_vals(b.z, b.w);
+    w[4] = bf16_vals(c.x, c.y); w[5] = bf16_vals(c.z, c.w); w[6] = bf16_vals(d.x, d.y); w[7] = bf16_vals(d.z, d.w);
+}
+
+// The fixed in-block order: 8 four-wide dots added left to right.
+float block_dot(vec4 w[8], vec4 x[8]) {
+    precise float p = dot(w[0], x[0]);
+    p += dot(w[1], x[1]); p += dot(w[2], x[2]); p += dot(w[3], x[3]);
+    p += dot(w[4], x[4]); p += dot(w[5], x[5]); p += dot(w[6], x[6]); p += dot(w[7], x[7]);
+    return p;
+}
+
+// Sum of the block's activations: q4_0 / q4_1 fold their offset (-8 / m) into it once per
+// block and token instead of once per weight.
+float block_sum(vec4 x[8]) {
+    const vec4 one = vec4(1.0);
+    precise float s = dot(x[0], one);
+    s += dot(x[1], one); s += dot(x[2], one); s += dot(x[3], one);
+    s += dot(x[4], one); s += dot(x[5], one); s += dot(x[6], one); s += dot(x[7], one);
+    return s;
+}
+
+// acc + this block's contribution. `scale` is the block's scales word, p its block_dot and
+// xsum its block_sum (unused by formats that have no offset).
+float combine(float acc, float p, uint scale, float xsum) {
+    precise float r;
+#if defined(WFMT_Q8_0)
+    r = fma(unpackHalf2x16(scale).x, p, acc);
+#elif defined(WFMT_Q4_0)
+    r = fma(unpackHalf2x16(scale).x, fma(xsum, -8.0, p), acc);
+#elif defined(WFMT_Q4_1)
+    vec2 dm = unpackHalf2x16(scale);
+    r = fma(dm.y, xsum, fma(dm.x, p, acc));
+#else
+    r = acc + p;
+#endif
+    return r;
+}
+
+#if defined(WFMT_Q4_0) || defined(WFMT_Q4_1)
+#define NEEDS_XSUM 1
+#endif
+
+// ---- matmul operand loaders (define MATMUL_IO before including) --------------------------
+// load_block(texel) decodes the block starting at quants texel `texel` of binding `wq`
+// (IN_F32X4 for f32, IN_U32X4 otherwise); load_x reads 32 activations of binding `x`
+// (IN_F32). Both bindings are declared by the including shader.
+#ifdef MATMUL_IO
+#if defined(WFMT_F32)
+#define BLOCK_TEXELS 8u
+void load_block(uint i, out vec4 w[8]) {
+    w[0] = LD_F32X4(wq, i); w[1] = LD_F32X4(wq, i + 1u); w[2] = LD_F32X4(wq, i + 2u); w[3] = LD_F32X4(wq, i + 3u);
+    w[4] = LD_F32X4(wq, i + 4u); w[5] = LD_F32X4(wq, i + 5u); w[6] = LD_F32X4(wq, i + 6u); w[7] = LD_F32X4(wq, i + 7u);
+}
+#elif defined(WFMT_F16)
+#define BLOCK_TEXELS 4u
+void load_block(uint i, out vec4 w[8]) {
+    f16_block(LD_U32X4(wq, i), LD_U32X4(wq, i + 1u), LD_U32X4(wq, i + 2u), LD_U32X4(wq, i + 3u), w);
+}
+#elif defined(WFMT_BF16)
+#define BLOCK_TEXELS 4u
+void load_block(uint i, out vec4 w[8]) {
+    bf16_block(LD_U32X4(wq, i), LD_U32X4(wq, i + 1u), LD_U32X4(wq, i + 2u), LD_U32X4(wq, i + 3u), w);
+}
+#elif defined(WFMT_Q8_0)
+#define BLOCK_TEXELS 2u
+void load_block(uint i, out vec4 w[8]) { q8_block(LD_U32X4(wq, i), LD_U32X4(wq, i + 1u), w); }
+#else
+#define BLOCK_TEXELS 1u
+void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
+#endif
+
+// x is bound as RGBA32F texels when its rows are whole texels (K % 4 == 0, texel path) and
+// as R32F / a float[] otherwise: a spec constant, so each pipeline keeps one load path.
+layout(constant_id = 2) const bool X_VEC4 = false;
+
+// The 32 activations of block b of token t, zero past K (only a float row's last block is
+// partial: block formats need K % 32 == 0).
+void load_x(uint t, uint b, uint K, out vec4 xv[8]) {
+    uint k0 = b * 32u;
+    uint base = t * K + k0;
+#ifdef ACCESS_TEXEL
+    if (X_VEC4) {
+        base >>= 2;
+        if (k0 + 32u <= K) {
+            [[unroll]] for (uint j = 0u; j < 8u; j++) xv[j] = LD_F32X4(x, base + j);
+        } else {
+            [[unroll]] for (uint j = 0u; j < 8u; j++) xv[j] = k0 + 4u * j < K ? LD_F32X4(x, base + j) : vec4(0.0);
+        }
+        return;
+    }
+#endif
+    if (k0 + 32u <= K) {
+        [[unroll]] for (uint j = 0u; j < 8u; j++) {
+            uint i = base + 4u * j;
+            xv[j] = vec4(LD_F32(x, i), LD_F32(x, i + 1u), LD_F32(x, i + 2u), LD_F32(x, i + 3u));
+        }
+    } else {
+        [[unroll]] for (uint j = 0u; j < 8u; j++) {
+            [[unroll]] for (uint c = 0u; c < 4u; c++) {
+                uint k = k0 + 4u * j + c;
+                xv[j][c] = k < K ? LD_F32(x, base + 4u * j + c) : 0.0;
+            }
+        }
+    }
+}
+#endif  // MATMUL_IO
+#endif  // VKRT_QUANT_GLSL

@@ -1,0 +1,42 @@
+"""embedding: gather rows of a stored-format table (shaders/embedding.comp), bit-exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
+from vkrt.backend.vulkan.kernels.layouts import quants_bytes, row_texels
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+
+
+def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    table = inputs[0]
+    caps = table.backend.caps
+    if caps.access_path == "texel":
+        fits = table.handle.size // 4 <= caps.max_texel_elements
+    else:
+        fits = table.handle.size <= caps.max_storage_range
+    return table.dtype in FORMATS and fits
+
+
+def _run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+         out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    table, ids = inputs
+    v, d = table.shape
+    y = backend.empty(out[0].shape, "f32")
+    n = y.numel
+    if n == 0:
+        return (y,)
+    push = (n, d, row_texels(table.dtype, d) * 4, d // 32, quants_bytes(table.dtype, v, d) // 4)
+    backend.run_shader(module(backend, "embedding", table.dtype),
+                       [(table, "f32" if table.dtype == "f32" else "u32", False), (ids, "i32", False),
+                        (y, "f32", True)],
+                       grid_1d(n), ("<5I", push), local_size())
+    return (y,)
+
+
+def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("embedding", "embedding", _run, supports=_supports))
