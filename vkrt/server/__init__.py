@@ -8,7 +8,7 @@ from vkrt.server.app import build_app
 from vkrt.server.config import ServerConfig
 from vkrt.server.engine_client import EngineClient
 
-__all__ = ["ServerConfig", "build_app", "serve"]
+__all__ = ["ServerConfig", "build_app", "load_engine", "serve"]
 
 log = logging.getLogger("vkrt.server")
 
