@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loading {config.model_name()} on {args.device} ...", file=sys.stderr)
             engine = load_engine(config)
             stack.callback(engine.shutdown)
-            device = engine.engine.model.backend.name  # type: ignore[attr-defined]
+            device = engine.engine.model.backend.name
             url = stack.enter_context(BackgroundServer(build_app(engine, config))).url
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.served_model_name or httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]

@@ -38,6 +38,6 @@ def live_model(model: Path, **config: Any) -> Iterator[LiveModel]:
     engine = load_engine(server_config)
     try:
         with BackgroundServer(build_app(engine, server_config)) as server:
-            yield LiveModel(server.url, engine, server_config)  # type: ignore[arg-type]
+            yield LiveModel(server.url, engine, server_config)
     finally:
         engine.shutdown()

@@ -18,18 +18,20 @@ import pytest
 
 from tests.server.live_model import MODEL_NAME, LiveModel, live_model
 
+API_KEY = "test-key"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def live(smollm2_path: Path) -> Iterator[LiveModel]:
-    with live_model(smollm2_path, max_model_len=256, max_num_seqs=16) as server:
+    with live_model(smollm2_path, max_model_len=256, max_num_seqs=16, api_key=API_KEY) as server:
         yield server
 
 
 def _client_kwargs(live: LiveModel) -> dict[str, Any]:
-    return {"base_url": live.base_url, "api_key": "unused", "max_retries": 0, "timeout": 600}
+    return {"base_url": live.base_url, "api_key": live.config.api_key or "unused", "max_retries": 0,
+            "timeout": 600}
 
 
 def async_client(live: LiveModel) -> openai.AsyncOpenAI:
@@ -76,7 +78,7 @@ def test_openai_client_endpoints(live: LiveModel) -> None:
         greedy = {"model": MODEL_NAME, "temperature": 0}
         sampled = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}
         return await asyncio.gather(
-            client.completions.create(prompt=PROMPT, max_tokens=8, **greedy),
+            client.completions.create(prompt=PROMPT, max_tokens=8, n=1, **greedy),
             stream_completion(prompt=PROMPT, max_tokens=8, stream_options={"include_usage": True}, **greedy),
             client.completions.create(prompt=PROMPT, max_tokens=8, stop=["."], **greedy),
             client.completions.create(prompt=PROMPT, max_tokens=4, logprobs=3, **greedy),
@@ -131,6 +133,32 @@ def test_openai_client_endpoints(live: LiveModel) -> None:
     assert seed_a.choices[0].text != seed_c.choices[0].text
 
 
+def test_bad_input_then_serving_continues(live: LiveModel) -> None:
+    """Each bad request gets its status and an OpenAI error body; the next good one succeeds."""
+    client = openai.OpenAI(**_client_kwargs(live))
+    base = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    cases: list[tuple[type[openai.APIStatusError], dict[str, Any], str | None]] = [
+        (openai.NotFoundError, {**base, "model": "gpt-4o"}, "model"),
+        (openai.BadRequestError, {**base, "max_tokens": 0}, "max_tokens"),
+        (openai.BadRequestError, {**base, "prompt": "word " * 300}, "prompt"),
+        (openai.BadRequestError, {**base, "logit_bias": {"49152": 10}}, "logit_bias"),
+        (openai.BadRequestError, {**base, "extra_body": {"response_format": {"type": "json_object"}}},
+         "response_format"),
+    ]
+    for error_class, kwargs, param in cases:
+        with pytest.raises(error_class) as caught:
+            client.completions.create(**kwargs)
+        body = caught.value.body
+        assert isinstance(body, dict) and body["param"] == param and body["message"], body
+        assert client.completions.create(**base).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(**{**_client_kwargs(live), "api_key": "wrong"}).models.list()
+    r = httpx.post(f"{live.base_url}/completions", content=b"{oops", headers={
+        "Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert client.completions.create(**base).usage.completion_tokens == 2
+
+
 def test_concurrent_greedy_equals_solo(live: LiveModel) -> None:
     """16 concurrent greedy requests of different lengths each equal the same request alone."""
     prompts = [" ".join(["one two three"] * (i + 1)) + f" and {i}" for i in range(16)]
@@ -158,7 +186,8 @@ def test_concurrent_greedy_equals_solo(live: LiveModel) -> None:
 def test_dropped_stream_frees_blocks(live: LiveModel) -> None:
     """A client that goes away mid-stream: its request is aborted and its blocks are freed."""
     initial_free = live.engine.metrics().num_free_kv_blocks
-    with httpx.Client(base_url=live.url, timeout=600) as http, http.stream(
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=live.url, timeout=600, headers=headers) as http, http.stream(
             "POST", "/v1/completions",
             json={"model": MODEL_NAME, "prompt": PROMPT * 20, "max_tokens": 64, "stream": True}) as r:
         lines = r.iter_lines()

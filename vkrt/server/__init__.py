@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import logging
 
+from vkrt.engine.async_llm import AsyncLLM
 from vkrt.server.app import build_app
 from vkrt.server.config import ServerConfig
-from vkrt.server.engine_client import EngineClient
 
 __all__ = ["ServerConfig", "build_app", "load_engine", "serve"]
 
 log = logging.getLogger("vkrt.server")
 
 
-def load_engine(config: ServerConfig) -> EngineClient:
+def load_engine(config: ServerConfig) -> AsyncLLM:
     """Build the AsyncLLM `config` describes (the default model when none is named)."""
-    from vkrt.engine.async_llm import AsyncLLM
-
     return AsyncLLM(config.engine_config())  # an empty model means the default, pulled if needed
 
 
