@@ -2,8 +2,9 @@
 
 The reference dequantizes exactly and multiplies in float64; the kernels decode in f32 and
 accumulate in f32, so every format lands far inside its bound. Measured NMSE on these
-shapes (llvmpipe): f32/f16/bf16/q8_0 ~3e-15..2e-14, q4_0/q4_1 ~1e-14..1.5e-13 (their -8 / m
-offset is folded into a per-block activation sum). Bound: 1e-10 for every format.
+shapes, both paths and kernels (llvmpipe), median / worst: f32 7e-15 / 8e-14, f16 7e-15 /
+5e-12, bf16 8e-15 / 6e-14, q8_0 7e-15 / 2e-14, q4_0 6e-14 / 3e-13, q4_1 6e-14 / 1e-12 (the
+q4 offsets, -8 and m, are folded into a per-block activation sum). Bound: 1e-9 for all.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from vkrt.ops.quant import dequantize, f32_to_bf16, quantize
 from vkrt.ops.tensor import Tensor, TensorSpec
 
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
-NMSE_BOUND = {fmt: 1e-10 for fmt in FORMATS}
+NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
 BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96), (1, 129, 576),
                 (130, 64, 32)]
-FLOAT_SHAPES = [(1, 1, 37), (2, 7, 64), (5, 64, 37), (33, 129, 64), (130, 7, 37), (1, 129, 64),
-                (130, 64, 64)]
+# Float K: 37 (scalar x loads, partial block), 64 (whole texels and blocks), 100 (whole
+# texels, partial last block).
+FLOAT_SHAPES = [(1, 1, 37), (2, 7, 64), (5, 64, 100), (33, 129, 37), (130, 7, 100), (1, 129, 64),
+                (130, 64, 37)]
 
 
 def make_weight(rng: np.random.Generator, fmt: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -82,18 +85,19 @@ def test_selection_by_token_count(vk: Backend, rng: np.random.Generator, fmt: st
 def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
     """Row t of a T-token matmul is bit-identical to the 1-token result for that row, for
     T = 1, 3, 64, 130, through the op's own kernel choice and through each kernel forced."""
-    n, k = 129, (576 if fmt.startswith("q") else 37)
-    raw, _ = make_weight(rng, fmt, n, k)
-    w = vk.upload_weight(raw, fmt, (n, k))
-    x = rng.standard_normal((130, k)).astype(np.float32)
-    solo = np.concatenate([ops.matmul(vk.upload(x[i : i + 1]), w).numpy() for i in range(130)])
-    for t in (1, 3, 64, 130):
-        xt = vk.upload(x[:t])
-        results = {"selected": ops.matmul(xt, w).numpy(), "vec": run(vk, "matmul.vec", xt, w),
-                   "tiled": run(vk, "matmul.tiled", xt, w)}
-        for how, got in results.items():
-            same = got.view(np.uint32) == solo[:t].view(np.uint32)
-            assert same.all(), f"{fmt} T={t} {how}: {(~same).sum()} values differ from T=1"
+    n = 129
+    for k in (576,) if fmt.startswith("q") else (37, 100):
+        raw, _ = make_weight(rng, fmt, n, k)
+        w = vk.upload_weight(raw, fmt, (n, k))
+        x = rng.standard_normal((130, k)).astype(np.float32)
+        solo = np.concatenate([ops.matmul(vk.upload(x[i : i + 1]), w).numpy() for i in range(130)])
+        for t in (1, 3, 64, 130):
+            xt = vk.upload(x[:t])
+            results = {"selected": ops.matmul(xt, w).numpy(), "vec": run(vk, "matmul.vec", xt, w),
+                       "tiled": run(vk, "matmul.tiled", xt, w)}
+            for how, got in results.items():
+                same = got.view(np.uint32) == solo[:t].view(np.uint32)
+                assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
 def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:

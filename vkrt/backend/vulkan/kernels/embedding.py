@@ -14,7 +14,8 @@ FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     table = inputs[0]
-    caps = table.backend.caps
+    backend: Any = table.backend
+    caps = backend.caps
     if caps.access_path == "texel":
         fits = table.handle.size // 4 <= caps.max_texel_elements
     else:

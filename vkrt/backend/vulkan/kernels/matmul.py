@@ -122,7 +122,8 @@ def _run_tiled(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
 
 def _vec_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     x, w = inputs
-    return x.shape[0] <= config_for(w.backend.caps, w.dtype).vec_max_tokens and supports(inputs, params)
+    backend: Any = w.backend
+    return x.shape[0] <= config_for(backend.caps, w.dtype).vec_max_tokens and supports(inputs, params)
 
 
 def register(backend: Any) -> None:
