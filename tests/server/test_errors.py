@@ -141,6 +141,8 @@ def test_engine_failure_is_500_without_traceback(serve_fake: Any) -> None:
     assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n") and "kaboom" not in r.text
     engine.fail_with = None
     assert_still_serving(live)
+    metrics = live.client.get("/metrics").text
+    assert 'vkrt_requests_total{finish_reason="error"} 2.0' in metrics
 
 
 def test_health_is_503_until_the_engine_loads() -> None:

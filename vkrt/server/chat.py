@@ -12,18 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from vkrt.server.engine_client import require_tokenizer
 from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
-from vkrt.server.middleware import request_id_of
 from vkrt.server.protocol import ChatCompletionRequest
-from vkrt.server.responses import (
-    check_model,
-    event_stream,
-    log_request,
-    new_response_id,
-    now_s,
-    sse,
-    usage,
-)
-from vkrt.server.sampling import chat_prompt, check_unsupported, sampling_params
+from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
+from vkrt.server.sampling import chat_prompt, check_unsupported
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -35,15 +26,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                          body.chat_template_kwargs)
     # The template writes its own BOS and special tokens.
     prompt_ids = require_tokenizer(engine, "messages").encode(prompt, add_special_tokens=False)
-    params = sampling_params(engine, body, prompt_ids, "messages")
-    state.check_capacity()
-    response_id = new_response_id("chatcmpl")
-    log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
-    generation = Generation(state, response_id, prompt_ids, params, arrival, prompt)
-    base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
+    generation = start_generation(state, raw, body, prompt_ids, prompt, "messages", "chatcmpl", arrival)
+    base: dict[str, Any] = {"id": generation.request_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base), response_id)
+        return event_stream(_stream(state, generation, body, base), generation.request_id)
 
     result = await generation.run(raw)
     logprobs = chat_logprobs(engine.tokenizer, result.logprobs) if result.logprobs is not None else None

@@ -12,18 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from vkrt.server.engine_client import require_tokenizer
 from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import completion_logprobs, prompt_logprobs_json
-from vkrt.server.middleware import request_id_of
 from vkrt.server.protocol import CompletionRequest
-from vkrt.server.responses import (
-    check_model,
-    event_stream,
-    log_request,
-    new_response_id,
-    now_s,
-    sse,
-    usage,
-)
-from vkrt.server.sampling import check_unsupported, completion_prompt_ids, sampling_params
+from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
+from vkrt.server.sampling import check_unsupported, completion_prompt_ids
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
@@ -32,18 +23,16 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     engine = state.require_engine()
     check_unsupported(body)
     prompt_ids = completion_prompt_ids(engine, body)
-    params = sampling_params(engine, body, prompt_ids, "prompt")
-    state.check_capacity()
-    response_id = new_response_id("cmpl")
     prompt_text = body.prompt if isinstance(body.prompt, str) else None
-    log_request(state, response_id, request_id_of(raw.state), prompt_text, prompt_ids, params)
-    generation = Generation(state, response_id, prompt_ids, params, arrival, prompt_text)
-    echo_text = (prompt_text if prompt_text is not None else require_tokenizer(engine, "prompt").decode(prompt_ids)) if body.echo else ""
-    base: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": now_s(),
+    generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)
+    echo_text = ""
+    if body.echo:
+        echo_text = prompt_text if prompt_text is not None else require_tokenizer(engine, "prompt").decode(prompt_ids)
+    base: dict[str, Any] = {"id": generation.request_id, "object": "text_completion", "created": now_s(),
                             "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base, echo_text), response_id)
+        return event_stream(_stream(state, generation, body, base, echo_text), generation.request_id)
 
     result = await generation.run(raw)
     logprobs = None

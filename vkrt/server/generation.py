@@ -110,6 +110,7 @@ class Generation:
         engine = state.require_engine()
         state.num_in_flight += 1
         last_token_time: float | None = None
+        failed = False
         try:
             outputs = engine.generate(list(result.prompt_token_ids), self.params, self.request_id,
                                       prompt_text=self.prompt_text)
@@ -124,14 +125,16 @@ class Generation:
                     last_token_time = now
                 if update.token_ids or update.text or update.finish_reason:
                     yield update
-                if output.finished:
-                    break
+        except Exception:
+            failed = True
+            raise
         finally:
             state.num_in_flight -= 1
-            if result.finish_reason is None:
+            if result.finish_reason is None:  # left early: disconnect, cancellation or failure
                 state.abort(self.request_id)
-                result.finish_reason = "abort"
-                log.info("request %s aborted after %d tokens", self.request_id, len(result.token_ids))
+                result.finish_reason = "error" if failed else "abort"
+                log.info("request %s ended (%s) after %d tokens", self.request_id, result.finish_reason,
+                         len(result.token_ids))
             state.metrics.record_finished(result.finish_reason, len(result.prompt_token_ids),
                                           len(result.token_ids))
 

@@ -6,7 +6,7 @@ here; ranges are checked once, by SamplingParams.validate, when the request is m
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,11 +61,6 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -10,10 +10,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.requests import Request
 
 from vkrt.engine.config import SamplingParams
 from vkrt.server.errors import APIError, error_body
-from vkrt.server.generation import Result, ServerState
+from vkrt.server.generation import Generation, Result, ServerState
+from vkrt.server.middleware import request_id_of
+from vkrt.server.protocol import SamplingFields
+from vkrt.server.sampling import sampling_params
 
 log = logging.getLogger("vkrt.server")
 
@@ -71,3 +75,13 @@ def log_request(state: ServerState, response_id: str, header_id: str, prompt: st
     shown_ids = prompt_ids if limit is None else prompt_ids[:limit]
     log.info("request %s (x-request-id %s): prompt=%r, prompt_token_ids=%s (%d), params=%s",
              response_id, header_id, shown_prompt, shown_ids, len(prompt_ids), params)
+
+
+def start_generation(state: ServerState, raw: Request, body: SamplingFields, prompt_ids: list[int],
+                     prompt_text: str | None, prompt_param: str, id_prefix: str, arrival: float) -> Generation:
+    """Map the sampling fields, check capacity, log, and set up the engine request."""
+    params = sampling_params(state.require_engine(), body, prompt_ids, prompt_param)
+    state.check_capacity()
+    response_id = new_response_id(id_prefix)
+    log_request(state, response_id, request_id_of(raw.state), prompt_text, prompt_ids, params)
+    return Generation(state, response_id, prompt_ids, params, arrival, prompt_text)
