@@ -35,6 +35,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="vulkan, reference (numpy) or auto: Vulkan if usable (default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 4096))")
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV cache size, e.g. 256M")
+    p.add_argument("--no-replay", action="store_true",
+                   help="run every decode step eagerly instead of replaying recorded steps")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -57,11 +59,12 @@ def _params(args: argparse.Namespace, seed: int | None) -> Any:
                           seed=seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
-def _load(args: argparse.Namespace, max_num_seqs: int = 1) -> Any:
+def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> Any:
     from vkrt.engine.llm import LLM
 
     return LLM(args.model or "", device=args.device, max_num_seqs=max_num_seqs,
-               max_model_len=args.max_model_len or _default_len(args), kv_cache_memory=args.kv_cache_memory)
+               max_model_len=args.max_model_len or _default_len(args), kv_cache_memory=args.kv_cache_memory,
+               enable_replay=not args.no_replay, **overrides)
 
 
 def _default_len(args: argparse.Namespace) -> int | None:
@@ -125,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     runs = []
     for i in range(max(1, args.repeat)):
         seed = args.seed if args.seed is not None else random.randrange(1 << 31)
-        llm.engine.reset_totals() if hasattr(llm.engine, "reset_totals") else None
+        llm.engine.reset_totals()
         run = _measure(llm, prompt, _params(args, seed), stream=not args.json)
         run["seed"] = seed
         runs.append(run)
@@ -142,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from vkrt.engine.config import SamplingParams
 
     start = time.perf_counter()
-    llm = _load(args)
+    llm = _load(args, enable_prefix_caching=False)  # repeats must recompute the prompt
     load_s = time.perf_counter() - start
     vocab = llm.model_config.vocab_size
     rng = random.Random(0)
@@ -150,22 +153,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     results = []
     for _ in range(max(1, args.repeat)):
-        llm.engine.reset_totals() if hasattr(llm.engine, "reset_totals") else None
+        llm.engine.reset_totals()
         run = _measure(llm, prompt_ids, params, stream=False)
         results.append(run)
     best = max(results, key=lambda r: r["decode_tok_s"])
+    per_step = dict(best["decode_counters_per_step"])
+    steps_s = 1.0 / best["decode_tok_s"] if best["decode_tok_s"] else 0.0
+    # Host time: the decode step's wall time minus what it spent blocked on the device.
+    per_step["step_ms"] = 1000 * steps_s
+    per_step["device_wait_ms"] = per_step.get("wait_us", 0) / 1000
+    per_step["host_ms"] = max(0.0, per_step["step_ms"] - per_step["device_wait_ms"])
     backend = llm.engine.model.backend
     desc = backend.describe()
     device = desc.get("device", {}).get("name", backend.name) if isinstance(desc.get("device"), dict) else backend.name
     memory = backend.memory_stats()
     report = {
-        "model": str(args.model or "default"), "quant": getattr(llm.engine.model, "file_type", None),
+        "model": str(args.model or "default"), "quant": llm.engine.model.file_type,
         "device": device, "backend": backend.name,
         "access_path": desc.get("device", {}).get("access_path") if isinstance(desc.get("device"), dict) else None,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "prefill_tok_s": best["prefill_tok_s"], "decode_tok_s": best["decode_tok_s"],
         "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "first_token_s", "seconds")} for r in results],
-        "per_step": best["decode_counters_per_step"], "per_step_max": best["decode_counters_max"],
+        "per_step": per_step, "per_step_max": best["decode_counters_max"],
         "resident_bytes": memory.get("reserved_bytes"), "memory": memory,
         "load_s": load_s, "first_token_s": best["first_token_s"],
     }

@@ -43,6 +43,7 @@ class Counters:
     barriers: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    wait_us: int = 0  # time the host spent blocked on the device (in fence waits)
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -172,6 +172,10 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
 
+    def reset_totals(self) -> None:
+        """Start the throughput and counter totals afresh (e.g. between benchmark runs)."""
+        self.totals = EngineTotals()
+
     def step(self) -> list[RequestOutput]:
         """Run one batched forward; an output for every request that got a token."""
         scheduled = self.scheduler.schedule()

@@ -18,7 +18,9 @@ def build_model(loaded: LoadedModel, backend: Backend) -> CausalLM:
         raise UnsupportedModelError(
             f"{loaded.path}: architecture {loaded.config.architecture!r} is not supported "
             f"(supported: {', '.join(sorted(MODEL_REGISTRY))})")
-    return cls(loaded, backend)
+    model = cls(loaded, backend)
+    model.file_type = loaded.file_type
+    return model
 
 
 __all__ = ["MODEL_REGISTRY", "CausalLM", "ForwardBatch", "KVCache", "StepTensors", "build_model"]

@@ -73,6 +73,7 @@ class CausalLM(ABC):
 
     config: ModelConfig
     backend: Backend
+    file_type: str = ""  # storage format of most weights, e.g. "Q4_1"
 
     @abstractmethod
     def __init__(self, loaded: LoadedModel, backend: Backend) -> None: ...

@@ -7,6 +7,7 @@ vkWaitForFences: fence polling passed on llvmpipe but gave wrong reads on other 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -214,7 +215,9 @@ class CommandBatch:
         if result != 0:
             raise RuntimeError(f"vkQueueSubmit failed with VkResult {result}")
         self.counters.submits += 1
+        waited = time.perf_counter_ns()
         result = lib.vkWaitForFences(self.device, 1, self._fence_array, 1, UINT64_MAX)
+        self.counters.wait_us += (time.perf_counter_ns() - waited) // 1000
         self.counters.fence_waits += 1
         lib.vkResetFences(self.device, 1, self._fence_array)
         if result != 0:
