@@ -28,12 +28,12 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)") -> None:
     p.add_argument("--model", "-m", default=None,
                    help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on first use)")
     p.add_argument("--device", choices=BACKEND_NAMES, default="auto",
                    help="vulkan, reference (numpy) or auto: Vulkan if usable (default)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: min(model, 4096))")
+    p.add_argument("--max-model-len", type=int, default=None, help=f"context length (default: {default_len})")
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV cache size, e.g. 256M")
     p.add_argument("--no-replay", action="store_true",
                    help="run every decode step eagerly instead of replaying recorded steps")
@@ -197,7 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, enable_log_requests=args.enable_log_requests,
-                       max_log_len=args.max_log_len, disable_metrics=args.disable_metrics))
+                       max_log_len=args.max_log_len, disable_metrics=args.disable_metrics,
+                       enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests))
     return 0
 
 
@@ -232,7 +233,7 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _model_args(p)
+    _model_args(p, default_len="the model's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -242,5 +243,7 @@ def register(sub: Any) -> None:
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--max-log-len", type=int, default=None)
     p.add_argument("--disable-metrics", action="store_true")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="queued requests beyond which new ones get HTTP 429")
     p.set_defaults(func=cmd_serve)
 

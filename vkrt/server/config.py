@@ -26,6 +26,7 @@ class ServerConfig:
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters/ids logged per request; None: all
     disable_metrics: bool = False
+    enable_replay: bool = True  # replay recorded decode steps (vkrt serve --no-replay turns it off)
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
@@ -50,6 +51,7 @@ class ServerConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=self.kv_cache_memory,
+            enable_replay=self.enable_replay,
         )
 
     def model_name(self) -> str:
