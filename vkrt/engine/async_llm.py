@@ -87,7 +87,8 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set()
+        """Loaded and usable (a failed load is never ready)."""
+        return self._ready.is_set() and self.load_error is None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loaded (True) or the timeout passes; re-raises a load failure."""
