@@ -1,0 +1,108 @@
+"""`vkrt generate` end to end (the README's first command, shortened), and how it reports
+bad model input: one line naming the file and the problem, exit 1, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from tests.conftest import FIXTURES
+
+VKRT = [sys.executable, "-m", "vkrt.cli"]
+
+
+def _run(*argv: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*VKRT, *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_smoke_on_the_default_model(smollm2_path: Path, vk_default) -> None:
+    """What the README runs, with --max-tokens 8: text streams out, greedy and repeatable."""
+    args = ("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--ignore-eos")
+    first = _run(*args, "--json")
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    run = report["runs"][0]
+    assert report["device"] == "vulkan"
+    assert len(run["ids"]) == 8 and run["text"].strip()
+    golden = json.loads((FIXTURES / "smollm2_golden.json").read_text())["text_prompts"][0]
+    assert run["ids"] == golden["greedy_ids"][:8]  # transformers' greedy continuation
+    streamed = _run(*args, "--stats")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.strip() == run["text"].strip()
+    assert "decode" in streamed.stderr and "drains" in streamed.stderr
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("vkrt: error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def _write_gguf(path: Path, arch: str = "llama", qtype: int | None = None) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_context_length(64)
+    if qtype is None:
+        writer.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    else:
+        raw = np.zeros((16, 32 // 32 * 22), np.uint8)  # Q5_0 blocks: 22 bytes per 32 values
+        writer.add_tensor("token_embd.weight", raw, raw_shape=(16, 22), raw_dtype=gguf.GGMLQuantizationType(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_missing_model_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    _assert_one_line_error(_run("generate", "hi", "--model", str(missing), "--device", "reference"),
+                           str(missing), "no such file")
+
+
+def test_truncated_gguf(tmp_path: Path, smollm2_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    with smollm2_path.open("rb") as src:
+        cut.write_bytes(src.read(1 << 20))
+    _assert_one_line_error(_run("generate", "hi", "--model", str(cut), "--device", "reference"), str(cut))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "mamba.gguf"
+    _write_gguf(path, arch="mamba")
+    _assert_one_line_error(_run("generate", "hi", "--model", str(path), "--device", "reference"),
+                           str(path), "mamba")
+
+
+def test_unknown_tensor_type(tmp_path: Path) -> None:
+    path = tmp_path / "q5.gguf"
+    _write_gguf(path, qtype=int(gguf.GGMLQuantizationType.Q5_0))
+    _assert_one_line_error(_run("generate", "hi", "--model", str(path), "--device", "reference"), str(path))
+
+
+def test_hf_dir_without_config(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(FIXTURES / "tiny_llama", model_dir)
+    (model_dir / "config.json").unlink()
+    _assert_one_line_error(_run("generate", "hi", "--model", str(model_dir), "--device", "reference"),
+                           str(model_dir), "config.json")
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = _run("--debug", "generate", "hi", "--model", str(tmp_path / "nope.gguf"), "--device", "reference")
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr
