@@ -32,10 +32,8 @@ def run_gen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_check_passes_on_this_checkout(glslang: str) -> None:
-    result = run_gen("--check")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "up to date" in result.stdout
+# `python -m spirv_gen --check` on this checkout is a step of tools/test.sh (CI), so it is
+# not repeated here; these tests prove the check itself can fail and names what is stale.
 
 
 @pytest.fixture
