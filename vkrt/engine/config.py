@@ -23,7 +23,8 @@ class EngineConfig:
 
     model: str | Path = ""
     device: str = "auto"  # "auto" | "vulkan" | "reference"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings ...
+    default_max_model_len: int | None = None  # ... capped at this (the CLI keeps KV small)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     block_size: int = 16

@@ -88,7 +88,8 @@ class EngineCore:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(model.config.max_position_embeddings,
+                                                         config.default_max_model_len or 1 << 62)
         if self.max_model_len > model.config.max_position_embeddings:
             raise VkrtError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
