@@ -142,3 +142,23 @@ def test_unknown_tensor(tmp_path: Path) -> None:
     write_safetensors(tmp_path / "m" / "extra.safetensors", extra)
     with pytest.raises(UnsupportedModelError, match=r"extra\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
         load_model(tmp_path / "m")
+
+
+def test_sliding_window_limits_the_context(tmp_path: Path) -> None:
+    """Mistral-style sliding_window is not implemented: the context stops at the window, where
+    full attention computes the same thing."""
+    import json
+    import shutil
+
+    from tests.conftest import FIXTURES
+    from vkrt.loader import load_model
+
+    model_dir = tmp_path / "windowed"
+    shutil.copytree(FIXTURES / "tiny_llama", model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["sliding_window"] = 64
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    assert load_model(model_dir).config.max_position_embeddings == 64
+    cfg["sliding_window"] = None
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    assert load_model(model_dir).config.max_position_embeddings == 256

@@ -132,6 +132,14 @@ def _config(model_dir: Path, spec: ArchSpec, cfg: dict[str, Any], generation: di
     for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
         eos_ids += [i for i in _int_list(value) if i not in eos_ids]
     bos = cfg.get("bos_token_id")
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    if isinstance(window, int) and 0 < window < max_positions:
+        # Sliding-window attention is not implemented; within the window full attention is
+        # the same computation, so the usable context stops there.
+        log.warning("%s: sliding_window=%d is not implemented; limiting the context to %d tokens",
+                    model_dir, window, window)
+        max_positions = window
     return ModelConfig(
         architecture=spec.name,
         vocab_size=int(need("vocab_size")),
@@ -144,7 +152,7 @@ def _config(model_dir: Path, spec: ArchSpec, cfg: dict[str, Any], generation: di
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=str(cfg.get("hidden_act", "silu")),
         bos_token_id=bos if isinstance(bos, int) else None,
