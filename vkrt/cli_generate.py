@@ -151,10 +151,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     prompt_ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
+    backend = llm.engine.model.backend
+    profiling = False
+    if args.profile:
+        profiling = backend.enable_profiling(True)
+        if not profiling:
+            print(f"--profile: the {backend.name} backend cannot time kernels on this device; "
+                  "no profile", file=sys.stderr)
+        else:
+            llm.engine.stats_listeners.append(lambda stats: backend.profile_commit(_step_phase(stats)))
     results = []
     for _ in range(max(1, args.repeat)):
         llm.engine.reset_totals()
+        backend.profile_report(reset=True)
         run = _measure(llm, prompt_ids, params, stream=False)
+        if profiling:
+            run["profile"] = backend.profile_report(reset=True)
         results.append(run)
     best = max(results, key=lambda r: r["decode_tok_s"])
     per_step = dict(best["decode_counters_per_step"])
@@ -163,7 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     per_step["step_ms"] = 1000 * steps_s
     per_step["device_wait_ms"] = per_step.get("wait_us", 0) / 1000
     per_step["host_ms"] = max(0.0, per_step["step_ms"] - per_step["device_wait_ms"])
-    backend = llm.engine.model.backend
+    # Device time from timestamp queries around each submit; null where the device has none.
+    per_step["gpu_ms"] = per_step.get("gpu_us", 0) / 1000 if backend.supports_gpu_timing else None
     desc = backend.describe()
     device = desc.get("device", {}).get("name", backend.name) if isinstance(desc.get("device"), dict) else backend.name
     memory = backend.memory_stats()
@@ -178,6 +191,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "resident_bytes": memory.get("reserved_bytes"), "memory": memory,
         "load_s": load_s, "first_token_s": best["first_token_s"],
     }
+    if args.profile:
+        # Per-kernel device time of the best run, by phase; profiling adds a timestamp per
+        # dispatch, so the tok/s of a profiled run are a little lower than unprofiled.
+        report["profile"] = best.get("profile")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -185,7 +202,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"prefill {args.prompt_tokens} tok: {report['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
               f"{report['decode_tok_s']:.2f} tok/s | load {load_s:.2f} s")
         print(f"per decode step: {report['per_step']}")
+        gpu = per_step["gpu_ms"]
+        print(f"decode step {per_step['step_ms']:.2f} ms: device (timestamps) "
+              f"{'n/a' if gpu is None else f'{gpu:.2f} ms'}, host {per_step['host_ms']:.2f} ms")
+        for phase, table in (report.get("profile") or {}).get("phases", {}).items():
+            print(_profile_text(phase, table))
     return 0
+
+
+def _step_phase(stats: Any) -> str:
+    """An engine step is "decode" when every sequence ran one token and none was a prompt's last."""
+    step = stats.step
+    return "decode" if stats.num_prompt_tokens == 0 and step.num_tokens == step.num_seqs else "prefill"
+
+
+def _profile_text(phase: str, table: dict[str, Any], top: int = 10) -> str:
+    per_step = table["gpu_ms_per_step"]
+    lines = [f"{phase}: {table['steps']} steps, {table['submits']} submits, device {table['gpu_ms']:.1f} ms"
+             + (f" ({per_step:.2f} ms/step)" if per_step is not None else "")
+             + f", attributed to kernels {table['attributed_ms']:.1f} ms",
+             f"  {'kernel':<40} {'calls':>7} {'total ms':>10} {'mean us':>10} {'share':>7}"]
+    for name, k in list(table["kernels"].items())[:top]:
+        mean = "" if k["mean_us"] is None else f"{k['mean_us']:.1f}"
+        lines.append(f"  {name:<40} {k['calls']:>7} {k['total_ms']:>10.2f} {mean:>10} {100 * k['share']:>6.1f}%")
+    return "\n".join(lines)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -230,6 +270,8 @@ def register(sub: Any) -> None:
     p.add_argument("--gen-tokens", "-g", type=int, default=128)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -44,6 +44,7 @@ class Counters:
     bytes_up: int = 0
     bytes_down: int = 0
     wait_us: int = 0  # time the host spent blocked on the device (in fence waits)
+    gpu_us: int = 0  # device time of submitted work, from timestamp queries (0 where unsupported)
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -142,6 +143,21 @@ class Backend(ABC):
 
     def capture(self) -> Any:
         raise NotImplementedError(f"the {self.name} backend cannot record steps for replay")
+
+    # Device timing. `supports_gpu_timing`: Counters.gpu_us measures device time. Profiling
+    # (off by default) times every kernel; a no-op where the backend cannot.
+    supports_gpu_timing: bool = False
+
+    def enable_profiling(self, enabled: bool = True) -> bool:
+        """Turn per-kernel timing on or off; returns whether it is now on."""
+        return False
+
+    def profile_commit(self, phase: str) -> None:  # noqa: B027 (a no-op unless profiling)
+        """File the kernel time profiled since the last commit under `phase` (e.g. "decode")."""
+
+    def profile_report(self, reset: bool = False) -> dict[str, Any]:
+        """{"enabled", "phases": {phase: {"steps", "gpu_ms", "kernels": {name: {...}}}}}."""
+        return {"enabled": False, "phases": {}}
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}

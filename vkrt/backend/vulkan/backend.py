@@ -64,7 +64,11 @@ class VulkanBackend(Backend):
         self.memory = MemoryManager(vk, self.device, physical, self.caps, config.force_staging())
         self.pipelines = PipelineCache(vk, self.device, self.caps)
         self.descriptors = DescriptorCache(vk, self.device)
-        self.batch = CommandBatch(vk, self.device, self.queue, family, self.counters, self._release_now)
+        self.queue_family = family
+        self.batch = CommandBatch(vk, self.device, self.queue, family, self.counters, self._release_now,
+                                  timestamp_bits=self.caps.timestamp_valid_bits,
+                                  timestamp_period_ns=self.caps.timestamp_period_ns)
+        self.supports_gpu_timing = self.caps.timestamp_valid_bits > 0
         self._weight_sources: dict[int, np.ndarray] = {}
         self._checked_layouts: set[tuple[str, tuple[bool, ...]]] = set()
         self._closed = False
@@ -193,7 +197,7 @@ class VulkanBackend(Backend):
             self._graph_tensors.extend(t for t, _, _ in bindings)
         reads = tuple(t.handle.id for t, _, w in bindings if not w)
         writes = tuple(t.handle.id for t, _, w in bindings if w)
-        self.batch.dispatch(pipeline, set_ptr, push_data, push_size, groups, reads, writes)
+        self.batch.dispatch(pipeline, set_ptr, push_data, push_size, groups, reads, writes, module)
         if self.batch.over_cap:
             self.batch.flush()
 
@@ -217,6 +221,32 @@ class VulkanBackend(Backend):
             raise
         self._graph_tensors = None
         graph.recorded = self.batch.end_capture()
+
+    # -- device timing -----------------------------------------------------------------
+    def enable_profiling(self, enabled: bool = True) -> bool:
+        """Per-dispatch timestamps from the next recording on (needs timestamp queries).
+
+        Step graphs keep the mode they were captured in: one captured while profiling is
+        on is profiled on every replay; one captured before reports only its total.
+        """
+        if self.batch.capturing:
+            raise VkrtError("profiling cannot be switched while a step is being recorded")
+        on = bool(enabled) and self.supports_gpu_timing
+        if on != self.batch.profiling:
+            self.sync()  # the open batch was recorded in the old mode
+        self.batch.profiling = on
+        self.batch.profiler.enabled = on
+        return on
+
+    def profile_commit(self, phase: str) -> None:
+        if self.batch.profiler.enabled:  # work still open is filed with the next commit
+            self.batch.profiler.commit(phase)
+
+    def profile_report(self, reset: bool = False) -> dict[str, Any]:
+        report = self.batch.profiler.report()
+        if reset:
+            self.batch.profiler.reset()
+        return report
 
     def set_access_path(self, path: str) -> None:
         """Switch kernels between the texel and ssbo access paths (tests run both)."""

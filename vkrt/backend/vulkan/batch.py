@@ -14,6 +14,7 @@ from typing import Any
 
 from vkrt.backend.base import Counters
 from vkrt.backend.vulkan.memory import Allocation
+from vkrt.backend.vulkan.profile import COPY_LABEL, Profiler, QueryTimeline
 from vkrt.errors import VkrtError
 
 UINT64_MAX = 0xFFFFFFFFFFFFFFFF
@@ -31,11 +32,13 @@ class RecordedCommands:
     submit: Any
     dispatches: int
     barriers: int
+    timeline: QueryTimeline | None = None  # its start/end (and per-dispatch) timestamps
 
 
 class CommandBatch:
     def __init__(self, vk: Any, device: Any, queue: Any, family: int, counters: Counters,
-                 release: Callable[[Allocation], None]) -> None:
+                 release: Callable[[Allocation], None], timestamp_bits: int = 0,
+                 timestamp_period_ns: float = 1.0) -> None:
         self.vk, self.device, self.queue = vk, device, queue
         self.lib, self.ffi = vk.lib, vk.ffi
         self.counters = counters
@@ -78,6 +81,19 @@ class CommandBatch:
         self._deferred_bytes = 0
         self._bound_pipeline: Any = None
         self.keepalive: list[Any] = []
+        # GPU time per submit from timestamp queries (0 valid bits: the queue has none).
+        self.timestamp_bits = timestamp_bits
+        self.timestamp_period_ns = timestamp_period_ns
+        self.profiler = Profiler()
+        self.profiling = False  # a timestamp after every dispatch (set through the backend)
+        self._timeline = self._new_timeline()
+        self._batch_timeline = self._timeline  # the open batch's, while a graph is captured
+        self._gpu_ns_rest = 0
+
+    def _new_timeline(self) -> QueryTimeline | None:
+        if not self.timestamp_bits:
+            return None
+        return QueryTimeline(self.vk, self.device, self.timestamp_bits, self.timestamp_period_ns)
 
     # -- recording -----------------------------------------------------------------
     def _begin(self) -> None:
@@ -85,6 +101,8 @@ class CommandBatch:
             self.lib.vkBeginCommandBuffer(self.cmd, self._begin_info)
             self.recording = True
             self._bound_pipeline = None
+            if self._timeline is not None:
+                self._timeline.begin(self.cmd, self.profiling)
 
     def _hazards(self, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
         """Insert a barrier only when this dispatch touches what an earlier one wrote (or
@@ -102,7 +120,8 @@ class CommandBatch:
         self.referenced.update(writes)
 
     def dispatch(self, pipeline: Any, set_ptr: Any, push: Any, push_size: int,
-                 groups: tuple[int, int, int], reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
+                 groups: tuple[int, int, int], reads: tuple[int, ...], writes: tuple[int, ...],
+                 label: str = "dispatch") -> None:
         self._begin()
         self._hazards(reads, writes)
         lib, cmd = self.lib, self.cmd
@@ -113,6 +132,8 @@ class CommandBatch:
         if push_size:
             lib.vkCmdPushConstants(cmd, pipeline.layout, self._compute_stage, 0, push_size, push)
         lib.vkCmdDispatch(cmd, *groups)
+        if self.profiling and self._timeline is not None:
+            self._timeline.mark(cmd, label)
         self.recorded += 1
         self.counters.dispatches += 1
 
@@ -122,6 +143,8 @@ class CommandBatch:
         region = self._copy_region
         region.srcOffset, region.dstOffset, region.size = src.offset, dst.offset, size
         self.lib.vkCmdCopyBuffer(self.cmd, src.block.buffer, dst.block.buffer, 1, region)
+        if self.profiling and self._timeline is not None:
+            self._timeline.mark(self.cmd, COPY_LABEL)
         self.recorded += 1
 
     def defer_free(self, alloc: Allocation) -> bool:
@@ -149,23 +172,33 @@ class CommandBatch:
         self.recording = True
         self.capturing = True
         self._bound_pipeline = None
+        # The graph's timestamps are recorded into it, into query pools of its own, so a
+        # replay is still one submit and is timed (per dispatch when captured profiling).
+        self._batch_timeline = self._timeline
+        self._timeline = self._new_timeline()
+        if self._timeline is not None:
+            self._timeline.begin(self.cmd, self.profiling)
         self._capture_start = (self.counters.dispatches, self.counters.barriers)
 
     def end_capture(self) -> RecordedCommands:
         lib = self.lib
         lib.vkCmdPipelineBarrier(self.cmd, self._stages, self.vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1,
                                  self._host_barrier, 0, self.ffi.NULL, 0, self.ffi.NULL)
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.end(self.cmd)
         lib.vkEndCommandBuffer(self.cmd)
         cmd_array = self.ffi.new("VkCommandBuffer[1]", [self.cmd])
         submit = self.ffi.new("VkSubmitInfo*", {"sType": self.vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
                                                 "commandBufferCount": 1, "pCommandBuffers": cmd_array})
         recorded = RecordedCommands(self.cmd, cmd_array, submit,
                                     self.counters.dispatches - self._capture_start[0],
-                                    self.counters.barriers - self._capture_start[1])
+                                    self.counters.barriers - self._capture_start[1], timeline)
         # Recording executed nothing: count the dispatches when they are replayed.
         self.counters.dispatches -= recorded.dispatches
         self.counters.barriers -= recorded.barriers
         self.cmd = self._batch_cmd
+        self._timeline = self._batch_timeline
         self.capturing = False
         self.recording = False
         self.recorded = 0
@@ -177,12 +210,15 @@ class CommandBatch:
     def replay(self, recorded: RecordedCommands) -> None:
         """Submit a recorded step again and wait for it: one submit, one fence wait."""
         self.flush()
-        self.submit_and_wait(recorded.submit)
+        self.submit_and_wait(recorded.submit, recorded.timeline)
         self.counters.dispatches += recorded.dispatches
         self.counters.barriers += recorded.barriers
 
     def free_recorded(self, recorded: RecordedCommands) -> None:
         self.vk.vkFreeCommandBuffers(self.device, self.pool, 1, [recorded.cmd])
+        if recorded.timeline is not None:
+            recorded.timeline.destroy()
+            recorded.timeline = None
 
     # -- submission -----------------------------------------------------------------
     def flush(self) -> None:
@@ -195,10 +231,12 @@ class CommandBatch:
         lib = self.lib
         lib.vkCmdPipelineBarrier(self.cmd, self._stages, self.vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1,
                                  self._host_barrier, 0, self.ffi.NULL, 0, self.ffi.NULL)
+        if self._timeline is not None:
+            self._timeline.end(self.cmd)
         lib.vkEndCommandBuffer(self.cmd)
         self.recording = False
         if self.recorded:
-            self.submit_and_wait(self._submit)
+            self.submit_and_wait(self._submit, self._timeline)
         self.recorded = 0
         lib.vkResetCommandBuffer(self.cmd, 0)
         self.referenced.clear()
@@ -209,7 +247,7 @@ class CommandBatch:
         for alloc in deferred:
             self._release(alloc)
 
-    def submit_and_wait(self, submit_info: Any) -> None:
+    def submit_and_wait(self, submit_info: Any, timeline: QueryTimeline | None = None) -> None:
         lib = self.lib
         result = lib.vkQueueSubmit(self.queue, 1, submit_info, self.fence)
         if result != 0:
@@ -222,9 +260,17 @@ class CommandBatch:
         lib.vkResetFences(self.device, 1, self._fence_array)
         if result != 0:
             raise RuntimeError(f"vkWaitForFences failed with VkResult {result} (device lost?)")
+        if timeline is not None:
+            # The fence has signalled, so the queries are available: no waiting here.
+            ns = self.profiler.add(timeline) if self.profiler.enabled else timeline.span_ns()
+            ns += self._gpu_ns_rest
+            self.counters.gpu_us += ns // 1000
+            self._gpu_ns_rest = ns % 1000
 
     def close(self) -> None:
         self.flush()
         vk = self.vk
+        if self._timeline is not None:
+            self._timeline.destroy()
         vk.vkDestroyFence(self.device, self.fence, None)
         vk.vkDestroyCommandPool(self.device, self.pool, None)

@@ -66,6 +66,8 @@ class DeviceCaps:
     device_local_bytes: int = 0
     unified_memory: bool = False
     timestamp_period_ns: float = 0.0
+    # Valid bits of timestamps on the compute queue vkrt uses; 0 = no timestamp queries.
+    timestamp_valid_bits: int = 0
     access_path: str = "ssbo"
 
     def as_dict(self) -> dict[str, Any]:
@@ -132,6 +134,10 @@ def probe(vk: Any, physical: Any, index: int) -> DeviceCaps:
     caps.subgroup_size = int(sub.subgroupSize)
     caps.subgroup_ops = [name for bit, name in SUBGROUP_OPS.items() if sub.supportedOperations & bit]
     caps.max_allocation = int(maint3.maxMemoryAllocationSize)
+    family = compute_family(vk, physical)
+    if family is not None and caps.timestamp_period_ns > 0:
+        families = vk.vkGetPhysicalDeviceQueueFamilyProperties(physical)
+        caps.timestamp_valid_bits = int(families[family].timestampValidBits)
     mem = vk.vkGetPhysicalDeviceMemoryProperties(physical)
     local_heaps = [mem.memoryHeaps[i] for i in range(mem.memoryHeapCount)
                    if mem.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT]
@@ -178,10 +184,15 @@ def choose(devices: list[tuple[Any, DeviceCaps]]) -> tuple[Any, DeviceCaps]:
     return min(devices, key=lambda d: (TYPE_RANK[d[1].device_type], d[1].index))
 
 
+def compute_family(vk: Any, physical: Any) -> int | None:
+    """The queue family vkrt submits to: the first with compute."""
+    families = vk.vkGetPhysicalDeviceQueueFamilyProperties(physical)
+    return next((i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT), None)
+
+
 def create_device(vk: Any, physical: Any, caps: DeviceCaps) -> tuple[Any, Any, int]:
     """Logical device with one compute queue; enables only the optional features present."""
-    families = vk.vkGetPhysicalDeviceQueueFamilyProperties(physical)
-    family = next((i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT), None)
+    family = compute_family(vk, physical)
     if family is None:
         raise DeviceUnavailable(f"{caps.name} has no compute queue")
     queue_info = vk.VkDeviceQueueCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
