@@ -13,6 +13,7 @@ from vkrt.backend import BACKEND_NAMES
 from vkrt.errors import VkrtError
 
 DEFAULT_MAX_TOKENS = 128
+DEFAULT_MAX_MODEL_LEN = 4096  # generate/chat/bench: min(model's context, this) unless given
 # Sampling defaults follow llama.cpp's, which users of `llama-cli` expect.
 DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_MIN_P = 0.8, 40, 0.95, 0.05
 
@@ -63,12 +64,9 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
     from vkrt.engine.llm import LLM
 
     return LLM(args.model or "", device=args.device, max_num_seqs=max_num_seqs,
-               max_model_len=args.max_model_len or _default_len(args), kv_cache_memory=args.kv_cache_memory,
+               max_model_len=args.max_model_len, default_max_model_len=DEFAULT_MAX_MODEL_LEN,
+               kv_cache_memory=args.kv_cache_memory,
                enable_replay=not args.no_replay, **overrides)
-
-
-def _default_len(args: argparse.Namespace) -> int | None:
-    return None if args.max_model_len else 4096
 
 
 def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
@@ -78,7 +76,8 @@ def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
         {"role": "user", "content": args.prompt}]
     from vkrt.engine.prompts import render_chat
 
-    return render_chat(llm.tokenizer, messages, None)
+    _, ids = render_chat(llm.tokenizer, messages, None)
+    return ids
 
 
 def _stats_line(run: dict[str, Any]) -> str:
@@ -258,10 +257,10 @@ def register(sub: Any) -> None:
     p.add_argument("prompt")
     _model_args(p)
     _sampling_args(p)
-    p.add_argument("--system", default=None)
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--stats", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--repeat", type=int, default=1, help="run the generation N times (timing)")
+    p.add_argument("--stats", action="store_true", help="print load time, tok/s and per-step counters to stderr")
+    p.add_argument("--json", action="store_true", help="print ids, text and stats as JSON instead of streaming")
     p.set_defaults(func=cmd_generate, chat=True)
 
     p = sub.add_parser("bench", help="measure prefill and decode throughput (JSON with --json)")
