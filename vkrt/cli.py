@@ -46,7 +46,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
     reason = vulkan_unavailable_reason()
     vk = get_backend("vulkan") if reason is None else None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in sorted(OPS):
         kernels = [k.name for k in vk.kernels(name)] if vk is not None else []
         rows.append({"op": name, "reference": "numpy",
@@ -55,7 +55,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
     if args.json:
         out: dict[str, Any] = {"ops": rows, "vulkan_available": vk is not None}
         if vk is not None:
-            out["access_path"] = vk.caps.access_path  # type: ignore[attr-defined]
+            out["access_path"] = vk.describe()["device"]["access_path"]
         else:
             out["reason"] = reason
         print(json.dumps(out, indent=2))
@@ -63,7 +63,8 @@ def cmd_ops(args: argparse.Namespace) -> int:
     if vk is None:
         print(f"Vulkan unavailable ({reason}); every op runs on the reference backend.\n")
     else:
-        print(f"device: {vk.caps.name}, access path: {vk.caps.access_path}\n")  # type: ignore[attr-defined]
+        device = vk.describe()["device"]
+        print(f"device: {device['name']}, access path: {device['access_path']}\n")
     width = max(len(r["op"]) for r in rows)
     print(f"{'op':<{width}}  vulkan")
     for r in rows:

@@ -92,7 +92,7 @@ def _ranges_overlap(p, q) -> bool:
     return p.block is q.block and p.offset < q.offset + q.size and q.offset < p.offset + p.size
 
 
-def test_memory_freed_while_recording_is_not_reused_before_completion(
+def test_host_uploads_never_land_in_memory_a_pending_dispatch_reads(
         vk_default: Backend, rng: np.random.Generator) -> None:
     n = 4096
     a = rng.standard_normal(n).astype(np.float32)
@@ -100,28 +100,49 @@ def test_memory_freed_while_recording_is_not_reused_before_completion(
     x, w = vk_default.upload(a), vk_default.upload(b)
     _settled(vk_default)
     y = ops.add(x, w)
-    freed = x.handle
     del x
     gc.collect()
-    assert not freed.freed  # held until the batch that reads it completes
-    # Same size: first fit would hand out the freed range if it were released now.
+    # Same size: first fit would hand out x's range; the host must not write it while the
+    # recorded add still reads it, so the upload submits the batch first.
+    before = vk_default.counters.snapshot()
     clobber = [vk_default.upload(np.full(n, 1e6, np.float32)) for _ in range(4)]
-    assert not any(_ranges_overlap(c.handle, freed) for c in clobber)
+    assert vk_default.counters.since(before)["submits"] == 1
     np.testing.assert_array_equal(y.numpy(), a + b)
-    assert freed.freed  # released once the batch completed
     del clobber
+
+
+def test_device_written_memory_is_recycled_inside_a_batch_behind_a_barrier(
+        vk_default: Backend, rng: np.random.Generator) -> None:
+    n = 4096
+    a = rng.standard_normal(n).astype(np.float32)
+    x, w = vk_default.upload(a), vk_default.upload(a)
+    _settled(vk_default)
+    before = vk_default.counters.snapshot()
+    t = ops.add(x, w)  # written by the device, read by the next op, then dropped
+    y = ops.mul(t, w)
+    freed = t.handle
+    del t
+    gc.collect()
+    assert freed.freed  # its bytes are reusable at once...
+    z = ops.add(w, w)  # ...and may be this output, written after y's read of t
+    assert _ranges_overlap(z.handle, freed)
+    delta_barriers = vk_default.counters.since(before)["barriers"]
+    np.testing.assert_array_equal(y.numpy(), (a + a) * a)
+    np.testing.assert_array_equal(z.numpy(), a + a)
+    assert delta_barriers == 2  # t -> mul (read after write), then the reuse barrier
+    assert vk_default.counters.since(before)["submits"] == 1
 
 
 def test_deferred_frees_return_to_the_accounting(vk_default: Backend) -> None:
     before = _settled(vk_default)
-    in_use = vk_default.memory_stats()["activations_bytes"]
-    x = vk_default.upload(np.ones(1000, np.float32))
+    in_use = vk_default.memory_stats()["inputs_bytes"]
+    x = vk_default.upload(np.ones(1000, np.float32), purpose="inputs")  # host-written memory
     y = ops.add(x, x)
     del x, y
     gc.collect()
-    assert vk_default.memory_stats()["activations_bytes"] > in_use  # deferred, still held
+    assert vk_default.memory_stats()["inputs_bytes"] > in_use  # deferred until the batch ends
     vk_default.sync()
-    assert vk_default.memory_stats()["activations_bytes"] == in_use
+    assert vk_default.memory_stats()["inputs_bytes"] == in_use
     assert vk_default.counters.since(before)["submits"] == 1
 
 

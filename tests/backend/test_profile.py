@@ -152,7 +152,8 @@ def test_device_without_timestamps_reports_no_gpu_time(vk_default: Backend) -> N
 
     counters = Counters()
     batch = CommandBatch(vk_default.vk, vk_default.device, vk_default.queue,  # type: ignore[attr-defined]
-                         vk_default.queue_family, counters, lambda alloc: None, timestamp_bits=0)  # type: ignore[attr-defined]
+                         vk_default.queue_family, counters, lambda alloc: None, lambda alloc: None,
+                         timestamp_bits=0)  # type: ignore[attr-defined]
     try:
         batch.profiling = True  # even asked to, it has nothing to write timestamps into
         x = vk_default.upload(np.ones(4, np.float32))

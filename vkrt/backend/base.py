@@ -13,7 +13,7 @@ import numpy as np
 
 from vkrt.ops.quant import dequantize
 from vkrt.ops.registry import OpDef
-from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format
+from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format, storage_nbytes
 
 log = logging.getLogger("vkrt")
 
@@ -130,6 +130,13 @@ class Backend(ABC):
     @abstractmethod
     def read(self, t: Tensor) -> np.ndarray:
         """Host copy of `t` in its storage representation (block formats: uint8 rows)."""
+
+    def reserve(self, purpose: str, nbytes: int) -> None:  # noqa: B027 (optional hook)
+        """Hint: about `nbytes` of `purpose` tensors follow (lets a device size one block)."""
+
+    def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int:
+        """Bytes a weight of this format and shape occupies once uploaded."""
+        return storage_nbytes(shape, dtype)
 
     def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
         """Upload a weight in its storage format (the backend may repack it, never dequantize)."""

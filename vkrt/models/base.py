@@ -86,6 +86,7 @@ class CausalLM(ABC):
     def allocate_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "f32") -> KVCache:
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads * c.head_dim)
+        self.backend.reserve("kv", 2 * c.num_layers * self.backend.weight_nbytes(dtype, shape))
         keys = [self.backend.empty(shape, dtype, purpose="kv") for _ in range(c.num_layers)]
         values = [self.backend.empty(shape, dtype, purpose="kv") for _ in range(c.num_layers)]
         return KVCache(keys, values, num_blocks, block_size, dtype)

@@ -50,6 +50,7 @@ class LlamaModel(CausalLM):
         if c.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(f"{loaded.path}: hidden_act {c.hidden_act!r} is not supported "
                                         "for llama (expected silu)")
+        backend.reserve("weights", self._device_bytes())
         self.embed_tokens = self.weight("embed_tokens")
         self.layers = [Layer(self, i) for i in range(c.num_layers)]
         self.final_norm = self.norm_weight("final_norm")
@@ -64,6 +65,17 @@ class LlamaModel(CausalLM):
         self._weights = {}  # uploaded: drop the host (memory-mapped) references
 
     # -- weight upload ------------------------------------------------------------
+    def _device_bytes(self) -> int:
+        """What the upload below will occupy: matrices as stored, norms as f32, the rope table."""
+        c = self.config
+        total = 4 * c.max_position_embeddings * c.head_dim
+        for wd in self._weights.values():
+            if len(wd.shape) == 2:
+                total += self.backend.weight_nbytes(wd.fmt, wd.shape)
+            else:
+                total += self.backend.weight_nbytes("f32", wd.shape)
+        return total
+
     def raw(self, name: str) -> WeightData:
         try:
             return self._weights[name]

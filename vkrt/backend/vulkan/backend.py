@@ -20,7 +20,7 @@ from vkrt.backend.vulkan.descriptors import DescriptorCache
 from vkrt.backend.vulkan.memory import Allocation, MemoryManager
 from vkrt.backend.vulkan.pipelines import PipelineCache
 from vkrt.errors import VkrtError
-from vkrt.ops.tensor import Tensor, is_block_format, storage_nbytes
+from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, is_block_format, storage_nbytes
 
 log = logging.getLogger("vkrt")
 
@@ -66,6 +66,7 @@ class VulkanBackend(Backend):
         self.descriptors = DescriptorCache(vk, self.device)
         self.queue_family = family
         self.batch = CommandBatch(vk, self.device, self.queue, family, self.counters, self._release_now,
+                                  self._release_views,
                                   timestamp_bits=self.caps.timestamp_valid_bits,
                                   timestamp_period_ns=self.caps.timestamp_period_ns)
         self.supports_gpu_timing = self.caps.timestamp_valid_bits > 0
@@ -89,8 +90,19 @@ class VulkanBackend(Backend):
         if self._closed:
             return
         self._weight_sources.pop(alloc.id, None)
+        # Device-written memory is recycled at once inside an open batch (behind a barrier),
+        # so a long prefill does not hold every intermediate until its single submit. Host-
+        # written memory and dedicated blocks wait for the batch to complete.
+        if (alloc.purpose == "activations" and not alloc.block.dedicated
+                and self.batch.recycle_early(alloc)):
+            self.memory.release_range(alloc)
+            return
         if not self.batch.defer_free(alloc):
             self._release_now(alloc)
+
+    def _release_views(self, alloc: Allocation) -> None:
+        self.descriptors.forget(alloc)
+        self.memory.destroy_views(alloc)
 
     def _release_now(self, alloc: Allocation) -> None:
         self.descriptors.forget(alloc)
@@ -99,12 +111,19 @@ class VulkanBackend(Backend):
     def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
         return self._new_tensor(tuple(shape), dtype, purpose)
 
+    def _host_safe(self) -> None:
+        """Before the host writes into a new allocation: it must not be memory a recorded,
+        unsubmitted dispatch still reads."""
+        if self.batch.recycled_in_batch:
+            self.batch.flush()
+
     def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor:
         array = np.asarray(array)
         dtype = dtype or infer_dtype(array)
         if is_block_format(dtype):
             raise TypeError("block-format tensors are uploaded with upload_weight")
         data = as_storage_array(array, dtype)
+        self._host_safe()
         tensor = self._new_tensor(data.shape, dtype, purpose)
         self._write_bytes(tensor.handle, data.view(np.uint8).reshape(-1))
         return tensor
@@ -117,10 +136,23 @@ class VulkanBackend(Backend):
         if raw.nbytes != storage_nbytes(shape, dtype):
             raise VkrtError(f"weight {dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
         packed = device_layout(raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(1, -1), dtype)
+        self._host_safe()
         tensor = self._new_tensor(tuple(shape), dtype, "weights", nbytes=packed.nbytes)
         self._write_bytes(tensor.handle, packed)
         self._weight_sources[tensor.handle.id] = raw  # for read(): the storage-format bytes
         return tensor
+
+    def reserve(self, purpose: str, nbytes: int) -> None:
+        self.memory.reserve(purpose, nbytes)
+
+    def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int:
+        """Size in the device layout; every layout is a whole number of bytes per row."""
+        from vkrt.backend.vulkan.kernels.layouts import device_layout
+
+        rows = shape[0] if len(shape) == 2 else 1
+        row = np.zeros((1, storage_nbytes(tuple(shape[-1:]) if len(shape) == 2 else tuple(shape), dtype)), np.uint8)
+        sample = row if is_block_format(dtype) else row.view(NUMPY_DTYPES[dtype])
+        return rows * device_layout(sample, dtype).nbytes + self.memory.alignment
 
     def _write_bytes(self, alloc: Allocation, data: np.ndarray) -> None:
         if alloc.id in self.batch.referenced:
@@ -157,8 +189,6 @@ class VulkanBackend(Backend):
             raw = staging.host_view()[:nbytes].copy()
             self.memory.free(staging)
         self.counters.bytes_down += nbytes
-        from vkrt.ops.tensor import NUMPY_DTYPES
-
         return raw.view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
     def sync(self) -> None:

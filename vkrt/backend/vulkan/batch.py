@@ -37,12 +37,13 @@ class RecordedCommands:
 
 class CommandBatch:
     def __init__(self, vk: Any, device: Any, queue: Any, family: int, counters: Counters,
-                 release: Callable[[Allocation], None], timestamp_bits: int = 0,
+                 release: Callable[[Allocation], None], release_views: Callable[[Allocation], None], timestamp_bits: int = 0,
                  timestamp_period_ns: float = 1.0) -> None:
         self.vk, self.device, self.queue = vk, device, queue
         self.lib, self.ffi = vk.lib, vk.ffi
         self.counters = counters
         self._release = release
+        self._release_views = release_views
         self.pool = vk.vkCreateCommandPool(device, vk.VkCommandPoolCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
             flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=family), None)
@@ -79,6 +80,11 @@ class CommandBatch:
         self._read: set[int] = set()
         self._deferred: list[Allocation] = []
         self._deferred_bytes = 0
+        # Allocations whose bytes were recycled inside the open batch; their views and
+        # descriptor sets die only when it completes. A barrier orders the old readers
+        # before the new writers of recycled bytes.
+        self._deferred_views: list[Allocation] = []
+        self._reuse_barrier = False
         self._bound_pipeline: Any = None
         self.keepalive: list[Any] = []
         # GPU time per submit from timestamp queries (0 valid bits: the queue has none).
@@ -107,8 +113,9 @@ class CommandBatch:
     def _hazards(self, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
         """Insert a barrier only when this dispatch touches what an earlier one wrote (or
         writes what an earlier one read): RAW, WAW and WAR on the same allocation."""
-        if any(r in self._written for r in reads) or any(
+        if self._reuse_barrier or any(r in self._written for r in reads) or any(
                 w in self._written or w in self._read for w in writes):
+            self._reuse_barrier = False
             self.lib.vkCmdPipelineBarrier(self.cmd, self._stages, self._stages, 0, 1, self._barrier,
                                           0, self.ffi.NULL, 0, self.ffi.NULL)
             self.counters.barriers += 1
@@ -154,6 +161,20 @@ class CommandBatch:
         self._deferred.append(alloc)
         self._deferred_bytes += alloc.size
         return True
+
+    def recycle_early(self, alloc: Allocation) -> bool:
+        """Let `alloc`'s bytes be reused within the open batch (behind a barrier); its views
+        and descriptor sets are kept until the batch completes. False if nothing is open."""
+        if not self.recording or self.capturing:
+            return False
+        self._deferred_views.append(alloc)
+        self._reuse_barrier = True
+        return True
+
+    @property
+    def recycled_in_batch(self) -> bool:
+        """True when memory freed in the open batch may already belong to a new tensor."""
+        return bool(self._deferred_views)
 
     @property
     def over_cap(self) -> bool:
@@ -246,6 +267,9 @@ class CommandBatch:
         deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
         for alloc in deferred:
             self._release(alloc)
+        views, self._deferred_views, self._reuse_barrier = self._deferred_views, [], False
+        for alloc in views:
+            self._release_views(alloc)
 
     def submit_and_wait(self, submit_info: Any, timeline: QueryTimeline | None = None) -> None:
         lib = self.lib

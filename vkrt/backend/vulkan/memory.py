@@ -22,6 +22,8 @@ log = logging.getLogger("vkrt")
 PURPOSES = ("weights", "kv", "activations", "inputs", "staging")
 HOST_PURPOSES = ("inputs", "staging")
 DEFAULT_BLOCK = 64 << 20
+# Activations, step inputs and staging are small and short-lived: smaller blocks waste less.
+TRANSIENT_BLOCK = 8 << 20
 _ids = itertools.count(1)
 
 
@@ -80,7 +82,7 @@ class MemoryManager:
         self.unified = caps.unified_memory and not force_staging
         self.alignment = max(caps.min_storage_align, caps.min_texel_align, caps.min_uniform_align, 64)
         self.block_size = min(DEFAULT_BLOCK, caps.max_allocation)
-        self._pools: dict[bool, list[Block]] = {True: [], False: []}
+        self._pools: dict[tuple[bool, str], list[Block]] = {}
         self.in_use: dict[str, int] = dict.fromkeys(PURPOSES, 0)
         self.reserved = 0  # bytes of VkDeviceMemory held
         self.peak_reserved = 0
@@ -141,15 +143,38 @@ class MemoryManager:
         return Block(memory, buffer, size, is_host, mapped, [(0, size)], dedicated, req.size)
 
     # -- sub-allocation ---------------------------------------------------------------
+    def _pool(self, purpose: str) -> tuple[list[Block], bool, int]:
+        """Weights and KV pool separately from short-lived memory, per memory kind."""
+        host_visible = self.unified or purpose in HOST_PURPOSES
+        kind = purpose if purpose in ("weights", "kv") else "transient"
+        block_size = self.block_size if kind != "transient" else min(TRANSIENT_BLOCK, self.block_size)
+        return self._pools.setdefault((host_visible, kind), []), host_visible, block_size
+
+    def reserve(self, purpose: str, nbytes: int) -> None:
+        """Make one block of exactly `nbytes` for `purpose` (a model's weights, a KV cache), so
+        the tensors that follow pack into it with no partly used block left over."""
+        if nbytes <= 0:
+            return
+        pool, host_visible, _ = self._pool(purpose)
+        pool.insert(0, self._new_block(_align(nbytes, self.alignment), host_visible, purpose, dedicated=False))
+
     def alloc(self, size: int, purpose: str) -> Allocation:
         size = _align(max(size, 4), self.alignment)
-        host_visible = self.unified or purpose in HOST_PURPOSES
-        if size > self.block_size // 2:
+        pool, host_visible, block_size = self._pool(purpose)
+        found = self._first_fit(pool, size, purpose)
+        if found is not None:
+            return found
+        if size > block_size // 2:
             block = self._new_block(size, host_visible, purpose, dedicated=True)
             block.free = []
             self.in_use[purpose] += size
             return Allocation(block, 0, size, purpose)
-        pool = self._pools[host_visible]
+        pool.append(self._new_block(block_size, host_visible, purpose, dedicated=False))
+        found = self._first_fit(pool, size, purpose)
+        assert found is not None
+        return found
+
+    def _first_fit(self, pool: list[Block], size: int, purpose: str) -> Allocation | None:
         for block in pool:
             for i, (offset, free_size) in enumerate(block.free):
                 if free_size >= size:
@@ -159,17 +184,24 @@ class MemoryManager:
                         block.free[i] = (offset + size, free_size - size)
                     self.in_use[purpose] += size
                     return Allocation(block, offset, size, purpose)
-        block = self._new_block(self.block_size, host_visible, purpose, dedicated=False)
-        pool.append(block)
-        return self.alloc(size, purpose)
+        return None
 
     def free(self, a: Allocation) -> None:
         if a.freed:
             return
-        a.freed = True
+        self.destroy_views(a)
+        self.release_range(a)
+
+    def destroy_views(self, a: Allocation) -> None:
         for view in a.views.values():
             self.vk.vkDestroyBufferView(self.device, view, None)
         a.views.clear()
+
+    def release_range(self, a: Allocation) -> None:
+        """Return the bytes to the free list (the block of a dedicated allocation is destroyed)."""
+        if a.freed:
+            return
+        a.freed = True
         self.in_use[a.purpose] -= a.size
         block = a.block
         if block.dedicated:
