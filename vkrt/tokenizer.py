@@ -21,9 +21,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from vkrt.errors import ModelFormatError, RequestError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
-
     from vkrt.loader.config import LoadedModel
+    from vkrt.loader.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +169,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | Path | GGUFReader) -> Tokenizer:
+    def from_gguf(cls, path_or_reader: str | Path | GGUFFile) -> Tokenizer:
         """Rebuild the tokenizer stored in GGUF metadata (byte-level BPE or SentencePiece-llama)."""
         from vkrt.loader.gguf_loader import field_value, open_gguf
 

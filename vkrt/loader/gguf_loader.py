@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
-from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch import ArchSpec, arch_for_gguf, check_weights, supported_gguf_archs
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 @functools.lru_cache(maxsize=2)
-def _open_cached(path: str, _mtime_ns: int, _size: int) -> GGUFReader:
-    return GGUFReader(path)
+def _open_cached(path: str, _mtime_ns: int, _size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     """Open (memory-map) a GGUF file; the model loader and tokenizer share one parse of it.
 
     Parsing the token arrays of a real vocabulary takes seconds, hence the small cache.
@@ -58,25 +58,12 @@ def open_gguf(path: str | Path) -> GGUFReader:
         ) from exc
 
 
-def field_value(field: ReaderField) -> Any:
-    """Decode one GGUF key/value field into a Python scalar, string or list."""
-    kind = field.types[0] if field.types else None
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    value = field.parts[field.data[0]].tolist()[0]
-    if kind == GGUFValueType.FLOAT32:
-        # Shortest decimal that round-trips the stored float32: 1e-05, not 9.999999747378752e-06.
-        return float(str(np.float32(value)))
-    return value
+def field_value(field: GGUFField) -> Any:
+    """A GGUF key/value as a Python scalar, string or list."""
+    return field.value
 
 
-def scalar_metadata(reader: GGUFReader) -> dict[str, Any]:
+def scalar_metadata(reader: GGUFFile) -> dict[str, Any]:
     """The file's key/values that are scalars or strings (token arrays are left out)."""
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
@@ -86,12 +73,12 @@ def scalar_metadata(reader: GGUFReader) -> dict[str, Any]:
     return meta
 
 
-def _logical_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def _logical_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     # GGUF lists dims fastest-first (ne0 = in_features); PyTorch lists them slowest-first.
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def _weight(path: Path, name: str, tensor: ReaderTensor) -> WeightData:
+def _weight(path: Path, name: str, tensor: GGUFTensor) -> WeightData:
     fmt = _FORMATS.get(tensor.tensor_type)
     if fmt is None:
         raise UnsupportedModelError(
@@ -136,7 +123,7 @@ def _canonical_name(spec: ArchSpec, gguf_name: str) -> str | None:
     return None
 
 
-def _file_type(meta: dict[str, Any], reader: GGUFReader) -> str:
+def _file_type(meta: dict[str, Any], reader: GGUFFile) -> str:
     value = meta.get("general.file_type")
     if isinstance(value, int):
         try:
@@ -149,7 +136,7 @@ def _file_type(meta: dict[str, Any], reader: GGUFReader) -> str:
     return counts.most_common(1)[0][0] if counts else ""
 
 
-def _config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFReader,
+def _config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
             weights: dict[str, WeightData]) -> ModelConfig:
     def key(suffix: str, default: Any = None, required: bool = False) -> Any:
         value = meta.get(f"{arch}.{suffix}", default)
@@ -175,7 +162,7 @@ def _config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader:
 
     embed_rows = weights["embed_tokens"].shape[0] if "embed_tokens" in weights else 0
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else embed_rows
+    vocab = len(tokens.value) if tokens is not None else embed_rows
     if embed_rows and vocab != embed_rows:
         log.warning("%s: %d tokens but %d embedding rows; using the embedding size", path, vocab, embed_rows)
         vocab = embed_rows
