@@ -2,13 +2,19 @@
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 //! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1 ACCESS=texel,ssbo
-// Matrix-vector product for few tokens: y[t, n] = sum_k x[t, k] * w[n, k].
-// One invocation computes ROWS consecutive rows of one token (workgroup id y = token), so
-// each block of x is loaded once for ROWS rows. Reduction order: quant.glsl's contract,
-// shared with matmul_tiled.comp, so results are bit-identical across T and kernels.
+// Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
+// One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
+// y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
+// tokens, then streams its ROWS weight rows: each weight block is fetched and decoded once
+// and reused for every token, each activation block once for every row. (Measured on
+// llvmpipe: 20-30% faster than holding ROWS decoded weight blocks and streaming tokens,
+// and a TOKENS-token pass costs far less than TOKENS one-token passes.)
+// Reduction order: quant.glsl's contract, so results are bit-identical across T, ROWS,
+// TOKENS and workgroup size (DESIGN invariant 9).
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
-layout(constant_id = 1) const uint ROWS = 4u;
+layout(constant_id = 1) const uint ROWS = 8u;
+layout(constant_id = 3) const uint TOKENS = 1u;
 
 #ifdef WFMT_F32
 IN_F32X4(0, wq);
@@ -30,28 +36,31 @@ layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w
 
 void main() {
     uint row0 = gl_GlobalInvocationID.x * ROWS;
-    uint t = gl_WorkGroupID.y;
+    uint t0 = gl_WorkGroupID.y * TOKENS;
     if (row0 >= pc.N) return;
-    float acc[ROWS];
+    float acc[ROWS * TOKENS];
     uint wrow[ROWS];
 #ifdef HAS_SCALES
     uint srow[ROWS];
 #endif
     [[unroll]] for (uint r = 0u; r < ROWS; r++) {
-        uint n = min(row0 + r, pc.N - 1u);  // past the last row: recompute it, never store
-        acc[r] = 0.0;
+        uint n = min(row0 + r, pc.N - 1u);  // past the last row/token: recompute, never store
         wrow[r] = n * pc.w_row;
 #ifdef HAS_SCALES
         srow[r] = pc.s_base + n * pc.blocks;
 #endif
     }
+    [[unroll]] for (uint i = 0u; i < ROWS * TOKENS; i++) acc[i] = 0.0;
     for (uint b = 0u; b < pc.blocks; b++) {
-        vec4 xv[8];
-        load_x(t, b, pc.K, xv);
-        float xsum = 0.0;
+        vec4 xv[TOKENS][8];
+        float xsum[TOKENS];
+        [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
+            load_x(min(t0 + tt, pc.T - 1u), b, pc.K, xv[tt]);
+            xsum[tt] = 0.0;
 #ifdef NEEDS_XSUM
-        xsum = block_sum(xv);
+            xsum[tt] = block_sum(xv[tt]);
 #endif
+        }
         [[unroll]] for (uint r = 0u; r < ROWS; r++) {
             vec4 wv[8];
             load_block(wrow[r] + b * BLOCK_TEXELS, wv);
@@ -59,10 +68,15 @@ void main() {
 #ifdef HAS_SCALES
             scale = LD_U32(ws, srow[r] + b);
 #endif
-            acc[r] = combine(acc[r], block_dot(wv, xv), scale, xsum);
+            [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
+                uint i = tt * ROWS + r;
+                acc[i] = combine(acc[i], block_dot(wv, xv[tt]), scale, xsum[tt]);
+            }
         }
     }
-    [[unroll]] for (uint r = 0u; r < ROWS; r++) {
-        if (row0 + r < pc.N) y[t * pc.N + row0 + r] = acc[r];
+    [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
+        [[unroll]] for (uint r = 0u; r < ROWS; r++) {
+            if (t0 + tt < pc.T && row0 + r < pc.N) y[(t0 + tt) * pc.N + row0 + r] = acc[tt * ROWS + r];
+        }
     }
 }

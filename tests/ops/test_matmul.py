@@ -100,6 +100,27 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
                 assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1"])
+def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, fmt: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every specialisation the device config may pick (rows, token tile, workgroup) gives
+    bit-identical rows: the per-output reduction order never depends on them."""
+    from vkrt.backend.vulkan.kernels import matmul as native
+
+    n, k, t = 67, 96 if fmt.startswith("q") else 37, 11
+    raw, _ = make_weight(rng, fmt, n, k)
+    w = vk.upload_weight(raw, fmt, (n, k))
+    x = vk.upload(rng.standard_normal((t, k)).astype(np.float32))
+    baseline = native.dispatch_matmul(vk, x, w, tiled=False).numpy()
+    for rows, tokens, workgroup in ((1, 1, 8), (2, 2, 16), (8, 4, 8), (32, 8, 8), (4, 16, 32)):
+        cfg = native.MatmulConfig(workgroup=workgroup, rows=rows, tokens=tokens)
+        monkeypatch.setattr(native, "config_for", lambda *args, cfg=cfg, **kw: cfg)
+        got = native.dispatch_matmul(vk, x, w, tiled=False).numpy()
+        monkeypatch.undo()
+        same = got.view(np.uint32) == baseline.view(np.uint32)
+        assert same.all(), f"{fmt} rows={rows} tokens={tokens} wg={workgroup}: {(~same).sum()} differ"
+
+
 def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     """Random Q4_K blocks (144 bytes) with sane f16 scales d and dmin."""
     blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)

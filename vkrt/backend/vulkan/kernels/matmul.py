@@ -1,9 +1,11 @@
-"""matmul (y = x @ w.T) against stored-format weights: shaders/matmul_vec.comp and matmul_tiled.comp.
+"""matmul (y = x @ w.T) against stored-format weights: shaders/matmul_vec.comp.
 
-Two kernels for one op, chosen by the number of tokens T: `matmul.vec` (one invocation per
-ROWS rows of one token; decode) and `matmul.tiled` (one invocation per TILE_TOKENS x
-TILE_ROWS outputs; prefill). Both reduce every output in quant.glsl's fixed block order, so
-a token's row of y is bit-identical whatever T is and whichever kernel ran (invariant 9).
+One shader, two registered kernels that differ only in specialisation constants:
+`matmul.vec` for the decode buckets (T <= MAX_TOKENS: one token tile of TOKENS = T rounded
+up to a power of two) and `matmul.tiled` for prefill (tiles of MAX_TOKENS tokens). Each
+invocation computes ROWS rows x TOKENS tokens, reducing every output in quant.glsl's fixed
+block order, so a token's row of y is bit-identical whatever T is and whichever
+configuration ran (invariant 9).
 K-quants (q4_k, q6_k) are not handled here yet and fall back to the reference tier.
 """
 
@@ -24,39 +26,51 @@ MAX_GROUPS = 65535
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """Specialisation constants of both kernels and the vec/tiled switch, per device."""
+    """Specialisation constants for one (weight format, N, T) on one device."""
 
-    vec_workgroup: int
-    vec_rows: int
-    tiled_workgroup: int
-    tile_rows: int
-    tile_tokens: int
-    vec_max_tokens: int
+    workgroup: int
+    rows: int
+    tokens: int
 
 
-def config_for(caps: Any, dtype: str) -> MatmulConfig:
-    """Choose sizes for weights of `dtype` on the probed device (measured reasons inline)."""
+def _pow2_at_least(t: int) -> int:
+    return 1 << max(0, t - 1).bit_length()
+
+
+def max_tokens(caps: Any) -> int:
+    """Largest token tile: `matmul.vec` takes T up to this, `matmul.tiled` the rest."""
+    return 8 if caps.device_type == "cpu" else 4
+
+
+def config_for(caps: Any, dtype: str, n: int, t: int, prefill: bool = False) -> MatmulConfig:
+    """Choose sizes for weights of `dtype` with n rows and t tokens (measured reasons inline)."""
+    tokens = max_tokens(caps) if prefill else min(_pow2_at_least(t), max_tokens(caps))
     if caps.device_type == "cpu":
-        # llvmpipe (subgroup 8 = one AVX2 register of lanes; each workgroup is one task for
-        # its 2-thread pool). Measured with tools/bench_ops.py-style timing, 2-core EPYC,
-        # noisy shared box, medians:
-        # - vec, workgroup 16: fewer than 16 leaves 576-row matrices badly balanced, more
-        #   gave no gain (8/16/32/64 within noise at 1536 rows; 16 best at 49152 rows).
-        # - vec rows per invocation: 4-bit/8-bit weights gain from more rows sharing one x
-        #   load (q4_1 49152x576: 1 row 22.6 ms, 2 rows 17.3, 4 rows 10.5, 8 rows 6.7);
-        #   float rows are 4-8x larger and more rows in flight thrash the cache
-        #   (f32 49152x576: 2 rows 22 ms, 4 rows 36 ms, 8 rows 45 ms).
-        # - tiled 8 rows x 8 tokens, workgroup 16: q4_1 128x1536x576 ~17 ms (4x8: 25 ms,
-        #   8x4: 18 ms, 4x16: 30 ms); f32 ~11-19 ms (4x8: 20 ms, 16x4: 26 ms).
-        # - vec up to 4 tokens: a vec pass per token costs ~1/4 of one tiled pass over 8.
-        float_weights = dtype in ("f32", "f16", "bf16")
-        return MatmulConfig(vec_workgroup=16, vec_rows=2 if float_weights else 8, tiled_workgroup=16,
-                            tile_rows=8, tile_tokens=8, vec_max_tokens=4)
+        # llvmpipe: subgroup 8 = one AVX2 register of lanes; each workgroup is one task for
+        # its thread pool (2 threads here). Measured with device timestamps, 2-core EPYC,
+        # SmolLM2 shapes, q4_1 and q8_0 (T = 1..8), interleaved, best of 5:
+        # - workgroup 8 beat 16 nearly everywhere (more, smaller tasks balance 2 threads:
+        #   576x576 q4_1 T=8 0.15 ms vs 0.24).
+        # - rows: large matrices gain from more rows sharing each activation load
+        #   (49152x576 q8_0 T=1: 8 rows 5.7 ms, 16 rows 4.2, 32 rows 3.0; T=8: 15.3 / 10.4
+        #   / 8.3), but a 576-row matrix then has too few workgroups to balance
+        #   (576x1536 q4_1 T=1: 8 rows 0.10 ms, 32 rows 0.13). So rows grow with n while
+        #   keeping >= ~10 workgroups.
+        # - tokens: one pass over TOKENS tokens reuses each decoded weight block:
+        #   3072x576 q4_1, one 8-token pass 0.47 ms vs 8 one-token passes 1.15 ms.
+        # - float rows are 4-8x larger than 4-bit ones: 8 rows win up to 3072x576 (f32 T=1
+        #   0.30 ms vs 2 rows 0.39; T=8 0.74 vs 1.46), but with few tokens on a huge matrix
+        #   more rows in flight thrash the cache (f32 49152x576 T=1: 2 rows 13.5 ms, 8 rows
+        #   29.7; T=8: 4 and 8 rows 22.5, 2 rows 25.6).
+        if dtype in ("f32", "f16", "bf16"):
+            rows = (2 if t <= 2 else 4) if n >= 16384 else 8
+        else:
+            rows = 32 if n >= 2560 else 16 if n >= 1280 else 8
+        return MatmulConfig(workgroup=8, rows=rows, tokens=tokens)
     # GPUs (not measured yet): a few subgroups per workgroup, few rows per invocation so
     # that a decode matvec still spreads over thousands of invocations.
     sub = max(caps.subgroup_size, 8)
-    return MatmulConfig(vec_workgroup=min(4 * sub, 256), vec_rows=2, tiled_workgroup=min(2 * sub, 128),
-                        tile_rows=4, tile_tokens=4, vec_max_tokens=4)
+    return MatmulConfig(workgroup=min(4 * sub, 256), rows=2, tokens=tokens)
 
 
 def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
@@ -81,13 +95,13 @@ def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
 
 
 def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool) -> Tensor:
-    """Record y = x @ w.T with the vec or the tiled kernel (any T works with either)."""
+    """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either."""
     t, k = x.shape
     n = w.shape[0]
     y = backend.empty((t, n), "f32")
     if t == 0 or n == 0:
         return y
-    cfg = config_for(backend.caps, w.dtype)
+    cfg = config_for(backend.caps, w.dtype, n, t, prefill=tiled)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
@@ -96,17 +110,11 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool) -> Tensor:
         bindings.append((w, "u32", False))
     blocks = -(-k // 32)
     push = ("<6I", (t, n, k, blocks, row_texels(w.dtype, k), quants_bytes(w.dtype, n, k) // 4))
-    if tiled:
-        name = module(backend, "matmul_tiled", w.dtype)
-        spec = {0: cfg.tiled_workgroup, 1: cfg.tile_rows, 3: cfg.tile_tokens}
-        groups = _groups(-(-n // cfg.tile_rows), cfg.tiled_workgroup, -(-t // cfg.tile_tokens))
-    else:
-        name = module(backend, "matmul_vec", w.dtype)
-        spec = {0: cfg.vec_workgroup, 1: cfg.vec_rows}
-        groups = _groups(-(-n // cfg.vec_rows), cfg.vec_workgroup, t)
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens}
     if texel:
         spec[2] = int(x_vec4)
-    backend.run_shader(name, bindings, groups, push, spec)
+    groups = _groups(-(-n // cfg.rows), cfg.workgroup, -(-t // cfg.tokens))
+    backend.run_shader(module(backend, "matmul_vec", w.dtype), bindings, groups, push, spec)
     return y
 
 
@@ -123,10 +131,10 @@ def _run_tiled(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
 def _vec_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     x, w = inputs
     backend: Any = w.backend
-    return x.shape[0] <= config_for(backend.caps, w.dtype).vec_max_tokens and supports(inputs, params)
+    return x.shape[0] <= max_tokens(backend.caps) and supports(inputs, params)
 
 
 def register(backend: Any) -> None:
-    # Higher priority first: vec for T <= vec_max_tokens, tiled for the rest.
+    # Higher priority first: vec for T <= max_tokens, tiled for the rest.
     backend.register_kernel(Kernel("matmul", "matmul.vec", _run_vec, priority=10, supports=_vec_supports))
     backend.register_kernel(Kernel("matmul", "matmul.tiled", _run_tiled, priority=5, supports=supports))
