@@ -17,7 +17,7 @@ from vkrt.engine.kv_cache import BlockManager
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.request import Request, RequestOutput
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
-from vkrt.engine.sampler import Sampler, SamplerOutput, is_plain_greedy, token_logprobs
+from vkrt.engine.sampler import Sampler, SamplerOutput, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
 from vkrt.errors import ModelFormatError, RequestError, VkrtError
 from vkrt.models.base import CausalLM
@@ -184,8 +184,10 @@ class EngineCore:
             return []
         batch, layout = build_forward_batch(scheduled, self.block_manager)
         requests = [request for request, _ in layout.sample_rows]
-        greedy_only = not layout.prompt_rows and all(is_plain_greedy(r) for r in requests)
-        logits = self.runner.execute(batch, greedy_only=greedy_only)
+        # When every row is plain greedy or sample_top_k's, the device samples and only ids
+        # come back (the draws happen here, one per sampled token, as the host's would).
+        sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
+        logits = self.runner.execute(batch, sampling)
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens
@@ -199,7 +201,7 @@ class EngineCore:
 
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted))
         rows = [row for _, row in layout.sample_rows]
-        if greedy_only:  # the runner returned each row's argmax
+        if sampling is not None:  # the runner returned each row's token
             sampled = SamplerOutput([int(t) for t in logits[rows]], [None] * len(rows))
         else:
             sampled = self.sampler.sample(logits[rows], requests)

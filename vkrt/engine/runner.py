@@ -10,6 +10,7 @@ import numpy as np
 from vkrt import ops
 from vkrt.engine.kv_cache import BlockManager
 from vkrt.engine.request import Request
+from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
 from vkrt.engine.scheduler import SchedulerOutput
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 
@@ -103,24 +104,29 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // kv.block_size)
         self._graphs: dict[int, _DecodeGraph] = {}
 
-    def execute(self, batch: ForwardBatch, greedy_only: bool = False) -> np.ndarray:
+    def execute(self, batch: ForwardBatch, sampling: SampleInputs | None = None) -> np.ndarray:
         """Logits [len(batch.logits_index), vocab] float32; the step's K/V land in the cache.
 
-        With `greedy_only` the caller needs just each row's argmax: the ids come back as
-        int32 [rows] instead (computed on the device when the step is replayed).
+        With `sampling` (one row per logits row) the caller needs only each row's
+        sample_top_k token: int32 ids [rows] come back instead, drawn on the device (inside
+        the recorded step when it is replayed), so no logits are read back.
         """
         counters = self.backend.counters
         before = counters.snapshot()
         start = time.perf_counter()
         rows = int(batch.logits_index.shape[0])
+        if sampling is not None and sampling.uniforms.shape != (rows,):
+            raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
         graph = self._graph_for(batch)
         if graph is not None:
-            result = graph.run(batch, greedy_only)
+            result = graph.run(batch, sampling)
         else:
             step = StepTensors.upload(self.backend, batch)
             logits = self.model.forward(step, self.kv)
-            if greedy_only:
-                result = self.backend.read(ops.argmax(logits)).reshape(rows)
+            if sampling is not None:
+                ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
+                                       self.backend.upload(sampling.uniforms, "f32"))
+                result = self.backend.read(ids).reshape(rows)
             else:
                 result = np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1)
         self.last_step = StepStats(
@@ -150,7 +156,8 @@ class ModelRunner:
 
 
 class _DecodeGraph:
-    """One decode bucket: persistent input tensors and the forward recorded over them."""
+    """One decode bucket: persistent input tensors and the forward recorded over them,
+    then sample_top_k over the logits (a step that samples reads back only its ids)."""
 
     def __init__(self, model: CausalLM, kv: KVCache, bucket: int, max_blocks: int) -> None:
         backend = model.backend
@@ -163,12 +170,16 @@ class _DecodeGraph:
             block_tables=np.zeros((bucket, max_blocks), np.int32),
             logits_index=np.arange(bucket, dtype=np.int32))
         self.inputs = StepTensors.upload(backend, self.host)
+        # Padding rows sample greedily (top_k=1) with a uniform of 0; their ids are dropped.
+        self.host_sampling = SampleInputs(np.tile(GREEDY_PARAMS, (bucket, 1)), np.zeros(bucket, np.float32))
+        self.sample_params = backend.upload(self.host_sampling.params, "f32")
+        self.uniforms = backend.upload(self.host_sampling.uniforms, "f32")
         with backend.capture() as graph:
             self.logits = model.forward(self.inputs, kv)
-            self.argmax = ops.argmax(self.logits)
+            self.ids = ops.sample_top_k(self.logits, self.sample_params, self.uniforms)
         self.graph = graph
 
-    def run(self, batch: ForwardBatch, greedy_only: bool) -> np.ndarray:
+    def run(self, batch: ForwardBatch, sampling: SampleInputs | None) -> np.ndarray:
         t = batch.num_tokens
         host = self.host
         # Padding rows: seq_index -1 makes attention skip them and slot -1 keeps their K/V out.
@@ -180,7 +191,13 @@ class _DecodeGraph:
         host.block_tables[:t, :batch.block_tables.shape[1]] = batch.block_tables
         for name in ("token_ids", "positions", "seq_index", "slots", "block_tables"):
             self.backend.write(getattr(self.inputs, name), getattr(host, name))
+        if sampling is None:  # the caller samples on the host: the ids are not read
+            self.graph.replay()
+            return np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t]
+        params, uniforms = self.host_sampling.params, self.host_sampling.uniforms
+        params[:t], params[t:] = sampling.params, GREEDY_PARAMS
+        uniforms[:t], uniforms[t:] = sampling.uniforms, 0.0
+        self.backend.write(self.sample_params, params)
+        self.backend.write(self.uniforms, uniforms)
         self.graph.replay()
-        if greedy_only:
-            return self.backend.read(self.argmax)[:t]
-        return np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t]
+        return self.backend.read(self.ids)[:t]

@@ -6,8 +6,12 @@ take the argmax of that; the others divide by temperature, then min-p, top-k and
 filter, and one uniform draw from the request's own generator picks a token by inverse CDF.
 Logprobs are those of the raw model distribution (vLLM's default `raw_logprobs`).
 
+A request with 1 <= top_k <= MAX_TOP_K and nothing else to apply (`is_device_samplable`)
+is sampled by the sample_top_k op's spec instead (vkrt/ops/sampling.py), from the same one
+draw per token: on the host here, or on the device when every row of a step qualifies
+(`sample_inputs`), so its tokens do not depend on which path, or batch, sampled them.
+
 Every row is processed on its own 1-D slice, so a row's result never depends on the batch.
-A device sampler can replace this class: the engine only calls `sample`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.request import Logprob, Request, TokenLogprobs
+from vkrt.ops.sampling import MAX_TOP_K, sample_params, sample_row
 
 
 @dataclass
@@ -52,13 +57,62 @@ def token_logprobs(logits_row: np.ndarray, token_id: int, num_top: int,
     return TokenLogprobs(entry(token_id), top, scored)
 
 
+def _raw_logits_suffice(request: Request) -> bool:
+    """No logits processor applies and no logprob is asked for."""
+    p = request.params
+    return (p.logprobs is None and p.logprob_token_ids is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and request.num_output_tokens >= p.min_tokens)
+
+
 def is_plain_greedy(request: Request) -> bool:
     """True when the next token is the raw logits' argmax: no processor or logprob is needed,
     so the argmax may be taken on the device and only ids read back."""
+    return request.params.greedy and _raw_logits_suffice(request)
+
+
+def is_device_samplable(request: Request) -> bool:
+    """True when the next token is sample_top_k of the raw logits (temperature > 0 and
+    1 <= top_k <= MAX_TOP_K, nothing else to apply), so a shader may draw it."""
     p = request.params
-    return (p.greedy and p.logprobs is None and p.logprob_token_ids is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and request.num_output_tokens >= p.min_tokens)
+    return not p.greedy and 1 <= p.top_k <= MAX_TOP_K and _raw_logits_suffice(request)
+
+
+def draw_uniform(request: Request) -> np.float32:
+    """The request's one draw for its next sampled token, in [0, 1) as float32 (sample_top_k
+    clamps the rare rounding up to 1)."""
+    return np.float32(request.generator.random())
+
+
+@dataclass
+class SampleInputs:
+    """sample_top_k operands for one step's rows: params [R, 4] and uniforms [R], float32."""
+
+    params: np.ndarray
+    uniforms: np.ndarray
+
+
+GREEDY_PARAMS = sample_params(temperature=1.0, top_k=1)  # top_k=1 is the argmax
+
+
+def sample_inputs(requests: Sequence[Request], num_rows: int) -> SampleInputs | None:
+    """sample_top_k operands for logits rows 0..num_rows-1, row i sampling requests[i]
+    (plain greedy ones as top_k=1; rows past the requests, unused, too), drawing each
+    sampled request's uniform; None, drawing nothing, if any request needs the host."""
+    if not all(is_plain_greedy(r) or is_device_samplable(r) for r in requests):
+        return None
+    params = np.tile(GREEDY_PARAMS, (num_rows, 1))
+    uniforms = np.zeros(num_rows, np.float32)
+    for i, request in enumerate(requests):
+        if not request.params.greedy:
+            params[i] = _op_params(request.params)
+            uniforms[i] = draw_uniform(request)
+    return SampleInputs(params, uniforms)
+
+
+def _op_params(params: SamplingParams) -> np.ndarray:
+    """The sample_top_k params row of a request that samples (temperature > 0)."""
+    return sample_params(params.temperature, params.top_p, params.min_p, params.top_k)
 
 
 def apply_penalties_and_bias(row: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
@@ -116,6 +170,8 @@ class Sampler:
                                          request.output_token_ids, request.eos_token_ids)
             if params.greedy:
                 token = int(np.argmax(x))
+            elif is_device_samplable(request):
+                token = sample_row(row, _op_params(params), draw_uniform(request))
             else:
                 probs = filter_distribution(x, params)
                 kept = np.flatnonzero(probs)

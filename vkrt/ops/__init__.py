@@ -7,11 +7,12 @@ from vkrt.ops import attention as _attention
 from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
 from vkrt.ops import norm as _norm
+from vkrt.ops import sampling as _sampling
 from vkrt.ops.attention import rope_cos_sin
 from vkrt.ops.registry import OPS, OpDef, OpError, dispatch
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-del _attention, _elementwise, _linear, _norm  # imported for their registrations
+del _attention, _elementwise, _linear, _norm, _sampling  # imported for their registrations
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
@@ -84,6 +85,11 @@ def argmax(x: Tensor) -> Tensor:
     return dispatch("argmax", x)
 
 
+def sample_top_k(logits: Tensor, params: Tensor, uniforms: Tensor) -> Tensor:
+    """Token ids [R] drawn from logits [R, V]; params [R, 4] and uniforms [R] as in vkrt.ops.sampling."""
+    return dispatch("sample_top_k", logits, params, uniforms)
+
+
 def cast(x: Tensor, dtype: str) -> Tensor:
     return dispatch("cast", x, dtype=dtype)
 
@@ -100,5 +106,5 @@ __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
     "layer_norm", "matmul", "mul", "op_names", "paged_attention", "rms_norm", "rope",
-    "rope_cos_sin", "silu_and_mul", "softmax",
+    "rope_cos_sin", "sample_top_k", "silu_and_mul", "softmax",
 ]

@@ -1,0 +1,150 @@
+"""sample_top_k: the shader's ids EQUAL the numpy reference's, on both access paths.
+
+The reference fixes every float32 operation and its order, so equality is exact, including
+uniforms that land exactly on (or one ulp beside) a cumulative-sum boundary, ties, NaN and
+-inf logits. The reference's own semantics are checked against the distribution it defines.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vkrt.ops as ops
+from vkrt.backend.vulkan.kernels import sample as sample_kernel
+from vkrt.errors import VkrtError
+from vkrt.ops.sampling import LOG2E, MAX_TOP_K, U_MAX, exp2_weights, sample_params, top_k_order
+
+reference = ops.OPS["sample_top_k"].reference
+
+
+def random_params(rng: np.random.Generator, rows: int, max_k: int = MAX_TOP_K + 8) -> np.ndarray:
+    """Temperatures 0.05-3, top_p and min_p often off, k from 1 past MAX_TOP_K (clamped)."""
+    return np.stack([
+        sample_params(temperature=float(rng.uniform(0.05, 3.0)),
+                      top_p=1.0 if rng.random() < 0.3 else float(rng.uniform(0.05, 1.0)),
+                      min_p=0.0 if rng.random() < 0.5 else float(rng.uniform(0.0, 0.5)),
+                      top_k=int(rng.integers(1, max_k + 1)))
+        for _ in range(rows)])
+
+
+def run(backend, logits: np.ndarray, params: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    return ops.sample_top_k(backend.upload(logits.astype(np.float32)), backend.upload(params),
+                            backend.upload(uniforms.astype(np.float32))).numpy()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (16, 100), (8, 1001), (4, 49152)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_ids_equal_reference(vk, rng, shape: tuple[int, int]) -> None:
+    rows, vocab = shape
+    for trial in range(6):
+        x = rng.standard_normal(shape).astype(np.float32) * np.float32(rng.uniform(0.5, 8.0))
+        if trial % 2:
+            x = np.round(x)  # many ties, inside and across lanes
+        params, u = random_params(rng, rows), rng.random(rows).astype(np.float32)
+        drains = vk.counters.drains
+        got = run(vk, x, params, u)
+        assert vk.counters.drains == drains
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, reference(x, params, u))
+
+
+def test_uniforms_on_cumulative_boundaries(vk, rng) -> None:
+    """u * total exactly at, and one ulp around, every running sum: both sides pick alike."""
+    vocab, k = 300, 24
+    x = rng.standard_normal(vocab).astype(np.float32) * 3
+    params = sample_params(temperature=0.7, top_k=k)
+    order = top_k_order(x, k)
+    t = (x[order[1:]] - x[order[0]]) * (params[0] * LOG2E)
+    sums = np.cumsum(np.concatenate([np.ones(1, np.float32), exp2_weights(t)]), dtype=np.float32)
+    u = (sums / sums[-1]).astype(np.float32)
+    uniforms = np.concatenate([u, np.nextafter(u, 0), np.nextafter(u, 1), [0.0, U_MAX, 1.0, -0.5, 2.0]])
+    uniforms = uniforms.astype(np.float32)
+    rows = uniforms.shape[0]
+    logits = np.repeat(x[None], rows, axis=0)
+    want = reference(logits, np.repeat(params[None], rows, axis=0), uniforms)
+    assert len(set(want.tolist())) > k // 2  # the boundaries really do move the choice
+    np.testing.assert_array_equal(run(vk, logits, np.repeat(params[None], rows, axis=0), uniforms), want)
+
+
+def test_top_k_1_is_argmax(vk, rng) -> None:
+    x = np.round(rng.standard_normal((9, 49152)) * 2).astype(np.float32)
+    x[1, [7, 9000]] = np.nan  # argmax takes the first NaN
+    x[2, :] = -np.inf
+    x[3, :] = 1.0
+    params = np.stack([sample_params(1.0, top_k=1)] * 9)
+    got = run(vk, x, params, rng.random(9).astype(np.float32))
+    np.testing.assert_array_equal(got, ops.argmax(vk.upload(x)).numpy())
+    np.testing.assert_array_equal(got, x.argmax(axis=-1))
+
+
+def test_special_values(vk, rng) -> None:
+    x = rng.standard_normal((8, 500)).astype(np.float32)
+    x[0, ::3] = -np.inf               # -inf weighs 0 and is never drawn
+    x[1, :] = -np.inf                 # all -inf: candidate 0
+    x[2, [10, 20, 400]] = np.nan      # NaNs lead, weigh 0 after the first
+    x[3, [5, 6]] = np.inf             # inf - inf is NaN: weight 0
+    x[4, :490] = -np.inf              # fewer finite columns than k
+    x[5] = 1e30 * np.sign(x[5])       # differences overflow to -inf
+    x[6] = 1e-30 * x[6]               # tiny but normal logits
+    x[7, ::2] = 3.0                   # ties at the top across all lanes
+    params = random_params(rng, 8, max_k=MAX_TOP_K)
+    params[:, 3] = 40
+    for u in (0.0, 0.5, float(U_MAX)):
+        uniforms = np.full(8, u, np.float32)
+        np.testing.assert_array_equal(run(vk, x, params, uniforms), reference(x, params, uniforms))
+
+
+def test_batch_invariant(vk, rng) -> None:
+    x = rng.standard_normal((32, 4096)).astype(np.float32) * 4
+    params, u = random_params(rng, 32), rng.random(32).astype(np.float32)
+    batched = run(vk, x, params, u)
+    for r in (0, 13, 31):
+        assert run(vk, x[r:r + 1], params[r:r + 1], u[r:r + 1])[0] == batched[r]
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 4, 16, 32])
+def test_ids_do_not_depend_on_the_workgroup(vk_default, rng, monkeypatch, lanes: int) -> None:
+    assert sample_kernel.shared_bytes(lanes) <= vk_default.caps.max_shared_memory
+    monkeypatch.setattr(sample_kernel, "sample_workgroup", lambda caps: lanes)
+    x = np.round(rng.standard_normal((6, 3000)) * 3).astype(np.float32)
+    params, u = random_params(rng, 6), rng.random(6).astype(np.float32)
+    np.testing.assert_array_equal(run(vk_default, x, params, u), reference(x, params, u))
+
+
+def test_reference_draws_from_the_filtered_softmax(rng) -> None:
+    """Frequencies over evenly spread uniforms match softmax(x / T) over the top k."""
+    x = rng.standard_normal(50).astype(np.float32) * 2
+    n = 20000
+    u = ((np.arange(n) + 0.5) / n).astype(np.float32)
+    for temperature, k in ((0.5, 50), (2.0, 10)):
+        ids = reference(np.repeat(x[None], n, axis=0), np.stack([sample_params(temperature, top_k=k)] * n), u)
+        top = np.argsort(-x, kind="stable")[:k]
+        p = np.exp((x[top] - x[top].max()) / temperature)
+        expected = np.zeros(50)
+        expected[top] = p / p.sum()
+        assert np.abs(np.bincount(ids, minlength=50) / n - expected).max() < 1e-3
+
+
+def test_reference_top_p_and_min_p() -> None:
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    row = np.log(probs).astype(np.float32)[None]
+    u = np.linspace(0, 1, 400, endpoint=False, dtype=np.float32)
+
+    def seen(**kw: float) -> set[int]:
+        params = sample_params(1.0, top_k=4, **kw)
+        return set(reference(np.repeat(row, u.size, axis=0), np.stack([params] * u.size), u).tolist())
+
+    assert seen(top_p=0.8) == {0, 1}
+    assert seen(top_p=0.81) == {0, 1, 2}
+    assert seen(top_p=0.3) == {0}
+    assert seen(min_p=0.2) == {0, 1, 2}  # 0.05 < 0.2 * 0.5
+    assert seen(min_p=1.0) == {0}
+
+
+def test_rejects_bad_input(vk_default) -> None:
+    x = vk_default.upload(np.zeros((2, 8), np.float32))
+    with pytest.raises(VkrtError, match="sample_top_k"):
+        ops.sample_top_k(x, vk_default.upload(np.zeros((2, 3), np.float32)), vk_default.upload(np.zeros(2, np.float32)))
+    with pytest.raises(VkrtError, match="sample_top_k"):
+        ops.sample_top_k(x, vk_default.upload(np.zeros((2, 4), np.float32)), vk_default.upload(np.zeros(3, np.float32)))
