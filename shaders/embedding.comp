@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1 ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k ACCESS=texel,ssbo
 // Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
 // reading the weight device layout (layouts.py) through one 32-bit view of the table.
 // Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
@@ -16,8 +16,9 @@ IN_U32(0, table);
 IN_I32(1, ids);
 OUT_F32(2, y);
 
-// row_words: 32-bit words per table row in the quants region; s_base: first scales word.
-layout(push_constant) uniform Push { uint n; uint D; uint row_words; uint blocks; uint s_base; } pc;
+// row_words: 32-bit words per table row in the quants region; s_base: first scales word;
+// d_base: q6_k's first d word (layouts.py).
+layout(push_constant) uniform Push { uint n; uint D; uint row_words; uint blocks; uint s_base; uint d_base; } pc;
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -33,6 +34,36 @@ void main() {
     v = unpackHalf2x16(w)[d & 1u];
 #else
     v = uintBitsToFloat((d & 1u) == 0u ? w << 16 : w & 0xFFFF0000u);
+#endif
+#elif defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+    // Sub-block blk of super-block blk / 8: low nibbles in q4 order (byte e % 16, high
+    // nibble for e >= 16); value = (d * sc) * q - dmin * m (q4_k) or (d * sc) * (q - 32).
+    uint blk = d / 32u, e = d % 32u, s = blk % 8u, sup = row * (pc.blocks / 8u) + blk / 8u;
+    uint j = e % 16u, half_ = e / 16u;
+#ifdef WFMT_Q4_K
+    uint w = LD_U32(table, row * pc.row_words + blk * 4u + j / 4u);
+    float q = float((w >> (8u * (j % 4u) + 4u * half_)) & 0xFu);
+    uint h[4];
+    for (uint k = 0u; k < 4u; k++) h[k] = LD_U32(table, pc.s_base + sup * 4u + k);
+    uint sh = 8u * (s & 3u);
+    uint a = (h[1] >> sh) & 0xFFu, m = (h[2] >> sh) & 0xFFu, c = (h[3] >> sh) & 0xFFu;
+    uint sc = s < 4u ? a & 63u : (c & 0xFu) | ((a >> 6) << 4);
+    uint mn = s < 4u ? m & 63u : (c >> 4) | ((m >> 6) << 4);
+    vec2 dm = unpackHalf2x16(h[0]);
+    precise float ds = dm.x * float(sc);
+    precise float dmn = dm.y * float(mn);
+    v = ds * q - dmn;
+#else
+    uint base = row * pc.row_words + (blk / 8u) * 48u;  // 12 texels per super-block
+    uint lo = LD_U32(table, base + s * 4u + j / 4u);
+    uint grp = j / 4u, c = j % 4u;
+    uint hw = LD_U32(table, base + 32u + s * 2u + grp / 2u);
+    uint q6 = ((lo >> (8u * c + 4u * half_)) & 0xFu) | (((hw >> (8u * c + 4u * (grp & 1u) + 2u * half_)) & 3u) << 4);
+    uint g = 2u * s + half_;  // the 16-value group's int8 scale
+    int sc = int(LD_U32(table, pc.s_base + sup * 4u + g / 4u) << (24u - 8u * (g % 4u))) >> 24;
+    float dd = unpackHalf2x16(LD_U32(table, pc.d_base + sup)).x;
+    precise float ds = dd * float(sc);
+    v = ds * (float(q6) - 32.0);
 #endif
 #else
     uint blk = d / 32u, e = d % 32u;

@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1 ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -23,7 +23,7 @@ IN_U32X4(0, wq);
 #endif
 IN_F32(1, x);
 OUT_F32(2, y);
-#if defined(WFMT_Q8_0) || defined(WFMT_Q4_0) || defined(WFMT_Q4_1)
+#if defined(WFMT_Q8_0) || defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q6_K)
 #define HAS_SCALES
 IN_U32(3, ws);
 #endif
@@ -40,37 +40,30 @@ void main() {
     if (row0 >= pc.N) return;
     float acc[ROWS * TOKENS];
     uint wrow[ROWS];
-#ifdef HAS_SCALES
-    uint srow[ROWS];
-#endif
+    uvec2 srow[ROWS];
     [[unroll]] for (uint r = 0u; r < ROWS; r++) {
         uint n = min(row0 + r, pc.N - 1u);  // past the last row/token: recompute, never store
         wrow[r] = n * pc.w_row;
-#ifdef HAS_SCALES
-        srow[r] = pc.s_base + n * pc.blocks;
-#endif
+        srow[r] = row_scales(n, pc.s_base, pc.blocks, pc.N);
     }
     [[unroll]] for (uint i = 0u; i < ROWS * TOKENS; i++) acc[i] = 0.0;
     for (uint b = 0u; b < pc.blocks; b++) {
         vec4 xv[TOKENS][8];
-        float xsum[TOKENS];
+        PART_T xsum[TOKENS];
         [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
             load_x(min(t0 + tt, pc.T - 1u), b, pc.K, xv[tt]);
-            xsum[tt] = 0.0;
+            xsum[tt] = PART_T(0.0);
 #ifdef NEEDS_XSUM
-            xsum[tt] = block_sum(xv[tt]);
+            xsum[tt] = block_xsum(xv[tt]);
 #endif
         }
         [[unroll]] for (uint r = 0u; r < ROWS; r++) {
             vec4 wv[8];
-            load_block(wrow[r] + b * BLOCK_TEXELS, wv);
-            uint scale = 0u;
-#ifdef HAS_SCALES
-            scale = LD_U32(ws, srow[r] + b);
-#endif
+            load_wblock(wrow[r], b, wv);
+            SCALE_T scale = load_scale(srow[r], b);
             [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
                 uint i = tt * ROWS + r;
-                acc[i] = combine(acc[i], block_dot(wv, xv[tt]), scale, xsum[tt]);
+                acc[i] = combine(acc[i], block_part(wv, xv[tt]), scale, xsum[tt]);
             }
         }
     }

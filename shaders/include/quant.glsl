@@ -5,11 +5,16 @@
 // half). Float rows are padded with zeros to whole 32-value blocks, so every weight row is a
 // sequence of complete 32-value blocks:
 //   f32: 8 texels (RGBA32F) per block, f16/bf16: 4 uvec4 texels, q8_0: 2, q4_0/q4_1: 1.
+// K-quants are read per 32-value sub-block too: q4_k one texel (q4 nibble order) plus its
+// super-block's 16-byte header texel; q6_k a texel of low nibbles, half a texel of 2-bit
+// highs, its super-block's int8 scales texel and f16 d word (layouts.py).
 //
 // Reduction contract (batch invariance, DESIGN invariant 9): every matmul kernel reduces one
-// output as  acc = 0; for each block b in order: p = block_dot(w_b, x_b); acc = combine(...)
+// output as  acc = 0; for each block b in order: p = block_part(w_b, x_b); acc = combine(...)
 // with the helpers below, in `precise` arithmetic, so the result never depends on how many
-// tokens or rows an invocation handles nor on which kernel (vec / tiled) ran.
+// tokens or rows an invocation handles nor on which kernel (vec / tiled) ran. q6_k, whose
+// scales cover 16 values, keeps two partial sums per block (first and second 16 values) and
+// combines them in that order.
 // (Measured: writing block_dot as an explicit fma chain instead of precise dot()s was no
 // faster on llvmpipe.) Includers enable GL_EXT_control_flow_attributes ([[unroll]]).
 
@@ -66,11 +71,51 @@ float block_sum(vec4 x[8]) {
     return s;
 }
 
+// Two 16-value halves (q6_k: one scale each), each in block_dot's order.
+vec2 block_dot2(vec4 w[8], vec4 x[8]) {
+    precise float a = dot(w[0], x[0]);
+    a += dot(w[1], x[1]); a += dot(w[2], x[2]); a += dot(w[3], x[3]);
+    precise float b = dot(w[4], x[4]);
+    b += dot(w[5], x[5]); b += dot(w[6], x[6]); b += dot(w[7], x[7]);
+    return vec2(a, b);
+}
+vec2 block_sum2(vec4 x[8]) {
+    const vec4 one = vec4(1.0);
+    precise float a = dot(x[0], one);
+    a += dot(x[1], one); a += dot(x[2], one); a += dot(x[3], one);
+    precise float b = dot(x[4], one);
+    b += dot(x[5], one); b += dot(x[6], one); b += dot(x[7], one);
+    return vec2(a, b);
+}
+
+// Per-format types: PART_T is a block's partial dot / activation sum (vec2 halves for q6_k);
+// SCALE_T what combine() needs of the block's scales (the raw word, or for K-quants the
+// f32 pair (d*sc, -dmin*m) / (d*sc_lo, d*sc_hi), products that are exact in f32).
+#if defined(WFMT_Q6_K)
+#define PART_T vec2
+#define block_part block_dot2
+#define block_xsum block_sum2
+#else
+#define PART_T float
+#define block_part block_dot
+#define block_xsum block_sum
+#endif
+#if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+#define SCALE_T vec2
+#else
+#define SCALE_T uint
+#endif
+
 // acc + this block's contribution. `scale` is the block's scales word, p its block_dot and
 // xsum its block_sum (unused by formats that have no offset).
-float combine(float acc, float p, uint scale, float xsum) {
+float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
     precise float r;
-#if defined(WFMT_Q8_0)
+#if defined(WFMT_Q4_K)
+    r = fma(scale.y, xsum, fma(scale.x, p, acc));
+#elif defined(WFMT_Q6_K)
+    precise float lo = fma(scale.x, fma(xsum.x, -32.0, p.x), acc);
+    r = fma(scale.y, fma(xsum.y, -32.0, p.y), lo);
+#elif defined(WFMT_Q8_0)
     r = fma(unpackHalf2x16(scale).x, p, acc);
 #elif defined(WFMT_Q4_0)
     r = fma(unpackHalf2x16(scale).x, fma(xsum, -8.0, p), acc);
@@ -83,9 +128,28 @@ float combine(float acc, float p, uint scale, float xsum) {
     return r;
 }
 
-#if defined(WFMT_Q4_0) || defined(WFMT_Q4_1)
+#if defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
 #define NEEDS_XSUM 1
 #endif
+
+// q4_k: sub-block s's (d*sc, -dmin*m) from its super-block's header texel (f16 d, f16 dmin,
+// then GGUF's 12 bytes of 6-bit scales and mins; the unpacking of vkrt.ops.quant).
+vec2 q4_k_scale(uvec4 h, uint s) {
+    uint sh = 8u * (s & 3u);
+    uint a = (h.y >> sh) & 0xFFu, m = (h.z >> sh) & 0xFFu, c = (h.w >> sh) & 0xFFu;
+    uint sc = s < 4u ? a & 63u : (c & 0xFu) | ((a >> 6) << 4);
+    uint mn = s < 4u ? m & 63u : (c >> 4) | ((m >> 6) << 4);
+    vec2 dm = unpackHalf2x16(h.x);
+    precise vec2 r = vec2(dm.x * float(sc), -(dm.y * float(mn)));
+    return r;
+}
+// q6_k: sub-block s's (d*sc_lo, d*sc_hi) from the super-block's 16 int8 scales.
+vec2 q6_k_scale(uvec4 scales, uint s, float d) {
+    uint w = scales[s >> 1];
+    uint sh = 16u * (s & 1u);
+    precise vec2 r = vec2(d * float(int(w << (24u - sh)) >> 24), d * float(int(w << (16u - sh)) >> 24));
+    return r;
+}
 
 // ---- matmul operand loaders (define MATMUL_IO before including) --------------------------
 // load_block(texel) decodes the block starting at quants texel `texel` of binding `wq`
@@ -111,10 +175,55 @@ void load_block(uint i, out vec4 w[8]) {
 #elif defined(WFMT_Q8_0)
 #define BLOCK_TEXELS 2u
 void load_block(uint i, out vec4 w[8]) { q8_block(LD_U32X4(wq, i), LD_U32X4(wq, i + 1u), w); }
+#elif defined(WFMT_Q6_K)
+vec4 u8_vals(uint w) { return vec4((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFFu); }
+// Low nibbles in q4 order; hw holds the 2-bit highs (layouts.py): 6-bit values 0..63.
+void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        uint h = (hw[i >> 1] >> (4u * (i & 1u))) & 0x0F0F0F0Fu;
+        w[i] = u8_vals((lo[i] & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4));
+        w[4u + i] = u8_vals(((lo[i] >> 4) & 0x0F0F0F0Fu) | ((h & 0x0C0C0C0Cu) << 2));
+    }
+}
 #else
 #define BLOCK_TEXELS 1u
 void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
 #endif
+
+// Where row n's scales start: .x for the scales words / header texels, .y q6_k's d words.
+// s_base: first scales word (u32 units, 16-byte aligned); blocks: 32-value blocks per row.
+uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
+#if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+    uint supers = blocks >> 3;
+    return uvec2((s_base >> 2) + n * supers, s_base + (N * 4u + n) * supers);
+#else
+    return uvec2(s_base + n * blocks, 0u);
+#endif
+}
+
+// Block b's scales for combine() (rs from row_scales).
+SCALE_T load_scale(uvec2 rs, uint b) {
+#if defined(WFMT_Q4_K)
+    return q4_k_scale(LD_U32X4(wq, rs.x + (b >> 3)), b & 7u);
+#elif defined(WFMT_Q6_K)
+    return q6_k_scale(LD_U32X4(wq, rs.x + (b >> 3)), b & 7u, unpackHalf2x16(LD_U32(ws, rs.y + (b >> 3))).x);
+#elif defined(HAS_SCALES)
+    return LD_U32(ws, rs.x + b);
+#else
+    return 0u;
+#endif
+}
+
+// Block b of the row whose quants start at texel `wbase` (every format).
+void load_wblock(uint wbase, uint b, out vec4 w[8]) {
+#if defined(WFMT_Q6_K)
+    uint sb = wbase + (b >> 3) * 12u, s = b & 7u;
+    uvec4 hi = LD_U32X4(wq, sb + 8u + (s >> 1));
+    q6_block(LD_U32X4(wq, sb + s), (s & 1u) == 0u ? hi.xy : hi.zw, w);
+#else
+    load_block(wbase + b * BLOCK_TEXELS, w);
+#endif
+}
 
 // x is bound as RGBA32F texels when its rows are whole texels (K % 4 == 0, texel path) and
 // as R32F / a float[] otherwise: a spec constant, so each pipeline keeps one load path.

@@ -1,10 +1,11 @@
-"""Native matmul (matmul_vec / matmul_tiled) vs the numpy reference, on both access paths.
+"""Native matmul (matmul.vec / matmul.tiled, one shader) vs the numpy reference, both access paths.
 
 The reference dequantizes exactly and multiplies in float64; the kernels decode in f32 and
 accumulate in f32, so every format lands far inside its bound. Measured NMSE on these
 shapes, both paths and kernels (llvmpipe), median / worst: f32 7e-15 / 8e-14, f16 7e-15 /
 5e-12, bf16 8e-15 / 6e-14, q8_0 7e-15 / 2e-14, q4_0 6e-14 / 3e-13, q4_1 6e-14 / 1e-12 (the
-q4 offsets, -8 and m, are folded into a per-block activation sum). Bound: 1e-9 for all.
+q4 offsets, -8 and m, are folded into a per-block activation sum), q4_k 2e-14 / 4e-14,
+q6_k 4e-14 / 3e-13 (random blocks; -dmin*m and -32 folded the same way). Bound: 1e-9 for all.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from vkrt.backend.base import Backend, Kernel
 from vkrt.ops.quant import dequantize, f32_to_bf16, quantize
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+K_QUANTS = ("q4_k", "q6_k")
 NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
 BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96), (1, 129, 576),
@@ -27,6 +29,31 @@ BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96
 # texels, partial last block).
 FLOAT_SHAPES = [(1, 1, 37), (2, 7, 64), (5, 64, 100), (33, 129, 37), (130, 7, 100), (1, 129, 64),
                 (130, 64, 37)]
+# K-quants: whole 256-value super-blocks (1, 2 and 3 per row).
+K_SHAPES = [(1, 1, 256), (2, 7, 512), (5, 64, 768), (33, 129, 256), (130, 7, 512), (1, 129, 768),
+            (130, 64, 256)]
+
+
+def shapes_for(fmt: str) -> list[tuple[int, int, int]]:
+    return K_SHAPES if fmt in K_QUANTS else BLOCK_SHAPES if fmt.startswith("q") else FLOAT_SHAPES
+
+
+def block_k(fmt: str, k: int = 64) -> int:
+    """A K that suits `fmt`: k for 32-value block formats, the next multiple of 256 for K-quants."""
+    return -(-k // 256) * 256 if fmt in K_QUANTS else k
+
+
+def random_k_quant(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.ndarray:
+    """Random q4_k (144-byte) or q6_k (210-byte) blocks: random quants and 6-bit / int8
+    scales, with small positive f16 super-block scales d (and dmin)."""
+    size = 144 if fmt == "q4_k" else 210
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.01, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if fmt == "q4_k":
+        blocks[..., 0:4] = d.reshape(n, k // 256, 4)
+    else:
+        blocks[..., 208:210] = d[..., 0:2]
+    return blocks.reshape(n, -1)
 
 
 def make_weight(rng: np.random.Generator, fmt: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -38,6 +65,8 @@ def make_weight(rng: np.random.Generator, fmt: str, n: int, k: int) -> tuple[np.
         raw = w.astype(np.float16)
     elif fmt == "bf16":
         raw = f32_to_bf16(w)
+    elif fmt in K_QUANTS:
+        raw = random_k_quant(rng, fmt, n, k)
     else:
         raw = quantize(w, fmt)
     return raw, dequantize(raw, fmt)
@@ -56,7 +85,7 @@ def run(backend: Backend, name: str, x: Tensor, w: Tensor) -> np.ndarray:
 @pytest.mark.parametrize("name", ["matmul.vec", "matmul.tiled"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_matmul_matches_reference(vk: Backend, rng: np.random.Generator, fmt: str, name: str) -> None:
-    for t, n, k in BLOCK_SHAPES if fmt.startswith("q") else FLOAT_SHAPES:
+    for t, n, k in shapes_for(fmt):
         raw, dense = make_weight(rng, fmt, n, k)
         x = rng.standard_normal((t, k)).astype(np.float32)
         expected = ops.OPS["matmul"].reference(x, dense)
@@ -70,7 +99,7 @@ def test_matmul_matches_reference(vk: Backend, rng: np.random.Generator, fmt: st
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_selection_by_token_count(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
     """Few tokens take the vec kernel, many the tiled one; the op result equals the reference."""
-    k = 64 if fmt.startswith("q") else 37
+    k = block_k(fmt) if fmt.startswith("q") else 37
     raw, dense = make_weight(rng, fmt, 9, k)
     w = vk.upload_weight(raw, fmt, (9, k))
     for t, expected_kernel in ((1, "matmul.vec"), (130, "matmul.tiled")):
@@ -86,7 +115,7 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
     """Row t of a T-token matmul is bit-identical to the 1-token result for that row, for
     T = 1, 3, 64, 130, through the op's own kernel choice and through each kernel forced."""
     n = 129
-    for k in (576,) if fmt.startswith("q") else (37, 100):
+    for k in (768,) if fmt in K_QUANTS else (576,) if fmt.startswith("q") else (37, 100):
         raw, _ = make_weight(rng, fmt, n, k)
         w = vk.upload_weight(raw, fmt, (n, k))
         x = rng.standard_normal((130, k)).astype(np.float32)
@@ -100,14 +129,14 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
                 assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q4_k", "q6_k"])
 def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, fmt: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every specialisation the device config may pick (rows, token tile, workgroup) gives
     bit-identical rows: the per-output reduction order never depends on them."""
     from vkrt.backend.vulkan.kernels import matmul as native
 
-    n, k, t = 67, 96 if fmt.startswith("q") else 37, 11
+    n, k, t = 67, block_k(fmt, 96) if fmt.startswith("q") else 37, 11
     raw, _ = make_weight(rng, fmt, n, k)
     w = vk.upload_weight(raw, fmt, (n, k))
     x = vk.upload(rng.standard_normal((t, k)).astype(np.float32))
@@ -121,22 +150,20 @@ def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, 
         assert same.all(), f"{fmt} rows={rows} tokens={tokens} wg={workgroup}: {(~same).sum()} differ"
 
 
-def _random_q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    """Random Q4_K blocks (144 bytes) with sane f16 scales d and dmin."""
-    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.01, size=(n, k // 256, 2)).astype(np.float16)
-    blocks[..., 0:4] = scales.view(np.uint8).reshape(n, k // 256, 4)
-    return blocks.reshape(n, -1)
-
-
-def test_q4_k_falls_back_to_reference(vk: Backend, rng: np.random.Generator) -> None:
-    """No native q4_k kernel yet: the reference tier runs it after exactly one drain."""
+def test_oversized_weight_falls_back_to_reference(vk: Backend, rng: np.random.Generator,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight the device cannot bind whole (beyond its texel / storage range) has no native
+    kernel: the reference tier runs it after exactly one drain."""
     n, k = 7, 512
-    raw = _random_q4_k(rng, n, k)
-    x = rng.standard_normal((3, k)).astype(np.float32)
+    raw, dense = make_weight(rng, "q4_k", n, k)
     w = vk.upload_weight(raw, "q4_k", (n, k))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    xt = vk.upload(x)
+    caps = vk.caps  # type: ignore[attr-defined]
+    monkeypatch.setattr(caps, "max_texel_elements", w.handle.size // 4 - 1)
+    monkeypatch.setattr(caps, "max_storage_range", w.handle.size - 1)
     drains = vk.counters.drains
-    got = ops.matmul(vk.upload(x), w).numpy()
+    got = ops.matmul(xt, w).numpy()
     assert vk.counters.drains == drains + 1
-    expected = ops.OPS["matmul"].reference(x, dequantize(raw, "q4_k"))
+    expected = ops.OPS["matmul"].reference(x, dense)
     assert np.allclose(got, expected, rtol=1e-6, atol=1e-6)

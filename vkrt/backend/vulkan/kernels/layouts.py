@@ -5,6 +5,17 @@ a scales region (one uint per block), so every load is aligned: GGUF's 18/20/34-
 are not. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F texels or 4
 uvec4 texels of f16/bf16), so the matmul kernels read every row as complete blocks, like the
 block formats, without bounds checks. Nothing is dequantized.
+
+K-quants are repacked per 32-value sub-block, with the same nibble order as q4_0/q4_1
+(byte j holds element j low, element j + 16 high), so one texel fetch gives a sub-block:
+- q4_k (144 bytes / 256 values): quants 8 texels per super-block; scales region one texel
+  per super-block = GGUF's 16-byte header (f16 d, f16 dmin, 12 bytes of 6-bit scales/mins).
+  Same size as GGUF.
+- q6_k (210 bytes / 256 values): per super-block 8 texels of low nibbles then 4 texels of
+  the 2-bit highs (sub-block s: texel 8 + s/2, words 2(s%2)..+1; element 4i+c's bits at
+  8c + 4(i%2), element 16+4i+c's two bits above them); scales region one texel of the 16
+  int8 scales per super-block; then a d region of one u32 (f16 d) per super-block.
+  212 bytes per super-block.
 """
 
 from __future__ import annotations
@@ -20,13 +31,14 @@ def _pad_cols(a: np.ndarray, multiple: int) -> np.ndarray:
 
 
 def row_texels(dtype: str, k: int) -> int:
-    """uvec4/vec4 texels per row of k values in the device layout."""
+    """uvec4/vec4 texels per row of k values in the device layout (quants region)."""
     if dtype == "f32":
         return -(-k // 32) * 8
     if dtype in ("f16", "bf16"):
         return -(-k // 32) * 4
-    block_values = BLOCK_LAYOUT[dtype][1]
-    return k // block_values * (2 if dtype == "q8_0" else 1)
+    if dtype == "q6_k":
+        return k // 256 * 12
+    return k // 32 * (2 if dtype == "q8_0" else 1)
 
 
 def quants_bytes(dtype: str, rows: int, k: int) -> int:
@@ -49,8 +61,52 @@ def device_layout(raw: np.ndarray, dtype: str) -> np.ndarray:
         quants, scales = blocks[..., 2:18], np.pad(blocks[..., 0:2], ((0, 0), (0, 0), (0, 2)))
     elif dtype == "q4_1":
         quants, scales = blocks[..., 4:20], blocks[..., 0:4]  # d in the low half, m in the high
+    elif dtype == "q4_k":
+        quants, scales = _q4_k_quants(blocks), blocks[..., 0:16]
+    elif dtype == "q6_k":
+        quants = _q6_k_quants(blocks)
+        d = np.pad(blocks[..., 208:210], ((0, 0), (0, 0), (0, 2)))
+        return np.concatenate([quants.reshape(-1), np.ascontiguousarray(blocks[..., 192:208]).reshape(-1),
+                               np.ascontiguousarray(d).reshape(-1)])
     else:
-        # K-quants keep their GGUF blocks (144 / 210 bytes) padded to whole texels.
-        padded = np.pad(blocks, ((0, 0), (0, 0), (0, -block_bytes % 16)))
-        return np.ascontiguousarray(padded).reshape(-1)
+        raise ValueError(f"no device layout for {dtype}")
     return np.concatenate([np.ascontiguousarray(quants).reshape(-1), np.ascontiguousarray(scales).reshape(-1)])
+
+
+def _nibble_pairs(v: np.ndarray) -> np.ndarray:
+    """[..., 32] 4-bit values per sub-block -> [..., 16] bytes: element j low, j + 16 high."""
+    return (v[..., :16] | (v[..., 16:] << 4)).astype(np.uint8)
+
+
+def _q4_k_quants(blocks: np.ndarray) -> np.ndarray:
+    """GGUF q4_k quants (4 chunks of 32 bytes: sub-block 2c low nibbles, 2c+1 high) ->
+    [rows, super-blocks, 8 sub-blocks, 16 bytes]."""
+    qs = blocks[..., 16:144].reshape(blocks.shape[:2] + (4, 32))
+    sub = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(blocks.shape[:2] + (8, 32))
+    return np.ascontiguousarray(_nibble_pairs(sub))
+
+
+def _q6_k_quants(blocks: np.ndarray) -> np.ndarray:
+    """GGUF q6_k ql/qh -> [rows, super-blocks, 192 bytes]: 8 texels of low nibbles, then 4
+    texels of 2-bit highs (the order vkrt.ops.quant.dequant_q6_k decodes them in)."""
+    shape = blocks.shape[:2]
+    ql = blocks[..., 0:128].reshape(shape + (2, 64))
+    qh = blocks[..., 128:192].reshape(shape + (2, 32))
+    q = np.empty(shape + (2, 4, 32), np.uint8)
+    q[..., 0, :] = (ql[..., :32] & 0x0F) | (((qh >> 0) & 3) << 4)
+    q[..., 1, :] = (ql[..., 32:] & 0x0F) | (((qh >> 2) & 3) << 4)
+    q[..., 2, :] = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+    q[..., 3, :] = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
+    q = q.reshape(shape + (8, 32))  # 6-bit values 0..63 per 32-value sub-block
+    lo = _nibble_pairs(q & 0x0F)  # [..., 8, 16]
+    hi = (q >> 4).astype(np.uint32)  # [..., 8, 32], 2 bits each
+    j = np.arange(16)
+    i, c = j >> 2, j & 3
+    shift = (8 * c + 4 * (i & 1)).astype(np.uint32)
+    word = i >> 1
+    words = np.zeros(shape + (8, 2), np.uint32)
+    for w in range(2):
+        sel = word == w
+        words[..., w] = ((hi[..., :16][..., sel] << shift[sel]) | (hi[..., 16:][..., sel] << (shift[sel] + 2))).sum(
+            axis=-1, dtype=np.uint32)
+    return np.concatenate([lo.reshape(shape + (128,)), words.view(np.uint8).reshape(shape + (64,))], axis=-1)

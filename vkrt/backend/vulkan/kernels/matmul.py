@@ -6,7 +6,6 @@ up to a power of two) and `matmul.tiled` for prefill (tiles of MAX_TOKENS tokens
 invocation computes ROWS rows x TOKENS tokens, reducing every output in quant.glsl's fixed
 block order, so a token's row of y is bit-identical whatever T is and whichever
 configuration ran (invariant 9).
-K-quants (q4_k, q6_k) are not handled here yet and fall back to the reference tier.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from vkrt.backend.vulkan.kernels.common import module
 from vkrt.backend.vulkan.kernels.layouts import quants_bytes, row_texels
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
-SCALED_FORMATS = ("q8_0", "q4_0", "q4_1")
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+SCALED_FORMATS = ("q8_0", "q4_0", "q4_1", "q6_k")  # formats that bind a u32 view for scales
 MAX_GROUPS = 65535
 
 
