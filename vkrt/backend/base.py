@@ -101,9 +101,9 @@ class Backend(ABC):
         self.sync()
         arrays = [self.reference_array(t) for t in inputs]
         result = op.reference(*arrays, **params)
-        if op.inplace:
-            for index in op.inplace:
-                self.write(inputs[index], arrays[index])
+        for index in op.inplace:
+            self.write(inputs[index], arrays[index])
+        if not out_specs:
             return ()
         results = result if isinstance(result, tuple) else (result,)
         return tuple(self.upload(np.asarray(r), spec.dtype) for r, spec in zip(results, out_specs, strict=True))

@@ -31,9 +31,17 @@ class Layer:
     def __init__(self, model: LlamaModel, i: int) -> None:
         w = model.weight
         self.attn_norm = model.norm_weight(f"layers.{i}.attn_norm")
-        self.q_proj = w(f"layers.{i}.q_proj")
-        self.k_proj = w(f"layers.{i}.k_proj")
-        self.v_proj = w(f"layers.{i}.v_proj")
+        # q, k and v stacked into one matmul when they share a format (mixed GGUF quant
+        # layouts, e.g. Q6_K v, keep three matmuls rather than a dequantized f32 copy).
+        qkv = [model.raw(f"layers.{i}.{name}") for name in ("q_proj", "k_proj", "v_proj")]
+        self.qkv_proj: Tensor | None = None
+        self.q_proj: Tensor | None = None
+        self.k_proj: Tensor | None = None
+        self.v_proj: Tensor | None = None
+        if len({p.fmt for p in qkv}) == 1:
+            self.qkv_proj = model.upload(_concat_rows(qkv, f"layers.{i}.qkv"))
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (model.upload(p) for p in qkv)
         self.o_proj = w(f"layers.{i}.o_proj")
         self.ffn_norm = model.norm_weight(f"layers.{i}.ffn_norm")
         gate, up = model.raw(f"layers.{i}.gate_proj"), model.raw(f"layers.{i}.up_proj")
@@ -93,6 +101,19 @@ class LlamaModel(CausalLM):
         return self.backend.upload(dequantize(wd.data, wd.fmt).reshape(-1), "f32", purpose="weights")
 
     # -- forward ------------------------------------------------------------------
+    def _qkv(self, layer: Layer, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """rope(q); rope(k) and v stored in layer i's cache at the step's slots."""
+        c = self.config
+        if layer.qkv_proj is not None:  # one matmul, then one op for both ropes and the write
+            return ops.qkv_rope_kv_write(ops.matmul(x, layer.qkv_proj), step.positions, self.cos_sin,
+                                         kv.keys[i], kv.values[i], step.slots, c.num_heads,
+                                         c.num_kv_heads, c.head_dim)
+        assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
+        q = ops.rope(ops.matmul(x, layer.q_proj), step.positions, self.cos_sin, c.head_dim)
+        k = ops.rope(ops.matmul(x, layer.k_proj), step.positions, self.cos_sin, c.head_dim)
+        ops.kv_write(kv.keys[i], kv.values[i], k, ops.matmul(x, layer.v_proj), step.slots)
+        return q
+
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         c = self.config
         eps = c.rms_norm_eps
@@ -103,10 +124,7 @@ class LlamaModel(CausalLM):
                 x, residual = ops.rms_norm(h, layer.attn_norm, eps), h
             else:
                 x, residual = ops.add_rms_norm(h, residual, layer.attn_norm, eps)
-            q = ops.rope(ops.matmul(x, layer.q_proj), step.positions, self.cos_sin, c.head_dim)
-            k = ops.rope(ops.matmul(x, layer.k_proj), step.positions, self.cos_sin, c.head_dim)
-            v = ops.matmul(x, layer.v_proj)
-            ops.kv_write(kv.keys[i], kv.values[i], k, v, step.slots)
+            q = self._qkv(layer, x, step, kv, i)
             attn = ops.paged_attention(q, kv.keys[i], kv.values[i], step.block_tables, step.seq_index,
                                        step.positions, c.num_heads, c.num_kv_heads, self.scale)
             h = ops.matmul(attn, layer.o_proj)

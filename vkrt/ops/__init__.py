@@ -70,6 +70,15 @@ def kv_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tens
     dispatch("kv_write", k_cache, v_cache, k, v, slots)
 
 
+def qkv_rope_kv_write(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor,
+                      v_cache: Tensor, slots: Tensor, num_heads: int, num_kv_heads: int,
+                      head_dim: int, interleaved: bool = False) -> Tensor:
+    """rope(q) of the stacked qkv [T, (H + 2 KVH) * head_dim]; rope(k) and v go to their cache slots."""
+    return dispatch("qkv_rope_kv_write", qkv, positions, cos_sin, k_cache, v_cache, slots,
+                    num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+                    interleaved=bool(interleaved))
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     seq_index: Tensor, positions: Tensor, num_heads: int, num_kv_heads: int,
                     scale: float) -> Tensor:
@@ -105,6 +114,6 @@ def op_names() -> list[str]:
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "mul", "op_names", "paged_attention", "rms_norm", "rope",
+    "layer_norm", "matmul", "mul", "op_names", "paged_attention", "qkv_rope_kv_write", "rms_norm", "rope",
     "rope_cos_sin", "sample_top_k", "silu_and_mul", "softmax",
 ]

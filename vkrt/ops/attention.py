@@ -160,3 +160,32 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                                                   keys[:, kvh * hd:(kvh + 1) * hd],
                                                   values[:, kvh * hd:(kvh + 1) * hd], scale)
     return out
+
+
+def _qkv_rope_kv_write_infer(qkv: TensorSpec, positions: TensorSpec, cos_sin: TensorSpec,
+                             k_cache: TensorSpec, v_cache: TensorSpec, slots: TensorSpec,
+                             num_heads: int, num_kv_heads: int, head_dim: int,
+                             interleaved: bool = False) -> tuple[TensorSpec, ...]:
+    specs = (qkv, positions, cos_sin, k_cache, v_cache, slots)
+    name = "qkv_rope_kv_write"
+    q_width, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    require(head_dim > 0 and num_kv_heads > 0 and num_heads % num_kv_heads == 0, name, specs,
+            "num_heads must be a positive multiple of num_kv_heads")
+    require(qkv.dtype == "f32" and len(qkv.shape) == 2 and qkv.shape[1] == q_width + 2 * kv_dim, name,
+            specs, f"qkv must be f32 [T, (num_heads + 2 * num_kv_heads) * {head_dim}]")
+    t = qkv.shape[0]
+    _rope_infer(TensorSpec((t, q_width), "f32"), positions, cos_sin, head_dim, interleaved)
+    _kv_write_infer(k_cache, v_cache, TensorSpec((t, kv_dim), "f32"), TensorSpec((t, kv_dim), "f32"), slots)
+    return (TensorSpec((t, q_width), "f32"),)
+
+
+@register_op("qkv_rope_kv_write", _qkv_rope_kv_write_infer, inplace=(3, 4))
+def qkv_rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray,
+                      k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, num_heads: int,
+                      num_kv_heads: int, head_dim: int, interleaved: bool = False) -> np.ndarray:
+    """Split stacked qkv, rope q and k, store rope(k) and v at their slots; returns rope(q)."""
+    q_width, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    q = rope(qkv[:, :q_width], positions, cos_sin, head_dim, interleaved)
+    k = rope(qkv[:, q_width : q_width + kv_dim], positions, cos_sin, head_dim, interleaved)
+    kv_write(k_cache, v_cache, k, qkv[:, q_width + kv_dim :], slots)
+    return q

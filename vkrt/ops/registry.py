@@ -17,8 +17,9 @@ class OpDef:
     """One op. `reference` is the spec: numpy in, numpy out (a tuple when several).
 
     `infer(*input_specs, **params)` validates the call and returns the output specs.
-    `inplace` names input positions the op mutates (e.g. the KV cache of kv_write);
-    such ops return nothing.
+    `inplace` names input positions the op mutates (e.g. the KV cache of kv_write). Such an
+    op returns nothing unless `infer` gives output specs; then it returns those outputs too
+    (qkv_rope_kv_write writes the cache and returns q).
     """
 
     name: str
@@ -68,6 +69,6 @@ def dispatch(name: str, *inputs: Tensor, **params: Any) -> Any:
             raise OpError(f"{name}: inputs live on different backends ({backend.name}, {t.backend.name})")
     out_specs = opdef.infer(*[t.spec for t in inputs], **params)
     outputs = backend.execute(opdef, inputs, params, out_specs)
-    if opdef.inplace:
-        return None
+    if not out_specs:
+        return None  # a purely in-place op
     return outputs[0] if len(outputs) == 1 else outputs

@@ -32,8 +32,8 @@ def _run_reference(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, A
     opdef = OPS[op]
     arrays = [backend.reference_array(t) for t in inputs]
     result = opdef.reference(*arrays, **params)
-    if opdef.inplace:
-        return ()
+    if not out_specs:
+        return ()  # purely in place: the reference mutated the stored arrays
     results = result if isinstance(result, tuple) else (result,)
     return tuple(Tensor(spec.shape, spec.dtype, backend, as_storage_array(np.asarray(r), spec.dtype))
                  for r, spec in zip(results, out_specs, strict=True))

@@ -1,0 +1,44 @@
+"""qkv_rope_kv_write: shaders/qkv_rope.comp, rope of q and k plus the KV cache write in one dispatch.
+
+One invocation per q element and per cache item of a token (f32: an element of k and v;
+f16: a u32 word, two halves of each). Even head_dim only, so f16 cache rows are whole
+words; other shapes run the reference (rope + kv_write composition).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+
+def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    return params["head_dim"] % 2 == 0
+
+
+def _qkv_rope_kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                       out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    qkv, positions, cos_sin, k_cache, v_cache, slots = inputs
+    head_dim = params["head_dim"]
+    q_width, kv_dim = params["num_heads"] * head_dim, params["num_kv_heads"] * head_dim
+    max_positions, rot_dim = cos_sin.shape
+    f16 = k_cache.dtype == "f16"
+    row_items = q_width + (kv_dim // 2 if f16 else kv_dim)
+    tokens = qkv.shape[0]
+    kind = "u32" if f16 else "f32"
+    q = backend.empty(out[0].shape, "f32")
+    push = (tokens, q_width, kv_dim, head_dim, rot_dim, max_positions,
+            int(params.get("interleaved", False)), row_items)
+    backend.run_shader(module(backend, "qkv_rope", k_cache.dtype),
+                       [(qkv, "f32", False), (positions, "i32", False), (cos_sin, "f32", False),
+                        (k_cache, kind, True), (v_cache, kind, True), (slots, "i32", False),
+                        (q, "f32", True)],
+                       grid_1d(tokens * row_items), ("<8I", push), local_size())
+    return (q,)
+
+
+def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("qkv_rope_kv_write", "qkv_rope_kv_write", _qkv_rope_kv_write,
+                                   supports=_supports))
