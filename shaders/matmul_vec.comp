@@ -11,10 +11,16 @@
 // and a TOKENS-token pass costs far less than TOKENS one-token passes.)
 // Reduction order: quant.glsl's contract, so results are bit-identical across T, ROWS,
 // TOKENS and workgroup size (DESIGN invariant 9).
+// GATES = 2 (matmul_silu_and_mul): w stacks N gate rows over N up rows; an invocation
+// reduces its ROWS gate rows and the matching ROWS up rows exactly as the plain matmul does
+// (so g and u are bit-identical to its outputs) and writes y[t, n] = silu(g) * u in
+// elementwise.comp's silu_mul expression, bit-identical to matmul then silu_and_mul.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
 layout(constant_id = 3) const uint TOKENS = 1u;
+layout(constant_id = 4) const uint GATES = 1u;  // weight rows per output row: 1 or 2 (gated)
+const uint WROWS = ROWS * GATES;
 
 #ifdef WFMT_F32
 IN_F32X4(0, wq);
@@ -28,7 +34,7 @@ OUT_F32(2, y);
 IN_U32(3, ws);
 #endif
 
-// w_row: quants texels per weight row; s_base: index of the first scales word (u32 units).
+// N: output rows (the weight has GATES * N); w_row: quants texels per weight row; s_base: index of the first scales word (u32 units).
 layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w_row; uint s_base; } pc;
 
 #define MATMUL_IO
@@ -38,15 +44,17 @@ void main() {
     uint row0 = gl_GlobalInvocationID.x * ROWS;
     uint t0 = gl_WorkGroupID.y * TOKENS;
     if (row0 >= pc.N) return;
-    float acc[ROWS * TOKENS];
-    uint wrow[ROWS];
-    uvec2 srow[ROWS];
-    [[unroll]] for (uint r = 0u; r < ROWS; r++) {
-        uint n = min(row0 + r, pc.N - 1u);  // past the last row/token: recompute, never store
+    float acc[WROWS * TOKENS];
+    uint wrow[WROWS];
+    uvec2 srow[WROWS];
+    [[unroll]] for (uint r = 0u; r < WROWS; r++) {
+        // Weight row: gate (or plain) rows first, then the up rows N further on. Past the
+        // last row/token: recompute, never store.
+        uint n = min(row0 + r % ROWS, pc.N - 1u) + (r / ROWS) * pc.N;
         wrow[r] = n * pc.w_row;
-        srow[r] = row_scales(n, pc.s_base, pc.blocks, pc.N);
+        srow[r] = row_scales(n, pc.s_base, pc.blocks, GATES * pc.N);
     }
-    [[unroll]] for (uint i = 0u; i < ROWS * TOKENS; i++) acc[i] = 0.0;
+    [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = 0.0;
     for (uint b = 0u; b < pc.blocks; b++) {
         vec4 xv[TOKENS][8];
         PART_T xsum[TOKENS];
@@ -57,19 +65,26 @@ void main() {
             xsum[tt] = block_xsum(xv[tt]);
 #endif
         }
-        [[unroll]] for (uint r = 0u; r < ROWS; r++) {
+        [[unroll]] for (uint r = 0u; r < WROWS; r++) {
             vec4 wv[8];
             load_wblock(wrow[r], b, wv);
             SCALE_T scale = load_scale(srow[r], b);
             [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
-                uint i = tt * ROWS + r;
+                uint i = tt * WROWS + r;
                 acc[i] = combine(acc[i], block_part(wv, xv[tt]), scale, xsum[tt]);
             }
         }
     }
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
         [[unroll]] for (uint r = 0u; r < ROWS; r++) {
-            if (t0 + tt < pc.T && row0 + r < pc.N) y[(t0 + tt) * pc.N + row0 + r] = acc[tt * ROWS + r];
+            if (t0 + tt < pc.T && row0 + r < pc.N) {
+                float g = acc[tt * WROWS + r];
+                if (GATES == 2u) {
+                    float u = acc[tt * WROWS + ROWS + r];
+                    g = g / (1.0 + exp(-g)) * u;  // elementwise.comp's silu_mul, verbatim
+                }
+                y[(t0 + tt) * pc.N + row0 + r] = g;
+            }
         }
     }
 }

@@ -129,7 +129,7 @@ class LlamaModel(CausalLM):
                                        step.positions, c.num_heads, c.num_kv_heads, self.scale)
             h = ops.matmul(attn, layer.o_proj)
             x, residual = ops.add_rms_norm(h, residual, layer.ffn_norm, eps)
-            h = ops.matmul(ops.silu_and_mul(ops.matmul(x, layer.gate_up)), layer.down_proj)
+            h = ops.matmul(ops.matmul_silu_and_mul(x, layer.gate_up), layer.down_proj)
         assert residual is not None
         # Only the rows that need logits go through the final norm and the LM head.
         last_h = ops.gather_rows(h, step.logits_index)

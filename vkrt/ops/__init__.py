@@ -23,6 +23,11 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     return dispatch("matmul", x, w)
 
 
+def matmul_silu_and_mul(x: Tensor, w: Tensor) -> Tensor:
+    """silu_and_mul(matmul(x, w)) of w = [gate; up] [2F, K]: y [T, F] in one dispatch."""
+    return dispatch("matmul_silu_and_mul", x, w)
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return dispatch("rms_norm", x, w, eps=float(eps))
 
@@ -114,6 +119,7 @@ def op_names() -> list[str]:
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "mul", "op_names", "paged_attention", "qkv_rope_kv_write", "rms_norm", "rope",
+    "layer_norm", "matmul", "matmul_silu_and_mul", "mul", "op_names", "paged_attention",
+    "qkv_rope_kv_write", "rms_norm", "rope",
     "rope_cos_sin", "sample_top_k", "silu_and_mul", "softmax",
 ]

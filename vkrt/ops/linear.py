@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkrt.ops.elementwise import silu_and_mul
 from vkrt.ops.quant import bf16_to_f32
 from vkrt.ops.registry import register_op, require
 from vkrt.ops.tensor import BLOCK_LAYOUT, FLOAT_WEIGHT_DTYPES, TensorSpec
@@ -34,6 +35,18 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """
     w64 = _weight_values(w).astype(np.float64, copy=False)
     return (np.asarray(x, dtype=np.float64) @ w64.T).astype(np.float32)
+
+
+def _matmul_silu_and_mul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
+    (y,) = _matmul_infer(x, w)
+    require(w.shape[0] % 2 == 0, "matmul_silu_and_mul", (x, w), "w must stack [gate; up]: even rows")
+    return (TensorSpec((x.shape[0], w.shape[0] // 2), "f32"),)
+
+
+@register_op("matmul_silu_and_mul", _matmul_silu_and_mul_infer)
+def matmul_silu_and_mul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """silu_and_mul(matmul(x, w)) with w = gate rows stacked over up rows: a SwiGLU MLP's first half."""
+    return silu_and_mul(matmul(x, w))
 
 
 def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:

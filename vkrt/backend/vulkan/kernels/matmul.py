@@ -6,6 +6,10 @@ up to a power of two) and `matmul.tiled` for prefill (tiles of MAX_TOKENS tokens
 invocation computes ROWS rows x TOKENS tokens, reducing every output in quant.glsl's fixed
 block order, so a token's row of y is bit-identical whatever T is and whichever
 configuration ran (invariant 9).
+
+`matmul_silu_and_mul` (w = gate rows stacked over up rows) runs the same shader with spec
+constant GATES = 2: each invocation reduces ROWS gate rows and the matching ROWS up rows in
+that same order and writes silu(g) * u, bit-identical to matmul then silu_and_mul.
 """
 
 from __future__ import annotations
@@ -93,14 +97,21 @@ def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
     return (groups, y, 1)
 
 
-def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool) -> Tensor:
-    """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either."""
+def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool = False) -> Tensor:
+    """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either.
+
+    gated: y = silu_and_mul(x @ w.T) of w = [gate; up] (2F rows), y [T, F], in one dispatch.
+    """
     t, k = x.shape
-    n = w.shape[0]
+    gates = 2 if gated else 1
+    n = w.shape[0] // gates
     y = backend.empty((t, n), "f32")
     if t == 0 or n == 0:
         return y
-    cfg = config_for(backend.caps, w.dtype, n, t, prefill=tiled)
+    cfg = config_for(backend.caps, w.dtype, w.shape[0], t, prefill=tiled)
+    if gated:
+        # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
+        cfg = MatmulConfig(workgroup=cfg.workgroup, rows=max(1, cfg.rows // 2), tokens=cfg.tokens)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
@@ -108,8 +119,8 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool) -> Tensor:
     if w.dtype in SCALED_FORMATS:
         bindings.append((w, "u32", False))
     blocks = -(-k // 32)
-    push = ("<6I", (t, n, k, blocks, row_texels(w.dtype, k), quants_bytes(w.dtype, n, k) // 4))
-    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens}
+    push = ("<6I", (t, n, k, blocks, row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4))
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates}
     if texel:
         spec[2] = int(x_vec4)
     groups = _groups(-(-n // cfg.rows), cfg.workgroup, -(-t // cfg.tokens))
@@ -127,6 +138,16 @@ def _run_tiled(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=True),)
 
 
+def _run_gated_vec(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=False, gated=True),)
+
+
+def _run_gated_tiled(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=True, gated=True),)
+
+
 def _vec_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     x, w = inputs
     backend: Any = w.backend
@@ -137,3 +158,7 @@ def register(backend: Any) -> None:
     # Higher priority first: vec for T <= max_tokens, tiled for the rest.
     backend.register_kernel(Kernel("matmul", "matmul.vec", _run_vec, priority=10, supports=_vec_supports))
     backend.register_kernel(Kernel("matmul", "matmul.tiled", _run_tiled, priority=5, supports=supports))
+    backend.register_kernel(Kernel("matmul_silu_and_mul", "matmul_silu_and_mul.vec", _run_gated_vec,
+                                   priority=10, supports=_vec_supports))
+    backend.register_kernel(Kernel("matmul_silu_and_mul", "matmul_silu_and_mul.tiled", _run_gated_tiled,
+                                   priority=5, supports=supports))
