@@ -24,27 +24,9 @@ IN_I32(4, slots);
 layout(push_constant) uniform Push { uint tokens; uint kv_dim; uint row_items; } pc;
 
 #if defined(KV_F16)
-// f32 -> f16 bits, round to nearest even like numpy's astype(float16) (subnormals, overflow
-// to inf); integer math so the result does not depend on the device's packHalf2x16 rounding.
-uint f32_to_f16(float f) {
-    uint x = floatBitsToUint(f);
-    uint sign = (x >> 16) & 0x8000u;
-    uint ax = x & 0x7FFFFFFFu;
-    if (ax > 0x7F800000u) return sign | 0x7E00u | ((ax >> 13) & 0x3FFu);  // quiet NaN
-    if (ax >= 0x477FF000u) return sign | 0x7C00u;                          // rounds past 65504
-    if (ax >= 0x38800000u) {                                               // normal half
-        uint r = ax - 0x38000000u;                                         // rebias 127 -> 15
-        return sign | ((r + 0x0FFFu + ((r >> 13) & 1u)) >> 13);
-    }
-    if (ax <= 0x33000000u) return sign;                                    // <= 2^-25: zero
-    uint shift = 126u - (ax >> 23);                                        // 14..23
-    uint m = (ax & 0x7FFFFFu) | 0x800000u;
-    uint q = m >> shift;
-    uint rem = m & ((1u << shift) - 1u);
-    uint halfway = 1u << (shift - 1u);
-    if (rem > halfway || (rem == halfway && (q & 1u) != 0u)) q += 1u;
-    return sign | q;                                                       // may carry to 0x400
-}
+#include "cast.glsl"
+// Integer encoding, bit-identical to numpy's astype(float16) and to the cast kernel.
+uint f32_to_f16(float f) { return f32_bits_to_f16_bits(floatBitsToUint(f)); }
 
 void store_word(uint word, uint base, uint t_off) {
     uint lo = 2u * word, hi = lo + 1u;

@@ -2,7 +2,7 @@
 // (numpy/_core/src/common/half.c): round to nearest even, subnormals kept, overflow to inf,
 // NaN payloads kept (not quietened). Integer math, so neither depends on the device's
 // packHalf2x16/unpackHalf2x16 rounding or its denormal handling.
-// (A candidate for include/codecs.glsl: kv_write.comp carries a near copy of the encoder.)
+// Shared by cast.comp, kv_write.comp and qkv_rope.comp.
 
 uint f16_bits_to_f32_bits(uint h) {
     uint sign = (h & 0x8000u) << 16;
