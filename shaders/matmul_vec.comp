@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k FUSE=none,rms,add ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -15,6 +15,13 @@
 // reduces its ROWS gate rows and the matching ROWS up rows exactly as the plain matmul does
 // (so g and u are bit-identical to its outputs) and writes y[t, n] = silu(g) * u in
 // elementwise.comp's silu_mul expression, bit-identical to matmul then silu_and_mul.
+// FUSE_RMS (rms_norm_matmul): x is the un-normalised residual stream. The same single pass
+// over x also sums each token's x^2 (in block order, so batch invariant), the blocks are
+// multiplied by the norm weight g as they load, and the finished sums are scaled by
+// 1 / sqrt(mean(x^2) + eps): y = inv * sum(w * (x * g)), where the unfused pair computes
+// sum(w * ((x * inv) * g)). Equal up to f32 rounding (the bound is in the parity test).
+// FUSE_ADD (matmul_add): y = x @ w.T + residual, the residual add of a block's output
+// projection, bit-identical to matmul then add.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
@@ -33,9 +40,15 @@ OUT_F32(2, y);
 #define HAS_SCALES
 IN_U32(3, ws);
 #endif
+#if defined(FUSE_RMS)
+IN_F32(4, norm_w);    // the norm weight [K]
+#elif defined(FUSE_ADD)
+IN_F32(4, residual);  // [T, N]
+#endif
 
 // N: output rows (the weight has GATES * N); w_row: quants texels per weight row; s_base: index of the first scales word (u32 units).
-layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w_row; uint s_base; } pc;
+// eps: FUSE_RMS's epsilon (unused otherwise).
+layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w_row; uint s_base; float eps; } pc;
 
 #define MATMUL_IO
 #include "quant.glsl"
@@ -55,11 +68,26 @@ void main() {
         srow[r] = row_scales(n, pc.s_base, pc.blocks, GATES * pc.N);
     }
     [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = 0.0;
+#ifdef FUSE_RMS
+    vec4 sq[TOKENS];  // per token, lane-wise sums of x^2
+    [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) sq[tt] = vec4(0.0);
+#endif
     for (uint b = 0u; b < pc.blocks; b++) {
         vec4 xv[TOKENS][8];
         PART_T xsum[TOKENS];
+#ifdef FUSE_RMS
+        vec4 gv[8];
+        load_norm_weight(b, pc.K, gv);
+#endif
         [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
             load_x(min(t0 + tt, pc.T - 1u), b, pc.K, xv[tt]);
+#ifdef FUSE_RMS
+            [[unroll]] for (uint j = 0u; j < 8u; j++) {
+                precise vec4 s = fma(xv[tt][j], xv[tt][j], sq[tt]);
+                sq[tt] = s;
+                xv[tt][j] *= gv[j];
+            }
+#endif
             xsum[tt] = PART_T(0.0);
 #ifdef NEEDS_XSUM
             xsum[tt] = block_xsum(xv[tt]);
@@ -76,13 +104,22 @@ void main() {
         }
     }
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
+#ifdef FUSE_RMS
+        precise vec2 s2 = sq[tt].xy + sq[tt].zw;
+        precise float inv = 1.0 / sqrt((s2.x + s2.y) / float(pc.K) + pc.eps);
+#else
+        const float inv = 1.0;
+#endif
         [[unroll]] for (uint r = 0u; r < ROWS; r++) {
             if (t0 + tt < pc.T && row0 + r < pc.N) {
-                float g = acc[tt * WROWS + r];
+                float g = acc[tt * WROWS + r] * inv;
                 if (GATES == 2u) {
-                    float u = acc[tt * WROWS + ROWS + r];
+                    float u = acc[tt * WROWS + ROWS + r] * inv;
                     g = g / (1.0 + exp(-g)) * u;  // elementwise.comp's silu_mul, verbatim
                 }
+#ifdef FUSE_ADD
+                g += LD_F32(residual, (t0 + tt) * pc.N + row0 + r);
+#endif
                 y[(t0 + tt) * pc.N + row0 + r] = g;
             }
         }

@@ -259,5 +259,24 @@ void load_x(uint t, uint b, uint K, out vec4 xv[8]) {
         }
     }
 }
+
+#ifdef FUSE_RMS
+// Block b of the norm weight (binding norm_w, read like x: texels when X_VEC4), 0 past K.
+void load_norm_weight(uint b, uint K, out vec4 gv[8]) {
+    uint k0 = b * 32u;
+#ifdef ACCESS_TEXEL
+    if (X_VEC4) {
+        [[unroll]] for (uint j = 0u; j < 8u; j++) gv[j] = k0 + 4u * j < K ? LD_F32X4(norm_w, (k0 >> 2) + j) : vec4(0.0);
+        return;
+    }
+#endif
+    [[unroll]] for (uint j = 0u; j < 8u; j++) {
+        [[unroll]] for (uint c = 0u; c < 4u; c++) {
+            uint k = k0 + 4u * j + c;
+            gv[j][c] = k < K ? LD_F32(norm_w, k) : 0.0;
+        }
+    }
+}
+#endif
 #endif  // MATMUL_IO
 #endif  // VKRT_QUANT_GLSL

@@ -101,38 +101,34 @@ class LlamaModel(CausalLM):
         return self.backend.upload(dequantize(wd.data, wd.fmt).reshape(-1), "f32", purpose="weights")
 
     # -- forward ------------------------------------------------------------------
-    def _qkv(self, layer: Layer, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
-        """rope(q); rope(k) and v stored in layer i's cache at the step's slots."""
+    def _qkv(self, layer: Layer, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """rope(q) of rms_norm(h); rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
-        if layer.qkv_proj is not None:  # one matmul, then one op for both ropes and the write
-            return ops.qkv_rope_kv_write(ops.matmul(x, layer.qkv_proj), step.positions, self.cos_sin,
-                                         kv.keys[i], kv.values[i], step.slots, c.num_heads,
-                                         c.num_kv_heads, c.head_dim)
+        eps = c.rms_norm_eps
+        if layer.qkv_proj is not None:  # one normed matmul, then one op for both ropes and the write
+            return ops.qkv_rope_kv_write(ops.rms_norm_matmul(h, layer.attn_norm, layer.qkv_proj, eps),
+                                         step.positions, self.cos_sin, kv.keys[i], kv.values[i], step.slots,
+                                         c.num_heads, c.num_kv_heads, c.head_dim)
         assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
+        x = ops.rms_norm(h, layer.attn_norm, eps)
         q = ops.rope(ops.matmul(x, layer.q_proj), step.positions, self.cos_sin, c.head_dim)
         k = ops.rope(ops.matmul(x, layer.k_proj), step.positions, self.cos_sin, c.head_dim)
         ops.kv_write(kv.keys[i], kv.values[i], k, ops.matmul(x, layer.v_proj), step.slots)
         return q
 
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
+        """The residual stream h goes through each layer's two pre-norm blocks; every norm is
+        fused into the matmul that consumes it and every residual add into the projection
+        that produces it (rms_norm_matmul, matmul_add): 6 dispatches per layer."""
         c = self.config
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed_tokens, step.token_ids)
-        residual: Tensor | None = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                x, residual = ops.rms_norm(h, layer.attn_norm, eps), h
-            else:
-                x, residual = ops.add_rms_norm(h, residual, layer.attn_norm, eps)
-            q = self._qkv(layer, x, step, kv, i)
+            q = self._qkv(layer, h, step, kv, i)
             attn = ops.paged_attention(q, kv.keys[i], kv.values[i], step.block_tables, step.seq_index,
                                        step.positions, c.num_heads, c.num_kv_heads, self.scale)
-            h = ops.matmul(attn, layer.o_proj)
-            x, residual = ops.add_rms_norm(h, residual, layer.ffn_norm, eps)
-            h = ops.matmul(ops.matmul_silu_and_mul(x, layer.gate_up), layer.down_proj)
-        assert residual is not None
+            h = ops.matmul_add(attn, layer.o_proj, h)
+            act = ops.rms_norm_matmul(h, layer.ffn_norm, layer.gate_up, eps, gated=True)
+            h = ops.matmul_add(act, layer.down_proj, h)
         # Only the rows that need logits go through the final norm and the LM head.
-        last_h = ops.gather_rows(h, step.logits_index)
-        last_residual = ops.gather_rows(residual, step.logits_index)
-        x, _ = ops.add_rms_norm(last_h, last_residual, self.final_norm, eps)
-        return ops.matmul(x, self.lm_head)
+        return ops.rms_norm_matmul(ops.gather_rows(h, step.logits_index), self.final_norm, self.lm_head, eps)

@@ -28,6 +28,16 @@ def matmul_silu_and_mul(x: Tensor, w: Tensor) -> Tensor:
     return dispatch("matmul_silu_and_mul", x, w)
 
 
+def rms_norm_matmul(x: Tensor, g: Tensor, w: Tensor, eps: float, gated: bool = False) -> Tensor:
+    """matmul(rms_norm(x, g, eps), w) in one dispatch (matmul_silu_and_mul when gated)."""
+    return dispatch("rms_norm_matmul", x, g, w, eps=float(eps), gated=bool(gated))
+
+
+def matmul_add(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
+    """matmul(x, w) + residual in one dispatch."""
+    return dispatch("matmul_add", x, w, residual)
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return dispatch("rms_norm", x, w, eps=float(eps))
 

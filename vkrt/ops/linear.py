@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkrt.ops.elementwise import silu_and_mul
+from vkrt.ops.norm import rms_norm
 from vkrt.ops.quant import bf16_to_f32
 from vkrt.ops.registry import register_op, require
 from vkrt.ops.tensor import BLOCK_LAYOUT, FLOAT_WEIGHT_DTYPES, TensorSpec
@@ -47,6 +48,33 @@ def _matmul_silu_and_mul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec
 def matmul_silu_and_mul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """silu_and_mul(matmul(x, w)) with w = gate rows stacked over up rows: a SwiGLU MLP's first half."""
     return silu_and_mul(matmul(x, w))
+
+
+def _rms_norm_matmul_infer(x: TensorSpec, g: TensorSpec, w: TensorSpec, eps: float,
+                           gated: bool = False) -> tuple[TensorSpec, ...]:
+    out = (_matmul_silu_and_mul_infer if gated else _matmul_infer)(x, w)
+    require(g.dtype == "f32" and g.shape == (x.shape[1],), "rms_norm_matmul", (x, g, w),
+            "the norm weight must be f32 [K]")
+    return out
+
+
+@register_op("rms_norm_matmul", _rms_norm_matmul_infer)
+def rms_norm_matmul(x: np.ndarray, g: np.ndarray, w: np.ndarray, eps: float,
+                    gated: bool = False) -> np.ndarray:
+    """matmul(rms_norm(x, g, eps), w), or matmul_silu_and_mul when gated: a pre-norm block's input."""
+    return (matmul_silu_and_mul if gated else matmul)(rms_norm(x, g, eps), w)
+
+
+def _matmul_add_infer(x: TensorSpec, w: TensorSpec, residual: TensorSpec) -> tuple[TensorSpec, ...]:
+    (y,) = _matmul_infer(x, w)
+    require(residual == y, "matmul_add", (x, w, residual), f"residual must be f32 {list(y.shape)}")
+    return (y,)
+
+
+@register_op("matmul_add", _matmul_add_infer)
+def matmul_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """matmul(x, w) + residual: a block's output projection added to the residual stream."""
+    return (matmul(x, w) + residual).astype(np.float32)
 
 
 def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:

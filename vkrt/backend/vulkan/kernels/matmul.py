@@ -10,10 +10,16 @@ configuration ran (invariant 9).
 `matmul_silu_and_mul` (w = gate rows stacked over up rows) runs the same shader with spec
 constant GATES = 2: each invocation reduces ROWS gate rows and the matching ROWS up rows in
 that same order and writes silu(g) * u, bit-identical to matmul then silu_and_mul.
+
+The FUSE variant axis adds a prologue or epilogue to any of these: `rms_norm_matmul`
+(FUSE=rms: the pass over x also sums x^2 per token, x is multiplied by the norm weight as
+it loads, and the finished sums are scaled by 1/rms; equal to rms_norm then matmul up to
+rounding) and `matmul_add` (FUSE=add: + residual, bit-identical to matmul then add).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +103,13 @@ def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
     return (groups, y, 1)
 
 
-def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool = False) -> Tensor:
+def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool = False,
+                    norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None) -> Tensor:
     """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either.
 
     gated: y = silu_and_mul(x @ w.T) of w = [gate; up] (2F rows), y [T, F], in one dispatch.
+    norm = (g, eps): x is normalised first, rms_norm(x, g, eps) (FUSE=rms).
+    residual: y += residual (FUSE=add).
     """
     t, k = x.shape
     gates = 2 if gated else 1
@@ -118,47 +127,63 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
                 (x, "f32x4" if x_vec4 else "f32", False), (y, "f32", True)]
     if w.dtype in SCALED_FORMATS:
         bindings.append((w, "u32", False))
+    fuse, eps = "none", 0.0
+    if norm is not None:
+        fuse, eps = "rms", norm[1]
+        bindings.append((norm[0], "f32x4" if x_vec4 else "f32", False))
+    elif residual is not None:
+        fuse = "add"
+        bindings.append((residual, "f32", False))
     blocks = -(-k // 32)
-    push = ("<6I", (t, n, k, blocks, row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4))
+    push = ("<6If", (t, n, k, blocks, row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4, eps))
     spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates}
     if texel:
         spec[2] = int(x_vec4)
     groups = _groups(-(-n // cfg.rows), cfg.workgroup, -(-t // cfg.tokens))
-    backend.run_shader(module(backend, "matmul_vec", w.dtype), bindings, groups, push, spec)
+    backend.run_shader(module(backend, "matmul_vec", w.dtype, fuse), bindings, groups, push, spec)
     return y
 
 
-def _run_vec(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=False),)
+Runner = Callable[[Any, tuple[Tensor, ...], dict[str, Any], tuple[TensorSpec, ...]], tuple[Tensor, ...]]
 
 
-def _run_tiled(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=True),)
+def _runner(op: str, tiled: bool) -> Runner:
+    """The kernel body of `op` at the vec (decode) or tiled (prefill) sizes."""
+    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+            out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        if op == "rms_norm_matmul":
+            x, g, w = inputs
+            return (dispatch_matmul(backend, x, w, tiled, gated=params.get("gated", False),
+                                    norm=(g, params["eps"])),)
+        if op == "matmul_add":
+            x, w, residual = inputs
+            return (dispatch_matmul(backend, x, w, tiled, residual=residual),)
+        return (dispatch_matmul(backend, inputs[0], inputs[1], tiled, gated=op == "matmul_silu_and_mul"),)
+    return run
 
 
-def _run_gated_vec(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=False, gated=True),)
+def _operands(op: str, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """(x, w) of a matmul-family op's inputs."""
+    return (inputs[0], inputs[2]) if op == "rms_norm_matmul" else (inputs[0], inputs[1])
 
 
-def _run_gated_tiled(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    return (dispatch_matmul(backend, inputs[0], inputs[1], tiled=True, gated=True),)
+def _supports(op: str, vec: bool) -> Callable[[tuple[Tensor, ...], dict[str, Any]], bool]:
+    def check(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+        x, w = _operands(op, inputs)
+        backend: Any = w.backend
+        if vec and x.shape[0] > max_tokens(backend.caps):
+            return False
+        return supports((x, w), params)
+    return check
 
 
-def _vec_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
-    x, w = inputs
-    backend: Any = w.backend
-    return x.shape[0] <= max_tokens(backend.caps) and supports(inputs, params)
+OPS = ("matmul", "matmul_silu_and_mul", "rms_norm_matmul", "matmul_add")
 
 
 def register(backend: Any) -> None:
     # Higher priority first: vec for T <= max_tokens, tiled for the rest.
-    backend.register_kernel(Kernel("matmul", "matmul.vec", _run_vec, priority=10, supports=_vec_supports))
-    backend.register_kernel(Kernel("matmul", "matmul.tiled", _run_tiled, priority=5, supports=supports))
-    backend.register_kernel(Kernel("matmul_silu_and_mul", "matmul_silu_and_mul.vec", _run_gated_vec,
-                                   priority=10, supports=_vec_supports))
-    backend.register_kernel(Kernel("matmul_silu_and_mul", "matmul_silu_and_mul.tiled", _run_gated_tiled,
-                                   priority=5, supports=supports))
+    for op in OPS:
+        backend.register_kernel(Kernel(op, f"{op}.vec", _runner(op, tiled=False), priority=10,
+                                       supports=_supports(op, vec=True)))
+        backend.register_kernel(Kernel(op, f"{op}.tiled", _runner(op, tiled=True), priority=5,
+                                       supports=_supports(op, vec=False)))
