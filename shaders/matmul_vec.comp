@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k FUSE=none,rms,add ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k FUSE=none,rms,add,qkv,qkv16 ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -22,7 +22,16 @@
 // sum(w * ((x * inv) * g)). Equal up to f32 rounding (the bound is in the parity test).
 // FUSE_ADD (matmul_add): y = x @ w.T + residual, the residual add of a block's output
 // projection, bit-identical to matmul then add.
+// FUSE_QKV / FUSE_QKV16 (rms_norm_qkv_rope_kv_write): FUSE_RMS's prologue, the stacked qkv
+// projection, then include/qkv_epilogue.glsl (rope, q out, k and v into an f32 / f16 cache).
 #include "access.glsl"
+#if defined(FUSE_QKV) || defined(FUSE_QKV16)
+#define FUSE_RMS
+#define QKV_EPILOGUE
+#endif
+#ifdef FUSE_QKV16
+#define KV_F16
+#endif
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
 layout(constant_id = 3) const uint TOKENS = 1u;
@@ -45,10 +54,31 @@ IN_F32(4, norm_w);    // the norm weight [K]
 #elif defined(FUSE_ADD)
 IN_F32(4, residual);  // [T, N]
 #endif
+#ifdef QKV_EPILOGUE
+IN_I32(5, positions);
+IN_F32(6, cos_sin);
+#ifdef KV_F16
+OUT_U32(7, k_cache);
+OUT_U32(8, v_cache);
+#else
+OUT_F32(7, k_cache);
+OUT_F32(8, v_cache);
+#endif
+IN_I32(9, slots);
+#endif
 
 // N: output rows (the weight has GATES * N); w_row: quants texels per weight row; s_base: index of the first scales word (u32 units).
 // eps: FUSE_RMS's epsilon (unused otherwise).
+#ifdef QKV_EPILOGUE
+// H, KVH: q and kv heads of D dims; rot: rotated dims per head; max_pos: rows of cos_sin.
+layout(push_constant) uniform Push {
+    uint T; uint N; uint K; uint blocks; uint w_row; uint s_base; float eps;
+    uint H; uint KVH; uint D; uint rot; uint max_pos; uint interleaved;
+} pc;
+#include "qkv_epilogue.glsl"
+#else
 layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w_row; uint s_base; float eps; } pc;
+#endif
 
 #define MATMUL_IO
 #include "quant.glsl"
@@ -64,6 +94,9 @@ void main() {
         // Weight row: gate (or plain) rows first, then the up rows N further on. Past the
         // last row/token: recompute, never store.
         uint n = min(row0 + r % ROWS, pc.N - 1u) + (r / ROWS) * pc.N;
+#ifdef QKV_EPILOGUE
+        n = qkv_row(row0 + r);  // ROWS = 8 rows closed under rotation partners (N % 8 == 0)
+#endif
         wrow[r] = n * pc.w_row;
         srow[r] = row_scales(n, pc.s_base, pc.blocks, GATES * pc.N);
     }
@@ -109,6 +142,14 @@ void main() {
         precise float inv = 1.0 / sqrt((s2.x + s2.y) / float(pc.K) + pc.eps);
 #else
         const float inv = 1.0;
+#endif
+#ifdef QKV_EPILOGUE
+        if (t0 + tt < pc.T) {
+            float v[8];
+            [[unroll]] for (uint r = 0u; r < 8u; r++) v[r] = acc[tt * WROWS + r] * inv;
+            qkv_epilogue(t0 + tt, row0, v);
+        }
+        continue;
 #endif
         [[unroll]] for (uint r = 0u; r < ROWS; r++) {
             if (t0 + tt < pc.T && row0 + r < pc.N) {

@@ -105,10 +105,10 @@ class LlamaModel(CausalLM):
         """rope(q) of rms_norm(h); rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
         eps = c.rms_norm_eps
-        if layer.qkv_proj is not None:  # one normed matmul, then one op for both ropes and the write
-            return ops.qkv_rope_kv_write(ops.rms_norm_matmul(h, layer.attn_norm, layer.qkv_proj, eps),
-                                         step.positions, self.cos_sin, kv.keys[i], kv.values[i], step.slots,
-                                         c.num_heads, c.num_kv_heads, c.head_dim)
+        if layer.qkv_proj is not None:  # norm, qkv matmul, both ropes and the cache write: one op
+            return ops.rms_norm_qkv_rope_kv_write(h, layer.attn_norm, layer.qkv_proj, step.positions, self.cos_sin,
+                                                  kv.keys[i], kv.values[i], step.slots, eps, c.num_heads,
+                                                  c.num_kv_heads, c.head_dim)
         assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
         x = ops.rms_norm(h, layer.attn_norm, eps)
         q = ops.rope(ops.matmul(x, layer.q_proj), step.positions, self.cos_sin, c.head_dim)
@@ -119,7 +119,7 @@ class LlamaModel(CausalLM):
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         """The residual stream h goes through each layer's two pre-norm blocks; every norm is
         fused into the matmul that consumes it and every residual add into the projection
-        that produces it (rms_norm_matmul, matmul_add): 6 dispatches per layer."""
+        that produces it (rms_norm_qkv_rope_kv_write, rms_norm_matmul, matmul_add): 5 dispatches per layer."""
         c = self.config
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed_tokens, step.token_ids)

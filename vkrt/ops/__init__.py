@@ -94,6 +94,15 @@ def qkv_rope_kv_write(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: 
                     interleaved=bool(interleaved))
 
 
+def rms_norm_qkv_rope_kv_write(x: Tensor, g: Tensor, w: Tensor, positions: Tensor, cos_sin: Tensor,
+                               k_cache: Tensor, v_cache: Tensor, slots: Tensor, eps: float, num_heads: int,
+                               num_kv_heads: int, head_dim: int, interleaved: bool = False) -> Tensor:
+    """qkv_rope_kv_write(rms_norm_matmul(x, g, w, eps), ...) in one dispatch where the shapes allow."""
+    return dispatch("rms_norm_qkv_rope_kv_write", x, g, w, positions, cos_sin, k_cache, v_cache, slots,
+                    eps=float(eps), num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                    head_dim=int(head_dim), interleaved=bool(interleaved))
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     seq_index: Tensor, positions: Tensor, num_heads: int, num_kv_heads: int,
                     scale: float) -> Tensor:

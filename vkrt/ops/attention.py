@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkrt.ops.linear import _rms_norm_matmul_infer, rms_norm_matmul
 from vkrt.ops.registry import register_op, require
 from vkrt.ops.tensor import TensorSpec
 
@@ -189,3 +190,22 @@ def qkv_rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos_sin: np.ndarra
     k = rope(qkv[:, q_width : q_width + kv_dim], positions, cos_sin, head_dim, interleaved)
     kv_write(k_cache, v_cache, k, qkv[:, q_width + kv_dim :], slots)
     return q
+
+
+def _rms_norm_qkv_rope_kv_write_infer(x: TensorSpec, g: TensorSpec, w: TensorSpec, positions: TensorSpec,
+                                      cos_sin: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec,
+                                      slots: TensorSpec, eps: float, num_heads: int, num_kv_heads: int,
+                                      head_dim: int, interleaved: bool = False) -> tuple[TensorSpec, ...]:
+    (qkv,) = _rms_norm_matmul_infer(x, g, w, eps)
+    return _qkv_rope_kv_write_infer(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads,
+                                    num_kv_heads, head_dim, interleaved)
+
+
+@register_op("rms_norm_qkv_rope_kv_write", _rms_norm_qkv_rope_kv_write_infer, inplace=(5, 6))
+def rms_norm_qkv_rope_kv_write(x: np.ndarray, g: np.ndarray, w: np.ndarray, positions: np.ndarray,
+                               cos_sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                               slots: np.ndarray, eps: float, num_heads: int, num_kv_heads: int,
+                               head_dim: int, interleaved: bool = False) -> np.ndarray:
+    """qkv_rope_kv_write(rms_norm_matmul(x, g, w, eps), ...): a pre-norm attention block's input."""
+    return qkv_rope_kv_write(rms_norm_matmul(x, g, w, eps), positions, cos_sin, k_cache, v_cache, slots,
+                             num_heads, num_kv_heads, head_dim, interleaved)

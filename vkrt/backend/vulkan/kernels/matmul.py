@@ -14,7 +14,10 @@ that same order and writes silu(g) * u, bit-identical to matmul then silu_and_mu
 The FUSE variant axis adds a prologue or epilogue to any of these: `rms_norm_matmul`
 (FUSE=rms: the pass over x also sums x^2 per token, x is multiplied by the norm weight as
 it loads, and the finished sums are scaled by 1/rms; equal to rms_norm then matmul up to
-rounding) and `matmul_add` (FUSE=add: + residual, bit-identical to matmul then add).
+rounding) and `matmul_add` (FUSE=add: + residual, bit-identical to matmul then add), and
+`rms_norm_qkv_rope_kv_write` (FUSE=qkv / qkv16: FUSE=rms plus include/qkv_epilogue.glsl,
+rope and the f32 / f16 KV-cache write; bit-identical to rms_norm_matmul then
+qkv_rope_kv_write, which is what runs for shapes its 8-row groups cannot take).
 """
 
 from __future__ import annotations
@@ -178,6 +181,66 @@ def _supports(op: str, vec: bool) -> Callable[[tuple[Tensor, ...], dict[str, Any
 
 
 OPS = ("matmul", "matmul_silu_and_mul", "rms_norm_matmul", "matmul_add")
+QKV_OP = "rms_norm_qkv_rope_kv_write"
+
+
+def _qkv_shapes_fit(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    """FUSE=qkv's row grouping (include/qkv_epilogue.glsl): whole 8-dim groups per head and,
+    for NeoX rotation, a rotated part of whole 8-dim groups (4 dims from each half)."""
+    head_dim = params["head_dim"]
+    rot_dim = inputs[4].shape[1]
+    return head_dim % 8 == 0 and (params.get("interleaved", False) or rot_dim % 8 == 0)
+
+
+def _qkv_fused_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    x, _, w = inputs[:3]
+    return _qkv_shapes_fit(inputs, params) and supports((x, w), params)
+
+
+def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    """One dispatch: FUSE=qkv (f32 cache) / qkv16 (f16 cache), ROWS = 8 (the epilogue's groups)."""
+    x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
+    t, k = x.shape
+    n = w.shape[0]
+    q = backend.empty(out[0].shape, "f32")
+    if t == 0:
+        return (q,)
+    caps = backend.caps
+    cfg = config_for(caps, w.dtype, n, t, prefill=t > max_tokens(caps))
+    texel = caps.access_path == "texel"
+    x_vec4 = texel and k % 4 == 0
+    f16 = k_cache.dtype == "f16"
+    cache_kind = "u32" if f16 else "f32"
+    bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
+                (x, "f32x4" if x_vec4 else "f32", False), (q, "f32", True)]
+    if w.dtype in SCALED_FORMATS:
+        bindings.append((w, "u32", False))
+    bindings += [(g, "f32x4" if x_vec4 else "f32", False), (positions, "i32", False), (cos_sin, "f32", False),
+                 (k_cache, cache_kind, True), (v_cache, cache_kind, True), (slots, "i32", False)]
+    max_positions, rot_dim = cos_sin.shape
+    push = ("<6If6I", (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, n, k) // 4,
+                       params["eps"], params["num_heads"], params["num_kv_heads"], params["head_dim"], rot_dim,
+                       max_positions, int(params.get("interleaved", False))))
+    spec = {0: cfg.workgroup, 1: 8, 3: cfg.tokens, 4: 1}
+    if texel:
+        spec[2] = int(x_vec4)
+    groups = _groups(n // 8, cfg.workgroup, -(-t // cfg.tokens))
+    backend.run_shader(module(backend, "matmul_vec", w.dtype, "qkv16" if f16 else "qkv"), bindings, groups,
+                       push, spec)
+    return (q,)
+
+
+def _run_qkv_composed(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    """Two native dispatches (rms_norm_matmul, qkv_rope_kv_write) for shapes FUSE=qkv cannot group."""
+    from vkrt import ops
+
+    x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
+    qkv = ops.rms_norm_matmul(x, g, w, params["eps"])
+    return (ops.qkv_rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, slots, params["num_heads"],
+                                  params["num_kv_heads"], params["head_dim"],
+                                  params.get("interleaved", False)),)
 
 
 def register(backend: Any) -> None:
@@ -187,3 +250,6 @@ def register(backend: Any) -> None:
                                        supports=_supports(op, vec=True)))
         backend.register_kernel(Kernel(op, f"{op}.tiled", _runner(op, tiled=True), priority=5,
                                        supports=_supports(op, vec=False)))
+    backend.register_kernel(Kernel(QKV_OP, f"{QKV_OP}.fused", _run_qkv_fused, priority=10,
+                                   supports=_qkv_fused_supports))
+    backend.register_kernel(Kernel(QKV_OP, f"{QKV_OP}.composed", _run_qkv_composed, priority=5))
