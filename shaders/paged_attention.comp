@@ -1,12 +1,22 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: KV=f32,f16 ACCESS=texel,ssbo
+#ifdef SPLIT_SUB
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
+//! variants: KV=f32,f16 SPLIT=seq,sub ACCESS=texel,ssbo
 // Paged causal GQA: token t of sequence seq_index[t] attends to positions 0..positions[t],
 // whose keys and values sit at cache slot block_table[seq, p / block_size] * block_size +
-// p % block_size. seq_index < 0 marks a padding row (output zeros). One invocation per
-// (token, head), invocation i = t * num_heads + h, so a SIMD batch holds the heads of one
-// token and its lanes loop over the same context length. Everything that changes per step
-// (positions, seq_index, block_table) is read from buffers: a recorded step can be replayed.
+// p % block_size. seq_index < 0 marks a padding row (output zeros). Everything that changes
+// per step (positions, seq_index, block_table) is read from buffers: a recorded step can be
+// replayed. Two ways to walk the context, both batch invariant (the order depends only on
+// per-device constants):
+//   SPLIT_SEQ: one invocation per (token, head), invocation i = t * num_heads + h, folding
+//     the positions in order (for devices without subgroup arithmetic).
+//   SPLIT_SUB: one workgroup = one subgroup of LANES invocations per (token, head), workgroup
+//     i = t * num_heads + h; lane l folds positions l, l + LANES, ... into its own online
+//     softmax and the lanes' states merge with subgroup max / add. On llvmpipe (LANES = 8,
+//     its SIMD width) a 9-head decode step becomes 9 tasks of 1/8 of the context each for
+//     the CPU threads instead of 2 walking all of it.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint HD4 = 16;  // head_dim / 4
@@ -37,6 +47,47 @@ layout(push_constant) uniform Push {
 
 #include "attention.glsl"
 
+#ifdef SPLIT_SUB
+layout(constant_id = 0) const uint LANES = 8u;  // = the workgroup size = the subgroup size
+
+void main() {
+    uint i = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    if (i >= pc.tokens * pc.num_heads) return;  // the whole subgroup leaves together
+    uint lane = gl_LocalInvocationID.x;
+    uint t = i / pc.num_heads, h = i % pc.num_heads;
+    uint out_row = i * HD4;
+    int seq = LD_I32(seq_index, t);
+    if (seq < 0) {
+        if (lane == 0u)
+            for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
+        return;
+    }
+    // Never read past the block table, whatever positions[t] says.
+    uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
+    float q_scale = pc.scale * LOG2E;
+    for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
+    attend_begin();
+    uint head_texel = (h / pc.group) * HD4;
+    uint table_row = uint(seq) * pc.max_blocks;
+    // Position p = b * block_size + off, advanced by LANES without a division per step.
+    uint b = lane / pc.block_size, off = lane % pc.block_size;
+    for (uint p = lane; p < n; p += LANES) {
+        uint block = uint(LD_I32(block_table, table_row + b));
+        attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
+        off += LANES;
+        while (off >= pc.block_size) { off -= pc.block_size; ++b; }
+    }
+    // Merge: lane 0 saw position 0, so the maximum is finite; a lane that saw nothing (max
+    // -inf) weighs 0.
+    float m = subgroupMax(run_max);
+    float f = run_max == uintBitsToFloat(0xFF800000u) ? 0.0 : exp2(run_max - m);
+    float inv_sum = 1.0 / subgroupAdd(run_sum * f);
+    for (uint d = 0u; d < HD4; ++d) {
+        vec4 total = subgroupAdd(acc[d] * f);
+        if (lane == 0u) o[out_row + d] = total * inv_sum;
+    }
+}
+#else
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     if (i >= pc.tokens * pc.num_heads) return;
@@ -63,3 +114,4 @@ void main() {
     float inv_sum = 1.0 / run_sum;
     for (uint d = 0u; d < HD4; ++d) o[out_row + d] = acc[d] * inv_sum;
 }
+#endif

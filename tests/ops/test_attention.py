@@ -2,7 +2,9 @@
 
 kv_write is a copy (bit-exact, f16 rounded like numpy). Attention kernels meet NMSE <= 1e-6
 against the float64-softmax references (measured ~1e-14) and must be batch invariant: a
-token's output is bit-identical whatever else is in the batch.
+token's output is bit-identical whatever else is in the batch. paged_attention's tests run
+both its variants: "sub" (the context split over a subgroup's lanes, what devices with
+subgroup arithmetic run) and "seq" (one invocation per token and head, the fallback).
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 
 ATTENTION_NMSE = 1e-6
 NP_KV = {"f32": np.float32, "f16": np.float16}
+
+
+@pytest.fixture(params=["sub", "seq"])
+def paged_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, vk: Backend) -> str:
+    from vkrt.backend.vulkan.kernels import attention as kernels
+
+    if request.param == "seq":
+        monkeypatch.setattr(kernels, "paged_split", lambda caps: ("seq", kernels.ATTENTION_WORKGROUP))
+    elif kernels.paged_split(vk.caps)[0] != "sub":
+        pytest.skip(f"{vk.caps.name}: no subgroup arithmetic, paged_attention runs its sequential variant")
+    return request.param
 
 
 def _native(vk: Backend, op: str, before: dict[str, int], count: int) -> None:
@@ -95,7 +108,7 @@ GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3, 4
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
 def test_paged_attention_decode(vk: Backend, rng: np.random.Generator, kv_dtype: str,
-                                geometry: tuple[int, int, int]) -> None:
+                                geometry: tuple[int, int, int], paged_variant: str) -> None:
     num_heads, num_kv_heads, head_dim = geometry
     case = _paged_case(rng, [1, 5, 17, 40], num_heads, num_kv_heads, head_dim, kv_dtype)
     scale = head_dim ** -0.5
@@ -106,7 +119,7 @@ def test_paged_attention_decode(vk: Backend, rng: np.random.Generator, kv_dtype:
     _native(vk, "paged_attention", before, 1)
 
 
-def test_paged_attention_long_context(vk: Backend, rng: np.random.Generator) -> None:
+def test_paged_attention_long_context(vk: Backend, rng: np.random.Generator, paged_variant: str) -> None:
     """Thousands of positions, with a peaked softmax so the running maximum keeps moving."""
     case = _paged_case(rng, [3000, 1200], 9, 3, 64, "f16")
     case["q"] *= 6.0
@@ -144,7 +157,8 @@ def test_chunked_prefill_through_kv_write(vk: Backend, rng: np.random.Generator,
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
-def test_paged_attention_batch_invariant(vk: Backend, rng: np.random.Generator, kv_dtype: str) -> None:
+def test_paged_attention_batch_invariant(vk: Backend, rng: np.random.Generator, kv_dtype: str,
+                                        paged_variant: str) -> None:
     """A sequence's rows are bit-identical alone and batched with others of other lengths."""
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     lengths = [37, 3, 70, 18]
@@ -164,7 +178,7 @@ def test_paged_attention_batch_invariant(vk: Backend, rng: np.random.Generator, 
     assert one.tobytes() == solo[-1:].tobytes()
 
 
-def test_paged_attention_padding_rows(vk: Backend, rng: np.random.Generator) -> None:
+def test_paged_attention_padding_rows(vk: Backend, rng: np.random.Generator, paged_variant: str) -> None:
     case = _paged_case(rng, [20, 9, 33], 4, 2, 16, "f32")
     case["seq_index"] = np.array([0, -1, 2], np.int32)
     got = _run_paged(vk, case, "f32", 4, 2, 0.25)

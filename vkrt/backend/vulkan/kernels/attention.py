@@ -1,8 +1,12 @@
 """kv_write, paged_attention, attention: shaders/{kv_write,paged_attention,attention}.comp.
 
-Attention runs one invocation per (token, head) with q and the output accumulator in
-registers (head_dim / 4 vec4s, sized by specialisation constant 1) and an online softmax over
-the context in position order, so a token's result never depends on the rest of the batch.
+Attention keeps q and the output accumulator in registers (head_dim / 4 vec4s, sized by
+specialisation constant 1) and runs an online softmax over the context. `attention` is one
+invocation per (token, head) in position order. `paged_attention` (every model step) is one
+subgroup per (token, head) whose lanes split the positions round-robin and merge with
+subgroup max / add where the device has subgroup arithmetic (`paged_split`), else that same
+one-invocation walk. Either way the order depends only on per-device constants, so a
+token's result never depends on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -17,6 +21,20 @@ from vkrt.ops.tensor import Tensor, TensorSpec
 # decode step of a few heads still spreads over more than one workgroup (and CPU thread).
 ATTENTION_WORKGROUP = 8
 MAX_HEAD_DIM = 256
+
+
+def paged_split(caps: Any) -> tuple[str, int]:
+    """paged_attention's variant and workgroup size on this device.
+
+    ("sub", subgroup size) where compute shaders have subgroup arithmetic: one subgroup per
+    (token, head) splits the context across its lanes (llvmpipe: 8 lanes; a decode step's
+    heads become many small tasks for the CPU threads). Otherwise ("seq", 8): one invocation
+    per (token, head).
+    """
+    size = caps.subgroup_size
+    if "arithmetic" in caps.subgroup_ops and 4 <= size <= 128 and size & (size - 1) == 0:
+        return "sub", size
+    return "seq", ATTENTION_WORKGROUP
 
 
 def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
@@ -52,14 +70,16 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     _, block_size, kv_dim = k_cache.shape
     kind = "u32x2" if k_cache.dtype == "f16" else "f32x4"
     y = backend.empty(out[0].shape, "f32")
-    backend.run_shader(module(backend, "paged_attention", k_cache.dtype),
+    split, lanes = paged_split(backend.caps)
+    groups = grid_1d(tokens * num_heads, 1 if split == "sub" else lanes)
+    backend.run_shader(module(backend, "paged_attention", k_cache.dtype, split),
                        [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
                         (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
                         (y, "f32x4", True)],
-                       grid_1d(tokens * num_heads, ATTENTION_WORKGROUP),
+                       groups,
                        ("<IIIIIIf", (tokens, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
                                      block_table.shape[1], params["scale"])),
-                       _attention_spec(head_dim))
+                       {0: lanes, 1: head_dim // 4})
     return (y,)
 
 
