@@ -220,3 +220,20 @@ def test_bad_inputs_name_the_op(vk: Backend, rng: np.random.Generator) -> None:
                      vk.upload(np.zeros((2, 31), np.float32)), vk.upload(np.zeros(2, np.int32)))
     with pytest.raises(VkrtError, match="attention"):
         ops.attention(t["q"], t["q"], t["q"], 4, 3, 0.25)
+
+
+def test_paged_split_policy() -> None:
+    """The subgroup-split variant only where a workgroup of subgroup_size lanes is one subgroup."""
+    from types import SimpleNamespace
+
+    from vkrt.backend.vulkan.kernels.attention import paged_split
+
+    def caps(device_type: str, vendor: int, size: int, ops_: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(device_type=device_type, vendor_id=vendor, subgroup_size=size, subgroup_ops=ops_)
+
+    arith = ["basic", "arithmetic"]
+    assert paged_split(caps("cpu", 0x10005, 8, arith)) == ("sub", 8)  # llvmpipe
+    assert paged_split(caps("discrete", 0x10DE, 32, arith)) == ("sub", 32)  # NVIDIA
+    assert paged_split(caps("discrete", 0x1002, 64, arith)) == ("seq", 8)  # AMD: wave32 or 64
+    assert paged_split(caps("integrated", 0x8086, 32, arith)) == ("seq", 8)  # Intel: 8-32 per shader
+    assert paged_split(caps("cpu", 0x10005, 8, ["basic"])) == ("seq", 8)  # no subgroup arithmetic

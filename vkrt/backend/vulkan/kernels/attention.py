@@ -23,16 +23,21 @@ ATTENTION_WORKGROUP = 8
 MAX_HEAD_DIM = 256
 
 
+NVIDIA = 0x10DE
+
+
 def paged_split(caps: Any) -> tuple[str, int]:
     """paged_attention's variant and workgroup size on this device.
 
-    ("sub", subgroup size) where compute shaders have subgroup arithmetic: one subgroup per
-    (token, head) splits the context across its lanes (llvmpipe: 8 lanes; a decode step's
-    heads become many small tasks for the CPU threads). Otherwise ("seq", 8): one invocation
-    per (token, head).
+    ("sub", subgroup size) where compute shaders have subgroup arithmetic and a workgroup of
+    `subgroup_size` invocations is sure to be one subgroup: CPU devices (llvmpipe: 8 lanes,
+    its SIMD width; a decode step's heads become many small tasks for the CPU threads) and
+    NVIDIA (always 32). Drivers that pick a subgroup size per shader (Intel, AMD wave32/64)
+    could split such a workgroup, so they get ("seq", 8): one invocation per (token, head).
     """
     size = caps.subgroup_size
-    if "arithmetic" in caps.subgroup_ops and 4 <= size <= 128 and size & (size - 1) == 0:
+    fixed = caps.device_type == "cpu" or caps.vendor_id == NVIDIA
+    if fixed and "arithmetic" in caps.subgroup_ops and 4 <= size <= 128 and size & (size - 1) == 0:
         return "sub", size
     return "seq", ATTENTION_WORKGROUP
 
