@@ -102,7 +102,7 @@ void main() {
     }
     [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = 0.0;
 #ifdef FUSE_RMS
-    vec4 sq[TOKENS];  // per token, lane-wise sums of x^2
+    vec4 sq[TOKENS];  // per token, four running sums of x^2 (one per vec4 component)
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) sq[tt] = vec4(0.0);
 #endif
     for (uint b = 0u; b < pc.blocks; b++) {
