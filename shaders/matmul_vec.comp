@@ -149,8 +149,7 @@ void main() {
             [[unroll]] for (uint r = 0u; r < 8u; r++) v[r] = acc[tt * WROWS + r] * inv;
             qkv_epilogue(t0 + tt, row0, v);
         }
-        continue;
-#endif
+#else
         [[unroll]] for (uint r = 0u; r < ROWS; r++) {
             if (t0 + tt < pc.T && row0 + r < pc.N) {
                 float g = acc[tt * WROWS + r] * inv;
@@ -164,5 +163,6 @@ void main() {
                 y[(t0 + tt) * pc.N + row0 + r] = g;
             }
         }
+#endif
     }
 }

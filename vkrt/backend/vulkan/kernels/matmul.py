@@ -106,24 +106,43 @@ def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
     return (groups, y, 1)
 
 
+@dataclass(frozen=True)
+class QkvEpilogue:
+    """FUSE=qkv / qkv16: rope q and k of the stacked qkv rows, return q, store k and v."""
+
+    positions: Tensor
+    cos_sin: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    slots: Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    interleaved: bool
+
+
 def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool = False,
-                    norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None) -> Tensor:
+                    norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None,
+                    qkv: QkvEpilogue | None = None) -> Tensor:
     """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either.
 
     gated: y = silu_and_mul(x @ w.T) of w = [gate; up] (2F rows), y [T, F], in one dispatch.
     norm = (g, eps): x is normalised first, rms_norm(x, g, eps) (FUSE=rms).
     residual: y += residual (FUSE=add).
+    qkv (with norm): y is rope(q) [T, num_heads * head_dim]; rope(k), v go to the caches.
     """
     t, k = x.shape
     gates = 2 if gated else 1
     n = w.shape[0] // gates
-    y = backend.empty((t, n), "f32")
+    y = backend.empty((t, qkv.num_heads * qkv.head_dim if qkv else n), "f32")
     if t == 0 or n == 0:
         return y
     cfg = config_for(backend.caps, w.dtype, w.shape[0], t, prefill=tiled)
     if gated:
         # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
         cfg = MatmulConfig(workgroup=cfg.workgroup, rows=max(1, cfg.rows // 2), tokens=cfg.tokens)
+    if qkv:  # the epilogue's rotation groups are 8 rows (include/qkv_epilogue.glsl)
+        cfg = MatmulConfig(workgroup=cfg.workgroup, rows=8, tokens=cfg.tokens)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
@@ -137,8 +156,18 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     elif residual is not None:
         fuse = "add"
         bindings.append((residual, "f32", False))
-    blocks = -(-k // 32)
-    push = ("<6If", (t, n, k, blocks, row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4, eps))
+    push_format = "<6If"
+    push_values: tuple = (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4,
+                          eps)
+    if qkv:
+        f16 = qkv.k_cache.dtype == "f16"
+        fuse, cache_kind = ("qkv16", "u32") if f16 else ("qkv", "f32")
+        bindings += [(qkv.positions, "i32", False), (qkv.cos_sin, "f32", False), (qkv.k_cache, cache_kind, True),
+                     (qkv.v_cache, cache_kind, True), (qkv.slots, "i32", False)]
+        max_positions, rot_dim = qkv.cos_sin.shape
+        push_format += "6I"
+        push_values += (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, rot_dim, max_positions, int(qkv.interleaved))
+    push = (push_format, push_values)
     spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates}
     if texel:
         spec[2] = int(x_vec4)
@@ -199,36 +228,12 @@ def _qkv_fused_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> b
 
 def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    """One dispatch: FUSE=qkv (f32 cache) / qkv16 (f16 cache), ROWS = 8 (the epilogue's groups)."""
+    """One dispatch: FUSE=qkv (f32 cache) / qkv16 (f16 cache)."""
     x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
-    t, k = x.shape
-    n = w.shape[0]
-    q = backend.empty(out[0].shape, "f32")
-    if t == 0:
-        return (q,)
-    caps = backend.caps
-    cfg = config_for(caps, w.dtype, n, t, prefill=t > max_tokens(caps))
-    texel = caps.access_path == "texel"
-    x_vec4 = texel and k % 4 == 0
-    f16 = k_cache.dtype == "f16"
-    cache_kind = "u32" if f16 else "f32"
-    bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
-                (x, "f32x4" if x_vec4 else "f32", False), (q, "f32", True)]
-    if w.dtype in SCALED_FORMATS:
-        bindings.append((w, "u32", False))
-    bindings += [(g, "f32x4" if x_vec4 else "f32", False), (positions, "i32", False), (cos_sin, "f32", False),
-                 (k_cache, cache_kind, True), (v_cache, cache_kind, True), (slots, "i32", False)]
-    max_positions, rot_dim = cos_sin.shape
-    push = ("<6If6I", (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, n, k) // 4,
-                       params["eps"], params["num_heads"], params["num_kv_heads"], params["head_dim"], rot_dim,
-                       max_positions, int(params.get("interleaved", False))))
-    spec = {0: cfg.workgroup, 1: 8, 3: cfg.tokens, 4: 1}
-    if texel:
-        spec[2] = int(x_vec4)
-    groups = _groups(n // 8, cfg.workgroup, -(-t // cfg.tokens))
-    backend.run_shader(module(backend, "matmul_vec", w.dtype, "qkv16" if f16 else "qkv"), bindings, groups,
-                       push, spec)
-    return (q,)
+    epilogue = QkvEpilogue(positions, cos_sin, k_cache, v_cache, slots, params["num_heads"],
+                           params["num_kv_heads"], params["head_dim"], params.get("interleaved", False))
+    return (dispatch_matmul(backend, x, w, tiled=x.shape[0] > max_tokens(backend.caps),
+                            norm=(g, params["eps"]), qkv=epilogue),)
 
 
 def _run_qkv_composed(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
