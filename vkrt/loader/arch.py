@@ -44,6 +44,18 @@ class ArchSpec:
     hf_ignored: re.Pattern[str] = re.compile(r"^$")
 
 
+def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
+                   layer_names: dict[str, str]) -> str | None:
+    """A checkpoint tensor name -> vkrt's canonical name ("layers.{i}.<name>" for per-layer
+    tensors, whose layer index and suffix `layer_pattern` captures), or None if unknown."""
+    if name in global_names:
+        return global_names[name]
+    m = layer_pattern.match(name)
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    return None
+
+
 _LLAMA = ArchSpec(
     name="llama",
     gguf_archs=("llama",),

@@ -13,7 +13,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
-from vkrt.loader.arch import ArchSpec, arch_for_gguf, check_weights, supported_gguf_archs
+from vkrt.loader.arch import (
+    ArchSpec,
+    arch_for_gguf,
+    canonical_name,
+    check_weights,
+    supported_gguf_archs,
+)
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
 
@@ -115,12 +121,7 @@ def unpermute_qk_rows(data: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _canonical_name(spec: ArchSpec, gguf_name: str) -> str | None:
-    if gguf_name in spec.gguf_global:
-        return spec.gguf_global[gguf_name]
-    m = _LAYER_NAME.match(gguf_name)
-    if m and m.group(2) in spec.gguf_layer:
-        return f"layers.{m.group(1)}.{spec.gguf_layer[m.group(2)]}"
-    return None
+    return canonical_name(gguf_name, spec.gguf_global, _LAYER_NAME, spec.gguf_layer)
 
 
 def _file_type(meta: dict[str, Any], reader: GGUFFile) -> str:

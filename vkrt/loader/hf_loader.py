@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
-from vkrt.loader.arch import ArchSpec, arch_for_hf, check_weights, supported_hf_archs
+from vkrt.loader.arch import (
+    ArchSpec,
+    arch_for_hf,
+    canonical_name,
+    check_weights,
+    supported_hf_archs,
+)
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 
 log = logging.getLogger(__name__)
@@ -98,12 +104,7 @@ def read_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], np.nda
 
 
 def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
-    if hf_name in spec.hf_global:
-        return spec.hf_global[hf_name]
-    m = _LAYER_NAME.match(hf_name)
-    if m and m.group(2) in spec.hf_layer:
-        return f"layers.{m.group(1)}.{spec.hf_layer[m.group(2)]}"
-    return None
+    return canonical_name(hf_name, spec.hf_global, _LAYER_NAME, spec.hf_layer)
 
 
 def _int_list(value: Any) -> list[int]:
