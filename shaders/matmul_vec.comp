@@ -127,9 +127,11 @@ void main() {
 #endif
         }
         [[unroll]] for (uint r = 0u; r < WROWS; r++) {
+            // Scale first: on llvmpipe every texel fetch is a call that clobbers all vector
+            // registers, so a fetch between the decode and the dots spilled all 32 weights.
+            SCALE_T scale = load_scale(srow[r], b);
             vec4 wv[8];
             load_wblock(wrow[r], b, wv);
-            SCALE_T scale = load_scale(srow[r], b);
             [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
                 uint i = tt * WROWS + r;
                 acc[i] = combine(acc[i], block_part(wv, xv[tt]), scale, xsum[tt]);

@@ -131,6 +131,12 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
 #if defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
 #define NEEDS_XSUM 1
 #endif
+#if !defined(WFMT_F32) && !defined(WFMT_F16) && !defined(WFMT_BF16)
+// Block formats need K % 32 == 0, so no activation block is partial and load_x needs no
+// bounds branch (llvmpipe runs both sides of a branch under a mask: that branch had doubled
+// the activation fetches and spilled them through masked stores).
+#define WHOLE_BLOCKS 1
+#endif
 
 // q4_k: sub-block s's (d*sc, -dmin*m) from its super-block's header texel (f16 d, f16 dmin,
 // then GGUF's 12 bytes of 6-bit scales and mins; the unpacking of vkrt.ops.quant).
@@ -237,6 +243,10 @@ void load_x(uint t, uint b, uint K, out vec4 xv[8]) {
 #ifdef ACCESS_TEXEL
     if (X_VEC4) {
         base >>= 2;
+#ifdef WHOLE_BLOCKS
+        [[unroll]] for (uint j = 0u; j < 8u; j++) xv[j] = LD_F32X4(x, base + j);
+        return;
+#endif
         if (k0 + 32u <= K) {
             [[unroll]] for (uint j = 0u; j < 8u; j++) xv[j] = LD_F32X4(x, base + j);
         } else {
@@ -266,7 +276,11 @@ void load_norm_weight(uint b, uint K, out vec4 gv[8]) {
     uint k0 = b * 32u;
 #ifdef ACCESS_TEXEL
     if (X_VEC4) {
+#ifdef WHOLE_BLOCKS
+        [[unroll]] for (uint j = 0u; j < 8u; j++) gv[j] = LD_F32X4(norm_w, (k0 >> 2) + j);
+#else
         [[unroll]] for (uint j = 0u; j < 8u; j++) gv[j] = k0 + 4u * j < K ? LD_F32X4(norm_w, (k0 >> 2) + j) : vec4(0.0);
+#endif
         return;
     }
 #endif
