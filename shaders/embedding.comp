@@ -16,9 +16,17 @@ IN_U32(0, table);
 IN_I32(1, ids);
 OUT_F32(2, y);
 
-// row_words: 32-bit words per table row in the quants region; s_base: first scales word;
-// d_base: q6_k's first d word (layouts.py).
-layout(push_constant) uniform Push { uint n; uint D; uint row_words; uint blocks; uint s_base; uint d_base; } pc;
+// blocks: 32-value blocks per row (a float row's last one padded); s_base: first scales
+// word; d_base: q6_k's first d word (layouts.py).
+layout(push_constant) uniform Push { uint n; uint D; uint blocks; uint s_base; uint d_base; } pc;
+
+// The table is row-tiled (layouts.py): word `w` of unit u (a 32-value block; for q6_k and
+// the K-quants' per-super-block regions, a super-block) of `row`, in a region of `per`
+// words per unit and `units` units per row.
+layout(constant_id = 7) const uint TILE = 64u;
+uint tiled(uint row, uint units, uint u, uint per) {
+    return ((row / TILE) * units + u) * TILE * per + (row % TILE) * per;
+}
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -27,9 +35,9 @@ void main() {
     uint d = i % pc.D;
     precise float v;
 #if defined(WFMT_F32)
-    v = LD_F32(table, row * pc.row_words + d);
+    v = LD_F32(table, tiled(row, pc.blocks, d / 32u, 32u) + d % 32u);
 #elif defined(WFMT_F16) || defined(WFMT_BF16)
-    uint w = LD_U32(table, row * pc.row_words + d / 2u);
+    uint w = LD_U32(table, tiled(row, pc.blocks, d / 32u, 16u) + (d % 32u) / 2u);
 #ifdef WFMT_F16
     v = unpackHalf2x16(w)[d & 1u];
 #else
@@ -38,13 +46,14 @@ void main() {
 #elif defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
     // Sub-block blk of super-block blk / 8: low nibbles in q4 order (byte e % 16, high
     // nibble for e >= 16); value = (d * sc) * q - dmin * m (q4_k) or (d * sc) * (q - 32).
-    uint blk = d / 32u, e = d % 32u, s = blk % 8u, sup = row * (pc.blocks / 8u) + blk / 8u;
+    uint blk = d / 32u, e = d % 32u, s = blk % 8u, supers = pc.blocks / 8u, sup = blk / 8u;
     uint j = e % 16u, half_ = e / 16u;
 #ifdef WFMT_Q4_K
-    uint w = LD_U32(table, row * pc.row_words + blk * 4u + j / 4u);
+    uint w = LD_U32(table, tiled(row, pc.blocks, blk, 4u) + j / 4u);
     float q = float((w >> (8u * (j % 4u) + 4u * half_)) & 0xFu);
     uint h[4];
-    for (uint k = 0u; k < 4u; k++) h[k] = LD_U32(table, pc.s_base + sup * 4u + k);
+    uint header = pc.s_base + tiled(row, supers, sup, 4u);
+    for (uint k = 0u; k < 4u; k++) h[k] = LD_U32(table, header + k);
     uint sh = 8u * (s & 3u);
     uint a = (h[1] >> sh) & 0xFFu, m = (h[2] >> sh) & 0xFFu, c = (h[3] >> sh) & 0xFFu;
     uint sc = s < 4u ? a & 63u : (c & 0xFu) | ((a >> 6) << 4);
@@ -54,30 +63,27 @@ void main() {
     precise float dmn = dm.y * float(mn);
     v = ds * q - dmn;
 #else
-    uint base = row * pc.row_words + (blk / 8u) * 48u;  // 12 texels per super-block
+    uint base = tiled(row, supers, sup, 48u);  // 12 texels per super-block
     uint lo = LD_U32(table, base + s * 4u + j / 4u);
     uint grp = j / 4u, c = j % 4u;
     uint hw = LD_U32(table, base + 32u + s * 2u + grp / 2u);
     uint q6 = ((lo >> (8u * c + 4u * half_)) & 0xFu) | (((hw >> (8u * c + 4u * (grp & 1u) + 2u * half_)) & 3u) << 4);
     uint g = 2u * s + half_;  // the 16-value group's int8 scale
-    int sc = int(LD_U32(table, pc.s_base + sup * 4u + g / 4u) << (24u - 8u * (g % 4u))) >> 24;
-    float dd = unpackHalf2x16(LD_U32(table, pc.d_base + sup)).x;
+    int sc = int(LD_U32(table, pc.s_base + tiled(row, supers, sup, 4u) + g / 4u) << (24u - 8u * (g % 4u))) >> 24;
+    float dd = unpackHalf2x16(LD_U32(table, pc.d_base + tiled(row, supers, sup, 1u))).x;
     precise float ds = dd * float(sc);
     v = ds * (float(q6) - 32.0);
 #endif
 #else
     uint blk = d / 32u, e = d % 32u;
-    vec2 dm = unpackHalf2x16(LD_U32(table, pc.s_base + row * pc.blocks + blk));
-    #ifdef WFMT_Q8_0
-    uint base = row * pc.row_words + blk * 8u;  // 32 int8 quants = 8 words
-#else
-    uint base = row * pc.row_words + blk * 4u;  // 32 nibbles = 4 words
-#endif
+    vec2 dm = unpackHalf2x16(LD_U32(table, pc.s_base + tiled(row, pc.blocks, blk, 1u)));
 #if defined(WFMT_Q8_0)
+    uint base = tiled(row, pc.blocks, blk, 8u);  // 32 int8 quants = 8 words
     uint w = LD_U32(table, base + e / 4u);
     float q = float(int(w << (24u - 8u * (e % 4u))) >> 24);
     v = dm.x * q;
 #else
+    uint base = tiled(row, pc.blocks, blk, 4u);  // 32 nibbles = 4 words
     uint byte_index = e % 16u;
     uint w = LD_U32(table, base + byte_index / 4u);
     float q = float((w >> (8u * (byte_index % 4u) + (e >= 16u ? 4u : 0u))) & 0xFu);

@@ -97,7 +97,7 @@ void main() {
 #ifdef QKV_EPILOGUE
         n = qkv_row(row0 + r);  // ROWS = 8 rows closed under rotation partners (N % 8 == 0)
 #endif
-        wrow[r] = n * pc.w_row;
+        wrow[r] = row_base(n, pc.w_row);
         srow[r] = row_scales(n, pc.s_base, pc.blocks, GATES * pc.N);
     }
     [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = 0.0;

@@ -196,38 +196,59 @@ void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {
 void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
 #endif
 
+// Row tiles (layouts.py): rows come in tiles of TILE; within a tile, unit u (a 32-value
+// block, q6_k a 256-value super-block) of all TILE rows precedes unit u + 1. So (row n, unit
+// u) of a region with `per` words / texels per unit sits at
+//   ((n / TILE) * units + u) * TILE * per + (n % TILE) * per,
+// and a row's units are TILE * per apart.
+layout(constant_id = 7) const uint TILE = 64u;
+#ifdef WFMT_Q6_K
+#define UNIT_TEXELS 12u  // quants texels per q6_k super-block
+#else
+#define UNIT_TEXELS BLOCK_TEXELS
+#endif
+
+// Texel of row n's first unit in the quants region (w_row: quants texels per row).
+uint row_base(uint n, uint w_row) {
+    return (n / TILE) * TILE * w_row + (n % TILE) * UNIT_TEXELS;
+}
+
 // Where row n's scales start: .x for the scales words / header texels, .y q6_k's d words.
-// s_base: first scales word (u32 units, 16-byte aligned); blocks: 32-value blocks per row.
+// s_base: first scales word (u32 units, 16-byte aligned); blocks: 32-value blocks per row;
+// N: the weight's rows (its scales regions hold them padded to whole tiles).
 uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
 #if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
     uint supers = blocks >> 3;
-    return uvec2((s_base >> 2) + n * supers, s_base + (N * 4u + n) * supers);
+    uint first = (n / TILE) * TILE * supers + n % TILE;  // (n, super-block 0), in units
+    uint padded = (N + TILE - 1u) / TILE * TILE;
+    return uvec2((s_base >> 2) + first, s_base + padded * supers * 4u + first);
 #else
-    return uvec2(s_base + n * blocks, 0u);
+    return uvec2(s_base + (n / TILE) * TILE * blocks + n % TILE, 0u);
 #endif
 }
 
 // Block b's scales for combine() (rs from row_scales).
 SCALE_T load_scale(uvec2 rs, uint b) {
 #if defined(WFMT_Q4_K)
-    return q4_k_scale(LD_U32X4(wq, rs.x + (b >> 3)), b & 7u);
+    return q4_k_scale(LD_U32X4(wq, rs.x + (b >> 3) * TILE), b & 7u);
 #elif defined(WFMT_Q6_K)
-    return q6_k_scale(LD_U32X4(wq, rs.x + (b >> 3)), b & 7u, unpackHalf2x16(LD_U32(ws, rs.y + (b >> 3))).x);
+    uint sup = (b >> 3) * TILE;
+    return q6_k_scale(LD_U32X4(wq, rs.x + sup), b & 7u, unpackHalf2x16(LD_U32(ws, rs.y + sup)).x);
 #elif defined(HAS_SCALES)
-    return LD_U32(ws, rs.x + b);
+    return LD_U32(ws, rs.x + b * TILE);
 #else
     return 0u;
 #endif
 }
 
-// Block b of the row whose quants start at texel `wbase` (every format).
+// Block b of the row whose quants start at texel `wbase` (row_base; every format).
 void load_wblock(uint wbase, uint b, out vec4 w[8]) {
 #if defined(WFMT_Q6_K)
-    uint sb = wbase + (b >> 3) * 12u, s = b & 7u;
+    uint sb = wbase + (b >> 3) * (TILE * 12u), s = b & 7u;
     uvec4 hi = LD_U32X4(wq, sb + 8u + (s >> 1));
     q6_block(LD_U32X4(wq, sb + s), (s & 1u) == 0u ? hi.xy : hi.zw, w);
 #else
-    load_block(wbase + b * BLOCK_TEXELS, w);
+    load_block(wbase + b * (TILE * BLOCK_TEXELS), w);
 #endif
 }
 

@@ -135,7 +135,8 @@ class VulkanBackend(Backend):
         raw = as_storage_array(np.asarray(array), dtype)
         if raw.nbytes != storage_nbytes(shape, dtype):
             raise VkrtError(f"weight {dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
-        packed = device_layout(raw.reshape(shape[0], -1) if len(shape) == 2 else raw.reshape(1, -1), dtype)
+        matrix = len(shape) == 2  # matrices are row-tiled for the matmul kernels, 1-D weights not
+        packed = device_layout(raw.reshape(shape[0], -1) if matrix else raw.reshape(1, -1), dtype, tiled=matrix)
         self._host_safe()
         tensor = self._new_tensor(tuple(shape), dtype, "weights", nbytes=packed.nbytes)
         self._write_bytes(tensor.handle, packed)
@@ -146,13 +147,14 @@ class VulkanBackend(Backend):
         self.memory.reserve(purpose, nbytes)
 
     def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int:
-        """Size in the device layout; every layout is a whole number of bytes per row."""
-        from vkrt.backend.vulkan.kernels.layouts import device_layout
+        """Size in the device layout (matrices padded to whole row tiles)."""
+        from vkrt.backend.vulkan.kernels.layouts import device_layout, device_nbytes
 
-        rows = shape[0] if len(shape) == 2 else 1
-        row = np.zeros((1, storage_nbytes(tuple(shape[-1:]) if len(shape) == 2 else tuple(shape), dtype)), np.uint8)
+        if len(shape) == 2:
+            return device_nbytes(dtype, shape[0], shape[1]) + self.memory.alignment
+        row = np.zeros((1, storage_nbytes(tuple(shape), dtype)), np.uint8)
         sample = row if is_block_format(dtype) else row.view(NUMPY_DTYPES[dtype])
-        return rows * device_layout(sample, dtype).nbytes + self.memory.alignment
+        return device_layout(sample, dtype, tiled=False).nbytes + self.memory.alignment
 
     def _write_bytes(self, alloc: Allocation, data: np.ndarray) -> None:
         if alloc.id in self.batch.referenced:

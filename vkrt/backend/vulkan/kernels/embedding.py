@@ -6,7 +6,7 @@ from typing import Any
 
 from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.backend.vulkan.kernels.layouts import quants_bytes, row_texels
+from vkrt.backend.vulkan.kernels.layouts import TILE_ROWS, padded_rows, quants_bytes
 from vkrt.ops.tensor import Tensor, TensorSpec
 
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
@@ -32,12 +32,12 @@ def _run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     if n == 0:
         return (y,)
     s_base = quants_bytes(table.dtype, v, d) // 4
-    d_base = s_base + v * (d // 256) * 4 if table.dtype == "q6_k" else 0  # after the int8 scales
-    push = (n, d, row_texels(table.dtype, d) * 4, d // 32, s_base, d_base)
+    d_base = s_base + padded_rows(v) * (d // 256) * 4 if table.dtype == "q6_k" else 0  # after the int8 scales
+    push = (n, d, -(-d // 32), s_base, d_base)
     backend.run_shader(module(backend, "embedding", table.dtype),
                        [(table, "f32" if table.dtype == "f32" else "u32", False), (ids, "i32", False),
                         (y, "f32", True)],
-                       grid_1d(n), ("<6I", push), local_size())
+                       grid_1d(n), ("<5I", push), {**local_size(), 7: TILE_ROWS})
     return (y,)
 
 

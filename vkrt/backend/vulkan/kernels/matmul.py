@@ -28,7 +28,7 @@ from typing import Any
 
 from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.kernels.common import module
-from vkrt.backend.vulkan.kernels.layouts import quants_bytes, row_texels
+from vkrt.backend.vulkan.kernels.layouts import TILE_ROWS, quants_bytes, row_texels
 from vkrt.ops.tensor import Tensor, TensorSpec
 
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
@@ -168,7 +168,7 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
         push_format += "6I"
         push_values += (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, rot_dim, max_positions, int(qkv.interleaved))
     push = (push_format, push_values)
-    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates}
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 7: TILE_ROWS}
     if texel:
         spec[2] = int(x_vec4)
     groups = _groups(-(-n // cfg.rows), cfg.workgroup, -(-t // cfg.tokens))
