@@ -37,6 +37,19 @@ layout(constant_id = 1) const uint ROWS = 8u;
 layout(constant_id = 3) const uint TOKENS = 1u;
 layout(constant_id = 4) const uint GATES = 1u;  // weight rows per output row: 1 or 2 (gated)
 const uint WROWS = ROWS * GATES;
+// SPLIT > 1 (GPUs): split-K. The workgroup is SPLIT lanes sharing one set of ROWS rows x
+// TOKENS tokens; lane j folds blocks j, j + SPLIT, ... in order (each in quant.glsl's block
+// order), then the lanes' partial sums are added in shared memory by a fixed halving tree
+// and lane 0 runs the epilogue. The order depends only on SPLIT, which the host picks per
+// device and K, never per T: decode and prefill stay bit-identical (batch invariance).
+// SPLIT = 1 (CPU devices): one invocation walks all blocks; the rows spread over invocations.
+layout(constant_id = 8) const uint SPLIT = 1u;  // a power of two
+#ifdef FUSE_RMS
+const uint NSUM = WROWS * TOKENS + 4u * TOKENS;  // the accumulators, then each token's x^2 sums
+#else
+const uint NSUM = WROWS * TOKENS;
+#endif
+shared float partial[SPLIT * NSUM];
 
 #ifdef WFMT_F32
 IN_F32X4(0, wq);
@@ -84,9 +97,10 @@ layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w
 #include "quant.glsl"
 
 void main() {
-    uint row0 = gl_GlobalInvocationID.x * ROWS;
+    uint lane = SPLIT > 1u ? gl_LocalInvocationID.x : 0u;
+    uint row0 = (SPLIT > 1u ? gl_WorkGroupID.x : gl_GlobalInvocationID.x) * ROWS;
     uint t0 = gl_WorkGroupID.y * TOKENS;
-    if (row0 >= pc.N) return;
+    if (row0 >= pc.N) return;  // with SPLIT > 1, the whole workgroup together
     float acc[WROWS * TOKENS];
     uint wrow[WROWS];
     uvec2 srow[WROWS];
@@ -105,7 +119,7 @@ void main() {
     vec4 sq[TOKENS];  // per token, four running sums of x^2 (one per vec4 component)
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) sq[tt] = vec4(0.0);
 #endif
-    for (uint b = 0u; b < pc.blocks; b++) {
+    for (uint b = lane; b < pc.blocks; b += SPLIT) {
         vec4 xv[TOKENS][8];
         PART_T xsum[TOKENS];
 #ifdef FUSE_RMS
@@ -137,6 +151,31 @@ void main() {
                 acc[i] = combine(acc[i], block_part(wv, xv[tt]), scale, xsum[tt]);
             }
         }
+    }
+    if (SPLIT > 1u) {
+        uint base = lane * NSUM;
+        [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) partial[base + i] = acc[i];
+#ifdef FUSE_RMS
+        [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
+            [[unroll]] for (uint c = 0u; c < 4u; c++) partial[base + WROWS * TOKENS + 4u * tt + c] = sq[tt][c];
+#endif
+        barrier();
+        for (uint half_ = SPLIT / 2u; half_ > 0u; half_ /= 2u) {
+            if (lane < half_) {
+                for (uint i = 0u; i < NSUM; i++) {
+                    precise float v = partial[base + i] + partial[base + half_ * NSUM + i];
+                    partial[base + i] = v;
+                }
+            }
+            barrier();
+        }
+        if (lane != 0u) return;
+        [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = partial[i];
+#ifdef FUSE_RMS
+        [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
+            sq[tt] = vec4(partial[WROWS * TOKENS + 4u * tt], partial[WROWS * TOKENS + 4u * tt + 1u],
+                          partial[WROWS * TOKENS + 4u * tt + 2u], partial[WROWS * TOKENS + 4u * tt + 3u]);
+#endif
     }
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
 #ifdef FUSE_RMS

@@ -14,9 +14,11 @@
 // with the helpers below, in `precise` arithmetic, so the result never depends on how many
 // tokens or rows an invocation handles nor on which kernel (vec / tiled) ran. q6_k, whose
 // scales cover 16 values, keeps two partial sums per block (first and second 16 values) and
-// combines them in that order.
+// combines them in that order. matmul_vec's split-K mode (SPLIT > 1, GPUs) runs this per
+// lane over every SPLIT-th block and adds the lanes' sums in a fixed tree; SPLIT is fixed
+// per device and K, so that order too is independent of the batch.
 // (Measured: writing block_dot as an explicit fma chain instead of precise dot()s was no
-// faster on llvmpipe.) Includers enable GL_EXT_control_flow_attributes ([[unroll]]).
+// faster on llvmpipe: llvmpipe compiles fma() to a multiply and an add.) Includers enable GL_EXT_control_flow_attributes ([[unroll]]).
 
 #ifndef VKRT_QUANT_GLSL
 #define VKRT_QUANT_GLSL

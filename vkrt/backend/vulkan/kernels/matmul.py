@@ -5,7 +5,10 @@ One shader, two registered kernels that differ only in specialisation constants:
 up to a power of two) and `matmul.tiled` for prefill (tiles of MAX_TOKENS tokens). Each
 invocation computes ROWS rows x TOKENS tokens, reducing every output in quant.glsl's fixed
 block order, so a token's row of y is bit-identical whatever T is and whichever
-configuration ran (invariant 9).
+configuration ran (invariant 9). CPU devices give each invocation its own rows; GPUs get
+split-K (SPLIT lanes share ROWS rows, each folding every SPLIT-th block, the partial sums
+added in shared memory by a fixed tree), with SPLIT chosen per device and K only, so that
+order is just as independent of T. Weights are read in the row-tiled layout of layouts.py.
 
 `matmul_silu_and_mul` (w = gate rows stacked over up rows) runs the same shader with spec
 constant GATES = 2: each invocation reduces ROWS gate rows and the matching ROWS up rows in
@@ -23,7 +26,7 @@ qkv_rope_kv_write, which is what runs for shapes its 8-row groups cannot take).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vkrt.backend.base import Kernel
@@ -43,6 +46,7 @@ class MatmulConfig:
     workgroup: int
     rows: int
     tokens: int
+    split: int = 1  # > 1: lanes splitting K per row set (the workgroup); at most this many
 
 
 def _pow2_at_least(t: int) -> int:
@@ -79,10 +83,10 @@ def config_for(caps: Any, dtype: str, n: int, t: int, prefill: bool = False) -> 
         else:
             rows = 32 if n >= 2560 else 16 if n >= 1280 else 8
         return MatmulConfig(workgroup=8, rows=rows, tokens=tokens)
-    # GPUs (not measured yet): a few subgroups per workgroup, few rows per invocation so
-    # that a decode matvec still spreads over thousands of invocations.
-    sub = max(caps.subgroup_size, 8)
-    return MatmulConfig(workgroup=min(4 * sub, 256), rows=2, tokens=tokens)
+    # GPUs (not measured yet: no GPU was available): split-K, a workgroup of up to 32 lanes
+    # per 4 rows, so a 576-row decode matvec is 144 workgroups instead of 288 lone threads
+    # each walking all of K; the lanes' partial sums meet in shared memory.
+    return MatmulConfig(workgroup=32, rows=4, tokens=tokens, split=32)
 
 
 def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
@@ -140,9 +144,12 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     cfg = config_for(backend.caps, w.dtype, w.shape[0], t, prefill=tiled)
     if gated:
         # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
-        cfg = MatmulConfig(workgroup=cfg.workgroup, rows=max(1, cfg.rows // 2), tokens=cfg.tokens)
+        cfg = replace(cfg, rows=max(1, cfg.rows // 2))
     if qkv:  # the epilogue's rotation groups are 8 rows (include/qkv_epilogue.glsl)
-        cfg = MatmulConfig(workgroup=cfg.workgroup, rows=8, tokens=cfg.tokens)
+        cfg = replace(cfg, rows=8)
+    if cfg.split > 1:  # a power of two no larger than the blocks to split (fixed per K)
+        split = min(cfg.split, 1 << ((-(-k // 32)).bit_length() - 1))
+        cfg = replace(cfg, split=split, workgroup=split)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
@@ -168,10 +175,11 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
         push_format += "6I"
         push_values += (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, rot_dim, max_positions, int(qkv.interleaved))
     push = (push_format, push_values)
-    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 7: TILE_ROWS}
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 7: TILE_ROWS, 8: cfg.split}
     if texel:
         spec[2] = int(x_vec4)
-    groups = _groups(-(-n // cfg.rows), cfg.workgroup, -(-t // cfg.tokens))
+    row_sets = -(-n // cfg.rows)  # invocations, or with split-K workgroups
+    groups = _groups(row_sets * cfg.split if cfg.split > 1 else row_sets, cfg.workgroup, -(-t // cfg.tokens))
     backend.run_shader(module(backend, "matmul_vec", w.dtype, fuse), bindings, groups, push, spec)
     return y
 
