@@ -69,17 +69,14 @@ def quants_bytes(dtype: str, rows: int, k: int) -> int:
     return padded_rows(rows) * row_texels(dtype, k) * 16
 
 
+# Scales-region bytes per row unit: (values per unit, bytes); float rows have none.
+_SCALE_BYTES = {"q8_0": (32, 4), "q4_0": (32, 4), "q4_1": (32, 4), "q4_k": (256, 16), "q6_k": (256, 20)}
+
+
 def row_bytes(dtype: str, k: int) -> int:
     """Device bytes per matrix row, every region together."""
-    if dtype == "f32":
-        return -(-k // 32) * 128
-    if dtype in ("f16", "bf16"):
-        return -(-k // 32) * 64
-    if dtype == "q4_k":
-        return k // 256 * 144
-    if dtype == "q6_k":
-        return k // 256 * 212
-    return k // 32 * (36 if dtype == "q8_0" else 20)
+    values, size = _SCALE_BYTES.get(dtype, (32, 0))
+    return row_texels(dtype, k) * 16 + k // values * size
 
 
 def device_nbytes(dtype: str, rows: int, k: int) -> int:
