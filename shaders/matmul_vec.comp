@@ -159,6 +159,7 @@ void main() {
         [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
             [[unroll]] for (uint c = 0u; c < 4u; c++) partial[base + WROWS * TOKENS + 4u * tt + c] = sq[tt][c];
 #endif
+        memoryBarrierShared();
         barrier();
         for (uint half_ = SPLIT / 2u; half_ > 0u; half_ /= 2u) {
             if (lane < half_) {
@@ -167,6 +168,7 @@ void main() {
                     partial[base + i] = v;
                 }
             }
+            memoryBarrierShared();
             barrier();
         }
         if (lane != 0u) return;
