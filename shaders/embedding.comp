@@ -20,13 +20,7 @@ OUT_F32(2, y);
 // word; d_base: q6_k's first d word (layouts.py).
 layout(push_constant) uniform Push { uint n; uint D; uint blocks; uint s_base; uint d_base; } pc;
 
-// The table is row-tiled (layouts.py): word `w` of unit u (a 32-value block; for q6_k and
-// the K-quants' per-super-block regions, a super-block) of `row`, in a region of `per`
-// words per unit and `units` units per row.
-layout(constant_id = 7) const uint TILE = 64u;
-uint tiled(uint row, uint units, uint u, uint per) {
-    return ((row / TILE) * units + u) * TILE * per + (row % TILE) * per;
-}
+#include "tiles.glsl"  // the table is row-tiled; offsets below are in 32-bit words
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;

@@ -18,7 +18,8 @@
 // lane over every SPLIT-th block and adds the lanes' sums in a fixed tree; SPLIT is fixed
 // per device and K, so that order too is independent of the batch.
 // (Measured: writing block_dot as an explicit fma chain instead of precise dot()s was no
-// faster on llvmpipe: llvmpipe compiles fma() to a multiply and an add.) Includers enable GL_EXT_control_flow_attributes ([[unroll]]).
+// faster on llvmpipe, which compiles fma() to a multiply and an add.)
+// Includers enable GL_EXT_control_flow_attributes ([[unroll]]).
 
 #ifndef VKRT_QUANT_GLSL
 #define VKRT_QUANT_GLSL
@@ -198,12 +199,7 @@ void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {
 void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
 #endif
 
-// Row tiles (layouts.py): rows come in tiles of TILE; within a tile, unit u (a 32-value
-// block, q6_k a 256-value super-block) of all TILE rows precedes unit u + 1. So (row n, unit
-// u) of a region with `per` words / texels per unit sits at
-//   ((n / TILE) * units + u) * TILE * per + (n % TILE) * per,
-// and a row's units are TILE * per apart.
-layout(constant_id = 7) const uint TILE = 64u;
+#include "tiles.glsl"
 #ifdef WFMT_Q6_K
 #define UNIT_TEXELS 12u  // quants texels per q6_k super-block
 #else
@@ -212,7 +208,7 @@ layout(constant_id = 7) const uint TILE = 64u;
 
 // Texel of row n's first unit in the quants region (w_row: quants texels per row).
 uint row_base(uint n, uint w_row) {
-    return (n / TILE) * TILE * w_row + (n % TILE) * UNIT_TEXELS;
+    return tiled(n, w_row / UNIT_TEXELS, 0u, UNIT_TEXELS);
 }
 
 // Where row n's scales start: .x for the scales words / header texels, .y q6_k's d words.
@@ -221,11 +217,11 @@ uint row_base(uint n, uint w_row) {
 uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
 #if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
     uint supers = blocks >> 3;
-    uint first = (n / TILE) * TILE * supers + n % TILE;  // (n, super-block 0), in units
+    uint first = tiled(n, supers, 0u, 1u);  // (n, super-block 0), in units
     uint padded = (N + TILE - 1u) / TILE * TILE;
     return uvec2((s_base >> 2) + first, s_base + padded * supers * 4u + first);
 #else
-    return uvec2(s_base + (n / TILE) * TILE * blocks + n % TILE, 0u);
+    return uvec2(s_base + tiled(n, blocks, 0u, 1u), 0u);
 #endif
 }
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
-from tests.ops.test_matmul import test_batch_invariance, test_matmul_matches_reference  # noqa: F401
+from tests.ops.test_matmul import make_weight, test_batch_invariance, test_matmul_matches_reference  # noqa: F401
 from tests.ops.test_matmul_fused_norm import (  # noqa: F401
     case,
     test_matmul_add_equals_unfused,
@@ -52,10 +53,6 @@ def test_qkv_fused_equals_composed(qkv_case: tuple, rng: Any) -> None:  # noqa: 
 
 def test_split_is_clamped_to_the_blocks(vk_default: Any, rng: Any) -> None:
     """K = 96 has 3 blocks: split-K uses 2 lanes (a power of two no larger than 3)."""
-    import numpy as np
-
-    from tests.ops.test_matmul import make_weight
-
     raw, dense = make_weight(rng, "q4_1", 9, 96)
     w = vk_default.upload_weight(raw, "q4_1", (9, 96))
     x = rng.standard_normal((2, 96)).astype(np.float32)

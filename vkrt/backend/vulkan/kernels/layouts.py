@@ -9,8 +9,9 @@ block formats, without bounds checks. Nothing is dequantized.
 Matrices are stored in row tiles of TILE_ROWS rows (the last padded with zero rows): within a
 tile, unit u of every row comes before unit u + 1 of any, where a unit is the format's
 32-value block (f32 8 texels, f16/bf16 4, q8_0 2, q4_0/q4_1/q4_k 1) or, for q6_k, its
-256-value super-block (12 texels). The scales regions are tiled the same way, one word or
-texel per (row, unit). A matmul workgroup owns consecutive rows, so for each block it reads
+256-value super-block (12 texels). The scales regions are tiled the same way, with one
+word per (row, block) for q8_0/q4_0/q4_1 and one texel or word per (row, super-block) for
+the K-quants (shaders/include/tiles.glsl has the addressing). A matmul workgroup owns consecutive rows, so for each block it reads
 one contiguous run of memory instead of one texel per row, a row's length apart: on
 llvmpipe the CPU's prefetchers follow a few long streams but not 64 short ones (cold-cache
 decode matmuls ~13% faster), and GPU lanes reading neighbouring rows get coalesced loads.
