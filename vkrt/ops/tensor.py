@@ -55,17 +55,36 @@ class TensorSpec:
 
 
 class Tensor:
-    """A handle to backend storage. `shape` is logical; block formats pack rows of blocks."""
+    """A handle to backend storage. `shape` is logical; block formats pack rows of blocks.
 
-    __slots__ = ("shape", "dtype", "backend", "handle", "__weakref__")
+    A tensor may be *pending*: the result of an op the fusion layer (vkrt.ops.fusion) has not
+    run yet, because a consumer may still fold it into a fused kernel. Touching `handle` runs
+    it, so backends never see a pending tensor. `base` keeps alive the tensor whose storage
+    this one uses (the realised result of a pending op, or the tensor a view was made of).
+    """
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, backend: Backend, handle: Any) -> None:
+    __slots__ = ("shape", "dtype", "backend", "_handle", "pending", "base", "__weakref__")
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, backend: Backend, handle: Any,
+                 base: Tensor | None = None) -> None:
         if dtype not in ALL_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}")
         self.shape = tuple(int(d) for d in shape)
         self.dtype = dtype
         self.backend = backend
-        self.handle = handle
+        self._handle = handle
+        self.pending: Any = None  # a vkrt.ops.fusion.Pending until realised
+        self.base = base
+
+    @property
+    def handle(self) -> Any:
+        if self.pending is not None:
+            self.pending.realize(self)
+        return self._handle
+
+    @handle.setter
+    def handle(self, value: Any) -> None:
+        self._handle = value
 
     @property
     def spec(self) -> TensorSpec:
