@@ -237,3 +237,58 @@ def test_paged_split_policy() -> None:
     assert paged_split(caps("discrete", 0x1002, 64, arith)) == ("seq", 8)  # AMD: wave32 or 64
     assert paged_split(caps("integrated", 0x8086, 32, arith)) == ("seq", 8)  # Intel: 8-32 per shader
     assert paged_split(caps("cpu", 0x10005, 8, ["basic"])) == ("seq", 8)  # no subgroup arithmetic
+
+
+def _direct_attention(case: dict[str, np.ndarray], num_heads: int, num_kv_heads: int, scale: float,
+                      window: int, softcap: float) -> np.ndarray:
+    """Sliding-window / softcapped attention written out in float64, independently of the spec:
+    token t at position p sees cached positions j with p - window < j <= p (all j <= p if 0)."""
+    q, block_table = case["q"], case["block_table"]
+    block_size, kv_dim = case["k_cache"].shape[1:]
+    keys = case["k_cache"].reshape(-1, kv_dim).astype(np.float64)
+    values = case["v_cache"].reshape(-1, kv_dim).astype(np.float64)
+    hd = q.shape[1] // num_heads
+    out = np.zeros(q.shape, np.float64)
+    for t, (seq, p) in enumerate(zip(case["seq_index"], case["positions"], strict=True)):
+        if seq < 0:
+            continue
+        js = [j for j in range(p + 1) if window == 0 or j > p - window]
+        slots = [block_table[seq][j // block_size] * block_size + j % block_size for j in js]
+        for h in range(num_heads):
+            kvh = h // (num_heads // num_kv_heads)
+            qh = q[t, h * hd:(h + 1) * hd].astype(np.float64)
+            s = keys[slots, kvh * hd:(kvh + 1) * hd] @ qh * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            w = np.exp(s - s.max())
+            out[t, h * hd:(h + 1) * hd] = (w / w.sum()) @ values[slots, kvh * hd:(kvh + 1) * hd]
+    return out
+
+
+WINDOW_CASES = [  # (window, softcap)
+    (0, 0.0), (1, 0.0), (5, 0.0), (16, 0.0), (33, 0.0), (4096, 0.0), (0, 50.0), (0, 2.0), (7, 3.0),
+]
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_CASES, ids=lambda v: str(v))
+def test_paged_attention_reference_window_and_softcap(rng: np.random.Generator, window: int,
+                                                      softcap: float) -> None:
+    """The spec against the test's own float64 arithmetic (decode + a prefill chunk + padding)."""
+    case = _paged_case(rng, [1, 5, 17, 40], 4, 2, 16, "f32")
+    case["q"] = np.concatenate([case["q"], case["q"][:3]]) * 3.0
+    case["seq_index"] = np.array([0, 1, 2, 3, 3, -1, 3], np.int32)
+    case["positions"] = np.array([0, 4, 16, 39, 20, 3, 1], np.int32)
+    want = _direct_attention(case, 4, 2, 0.25, window, softcap)
+    got = reference.paged_attention(**case, num_heads=4, num_kv_heads=2, scale=0.25, window=window,
+                                    softcap=softcap)
+    assert nmse(got, want) <= 1e-12
+
+
+def test_paged_attention_refuses_bad_window_and_softcap(ref: Backend, rng: np.random.Generator) -> None:
+    case = _paged_case(rng, [4], 4, 2, 16, "f32")
+    t = {name: ref.upload(a) for name, a in case.items()}
+    args = (t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"], t["positions"], 4, 2, 0.25)
+    with pytest.raises(VkrtError, match="paged_attention: window"):
+        ops.paged_attention(*args, window=-1)
+    with pytest.raises(VkrtError, match="paged_attention: softcap"):
+        ops.paged_attention(*args, softcap=-1.0)

@@ -82,3 +82,13 @@ def test_elementwise_rejects_bad_input(vk) -> None:
         ops.gelu_tanh_and_mul(vk.upload(np.zeros(8, np.float32)))
     with pytest.raises(VkrtError, match="gather_rows"):
         ops.gather_rows(a, vk.upload(np.zeros(2, np.float32)))
+
+
+def test_scale_and_softcap_references() -> None:
+    """The specs against arithmetic done here: f32 products, and cap * tanh(x / cap)."""
+    x = np.array([[0.0, 1.5, -3.25, 1e-30, 100.0, -1e4]], np.float32)
+    np.testing.assert_array_equal(ops.OPS["scale"].reference(x, factor=24.0),
+                                  x * np.float32(24.0))
+    got = ops.OPS["softcap"].reference(x, cap=30.0)
+    want = np.array([[0.0, 30 * np.tanh(0.05), -30 * np.tanh(3.25 / 30), 1e-30, 30 * np.tanh(100 / 30), -30.0]])
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=0)

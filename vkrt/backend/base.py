@@ -131,6 +131,11 @@ class Backend(ABC):
     def read(self, t: Tensor) -> np.ndarray:
         """Host copy of `t` in its storage representation (block formats: uint8 rows)."""
 
+    @abstractmethod
+    def view(self, t: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A tensor of `shape` (same element count, checked by the caller) on t's storage: no
+        copy, no dispatch; it keeps t's base alive and never frees the storage itself."""
+
     def reserve(self, purpose: str, nbytes: int) -> None:  # noqa: B027 (optional hook)
         """Hint: about `nbytes` of `purpose` tensors follow (lets a device size one block)."""
 

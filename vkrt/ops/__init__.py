@@ -51,7 +51,23 @@ def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
 
 
 def add(a: Tensor, b: Tensor) -> Tensor:
+    """a + b; b may also be one row [N] broadcast over the rows of a [T, N] (a bias)."""
     return dispatch("add", a, b)
+
+
+def scale(x: Tensor, factor: float) -> Tensor:
+    """x * factor, elementwise f32 (factor rounded to f32 first)."""
+    return dispatch("scale", x, factor=float(factor))
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """cap * tanh(x / cap), elementwise f32."""
+    return dispatch("softcap", x, cap=float(cap))
+
+
+def reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A view of x's storage in a new contiguous shape (one dim may be -1): no copy, no dispatch."""
+    return x.reshape(tuple(shape))
 
 
 def mul(a: Tensor, b: Tensor) -> Tensor:
@@ -103,11 +119,23 @@ def rms_norm_qkv_rope_kv_write(x: Tensor, g: Tensor, w: Tensor, positions: Tenso
                     head_dim=int(head_dim), interleaved=bool(interleaved))
 
 
+def qkv_norm_rope_kv_write(qkv: Tensor, q_norm: Tensor, k_norm: Tensor, positions: Tensor, cos_sin: Tensor,
+                           k_cache: Tensor, v_cache: Tensor, slots: Tensor, eps: float, num_heads: int,
+                           num_kv_heads: int, head_dim: int, interleaved: bool = False) -> Tensor:
+    """qkv_rope_kv_write after a per-head RMSNorm of q (weights q_norm [head_dim]) and k (k_norm)."""
+    return dispatch("qkv_norm_rope_kv_write", qkv, q_norm, k_norm, positions, cos_sin, k_cache, v_cache,
+                    slots, eps=float(eps), num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+                    head_dim=int(head_dim), interleaved=bool(interleaved))
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     seq_index: Tensor, positions: Tensor, num_heads: int, num_kv_heads: int,
-                    scale: float) -> Tensor:
+                    scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
+    """Causal GQA over the paged cache; window W > 0: positions p - W < j <= p only; softcap
+    c > 0: scores -> c * tanh(scores / c) before the softmax."""
     return dispatch("paged_attention", q, k_cache, v_cache, block_table, seq_index, positions,
-                    num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale))
+                    num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale),
+                    window=int(window), softcap=float(softcap))
 
 
 def gather_rows(x: Tensor, index: Tensor) -> Tensor:
@@ -139,6 +167,6 @@ __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
     "layer_norm", "matmul", "matmul_silu_and_mul", "mul", "op_names", "paged_attention",
-    "qkv_rope_kv_write", "rms_norm", "rope",
-    "rope_cos_sin", "sample_top_k", "silu_and_mul", "softmax",
+    "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rope",
+    "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkrt.ops.linear import _rms_norm_matmul_infer, rms_norm_matmul
+from vkrt.ops.norm import rms_norm
 from vkrt.ops.registry import register_op, require
 from vkrt.ops.tensor import TensorSpec
 
@@ -58,9 +59,12 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray, head_dim: in
     return heads.reshape(t, -1)
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """One query head over its context: q [hd], k/v [L, hd] -> [hd]."""
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0) -> np.ndarray:
+    """One query head over its context: q [hd], k/v [L, hd] -> [hd]. softcap c > 0 maps each
+    score s to c * tanh(s / c) before the softmax (Gemma 2's attn_logit_softcapping)."""
     s = (k.astype(np.float64) @ q.astype(np.float64)) * scale
+    if softcap > 0.0:
+        s = softcap * np.tanh(s / softcap)
     p = np.exp(s - s.max())
     return ((p / p.sum()) @ v.astype(np.float64)).astype(np.float32)
 
@@ -120,7 +124,7 @@ def kv_write(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
 
 def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_table: TensorSpec,
                  seq_index: TensorSpec, positions: TensorSpec, num_heads: int, num_kv_heads: int,
-                 scale: float) -> tuple[TensorSpec, ...]:
+                 scale: float, window: int = 0, softcap: float = 0.0) -> tuple[TensorSpec, ...]:
     specs = (q, k_cache, v_cache, block_table, seq_index, positions)
     name = "paged_attention"
     require(q.dtype == "f32" and len(q.shape) == 2 and q.shape[1] % num_heads == 0, name, specs,
@@ -135,14 +139,21 @@ def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_
     require(seq_index.dtype == "i32" and positions.dtype == "i32"
             and seq_index.shape == positions.shape == (q.shape[0],), name, specs,
             "seq_index and positions must be i32 [T]")
+    require(window >= 0, name, specs, f"window must be >= 0 (0: full attention), got {window}")
+    require(softcap >= 0.0 and np.isfinite(softcap), name, specs, f"softcap must be >= 0 (0: off), got {softcap}")
     return (q,)
 
 
 @register_op("paged_attention", _paged_infer)
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_table: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
-                    num_heads: int, num_kv_heads: int, scale: float) -> np.ndarray:
-    """Causal GQA of each token over its sequence's cached positions 0..positions[t]."""
+                    num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> np.ndarray:
+    """Causal GQA of each token over its sequence's cached positions 0..positions[t].
+
+    window W > 0: only positions j with p - W < j <= p (HF's sliding window, Mistral/Gemma).
+    softcap c > 0: scores become c * tanh(scores / c) before the softmax.
+    """
     block_size = k_cache.shape[1]
     hd = q.shape[1] // num_heads
     group = num_heads // num_kv_heads
@@ -151,15 +162,17 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         if seq_index[t] < 0:
             continue  # padding row
         n = int(positions[t]) + 1
+        first = max(0, n - window) if window > 0 else 0
+        pos = np.arange(first, n)
         blocks = block_table[seq_index[t]]
-        slots = blocks[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
+        slots = blocks[pos // block_size] * block_size + pos % block_size
         keys = k_cache.reshape(-1, k_cache.shape[-1])[slots].astype(np.float32)
         values = v_cache.reshape(-1, v_cache.shape[-1])[slots].astype(np.float32)
         for h in range(num_heads):
             kvh = h // group
             out[t, h * hd:(h + 1) * hd] = _attend(q[t, h * hd:(h + 1) * hd],
                                                   keys[:, kvh * hd:(kvh + 1) * hd],
-                                                  values[:, kvh * hd:(kvh + 1) * hd], scale)
+                                                  values[:, kvh * hd:(kvh + 1) * hd], scale, softcap)
     return out
 
 
@@ -190,6 +203,34 @@ def qkv_rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos_sin: np.ndarra
     k = rope(qkv[:, q_width : q_width + kv_dim], positions, cos_sin, head_dim, interleaved)
     kv_write(k_cache, v_cache, k, qkv[:, q_width + kv_dim :], slots)
     return q
+
+
+def _qkv_norm_rope_kv_write_infer(qkv: TensorSpec, q_norm: TensorSpec, k_norm: TensorSpec,
+                                  positions: TensorSpec, cos_sin: TensorSpec, k_cache: TensorSpec,
+                                  v_cache: TensorSpec, slots: TensorSpec, eps: float, num_heads: int,
+                                  num_kv_heads: int, head_dim: int,
+                                  interleaved: bool = False) -> tuple[TensorSpec, ...]:
+    out = _qkv_rope_kv_write_infer(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads,
+                                   num_kv_heads, head_dim, interleaved)
+    specs = (qkv, q_norm, k_norm)
+    require(q_norm.dtype == k_norm.dtype == "f32" and q_norm.shape == k_norm.shape == (head_dim,),
+            "qkv_norm_rope_kv_write", specs, f"q_norm and k_norm must be f32 [{head_dim}]")
+    return out
+
+
+@register_op("qkv_norm_rope_kv_write", _qkv_norm_rope_kv_write_infer, inplace=(5, 6))
+def qkv_norm_rope_kv_write(qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, positions: np.ndarray,
+                           cos_sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
+                           eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                           interleaved: bool = False) -> np.ndarray:
+    """qkv_rope_kv_write after a per-head RMSNorm of q and k (QK-norm: Qwen3, Gemma 3)."""
+    t = qkv.shape[0]
+    q_width, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    q = rms_norm(qkv[:, :q_width].reshape(-1, head_dim), q_norm, eps).reshape(t, q_width)
+    k = rms_norm(qkv[:, q_width : q_width + kv_dim].reshape(-1, head_dim), k_norm, eps).reshape(t, kv_dim)
+    normed = np.concatenate([q, k, qkv[:, q_width + kv_dim :]], axis=1)
+    return qkv_rope_kv_write(normed, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads,
+                             head_dim, interleaved)
 
 
 def _rms_norm_qkv_rope_kv_write_infer(x: TensorSpec, g: TensorSpec, w: TensorSpec, positions: TensorSpec,

@@ -35,6 +35,29 @@ def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).astype(np.float32)
 
 
+def _unary_infer(name: str, param: str):
+    def infer(x: TensorSpec, **params: float) -> tuple[TensorSpec, ...]:
+        require(x.dtype == "f32", name, (x,), "x must be f32")
+        value = float(params[param])
+        require(bool(np.isfinite(value)) and (name != "softcap" or value > 0.0), name, (x,),
+                f"{param} must be finite{' and > 0' if name == 'softcap' else ''}, got {value}")
+        return (TensorSpec(x.shape, "f32"),)
+
+    return infer
+
+
+@register_op("scale", _unary_infer("scale", "factor"))
+def scale(x: np.ndarray, factor: float) -> np.ndarray:
+    """x * factor in f32 (Gemma's embedding scale sqrt(hidden), rounded to f32 as HF does)."""
+    return (x * np.float32(factor)).astype(np.float32)
+
+
+@register_op("softcap", _unary_infer("softcap", "cap"))
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap): Gemma 2's final-logit softcapping."""
+    return (cap * np.tanh(x.astype(np.float64) / cap)).astype(np.float32)
+
+
 def _gated_infer(name: str):
     def infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
         require(x.dtype == "f32" and len(x.shape) == 2, name, (x,), "expects f32 [T, 2F]")

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vkrt.ops.formats import BLOCK_FORMATS, FLOAT_FORMATS, FORMATS
+
 if TYPE_CHECKING:
     from vkrt.backend.base import Backend
 
@@ -19,16 +21,12 @@ NUMPY_DTYPES: dict[str, Any] = {
     "u32": np.uint32,
 }
 
-# Bytes per block and values per block of the GGUF block formats.
+# Bytes per block and values per block of the block formats (vkrt/ops/formats.py).
 BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
-    "q8_0": (34, 32),
-    "q4_0": (18, 32),
-    "q4_1": (20, 32),
-    "q4_k": (144, 256),
-    "q6_k": (210, 256),
+    name: (FORMATS[name].block_bytes, FORMATS[name].block_values) for name in BLOCK_FORMATS
 }
-FLOAT_WEIGHT_DTYPES = ("f32", "f16", "bf16")
-ALL_DTYPES = tuple(NUMPY_DTYPES) + tuple(BLOCK_LAYOUT)
+FLOAT_WEIGHT_DTYPES = FLOAT_FORMATS
+ALL_DTYPES = tuple(NUMPY_DTYPES) + BLOCK_FORMATS
 
 
 def is_block_format(dtype: str) -> bool:
@@ -44,6 +42,21 @@ def storage_nbytes(shape: tuple[int, ...], dtype: str) -> int:
             raise ValueError(f"{dtype} rows must be a multiple of {block_values} values, got {shape}")
         return count // block_values * block_bytes
     return count * np.dtype(NUMPY_DTYPES[dtype]).itemsize
+
+
+def resolve_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` with its -1 filled in, checked to hold t's elements (OpError otherwise)."""
+    from vkrt.ops.registry import OpError
+
+    dims = tuple(int(d) for d in shape)
+    if t.dtype not in NUMPY_DTYPES:
+        raise OpError(f"reshape: {t.dtype}{list(t.shape)} is a block format; its rows cannot be reshaped")
+    known = int(np.prod([d for d in dims if d != -1])) if dims else 1
+    if dims.count(-1) == 1 and known > 0 and t.numel % known == 0:
+        dims = tuple(t.numel // known if d == -1 else d for d in dims)
+    if any(d < 0 for d in dims) or (int(np.prod(dims)) if dims else 1) != t.numel:
+        raise OpError(f"reshape: cannot view {t.dtype}{list(t.shape)} as {list(shape)}")
+    return dims
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,10 @@ class Tensor:
     @property
     def numel(self) -> int:
         return int(np.prod(self.shape)) if self.shape else 1
+
+    def reshape(self, shape: tuple[int, ...]) -> Tensor:
+        """A view of the same storage in a new contiguous shape (one dim may be -1); no copy."""
+        return self.backend.view(self, resolve_shape(self, shape))
 
     def numpy(self) -> np.ndarray:
         """Copy the contents to the host (blocks the device if work on it is pending)."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from vkrt.backend.base import Backend, Kernel, as_storage_array, infer_dtype
 from vkrt.ops.quant import dequantize
-from vkrt.ops.registry import OPS
+from vkrt.ops.registry import OPS, OpError
 from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format, storage_nbytes
 
 
@@ -63,6 +63,13 @@ class ReferenceBackend(Backend):
 
     def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
         return Tensor(shape, dtype, self, np.zeros(shape, NUMPY_DTYPES[dtype]))
+
+    def view(self, t: Tensor, shape: tuple[int, ...]) -> Tensor:
+        if isinstance(t.handle, _Weight):
+            raise OpError(f"reshape: {t} is a weight; weights are not viewed in other shapes")
+        data = t.handle.view()
+        data.shape = shape  # raises rather than copy if the storage were not contiguous
+        return Tensor(shape, t.dtype, self, data, base=t)
 
     def write(self, t: Tensor, array: np.ndarray) -> None:
         t.handle[...] = as_storage_array(np.asarray(array), t.dtype).reshape(t.shape)

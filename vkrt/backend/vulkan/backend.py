@@ -20,6 +20,8 @@ from vkrt.backend.vulkan.descriptors import DescriptorCache
 from vkrt.backend.vulkan.memory import Allocation, MemoryManager
 from vkrt.backend.vulkan.pipelines import PipelineCache
 from vkrt.errors import VkrtError
+from vkrt.ops import fusion
+from vkrt.ops.registry import OpError
 from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, is_block_format, storage_nbytes
 
 log = logging.getLogger("vkrt")
@@ -111,6 +113,15 @@ class VulkanBackend(Backend):
     def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
         return self._new_tensor(tuple(shape), dtype, purpose)
 
+    def view(self, t: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """The same Allocation under a new shape: descriptor sets, texel views and barrier
+        tracking key on the allocation, so a view binds exactly as its base does. Only the
+        base has a finalizer; the view's `base` reference keeps it (and the memory) alive."""
+        alloc: Allocation = t.handle
+        if alloc.id in self._weight_sources:
+            raise OpError(f"reshape: {t} is a weight; its device layout is not a plain array")
+        return Tensor(shape, t.dtype, self, alloc, base=t)
+
     def _host_safe(self) -> None:
         """Before the host writes into a new allocation: it must not be memory a recorded,
         unsubmitted dispatch still reads."""
@@ -194,6 +205,7 @@ class VulkanBackend(Backend):
         return raw.view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
     def sync(self) -> None:
+        fusion.flush()
         self.batch.flush()
 
     # -- dispatch --------------------------------------------------------------------
@@ -251,6 +263,7 @@ class VulkanBackend(Backend):
             graph.recorded = self.batch.end_capture()
             graph.release()
             raise
+        fusion.flush()  # ops still pending belong to this step: record them before it ends
         self._graph_tensors = None
         graph.recorded = self.batch.end_capture()
 
