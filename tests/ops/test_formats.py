@@ -1,0 +1,64 @@
+"""The weight-format registry (vkrt/ops/formats.py): each row agrees with the `gguf`
+package (type id, block size and bytes), and each numpy decoder equals
+`gguf.quants.dequantize` bit for bit on random blocks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize as gguf_dequantize
+
+from vkrt.ops.formats import BLOCK_FORMATS, FORMATS, by_gguf_type, weight_format
+from vkrt.ops.quant import dequantize
+from vkrt.ops.tensor import storage_nbytes
+
+
+def random_blocks(rng: np.random.Generator, name: str, rows: int, blocks_per_row: int,
+                  scale: float = 0.01) -> np.ndarray:
+    """Rows of random blocks of `name`: every bit random except the f16 scale fields, which
+    get finite values of either sign up to `scale` (random bits would be NaN or inf)."""
+    fmt = FORMATS[name]
+    blocks = rng.integers(0, 256, (rows, blocks_per_row, fmt.block_bytes), dtype=np.uint8)
+    for f in fmt.fields:
+        if f.kind == "f16":
+            start = fmt.field_offset(f.name)
+            d = rng.uniform(-scale, scale, (rows, blocks_per_row)).astype(np.float16)
+            blocks[..., start : start + 2] = d[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_row_matches_gguf(name: str) -> None:
+    fmt = FORMATS[name]
+    qtype = gguf.GGMLQuantizationType(fmt.gguf_type)
+    assert qtype.name == name.upper()
+    assert gguf.GGML_QUANT_SIZES[qtype] == (fmt.block_values, fmt.block_bytes)
+    assert by_gguf_type(fmt.gguf_type) is fmt
+    if fmt.is_block:
+        assert sum(f.nbytes for f in fmt.fields) == fmt.block_bytes
+        assert fmt.define == f"WFMT_{name.upper()}"
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_decoder_is_bit_exact_with_gguf(rng: np.random.Generator, name: str) -> None:
+    fmt = FORMATS[name]
+    raw = random_blocks(rng, name, 7, 3)
+    expected = gguf_dequantize(raw, gguf.GGMLQuantizationType(fmt.gguf_type))
+    got = dequantize(raw, name)
+    assert got.dtype == np.float32 and got.shape == (7, 3 * fmt.block_values)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), name
+    assert storage_nbytes((7, 3 * fmt.block_values), name) == raw.nbytes
+
+
+def test_zero_scales_decode_to_zero(rng: np.random.Generator) -> None:
+    """With every f16 field zero, each block format decodes to zeros whatever its bits."""
+    for name in BLOCK_FORMATS:
+        raw = random_blocks(rng, name, 2, 2, scale=0.0)
+        assert not dequantize(raw, name).any(), name
+
+
+def test_unknown_format_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown weight format 'q7_0'"):
+        weight_format("q7_0")
+    assert by_gguf_type(9999) is None
