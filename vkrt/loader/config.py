@@ -7,12 +7,6 @@ from typing import Any
 
 import numpy as np
 
-# Storage formats a weight can have. Float formats hold typed arrays (bf16 as uint16);
-# block formats hold the GGUF bytes, one row of blocks per output row.
-FLOAT_FORMATS = ("f32", "f16", "bf16")
-BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
-WEIGHT_FORMATS = FLOAT_FORMATS + BLOCK_FORMATS
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -39,7 +33,10 @@ class ModelConfig:
 
 @dataclass
 class WeightData:
-    """One weight as stored on disk: `shape` is logical (out_features, in_features) or (n,)."""
+    """One weight as stored on disk: `shape` is logical (out_features, in_features) or (n,).
+
+    `fmt` is a row of vkrt.ops.formats.FORMATS: float formats hold typed arrays (bf16 as
+    uint16), block formats the GGUF bytes, one row of blocks per output row."""
 
     name: str
     fmt: str

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf import GGUFValueType, LlamaFileType
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch import (
@@ -22,21 +22,12 @@ from vkrt.loader.arch import (
 )
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
+from vkrt.ops.formats import FORMATS, by_gguf_type
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
-_FORMATS: dict[GGMLQuantizationType, str] = {
-    GGMLQuantizationType.F32: "f32",
-    GGMLQuantizationType.F16: "f16",
-    GGMLQuantizationType.BF16: "bf16",
-    GGMLQuantizationType.Q8_0: "q8_0",
-    GGMLQuantizationType.Q4_0: "q4_0",
-    GGMLQuantizationType.Q4_1: "q4_1",
-    GGMLQuantizationType.Q4_K: "q4_k",
-    GGMLQuantizationType.Q6_K: "q6_k",
-}
 
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -85,23 +76,23 @@ def _logical_shape(tensor: GGUFTensor) -> tuple[int, ...]:
 
 
 def _weight(path: Path, name: str, tensor: GGUFTensor) -> WeightData:
-    fmt = _FORMATS.get(tensor.tensor_type)
+    fmt = by_gguf_type(int(tensor.tensor_type))
     if fmt is None:
         raise UnsupportedModelError(
             f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which vkrt does not "
-            f"support (supported: {', '.join(t.name for t in _FORMATS)}); use a GGUF quantized "
+            f"support (supported: {', '.join(name.upper() for name in FORMATS)}); use a GGUF quantized "
             "to one of those"
         )
     shape = _logical_shape(tensor)
-    if fmt == "bf16":
+    if fmt.name == "bf16":
         data = tensor.data.view(np.uint16).reshape(shape)
-    elif fmt in ("f32", "f16"):
+    elif not fmt.is_block:
         data = tensor.data.reshape(shape)
     else:
-        block_elems, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
-        row_bytes = shape[-1] // block_elems * block_bytes
-        data = tensor.data.reshape(-1, row_bytes)
-    return WeightData(name=name, fmt=fmt, shape=shape, data=data)
+        if shape[-1] % fmt.block_values:
+            raise ValueError(f"{fmt.name} rows of {shape[-1]} values are not whole {fmt.block_values}-value blocks")
+        data = tensor.data.reshape(-1, shape[-1] // fmt.block_values * fmt.block_bytes)
+    return WeightData(name=name, fmt=fmt.name, shape=shape, data=data)
 
 
 def unpermute_qk_rows(data: np.ndarray, n_heads: int) -> np.ndarray:

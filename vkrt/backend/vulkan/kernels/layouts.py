@@ -1,8 +1,11 @@
 """Device layouts of weights: how each storage format is laid out for the kernels.
 
 Block formats are split into a quants region (one uvec4 texel per 16 bytes of quants) and
-a scales region (one uint per block), so every load is aligned: GGUF's 18/20/34-byte blocks
-are not. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F texels or 4
+a scales region, so every load is aligned: GGUF's 18/20/22/24/34-byte blocks are not. For
+the 32-value block formats both derive from the registry row (vkrt/ops/formats.py): the
+`qs` field is the quants, the other fields, in order, the scales entry (f16 fields packed
+two to a word, bit fields word-aligned: q4_1 one word d|m, q5_0 two words d, qh, q5_1 two
+words d|m, qh). The kernels bind an entry of one word as u32 and of two as u32x2. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F texels or 4
 uvec4 texels of f16/bf16), so the matmul kernels read every row as complete blocks, like the
 block formats, without bounds checks. Nothing is dequantized.
 
@@ -31,9 +34,11 @@ K-quants are repacked per 32-value sub-block, with the same nibble order as q4_0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from vkrt.ops.tensor import BLOCK_LAYOUT
+from vkrt.ops.formats import FORMATS, WeightFormat
 
 TILE_ROWS = 64  # rows per tile; the kernels get it as specialisation constant 7 (TILE)
 
@@ -54,15 +59,54 @@ def _pad_cols(a: np.ndarray, multiple: int) -> np.ndarray:
     return np.pad(a, ((0, 0), (0, pad))) if pad else a
 
 
+@dataclass(frozen=True)
+class DeviceLayout:
+    """How one format's rows sit in device memory (sizes per row unit)."""
+
+    unit_values: int  # values per tiled unit of the quants region
+    unit_texels: int  # 16-byte texels per unit in the quants region
+    side_values: int = 32  # values each scales entry covers
+    side_bytes: int = 0  # bytes per scales entry, every region after the quants together
+    side_view: str | None = None  # the view kind kernels bind the scales region with
+
+
+def _side_fields(fmt: WeightFormat) -> list[tuple[str, int]]:
+    """(field, byte offset in the scales entry) of a 32-value block format's non-quant fields."""
+    out, offset = [], 0
+    for f in fmt.fields:
+        if f.name == "qs":
+            continue
+        offset = offset if f.kind == "f16" else -(-offset // 4) * 4
+        out.append((f.name, offset))
+        offset += f.nbytes
+    return out
+
+
+def _block_layout(fmt: WeightFormat) -> DeviceLayout:
+    """The generic layout of a 32-value block format: `qs` as texels, the rest one entry."""
+    qs = next(f.nbytes for f in fmt.fields if f.name == "qs")
+    name, offset = _side_fields(fmt)[-1]
+    entry = -(-(offset + next(f.nbytes for f in fmt.fields if f.name == name)) // 4) * 4
+    return DeviceLayout(32, qs // 16, 32, entry, "u32" if entry == 4 else "u32x2")
+
+
+# Formats with a device layout (every format a kernel reads natively). The K-quants are
+# repacked by hand (the module docstring); formats not listed here are stored as their raw
+# blocks and reach only the reference tier.
+LAYOUTS: dict[str, DeviceLayout] = {
+    "f32": DeviceLayout(32, 8),
+    "f16": DeviceLayout(32, 4),
+    "bf16": DeviceLayout(32, 4),
+    **{name: _block_layout(FORMATS[name]) for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")},
+    "q4_k": DeviceLayout(32, 1, 256, 16),  # the header texel is read through the quants view
+    "q6_k": DeviceLayout(256, 12, 256, 20, "u32"),
+}
+
+
 def row_texels(dtype: str, k: int) -> int:
     """uvec4/vec4 texels per row of k values in the device layout (quants region)."""
-    if dtype == "f32":
-        return -(-k // 32) * 8
-    if dtype in ("f16", "bf16"):
-        return -(-k // 32) * 4
-    if dtype == "q6_k":
-        return k // 256 * 12
-    return k // 32 * (2 if dtype == "q8_0" else 1)
+    layout = LAYOUTS[dtype]
+    return -(-k // layout.unit_values) * layout.unit_texels
 
 
 def quants_bytes(dtype: str, rows: int, k: int) -> int:
@@ -70,18 +114,16 @@ def quants_bytes(dtype: str, rows: int, k: int) -> int:
     return padded_rows(rows) * row_texels(dtype, k) * 16
 
 
-# Scales-region bytes per row unit: (values per unit, bytes); float rows have none.
-_SCALE_BYTES = {"q8_0": (32, 4), "q4_0": (32, 4), "q4_1": (32, 4), "q4_k": (256, 16), "q6_k": (256, 20)}
-
-
 def row_bytes(dtype: str, k: int) -> int:
     """Device bytes per matrix row, every region together."""
-    values, size = _SCALE_BYTES.get(dtype, (32, 0))
-    return row_texels(dtype, k) * 16 + k // values * size
+    layout = LAYOUTS[dtype]
+    return row_texels(dtype, k) * 16 + k // layout.side_values * layout.side_bytes
 
 
 def device_nbytes(dtype: str, rows: int, k: int) -> int:
     """Size of a [rows, k] matrix's device image."""
+    if dtype not in LAYOUTS:
+        return FORMATS[dtype].block_bytes * rows * k // FORMATS[dtype].block_values
     return padded_rows(rows) * row_bytes(dtype, k)
 
 
@@ -94,23 +136,23 @@ def device_layout(raw: np.ndarray, dtype: str, tiled: bool = True) -> np.ndarray
         flat = [_tiled(p) if tiled else np.ascontiguousarray(p).reshape(-1) for p in parts]
         return np.concatenate(flat) if len(flat) > 1 else flat[0]
 
+    if dtype not in LAYOUTS:  # no kernel reads it: the storage bytes as they are
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if dtype == "f32":
         return regions(_pad_cols(raw.astype(np.float32), 32).view(np.uint8).reshape(rows, -1, 128))
     if dtype in ("f16", "bf16"):
         return regions(_pad_cols(raw.view(np.uint16), 32).view(np.uint8).reshape(rows, -1, 64))
-    block_bytes, _ = BLOCK_LAYOUT[dtype]
-    blocks = raw.reshape(rows, -1, block_bytes)
-    if dtype == "q8_0":
-        return regions(blocks[..., 2:34], np.pad(blocks[..., 0:2], ((0, 0), (0, 0), (0, 2))))
-    if dtype == "q4_0":
-        return regions(blocks[..., 2:18], np.pad(blocks[..., 0:2], ((0, 0), (0, 0), (0, 2))))
-    if dtype == "q4_1":
-        return regions(blocks[..., 4:20], blocks[..., 0:4])  # d in the low half, m in the high
+    fmt = FORMATS[dtype]
+    blocks = raw.reshape(rows, -1, fmt.block_bytes)
     if dtype == "q4_k":  # quants per 32-value sub-block; the 16-byte header per super-block
         return regions(_q4_k_quants(blocks).reshape(rows, -1, 16), blocks[..., 0:16])
     if dtype == "q6_k":  # 192 quant bytes, the 16 int8 scales and the f16 d per super-block
         return regions(_q6_k_quants(blocks), blocks[..., 192:208], np.pad(blocks[..., 208:210], ((0, 0), (0, 0), (0, 2))))
-    raise ValueError(f"no device layout for {dtype}")
+    side = np.zeros(blocks.shape[:2] + (LAYOUTS[dtype].side_bytes,), np.uint8)
+    for name, offset in _side_fields(fmt):
+        part = fmt.field(blocks, name)
+        side[..., offset : offset + part.shape[-1]] = part
+    return regions(fmt.field(blocks, "qs"), side)
 
 
 def _nibble_pairs(v: np.ndarray) -> np.ndarray:
