@@ -75,11 +75,33 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from vkrt.loader.pull import pull
+    from vkrt.loader.pull import DEFAULT_MODEL, list_models, pull
 
-    path = pull(args.name, progress=not args.quiet)
+    if args.list:
+        rows = list_models()
+        width = max(len(r.name) for r in rows)
+        print(f"{'NAME':<{width}}  {'SIZE':>7}  {'CACHED':<6}  DESCRIPTION")
+        for r in rows:
+            print(f"{r.name:<{width}}  {r.size / 1e6:>4.0f} MB  {'yes' if r.path else 'no':<6}  {r.description}")
+            if r.path:
+                print(f"{'':<{width}}  {'':>7}  {'':<6}  {r.path}")
+        return 0
+    path = pull(args.name or DEFAULT_MODEL, progress=not args.quiet)
     print(path)
     return 0
+
+
+def _resolve_model_arg(args: argparse.Namespace) -> None:
+    """`--model NAME` of a pullable model becomes its cached GGUF (and, for serve, the served name)."""
+    spec = getattr(args, "model", None)
+    if not spec:
+        return
+    from vkrt.loader.pull import resolve_model
+
+    path, name = resolve_model(spec)
+    args.model = str(path)
+    if name is not None and getattr(args, "served_model_name", "unset") is None:
+        args.served_model_name = name
 
 
 # -- entry point -------------------------------------------------------------------
@@ -97,10 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ops)
 
-    p = sub.add_parser("pull", help="fetch the default model into the model cache")
+    p = sub.add_parser("pull", help="fetch a model by name into the model cache (`--list` shows them)")
     from vkrt.loader.pull import DEFAULT_MODEL
 
-    p.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("name", nargs="?", default=None, help=f"model to fetch (default: {DEFAULT_MODEL})")
+    p.add_argument("--list", action="store_true", help="show the models vkrt can pull and which are cached")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_pull)
 
@@ -115,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.debug)
     try:
+        _resolve_model_arg(args)
         return int(args.func(args) or 0)
     except VkrtError as exc:
         if args.debug:
