@@ -4,9 +4,12 @@
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
 //! variants: KV=f32,f16 SPLIT=seq,sub ACCESS=texel,ssbo
-// Paged causal GQA: token t of sequence seq_index[t] attends to positions 0..positions[t],
-// whose keys and values sit at cache slot block_table[seq, p / block_size] * block_size +
-// p % block_size. seq_index < 0 marks a padding row (output zeros). Everything that changes
+// Paged causal GQA: token t of sequence seq_index[t] attends to positions 0..positions[t]
+// (with a sliding window W > 0 only to positions[t] - W < j <= positions[t]), whose keys and
+// values sit at cache slot block_table[seq, p / block_size] * block_size + p % block_size;
+// table entries before the window are never read. SOFTCAP c > 0 (specialisation constant 2,
+// static per layer) caps scores at c * tanh(s / c). seq_index < 0 marks a padding row
+// (output zeros). Everything that changes
 // per step (positions, seq_index, block_table) is read from buffers: a recorded step can be
 // replayed. Two ways to walk the context, both batch invariant (the order depends only on
 // per-device constants):
@@ -20,6 +23,8 @@
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint HD4 = 16;  // head_dim / 4
+layout(constant_id = 2) const float SOFTCAP = 0.0;
+#define SCORE_SOFTCAP SOFTCAP
 
 IN_F32X4(0, q);
 #if defined(KV_F16)
@@ -39,13 +44,20 @@ IN_I32(4, seq_index);
 IN_I32(5, positions);
 OUT_F32X4(6, o);
 
-// group = num_heads / num_kv_heads; kv_dim4 = num_kv_heads * head_dim / 4 (texels per slot).
+// group = num_heads / num_kv_heads; kv_dim4 = num_kv_heads * head_dim / 4 (texels per slot);
+// window: the sliding window in positions, 0 = the whole context.
 layout(push_constant) uniform Push {
     uint tokens; uint num_heads; uint group; uint kv_dim4;
-    uint block_size; uint max_blocks; float scale;
+    uint block_size; uint max_blocks; float scale; uint window;
 } pc;
 
+#include "softcap.glsl"
 #include "attention.glsl"
+
+// The first position token t attends to, of its n = positions[t] + 1.
+uint first_position(uint n) { return pc.window > 0u && n > pc.window ? n - pc.window : 0u; }
+// q's pre-scale: into the exp2 domain at once unless scores are capped first.
+float q_prescale() { return SOFTCAP > 0.0 ? pc.scale : pc.scale * LOG2E; }
 
 #ifdef SPLIT_SUB
 layout(constant_id = 0) const uint LANES = 8u;  // = the workgroup size = the subgroup size
@@ -64,20 +76,21 @@ void main() {
     }
     // Never read past the block table, whatever positions[t] says.
     uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
-    float q_scale = pc.scale * LOG2E;
+    float q_scale = q_prescale();
     for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
     attend_begin();
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     // Position p = b * block_size + off, advanced by LANES without a division per step.
-    uint b = lane / pc.block_size, off = lane % pc.block_size;
-    for (uint p = lane; p < n; p += LANES) {
+    uint start = first_position(n) + lane;
+    uint b = start / pc.block_size, off = start % pc.block_size;
+    for (uint p = start; p < n; p += LANES) {
         uint block = uint(LD_I32(block_table, table_row + b));
         attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
         off += LANES;
         while (off >= pc.block_size) { off -= pc.block_size; ++b; }
     }
-    // Merge: lane 0 saw position 0, so the maximum is finite; a lane that saw nothing (max
+    // Merge: lane 0 saw the first position, so the maximum is finite; a lane that saw nothing (max
     // -inf) weighs 0.
     float m = subgroupMax(run_max);
     float f = run_max == uintBitsToFloat(0xFF800000u) ? 0.0 : exp2(run_max - m);
@@ -100,16 +113,18 @@ void main() {
     }
     // Never read past the block table, whatever positions[t] says.
     uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
-    float q_scale = pc.scale * LOG2E;
+    float q_scale = q_prescale();
     for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
     attend_begin();
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
-    for (uint start = 0u, b = 0u; start < n; start += pc.block_size, ++b) {
+    uint first = first_position(n);
+    for (uint b = first / pc.block_size, start = b * pc.block_size; start < n; start += pc.block_size, ++b) {
         uint block = uint(LD_I32(block_table, table_row + b));
-        uint row = block * pc.block_size * pc.kv_dim4 + head_texel;
+        uint j = first > start ? first - start : 0u;  // only the window's first block starts inside
+        uint row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
         uint count = min(pc.block_size, n - start);
-        for (uint j = 0u; j < count; ++j, row += pc.kv_dim4) attend_position(row);
+        for (; j < count; ++j, row += pc.kv_dim4) attend_position(row);
     }
     float inv_sum = 1.0 / run_sum;
     for (uint d = 0u; d < HD4; ++d) o[out_row + d] = acc[d] * inv_sum;

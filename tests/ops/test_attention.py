@@ -292,3 +292,74 @@ def test_paged_attention_refuses_bad_window_and_softcap(ref: Backend, rng: np.ra
         ops.paged_attention(*args, window=-1)
     with pytest.raises(VkrtError, match="paged_attention: softcap"):
         ops.paged_attention(*args, softcap=-1.0)
+
+
+FAMILY_GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): head dims 64, 128, 256; GQA 1, 4, 8
+    (4, 4, 64),
+    (8, 2, 128),
+    (8, 1, 256),
+    (4, 1, 256),  # Gemma-3-270M
+]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (16, 0.0), (0, 50.0), (5, 2.5)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("geometry", FAMILY_GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
+def test_paged_attention_window_softcap_native(vk: Backend, rng: np.random.Generator, kv_dtype: str,
+                                               geometry: tuple[int, int, int], window: int, softcap: float,
+                                               paged_variant: str) -> None:
+    """Decode tokens, a prefill chunk crossing the window and block edges, and a padding row."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = _paged_case(rng, [1, 6, 23, 41], num_heads, num_kv_heads, head_dim, kv_dtype)
+    chunk = np.arange(14, 41, 3, dtype=np.int32)  # sequence 3's positions 14..38: a prefill chunk
+    case["q"] = np.concatenate([case["q"], rng.standard_normal((chunk.size + 1, case["q"].shape[1]))]
+                               ).astype(np.float32) * 4.0  # peaked scores: the cap matters
+    case["seq_index"] = np.concatenate([case["seq_index"], np.full(chunk.size, 3), [-1]]).astype(np.int32)
+    case["positions"] = np.concatenate([case["positions"], chunk, [5]]).astype(np.int32)
+    scale = head_dim ** -0.5
+    tensors = {name: vk.upload(a, kv_dtype if name.endswith("cache") else None) for name, a in case.items()}
+    before = vk.counters.snapshot()
+    got = ops.paged_attention(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["block_table"],
+                              tensors["seq_index"], tensors["positions"], num_heads, num_kv_heads, scale,
+                              window=window, softcap=softcap).numpy()
+    _native(vk, "paged_attention", before, 1)
+    want = reference.paged_attention(**case, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale,
+                                     window=window, softcap=softcap)
+    assert not got[-1].any()
+    assert nmse(got, want) <= ATTENTION_NMSE
+
+
+def test_paged_attention_window_never_reads_blocks_left_behind(vk: Backend, rng: np.random.Generator,
+                                                              paged_variant: str) -> None:
+    """A sliding group may free blocks that left the window: their table entries are garbage."""
+    case = _paged_case(rng, [70], 4, 2, 64, "f16")
+    window = 20  # position 69 sees 50..69: blocks 3 and 4 of 16 positions
+    want = reference.paged_attention(**case, num_heads=4, num_kv_heads=2, scale=0.125, window=window)
+    case["block_table"][0, :3] = 2**30  # out of any cache
+    got = _run_paged_window(vk, case, "f16", 4, 2, 0.125, window)
+    assert nmse(got, want) <= ATTENTION_NMSE
+
+
+def _run_paged_window(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str, num_heads: int,
+                      num_kv_heads: int, scale: float, window: int) -> np.ndarray:
+    tensors = {name: vk.upload(a, kv_dtype if name.endswith("cache") else None) for name, a in case.items()}
+    return ops.paged_attention(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["block_table"],
+                               tensors["seq_index"], tensors["positions"], num_heads, num_kv_heads,
+                               scale, window=window).numpy()
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_paged_attention_window_batch_invariant(vk: Backend, rng: np.random.Generator, window: int,
+                                               paged_variant: str) -> None:
+    lengths = [37, 3, 70]
+    case = _paged_case(rng, lengths, 8, 2, 128, "f16")
+    chunk = np.arange(30, 37, dtype=np.int32)
+    q0 = rng.standard_normal((chunk.size, case["q"].shape[1])).astype(np.float32)
+    alone = dict(case, q=q0, seq_index=np.zeros(chunk.size, np.int32), positions=chunk)
+    batched = dict(case, q=np.concatenate([case["q"][1:], q0]),
+                   seq_index=np.concatenate([[1, 2], np.zeros(chunk.size)]).astype(np.int32),
+                   positions=np.concatenate([[2, 69], chunk]).astype(np.int32))
+    solo = _run_paged_window(vk, alone, "f16", 8, 2, 0.1, window)
+    mixed = _run_paged_window(vk, batched, "f16", 8, 2, 0.1, window)
+    assert mixed[2:].tobytes() == solo.tobytes()

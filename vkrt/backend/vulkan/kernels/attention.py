@@ -5,12 +5,15 @@ specialisation constant 1) and runs an online softmax over the context. `attenti
 invocation per (token, head) in position order. `paged_attention` (every model step) is one
 subgroup per (token, head) whose lanes split the positions round-robin and merge with
 subgroup max / add where the device has subgroup arithmetic (`paged_split`), else that same
-one-invocation walk. Either way the order depends only on per-device constants, so a
+one-invocation walk. A sliding window is a push constant (the walk starts at the window's
+first position); a logit softcap is specialisation constant 2, so layers without one run
+the same code as before. Either way the order depends only on per-device constants, so a
 token's result never depends on the rest of the batch.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from vkrt.backend.base import Kernel
@@ -40,6 +43,11 @@ def paged_split(caps: Any) -> tuple[str, int]:
     if fixed and "arithmetic" in caps.subgroup_ops and 4 <= size <= 128 and size & (size - 1) == 0:
         return "sub", size
     return "seq", ATTENTION_WORKGROUP
+
+
+def float_bits(value: float) -> int:
+    """A float specialisation constant as the int32 its bits spell (pipelines take int32 data)."""
+    return int(struct.unpack("<i", struct.pack("<f", value))[0])
 
 
 def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
@@ -82,9 +90,9 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
                         (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
                         (y, "f32x4", True)],
                        groups,
-                       ("<IIIIIIf", (tokens, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
-                                     block_table.shape[1], params["scale"])),
-                       {0: lanes, 1: head_dim // 4})
+                       ("<IIIIIIfI", (tokens, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
+                                      block_table.shape[1], params["scale"], params.get("window", 0))),
+                       {0: lanes, 1: head_dim // 4, 2: float_bits(params.get("softcap", 0.0))})
     return (y,)
 
 
