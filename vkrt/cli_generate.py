@@ -229,15 +229,19 @@ def _profile_text(phase: str, table: dict[str, Any], top: int = 10) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from vkrt.server import serve
-    from vkrt.server.config import ServerConfig
+    from vkrt.server.config import ServerConfig, resolve_api_key
 
     serve(ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
-                       api_key=args.api_key,
+                       api_key=resolve_api_key(args.api_key, args.api_key_file), public_metrics=args.public_metrics,
                        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, enable_log_requests=args.enable_log_requests,
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics,
-                       enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests))
+                       enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
+                       max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
+                       escape_special_tokens=args.escape_special_tokens, timeout_keep_alive=args.timeout_keep_alive,
+                       timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
+                       max_header_bytes=args.max_header_bytes))
     return 0
 
 
@@ -273,11 +277,17 @@ def register(sub: Any) -> None:
                    help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
     p.set_defaults(func=cmd_bench)
 
+    from vkrt.server.config import ServerConfig
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(p, default_len="the model's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /version "
+                        "(visible in ps: prefer --api-key-file or VKRT_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from the first line of PATH")
+    p.add_argument("--public-metrics", action="store_true", help="let GET /metrics answer without the API key")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -286,5 +296,19 @@ def register(sub: Any) -> None:
     p.add_argument("--disable-metrics", action="store_true")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="queued requests beyond which new ones get HTTP 429")
+    p.add_argument("--max-prompt-chars", type=int, default=ServerConfig.max_prompt_chars,
+                   help="prompt text longer than this many characters gets HTTP 413 before tokenising")
+    p.add_argument("--chat-template-timeout", type=float, default=ServerConfig.chat_template_timeout, metavar="SECONDS",
+                   help="time one chat-template rendering may take (then HTTP 400)")
+    p.add_argument("--escape-special-tokens", action="store_true",
+                   help="tokenise message content as text, so '<|im_end|>' typed by a user is not a control token")
+    p.add_argument("--timeout-keep-alive", type=float, default=ServerConfig.timeout_keep_alive, metavar="SECONDS",
+                   help="close idle keep-alive connections after this")
+    p.add_argument("--timeout-read", type=float, default=ServerConfig.timeout_read, metavar="SECONDS",
+                   help="a request's head, then its body, must arrive within this (else closed / HTTP 408)")
+    p.add_argument("--limit-concurrency", type=int, default=ServerConfig.limit_concurrency,
+                   help="open connections plus requests in progress; beyond it HTTP 503")
+    p.add_argument("--max-header-bytes", type=int, default=ServerConfig.max_header_bytes,
+                   help="request line plus headers; larger gets HTTP 431")
     p.set_defaults(func=cmd_serve)
 

@@ -45,3 +45,8 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """VKRT_LOG: logging level name for the vkrt logger (default WARNING)."""
     return (_env("VKRT_LOG") or "WARNING").upper()
+
+
+def api_key() -> str | None:
+    """VKRT_API_KEY: the key `vkrt serve` requires when neither --api-key nor --api-key-file is given."""
+    return _env("VKRT_API_KEY")

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
@@ -18,19 +19,32 @@ from vkrt.errors import RequestError
 
 EOS = 256
 SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 class FakeTokenizer:
-    """Bytes are tokens 0..255; three special tokens above them."""
+    """Bytes are tokens 0..255; three special tokens above them; a ChatML template rendered
+    by the real ChatTemplate (so its budget and errors are the server's)."""
 
     eos_token_ids = (EOS,)
     vocab_size = 259
 
+    def __init__(self, chat_template: str = CHATML) -> None:
+        self.chat_template = chat_template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, specials=True)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        return self._encode(text, specials=False)
+
+    def _encode(self, text: str, specials: bool) -> list[int]:
         ids: list[int] = []
         rest = text
         while rest:
-            special = next((i for i, s in SPECIALS.items() if rest.startswith(s)), None)
+            special = next((i for i, s in SPECIALS.items() if rest.startswith(s)), None) if specials else None
             if special is not None:
                 ids.append(special)
                 rest = rest[len(SPECIALS[special]):]
@@ -59,12 +73,10 @@ class FakeTokenizer:
         return bytes([token_id]) if token_id < 256 else SPECIALS[token_id].encode()
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Any = None, **kwargs: Any) -> str:
+                            tools: Any = None, budget: TemplateBudget | None = None, **kwargs: Any) -> str:
         self.last_template_kwargs = kwargs
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        if kwargs.get("enable_thinking") is False:
-            text += "/no_think\n"
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        return ChatTemplate(self.chat_template).render(messages, add_generation_prompt=add_generation_prompt,
+                                                       tools=tools, budget=budget, **kwargs)
 
 
 class FakeEngine:

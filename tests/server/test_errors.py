@@ -98,9 +98,21 @@ def test_api_key(serve_fake: Any) -> None:
         assert_error(live.client.get("/v1/models", headers=headers), 401)
     ok = live.client.post("/v1/completions", json=GOOD, headers={"Authorization": "Bearer sekrit"})
     assert ok.status_code == 200
-    # Only /v1/* is protected: probes and scrapers need no key.
-    for path in ("/health", "/metrics", "/version"):
+    # Every route but the probes needs the key: tokenize, detokenize, metrics, the docs, unknown paths.
+    for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+                         ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no-such-route")):
+        assert_error(live.client.request(method, path, json={"prompt": "hi", "tokens": [104]}), 401)
+    auth = {"Authorization": "Bearer sekrit"}
+    assert live.client.post("/tokenize", json={"prompt": "hi"}, headers=auth).json()["count"] == 2
+    assert live.client.get("/metrics", headers=auth).status_code == 200
+    for path in ("/health", "/version"):
         assert live.client.get(path).status_code == 200
+
+
+def test_public_metrics_opens_only_metrics(serve_fake: Any) -> None:
+    live = serve_fake(api_key="sekrit", public_metrics=True)
+    assert live.client.get("/metrics").status_code == 200
+    assert_error(live.client.post("/tokenize", json={"prompt": "hi"}), 401)
 
 
 def test_oversized_body_is_413(serve_fake: Any) -> None:

@@ -7,6 +7,7 @@ import logging
 from vkrt.engine.async_llm import AsyncLLM
 from vkrt.server.app import build_app
 from vkrt.server.config import ServerConfig
+from vkrt.server.http import uvicorn_config
 
 __all__ = ["ServerConfig", "build_app", "load_engine", "serve"]
 
@@ -31,8 +32,8 @@ def serve(config: ServerConfig) -> None:
         server.should_exit = True
 
     app = build_app(None, config, loader=lambda: load_engine(config), on_load_error=stop_on_load_error)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, config, host=config.host, port=config.port,
+                                           log_level=config.uvicorn_log_level))
     log.info("serving %s on http://%s:%d", config.model_name(), config.host, config.port)
     server.run()
     if failure:

@@ -8,16 +8,19 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from vkrt import __version__
+from vkrt.server import schemas
 from vkrt.server.chat import create_chat_completion
 from vkrt.server.completions import create_completion
-from vkrt.server.config import ServerConfig
+from vkrt.server.config import PUBLIC_PATHS, ServerConfig
 from vkrt.server.engine_client import EngineClient, require_tokenizer
 from vkrt.server.errors import APIError, install_error_handlers
 from vkrt.server.generation import ServerState
@@ -29,11 +32,15 @@ from vkrt.server.protocol import (
     TokenizeRequest,
 )
 from vkrt.server.responses import check_model
-from vkrt.server.sampling import chat_prompt
+from vkrt.server.sampling import chat_prompt, check_prompt_chars, check_text_fields
 
 log = logging.getLogger("vkrt.server")
 
 EngineLoader = Callable[[], EngineClient]
+
+# Errors any route behind the middleware can answer, and those of the POST routes.
+_COMMON = (401, 431, 500)
+_POST = (*_COMMON, 400, 404, 408, 413, 503)
 
 
 def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: EngineLoader | None = None,
@@ -51,64 +58,76 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            state.close()
             await _shutdown(state.engine)
 
-    app = FastAPI(title="vkrt", version=__version__, lifespan=lifespan)
+    # One schema per model for requests and responses: the routes' JSON leaves optional
+    # fields out, which a separate output schema would mark required.
+    app = FastAPI(title="vkrt", version=__version__, lifespan=lifespan, separate_input_output_schemas=False)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(ServerMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
+    public = PUBLIC_PATHS | ({"/metrics"} if config.public_metrics else set())
+    app.add_middleware(ServerMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
+                       max_header_bytes=config.max_header_bytes, read_timeout=config.timeout_read,
+                       public_paths=frozenset(public))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the model is loaded: an empty body"},
+        503: {"model": schemas.ErrorResponse, "description": "still loading, or the load failed"}})
     async def health() -> Response:
         if state.ready:
             return Response(status_code=200)
         state.require_engine()  # raises the 503 that says why
         return Response(status_code=503)
 
-    @app.get("/version")
+    @app.get("/version", response_model=schemas.VersionResponse, responses=schemas.error_responses(500))
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"},
+                        404: {"model": schemas.ErrorResponse, "description": "--disable-metrics"},
+                        **schemas.error_responses(*_COMMON)})
     async def metrics() -> Response:
         if config.disable_metrics:
             raise APIError(404, "metrics are disabled (--disable-metrics)", code="not_found")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=schemas.ModelList, responses=schemas.error_responses(*_COMMON))
     async def models() -> dict[str, Any]:
         max_model_len = state.engine.max_model_len if state.ready and state.engine else None
+        # The file or directory name only: the absolute path says too much about the host.
+        root = Path(config.model).name if config.model else state.model_name
         card = {"id": state.model_name, "object": "model", "created": created, "owned_by": "vkrt",
-                "root": str(config.model or state.model_name), "parent": None, "max_model_len": max_model_len}
+                "root": root, "parent": None, "max_model_len": max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={
+        200: {"model": schemas.CompletionResponse, "content": schemas.SSE,
+              "description": "the completion; with stream=true, server-sent events"},
+        **schemas.error_responses(*_POST, 429)})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(state, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={
+        200: {"model": schemas.ChatCompletionResponse, "content": schemas.SSE,
+              "description": "the chat completion; with stream=true, server-sent events"},
+        **schemas.error_responses(*_POST, 429)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=schemas.error_responses(*_POST))
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         check_model(state, body.model)
         engine = state.require_engine()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt", code="invalid_value")
-        tokenizer = require_tokenizer(engine, "prompt")
-        if body.messages is not None:
-            text = chat_prompt(engine, body.messages, body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template_kwargs)
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-        else:
-            add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tokenizer.encode(body.prompt or "", add_special_tokens=add_special)
-        token_strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
-        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                             "token_strs": token_strs})
+        check_text_fields(body)
+        return JSONResponse(await state.run_cpu(_tokenize, engine, body, config))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=schemas.DetokenizeResponse,
+              responses=schemas.error_responses(*_POST))
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         check_model(state, body.model)
         tokenizer = require_tokenizer(state.require_engine(), "tokens")
@@ -116,9 +135,44 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         if bad:
             raise APIError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
                            param="tokens", code="invalid_value")
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await state.run_cpu(tokenizer.decode, body.tokens)})
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _openapi_document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _tokenize(engine: EngineClient, body: TokenizeRequest, config: ServerConfig) -> dict[str, Any]:
+    tokenizer = require_tokenizer(engine, "prompt")
+    if body.messages is not None:
+        text, ids = chat_prompt(engine, body.messages, body.add_generation_prompt, body.continue_final_message,
+                                body.chat_template_kwargs, config)
+        if body.add_special_tokens:  # off by default: the template writes its own BOS
+            ids = tokenizer.encode(text, add_special_tokens=True)
+    else:
+        text = body.prompt or ""
+        check_prompt_chars(len(text), config.max_prompt_chars, "prompt")
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = tokenizer.encode(text, add_special_tokens=add_special)
+    token_strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
+
+
+def _openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without its automatic 422: validation errors are answered 400."""
+    document = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                           separate_input_output_schemas=False)
+    for path in document.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    schemas_ = document.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas_.pop(unused, None)
+    return document
 
 
 async def _load(state: ServerState, loader: EngineLoader,

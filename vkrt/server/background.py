@@ -10,6 +10,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from vkrt.errors import VkrtError
+from vkrt.server.config import ServerConfig
+from vkrt.server.http import uvicorn_config
 
 
 class BackgroundServer:
@@ -19,9 +21,12 @@ class BackgroundServer:
     inspect the engine while requests run.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=2))
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 config: ServerConfig | None = None) -> None:
+        # The app's own ServerConfig when it has one: its connection limits apply here too.
+        config = config or getattr(getattr(app.state, "server", None), "config", None) or ServerConfig()
+        self.server = uvicorn.Server(uvicorn_config(app, config, host=host, port=port, log_level=log_level,
+                                                    graceful_shutdown_s=2))
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="vkrt-server", daemon=True)

@@ -9,12 +9,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vkrt.server.engine_client import require_tokenizer
 from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
-from vkrt.server.sampling import chat_prompt, check_unsupported
+from vkrt.server.sampling import chat_prompt, check_text_fields, check_unsupported
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -22,15 +21,14 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
-    prompt = chat_prompt(engine, body.messages, body.add_generation_prompt, body.continue_final_message,
-                         body.chat_template_kwargs)
-    # The template writes its own BOS and special tokens.
-    prompt_ids = require_tokenizer(engine, "messages").encode(prompt, add_special_tokens=False)
+    check_text_fields(body)
+    prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
+                                             body.continue_final_message, body.chat_template_kwargs, state.config)
     generation = start_generation(state, raw, body, prompt_ids, prompt, "messages", "chatcmpl", arrival)
     base: dict[str, Any] = {"id": generation.request_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base), generation.request_id)
+        return event_stream(_stream(state, generation, body, base), generation)
 
     result = await generation.run(raw)
     logprobs = chat_logprobs(engine.tokenizer, result.logprobs) if result.logprobs is not None else None

@@ -14,7 +14,7 @@ from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import completion_logprobs, prompt_logprobs_json
 from vkrt.server.protocol import CompletionRequest
 from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
-from vkrt.server.sampling import check_unsupported, completion_prompt_ids
+from vkrt.server.sampling import check_text_fields, check_unsupported, completion_prompt_ids
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
@@ -22,17 +22,18 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
-    prompt_ids = completion_prompt_ids(engine, body)
+    check_text_fields(body)
+    prompt_ids = await state.run_cpu(completion_prompt_ids, engine, body, state.config.max_prompt_chars)
     prompt_text = body.prompt if isinstance(body.prompt, str) else None
-    generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)
     echo_text = ""
     if body.echo:
         echo_text = prompt_text if prompt_text is not None else require_tokenizer(engine, "prompt").decode(prompt_ids)
+    generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)
     base: dict[str, Any] = {"id": generation.request_id, "object": "text_completion", "created": now_s(),
                             "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base, echo_text), generation.request_id)
+        return event_stream(_stream(state, generation, body, base, echo_text), generation)
 
     result = await generation.run(raw)
     logprobs = None

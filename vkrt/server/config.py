@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from vkrt import config as env
 from vkrt.engine.config import EngineConfig
 from vkrt.errors import VkrtError
+
+# Routes that answer without the API key: load balancers and probes call them.
+PUBLIC_PATHS = frozenset({"/health", "/version"})
 
 
 @dataclass
@@ -17,7 +22,8 @@ class ServerConfig:
     device: str = "auto"  # "auto" | "vulkan" | "reference"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, /v1/* need "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # when set, every route but PUBLIC_PATHS needs "Authorization: Bearer <key>"
+    public_metrics: bool = False  # GET /metrics answers without the key (for scrapers)
     served_model_name: str | None = None  # None: the model file or directory name
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -30,17 +36,40 @@ class ServerConfig:
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
+    # Prompt text (a completion prompt, the messages' text, a rendered chat prompt) longer than
+    # this gets 413 before it is tokenised: 1 Mi characters tokenise in about a second.
+    max_prompt_chars: int = 1 << 20
+    chat_template_timeout: float = 2.0  # seconds one chat-template rendering may take
+    escape_special_tokens: bool = False  # message content tokenised as text, never as control tokens
+    cpu_workers: int = 4  # threads that tokenise and render templates off the event loop
+    # Connection limits (uvicorn/h11 underneath).
+    timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this
+    timeout_read: float = 30.0  # a request head, and then its body, must arrive within this
+    limit_concurrency: int = 512  # open connections + requests in progress; beyond it 503
+    max_header_bytes: int = 16 * 1024  # request line + headers; larger gets 431
     uvicorn_log_level: str = "info"
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
             raise VkrtError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests < 0:
-            raise VkrtError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+            raise VkrtError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise VkrtError(f"--max-log-len must be >= 0, got {self.max_log_len}")
-        if self.max_request_body_bytes < 1:
-            raise VkrtError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        for name, value in (("max_request_body_bytes", self.max_request_body_bytes),
+                            ("--max-prompt-chars", self.max_prompt_chars), ("cpu_workers", self.cpu_workers),
+                            ("--limit-concurrency", self.limit_concurrency),
+                            ("--max-header-bytes", self.max_header_bytes)):
+            if value < 1:
+                raise VkrtError(f"{name} must be >= 1, got {value}")
+        for name, seconds in (("--timeout-keep-alive", self.timeout_keep_alive),
+                              ("--timeout-read", self.timeout_read),
+                              ("--chat-template-timeout", self.chat_template_timeout)):
+            if not seconds > 0:
+                raise VkrtError(f"{name} must be > 0 seconds, got {seconds}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise VkrtError("the API key is empty; give a non-empty key or none")
+        check_model_path(self.model)
         self.engine_config().validate()
 
     def engine_config(self) -> EngineConfig:
@@ -64,3 +93,36 @@ class ServerConfig:
         from vkrt.loader.pull import DEFAULT_MODEL
 
         return DEFAULT_MODEL
+
+
+def check_model_path(model: str | Path | None) -> None:
+    """Refuse a --model that exists but is neither a regular file nor a directory: opening a
+    FIFO or a device would block or read forever."""
+    if not model:
+        return
+    path = Path(model)
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # missing: the loader says so (or it names a model to pull)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise VkrtError(f"--model {path}: not a regular file or directory; give a .gguf file or an HF model directory")
+
+
+def resolve_api_key(flag: str | None, key_file: str | Path | None) -> str | None:
+    """The API key from --api-key, else --api-key-file (first line), else VKRT_API_KEY."""
+    if flag is not None:
+        return flag
+    if key_file is not None:
+        path = Path(key_file)
+        try:
+            if not path.is_file():
+                raise VkrtError(f"--api-key-file {path}: not a regular file")
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise VkrtError(f"--api-key-file {path}: cannot be read ({exc})") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise VkrtError(f"--api-key-file {path}: the file is empty")
+        return key
+    return env.api_key()

@@ -24,15 +24,35 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
 
 
+# Request values quoted back in an error message are cut to this many characters.
+MAX_SHOWN_CHARS = 64
+
+
 class BodyTooLarge(Exception):
     """A request body (sent without content-length) grew past the limit while being read."""
+
+
+class BodyReadTimeout(Exception):
+    """The request body did not arrive within the read timeout."""
+
+
+def cut(text: str) -> str:
+    """`text` cut to MAX_SHOWN_CHARS for an error message (never echo a megabyte back)."""
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def shown(value: object) -> str:
+    """`repr(value)`, cut like `cut`."""
+    return cut(repr(value))
 
 
 class APIError(Exception):
@@ -60,6 +80,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def read_timeout_response() -> JSONResponse:
+    """408, and the connection closed: the rest of the body may still be on its way."""
+    return error_response(408, "the request body did not arrive within the read timeout (--timeout-read)",
+                          code="request_timeout", headers={"Connection": "close"})
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     """One readable line for the first pydantic error, the field it names, and a code."""
     errors = exc.errors()
@@ -70,7 +96,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         detail = (first.get("ctx") or {}).get("error", "")
         return f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json"
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    param = cut(".".join(loc)) or None
     message = str(first.get("msg", "invalid value"))
     if first.get("type") == "model_attributes_type":
         message = "request body must be a JSON object"
@@ -99,9 +125,11 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         if isinstance(exc.__cause__, BodyTooLarge):
             return error_response(413, "request body exceeds the size limit", code="request_too_large")
+        if isinstance(exc.__cause__, BodyReadTimeout):
+            return read_timeout_response()
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}"
+            message = f"no route {request.method} {shown(request.url.path)}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     app.add_exception_handler(APIError, on_api_error)

@@ -9,11 +9,13 @@ freed within one engine step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -27,6 +29,8 @@ from vkrt.server.metrics import ServerMetrics
 
 log = logging.getLogger("vkrt.server")
 
+T = TypeVar("T")
+
 
 class ServerState:
     """What the routes share: the config, the engine once loaded, metrics, load accounting."""
@@ -36,8 +40,23 @@ class ServerState:
         self.engine = engine
         self.load_error: str | None = None
         self.model_name = config.model_name()
+        # Requests admitted and not yet finished: counted at admission, so a burst that
+        # arrives together cannot all pass the capacity check before any starts.
         self.num_in_flight = 0
         self.metrics = ServerMetrics(self.read_stats)
+        self._cpu_pool: ThreadPoolExecutor | None = None
+
+    async def run_cpu(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run tokenisation or template rendering on the worker pool, off the event loop, so
+        one big prompt never stalls /health or other clients' streams."""
+        if self._cpu_pool is None:
+            self._cpu_pool = ThreadPoolExecutor(self.config.cpu_workers, thread_name_prefix="vkrt-cpu")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu_pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        if self._cpu_pool is not None:
+            self._cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
@@ -55,13 +74,16 @@ class ServerState:
     def read_stats(self) -> EngineMetrics | None:
         return self.engine.metrics() if self.ready and self.engine is not None else None
 
-    def check_capacity(self) -> None:
-        """429 when the requests waiting beyond the running batch exceed the configured limit."""
+    def admit(self) -> None:
+        """Count one more request in flight, or 429 when those waiting beyond the running
+        batch would exceed the limit. Check and count happen with no await between them, so
+        admission is atomic on the event loop; `Generation.release` gives the place back."""
         waiting = self.num_in_flight - self.config.max_num_seqs
         if waiting >= self.config.max_waiting_requests:
             raise APIError(429, f"server overloaded: {self.num_in_flight} requests in flight, "
                            f"{max(waiting, 0)} waiting (limit {self.config.max_waiting_requests}); retry later",
                            code="server_overloaded")
+        self.num_in_flight += 1
 
     def abort(self, request_id: str) -> None:
         """Synchronous on purpose: this runs inside cancelled tasks, where an await would be cancelled."""
@@ -93,10 +115,16 @@ class Result:
 
 
 class Generation:
-    """One request on the engine. Iterate `updates()` once; read `result` afterwards."""
+    """One admitted request on the engine. Iterate `updates()` once; read `result` afterwards.
+
+    It holds an admission place from construction until `release()` (idempotent), which
+    runs when the updates end, when `run()` returns, or when the route gives up early.
+    """
 
     def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, arrival_time: float, prompt_text: str | None = None) -> None:
+        state.admit()
+        self._admitted = True
         self.state = state
         self.prompt_text = prompt_text
         self.request_id = request_id
@@ -105,10 +133,14 @@ class Generation:
         self.result = Result(prompt_token_ids=list(prompt_token_ids),
                              logprobs=[] if params.logprobs is not None else None)
 
+    def release(self) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.state.num_in_flight -= 1
+
     async def updates(self) -> AsyncIterator[Update]:
         state, result = self.state, self.result
         engine = state.require_engine()
-        state.num_in_flight += 1
         last_token_time: float | None = None
         failed = False
         try:
@@ -129,7 +161,7 @@ class Generation:
             failed = True
             raise
         finally:
-            state.num_in_flight -= 1
+            self.release()
             if result.finish_reason is None:  # left early: disconnect, cancellation or failure
                 state.abort(self.request_id)
                 result.finish_reason = "error" if failed else "abort"
@@ -175,6 +207,7 @@ class Generation:
             task.result()
             return self.result
         finally:
+            self.release()
             if watcher is not None:
                 watcher.cancel()
             if not task.done():

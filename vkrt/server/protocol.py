@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI (and vLLM extension) routes, as pydantic models.
 
 Unknown fields are ignored, as OpenAI's own server does. Values are only type-checked
-here; ranges are checked once, by SamplingParams.validate, when the request is mapped.
+here, strictly (no "true" for a number, no "5" for an int: what the OpenAPI document says
+is what is accepted); ranges are checked once, by SamplingParams.validate, when the
+request is mapped.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -65,7 +67,7 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_call_id, tool_calls, ...) pass through to the chat template.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -6,14 +6,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
 
 from vkrt.engine.config import SamplingParams
-from vkrt.server.errors import APIError, error_body
+from vkrt.server.errors import APIError, error_body, shown
 from vkrt.server.generation import Generation, Result, ServerState
 from vkrt.server.middleware import request_id_of
 from vkrt.server.protocol import SamplingFields
@@ -41,8 +42,24 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
 
 
-def event_stream(chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however it ends: a stream whose client left
+    before the first chunk never starts its generator, so the generator cannot be relied on."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def event_stream(chunks: AsyncIterator[bytes], generation: Generation) -> StreamingResponse:
     """An SSE response; an error after the headers went out becomes an error event, then [DONE]."""
+    request_id = generation.request_id
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -55,14 +72,14 @@ def event_stream(chunks: AsyncIterator[bytes], request_id: str) -> StreamingResp
             yield sse(error_body(500, f"internal server error (request id {request_id})", code="internal_error"))
         yield SSE_DONE
 
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStream(guarded(), generation.release, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def check_model(state: ServerState, requested: str | None) -> None:
     """404 for a model name this server does not serve (no name: the served model)."""
     if requested and requested != state.model_name:
-        raise APIError(404, f"model {requested!r} does not exist; this server serves {state.model_name!r} "
+        raise APIError(404, f"model {shown(requested)} does not exist; this server serves {state.model_name!r} "
                        "(see GET /v1/models)", param="model", code="model_not_found")
 
 
@@ -79,9 +96,9 @@ def log_request(state: ServerState, response_id: str, header_id: str, prompt: st
 
 def start_generation(state: ServerState, raw: Request, body: SamplingFields, prompt_ids: list[int],
                      prompt_text: str | None, prompt_param: str, id_prefix: str, arrival: float) -> Generation:
-    """Map the sampling fields, check capacity, log, and set up the engine request."""
+    """Map the sampling fields, admit the request (429 when full), log, and set up the engine request."""
     params = sampling_params(state.require_engine(), body, prompt_ids, prompt_param)
-    state.check_capacity()
     response_id = new_response_id(id_prefix)
+    generation = Generation(state, response_id, prompt_ids, params, arrival, prompt_text)
     log_request(state, response_id, request_id_of(raw.state), prompt_text, prompt_ids, params)
-    return Generation(state, response_id, prompt_ids, params, arrival, prompt_text)
+    return generation

@@ -1,0 +1,153 @@
+"""Response bodies as pydantic models: what the OpenAPI document promises each route sends.
+
+The routes build their JSON directly (no second validation per response); these models
+only describe it, and tests/server/test_fuzz.py checks responses against the document.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from vkrt.server.errors import ERROR_TYPES
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: None = None
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+_ERROR_MEANINGS = {
+    400: "invalid request (the message names the field)",
+    401: "missing or wrong API key",
+    404: "unknown model or route",
+    408: "the request body did not arrive within --timeout-read",
+    413: "request body over the size limit, or prompt text over --max-prompt-chars",
+    429: "too many requests waiting (--max-waiting-requests)",
+    431: "request line and headers over --max-header-bytes",
+    500: "unexpected failure (the message gives the request id)",
+    503: "the model is still loading or failed to load",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for the error statuses a route can send."""
+    assert all(status in ERROR_TYPES for status in statuses)
+    return {status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]} for status in statuses}
+
+
+SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then "
+                                        "data: [DONE]"}}}
