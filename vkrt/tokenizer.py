@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jinja2
 from jinja2 import nodes
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vkrt.loader.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
@@ -146,7 +147,10 @@ class Tokenizer:
         template = tok_cfg.get("chat_template")
         jinja_file = model_dir / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                raise ModelFormatError(f"{jinja_file}: cannot be read as UTF-8 text; fix or re-download it") from None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
@@ -171,6 +175,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_reader: str | Path | GGUFFile) -> Tokenizer:
         """Rebuild the tokenizer stored in GGUF metadata (byte-level BPE or SentencePiece-llama)."""
+        from vkrt.loader import validate
         from vkrt.loader.gguf_loader import field_value, open_gguf
 
         reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, Path)) else path_or_reader
@@ -191,6 +196,8 @@ class Tokenizer:
                 f"{source}: tokenizer arrays disagree ({len(tokens)} tokens, {len(token_types)} types, "
                 f"{len(scores)} scores); the GGUF is corrupt"
             )
+        validate.gguf_token_list(source, tokens)
+        validate.token_ids(source, [(k, get(k)) for k in validate.GGUF_TOKEN_IDS if get(k) is not None], len(tokens))
         if kind == "gpt2":
             pre_name = get("tokenizer.ggml.pre", "default")
             pre = PRE_TOKENIZERS.get(pre_name)
@@ -199,12 +206,12 @@ class Tokenizer:
                     f"{source}: pre-tokenizer {pre_name!r} is not supported "
                     f"(supported: {', '.join(PRE_TOKENIZERS)}); use the model's HF directory instead"
                 )
-            tok = _byte_level_bpe(tokens, get("tokenizer.ggml.merges") or [], pre)
+            tok = _vocabulary(source, lambda: _byte_level_bpe(tokens, get("tokenizer.ggml.merges") or [], pre))
             add_bos_default, byte_level = pre.add_bos, True
         elif kind == "llama":
             add_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
             unk = get("tokenizer.ggml.unknown_token_id")
-            tok = _sentencepiece_bpe(tokens, scores, token_types, add_prefix, unk)
+            tok = _vocabulary(source, lambda: _sentencepiece_bpe(tokens, scores, token_types, add_prefix, unk))
             add_bos_default, byte_level = True, False
         else:
             raise UnsupportedModelError(
@@ -235,9 +242,9 @@ class Tokenizer:
             template_parts.append(tokens[eos])
             special.append((tokens[eos], eos))
         if special:
-            tok.post_processor = processors.TemplateProcessing(
+            tok.post_processor = _vocabulary(source, lambda: processors.TemplateProcessing(
                 single=" ".join(template_parts), pair=" ".join(template_parts + ["$B:1"]), special_tokens=special
-            )
+            ))
 
         eos_ids = [
             get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -367,6 +374,16 @@ class IncrementalDetokenizer:
 
 
 # ---- GGUF vocabularies -> tokenizers models ------------------------------------------------
+
+
+def _vocabulary(source: str, build: Callable[[], _T]) -> _T:
+    """Run a `tokenizers` constructor on GGUF vocabulary data: its failures mean a corrupt file."""
+    try:
+        return build()
+    except Exception as exc:  # tokenizers raises bare Exception (e.g. a merge naming no token)
+        raise ModelFormatError(f"{source}: the tokenizer in the GGUF metadata is inconsistent "
+                               f"({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+                               "the file is corrupt, download or convert it again") from exc
 
 
 def _first_ids(tokens: Sequence[str]) -> dict[str, int]:

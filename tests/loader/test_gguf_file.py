@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
+from vkrt.errors import ModelFormatError
 from vkrt.loader.gguf_file import GGUFFile
 
 
@@ -68,5 +69,5 @@ def test_truncated_file_is_an_error(tmp_path: Path, smollm2_path: Path) -> None:
         path = tmp_path / f"cut{cut}.gguf"
         with smollm2_path.open("rb") as src:
             path.write_bytes(src.read(cut))
-        with pytest.raises(ValueError, match="truncated|magic|past the end"):
+        with pytest.raises(ModelFormatError, match="truncated|magic|past the end"):
             GGUFFile(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vkrt.errors import ModelFormatError
+from vkrt.loader import validate
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.loader.gguf_loader import GGUF_MAGIC, load_gguf
 from vkrt.loader.hf_loader import load_hf_dir
@@ -22,7 +23,7 @@ def load_model(path: str | Path) -> LoadedModel:
         )
     if p.is_dir():
         return load_hf_dir(p)
-    with p.open("rb") as f:
+    with validate.regular_file(p).open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelFormatError(

@@ -8,13 +8,17 @@ part of GGUFReader's interface the loader and tokenizer use (`fields`, `tensors`
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from vkrt.errors import ModelFormatError
+from vkrt.loader import validate
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -49,10 +53,17 @@ class GGUFTensor:
 
 class GGUFFile:
     def __init__(self, path: str | Path) -> None:
+        self._source = str(path)
         try:
             self._parse(path)
         except (struct.error, IndexError) as exc:
-            raise ValueError(f"the file ends inside its header ({exc}): truncated") from exc
+            raise self._unreadable(f"the file ends inside its header ({exc}): truncated") from exc
+        except (ValueError, KeyError, RecursionError, OverflowError) as exc:
+            raise self._unreadable(f"{type(exc).__name__}: {exc}") from exc
+
+    def _unreadable(self, why: str) -> ModelFormatError:
+        return ModelFormatError(f"{self._source}: not a readable GGUF file ({why}); the file is "
+                                "truncated or corrupt, download or convert it again")
 
     def _parse(self, path: str | Path) -> None:
         self.data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -75,11 +86,17 @@ class GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = self._string()
-            dims = [self._scalar("<Q") for _ in range(self._scalar("<I"))]
-            infos.append((name, dims, GGMLQuantizationType(self._scalar("<I")), self._scalar("<Q")))
-        alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else DEFAULT_ALIGNMENT
+            n_dims = self._scalar("<I")
+            if n_dims > validate.GGML_MAX_DIMS:
+                raise ValueError(f"tensor {name[:60]!r} has {n_dims} dimensions (at most {validate.GGML_MAX_DIMS})")
+            dims = tuple(self._scalar("<Q") for _ in range(n_dims))
+            infos.append(validate.TensorInfo(name, dims, self._scalar("<I"), self._scalar("<Q")))
+        alignment = DEFAULT_ALIGNMENT
+        if "general.alignment" in self.fields:
+            alignment = validate.gguf_alignment(self._source, self.fields["general.alignment"].value)
         start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(start, *info) for info in infos]
+        sizes = validate.gguf_tensor_layout(self._source, infos, start, len(self.data), alignment)
+        self.tensors = [self._tensor(start + info.offset, info, n_bytes) for info, n_bytes in zip(infos, sizes, strict=True)]
 
     # -- primitives -------------------------------------------------------------------
     def _scalar(self, fmt: str) -> Any:
@@ -102,6 +119,10 @@ class GGUFFile:
         if kind == GGUFValueType.ARRAY:
             elem = GGUFValueType(self._scalar("<I"))
             count = self._scalar("<Q")
+            # Each element takes at least 8 (a string's length) or 12 bytes (a nested array's
+            # header): a corrupt count fails here instead of looping to the end of the file.
+            if elem in (GGUFValueType.STRING, GGUFValueType.ARRAY) and count * 8 > len(self._buf) - self._pos:
+                raise ValueError(f"array of {count} elements runs past the end of the file")
             if elem == GGUFValueType.STRING:
                 return [kind, elem], [self._string() for _ in range(count)]
             if elem == GGUFValueType.ARRAY:
@@ -121,18 +142,10 @@ class GGUFFile:
             value = float(str(np.float32(value)))
         return [kind], value
 
-    def _tensor(self, start: int, name: str, dims: list[int], kind: GGMLQuantizationType,
-                offset: int) -> GGUFTensor:
-        n_elements = int(np.prod(dims)) if dims else 1
-        block_elems, block_bytes = GGML_QUANT_SIZES[kind]
-        if n_elements % block_elems:
-            raise ValueError(f"tensor {name!r}: {n_elements} values are not whole {kind.name} blocks")
-        n_bytes = n_elements // block_elems * block_bytes
-        begin = start + offset
-        if begin + n_bytes > len(self.data):
-            raise ValueError(f"tensor {name!r} extends past the end of the file (truncated)")
+    def _tensor(self, begin: int, info: validate.TensorInfo, n_bytes: int) -> GGUFTensor:
+        kind = GGMLQuantizationType(info.type_id)
         raw = self.data[begin:begin + n_bytes]
-        numpy_shape = tuple(reversed(dims))
+        numpy_shape = tuple(reversed(info.dims))
         data: np.ndarray
         if kind == GGMLQuantizationType.F32:
             data = raw.view(np.float32).reshape(numpy_shape)
@@ -140,4 +153,4 @@ class GGUFFile:
             data = raw.view(np.float16).reshape(numpy_shape)
         else:
             data = raw
-        return GGUFTensor(name, kind, np.array(dims, dtype=np.uint64), n_elements, n_bytes, data)
+        return GGUFTensor(info.name, kind, np.array(info.dims, dtype=np.uint64), math.prod(info.dims), n_bytes, data)

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, LlamaFileType
 
-from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
+from vkrt.loader import validate
 from vkrt.loader.arch import (
     ArchSpec,
     arch_for_gguf,
@@ -48,6 +49,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
         return _open_cached(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
     except FileNotFoundError:
         raise ModelFormatError(f"{p}: no such file; pass a .gguf file or a Hugging Face model directory") from None
+    except VkrtError:
+        raise
     except Exception as exc:  # the reader raises bare ValueError/IndexError on bad bytes
         raise ModelFormatError(
             f"{p}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
@@ -128,6 +131,11 @@ def _file_type(meta: dict[str, Any], reader: GGUFFile) -> str:
     return counts.most_common(1)[0][0] if counts else ""
 
 
+def _token_count(source: str, reader: GGUFFile) -> int | None:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return validate.gguf_token_list(source, tokens.value) if tokens is not None else None
+
+
 def _config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
             weights: dict[str, WeightData]) -> ModelConfig:
     def key(suffix: str, default: Any = None, required: bool = False) -> Any:
@@ -153,8 +161,7 @@ def _config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader:
         )
 
     embed_rows = weights["embed_tokens"].shape[0] if "embed_tokens" in weights else 0
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.value) if tokens is not None else embed_rows
+    vocab = _token_count(str(path), reader) or embed_rows
     if embed_rows and vocab != embed_rows:
         log.warning("%s: %d tokens but %d embedding rows; using the embedding size", path, vocab, embed_rows)
         vocab = embed_rows
@@ -213,6 +220,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
             f"{path}: architecture {arch or '(none)'!r} is not supported "
             f"(supported: {supported_gguf_archs()}); use a model of a supported family"
         )
+    validate.gguf_metadata(str(path), arch, meta, _token_count(str(path), reader))
 
     weights: dict[str, WeightData] = {}
     for tensor in reader.tensors:
@@ -228,6 +236,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
             raise ModelFormatError(f"{path}: tensor {tensor.name!r} is malformed ({exc}); the file is corrupt") from exc
 
     config = _config(path, spec, arch, meta, reader, weights)
+    validate.model(str(path), config, weights)
     if spec.gguf_qk_permuted:
         for i in range(config.num_layers):
             for proj, n_heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import struct
 from collections import Counter
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.loader import validate
 from vkrt.loader.arch import (
     ArchSpec,
     arch_for_hf,
@@ -35,6 +37,7 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    validate.regular_file(path)
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -50,12 +53,13 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelFormatError(f"{index}: no 'weight_map' object; re-download the model")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise ModelFormatError(f"{index}: lists shard {f.name!r}, which is missing; download all shards")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
+        names = {validate.confined_path(model_dir, name, index): name for name in weight_map.values()}
+        for f, name in names.items():
+            if not f.exists():
+                raise ModelFormatError(f"{index}: lists shard {name!r}, which is missing; download all shards")
+            validate.regular_file(f)
+        return sorted(names)
+    files = [validate.regular_file(f) for f in sorted(model_dir.glob("*.safetensors"))]
     if not files:
         raise ModelFormatError(
             f"{model_dir}: no *.safetensors files; vkrt reads safetensors checkpoints "
@@ -66,40 +70,37 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 def read_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
     """Memory-map one .safetensors file: {tensor name: (format, shape, array view)}."""
-    size = path.stat().st_size
+    size = validate.regular_file(path).stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise ModelFormatError(f"{path}: too short to be a safetensors file; re-download it")
         (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise ModelFormatError(f"{path}: header length {header_len} exceeds the file; the file is truncated")
+        # The length is not echoed: a path that is not a safetensors file must not leak its bytes.
+        if header_len > min(size - 8, validate.MAX_SAFETENSORS_HEADER):
+            raise ModelFormatError(f"{path}: the header length field exceeds the file; the file is "
+                                   "truncated or not a safetensors file")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelFormatError(f"{path}: unreadable safetensors header ({exc}); re-download it") from exc
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise ModelFormatError(f"{path}: the safetensors header is not valid JSON; re-download it") from None
     data_start = 8 + header_len
     mapped = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
     tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = info.get("dtype")
-        if dtype not in _DTYPES:
+    for entry in validate.safetensors_header(path, header, size - data_start):
+        name = entry.name
+        if entry.dtype not in _DTYPES:
             raise UnsupportedModelError(
-                f"{path}: tensor {name!r} has dtype {dtype}, which vkrt does not support "
+                f"{path}: tensor {name!r} has dtype {entry.dtype[:20]}, which vkrt does not support "
                 f"(supported: {', '.join(_DTYPES)}); save the model in one of those"
             )
-        fmt, np_dtype = _DTYPES[dtype]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
-        if data_start + end > size:
-            raise ModelFormatError(f"{path}: tensor {name!r} runs past the end of the file; the file is truncated")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
-        if end - begin != nbytes:
-            raise ModelFormatError(f"{path}: tensor {name!r} has {end - begin} bytes, expected {nbytes}")
-        view = mapped[data_start + begin : data_start + end].view(np_dtype).reshape(shape)
-        tensors[name] = (fmt, shape, view)
+        fmt, np_dtype = _DTYPES[entry.dtype]
+        nbytes = math.prod(entry.shape) * np.dtype(np_dtype).itemsize
+        if entry.end - entry.begin != nbytes:
+            raise ModelFormatError(f"{path}: tensor {name!r} has {entry.end - entry.begin} bytes, but its dtype "
+                                   f"and shape need {nbytes}; re-download the file")
+        view = mapped[data_start + entry.begin : data_start + entry.end].view(np_dtype).reshape(entry.shape)
+        tensors[name] = (fmt, entry.shape, view)
     return tensors
 
 
@@ -174,6 +175,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             f"next to its *.safetensors{hint}"
         )
     cfg = _read_json(config_path)
+    validate.hf_config(config_path, cfg)
     archs = cfg.get("architectures") or []
     spec = arch_for_hf(archs if isinstance(archs, list) else [])
     if spec is None:
@@ -199,6 +201,9 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 )
             if name == "lm_head" and config.tie_word_embeddings:
                 continue  # some exports save the tied copy too; the embedding is the source of truth
+            if name in weights:
+                raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
+                                       "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
             if len(shape) > 1:
                 dtype_counts[fmt.upper()] += 1
@@ -207,6 +212,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             f"{model_dir}: config.json says tie_word_embeddings is false but there is no "
             "lm_head.weight; the checkpoint is incomplete"
         )
+    validate.model(str(model_dir), config, weights)
     check_weights(str(model_dir), config, weights)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
     return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg)

@@ -10,7 +10,7 @@ import numpy as np
 
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import inv_frequencies
@@ -65,24 +65,38 @@ class LlamaModel(CausalLM):
         tied = c.tie_word_embeddings or "lm_head" not in self._weights
         self.lm_head = self.embed_tokens if tied else self.weight("lm_head")
         freqs = self._weights.get("rope_freqs")
-        inv = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling,
-                              dequantize(freqs.data, freqs.fmt).reshape(-1) if freqs is not None else None)
-        table = ops.rope_cos_sin(c.max_position_embeddings, c.head_dim, c.rope_theta, inv_freq=inv)
-        self.cos_sin = backend.upload(table, "f32", purpose="weights")
+        self._inv_freq = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling,
+                                         dequantize(freqs.data, freqs.fmt).reshape(-1) if freqs is not None else None)
+        self._cos_sin: Tensor | None = None  # sized by allocate_kv_cache
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
         self._weights = {}  # uploaded: drop the host (memory-mapped) references
 
     # -- weight upload ------------------------------------------------------------
     def _device_bytes(self) -> int:
-        """What the upload below will occupy: matrices as stored, norms as f32, the rope table."""
-        c = self.config
-        total = 4 * c.max_position_embeddings * c.head_dim
+        """What the upload below will occupy: matrices as stored, norms as f32."""
+        total = 0
         for wd in self._weights.values():
             if len(wd.shape) == 2:
                 total += self.backend.weight_nbytes(wd.fmt, wd.shape)
             else:
                 total += self.backend.weight_nbytes("f32", wd.shape)
         return total
+
+    @property
+    def cos_sin(self) -> Tensor:
+        if self._cos_sin is None:
+            raise VkrtError("the RoPE table is sized by allocate_kv_cache(); call it before forward()")
+        return self._cos_sin
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "f32") -> KVCache:
+        # The RoPE table covers the positions a cache can hold, never the file's claimed
+        # context (a GGUF may claim 2^32-1): no sequence outgrows num_blocks * block_size.
+        c = self.config
+        positions = min(c.max_position_embeddings, num_blocks * block_size)
+        if self._cos_sin is None or self._cos_sin.shape[0] < positions:
+            table = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta, inv_freq=self._inv_freq)
+            self._cos_sin = self.backend.upload(table, "f32", purpose="weights")
+        return super().allocate_kv_cache(num_blocks, block_size, dtype)
 
     def raw(self, name: str) -> WeightData:
         try:
