@@ -118,22 +118,21 @@ class LlamaModel(CausalLM):
     def _qkv(self, layer: Layer, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """rope(q) of rms_norm(h); rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
-        eps = c.rms_norm_eps
-        if layer.qkv_proj is not None:  # norm, qkv matmul, both ropes and the cache write: one op
-            return ops.rms_norm_qkv_rope_kv_write(h, layer.attn_norm, layer.qkv_proj, step.positions, self.cos_sin,
-                                                  kv.keys[i], kv.values[i], step.slots, eps, c.num_heads,
-                                                  c.num_kv_heads, c.head_dim)
+        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+        if layer.qkv_proj is not None:
+            return ops.qkv_rope_kv_write(ops.matmul(x, layer.qkv_proj), step.positions, self.cos_sin,
+                                         kv.keys[i], kv.values[i], step.slots, c.num_heads,
+                                         c.num_kv_heads, c.head_dim)
         assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
-        x = ops.rms_norm(h, layer.attn_norm, eps)
         q = ops.rope(ops.matmul(x, layer.q_proj), step.positions, self.cos_sin, c.head_dim)
         k = ops.rope(ops.matmul(x, layer.k_proj), step.positions, self.cos_sin, c.head_dim)
         ops.kv_write(kv.keys[i], kv.values[i], k, ops.matmul(x, layer.v_proj), step.slots)
         return q
 
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
-        """The residual stream h goes through each layer's two pre-norm blocks; every norm is
-        fused into the matmul that consumes it and every residual add into the projection
-        that produces it (rms_norm_qkv_rope_kv_write, rms_norm_matmul, matmul_add): 5 dispatches per layer."""
+        """The residual stream h goes through each layer's two pre-norm blocks. Written in
+        primitive ops; vkrt.ops.fusion folds each norm into the matmul that consumes it and
+        each residual add into the projection that produces it: 5 dispatches per layer."""
         c = self.config
         eps = c.rms_norm_eps
         h = ops.embedding(self.embed_tokens, step.token_ids)
@@ -141,8 +140,9 @@ class LlamaModel(CausalLM):
             q = self._qkv(layer, h, step, kv, i)
             attn = ops.paged_attention(q, kv.keys[i], kv.values[i], step.block_tables, step.seq_index,
                                        step.positions, c.num_heads, c.num_kv_heads, self.scale)
-            h = ops.matmul_add(attn, layer.o_proj, h)
-            act = ops.rms_norm_matmul(h, layer.ffn_norm, layer.gate_up, eps, gated=True)
-            h = ops.matmul_add(act, layer.down_proj, h)
+            h = ops.add(ops.matmul(attn, layer.o_proj), h)
+            x = ops.rms_norm(h, layer.ffn_norm, eps)
+            h = ops.add(ops.matmul(ops.silu_and_mul(ops.matmul(x, layer.gate_up)), layer.down_proj), h)
         # Only the rows that need logits go through the final norm and the LM head.
-        return ops.rms_norm_matmul(ops.gather_rows(h, step.logits_index), self.final_norm, self.lm_head, eps)
+        x = ops.rms_norm(ops.gather_rows(h, step.logits_index), self.final_norm, eps)
+        return ops.matmul(x, self.lm_head)

@@ -1,0 +1,139 @@
+"""Peephole fusion: model files call primitive ops, backends run the fused kernels they have.
+
+`matmul`, `rms_norm` and `rms_norm_matmul` do not run when dispatched: they return a
+*pending* tensor (see `Tensor.pending`). The op that consumes it may fold the producer into
+one fused op, if the backend has a kernel for that call:
+
+    matmul(rms_norm(x, g), w)                 -> rms_norm_matmul(x, g, w)
+    silu_and_mul(matmul(x, w))                -> matmul_silu_and_mul(x, w)
+    silu_and_mul(rms_norm_matmul(x, g, w))    -> rms_norm_matmul(x, g, w, gated=True)
+    add(matmul(x, w), r)  (either order)      -> matmul_add(x, w, r)
+    qkv_rope_kv_write(rms_norm_matmul(...))   -> rms_norm_qkv_rope_kv_write(...)
+
+Anything else that touches a pending tensor's storage (another op, a read, a write) runs
+the producer first, and `flush()` runs every pending tensor still alive: backends call it
+before a captured step ends and before they sync, so nothing pending escapes a recording. A
+pending tensor nobody touches is never computed. A producer folded into a consumer and also
+used elsewhere runs again there: correct, only slower.
+
+This is safe because the deferred ops read only activations and weights, which no op
+mutates in place (in-place ops write KV caches only): running a producer later than it was
+dispatched reads the same bytes. Each fused op is equal to its composition (bit-identical,
+except the norm folding's rounding, bounded and tested in tests/ops), so fusion changes
+which kernels run, not what the model means.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+Call = tuple[str, tuple[Tensor, ...], dict[str, Any]]
+
+# Producers whose result may be folded into the op that consumes it.
+DEFERRED_OPS = frozenset({"matmul", "rms_norm", "rms_norm_matmul"})
+
+_pending: weakref.WeakSet[Tensor] = weakref.WeakSet()
+_dispatch_order = itertools.count()
+
+
+@dataclass
+class Pending:
+    """An op dispatched but not run yet; `realize` runs it into the tensor that stands for it."""
+
+    op: str
+    inputs: tuple[Tensor, ...]
+    params: dict[str, Any]
+    spec: TensorSpec
+    seq: int = field(default_factory=lambda: next(_dispatch_order))
+
+    def realize(self, tensor: Tensor) -> None:
+        from vkrt.ops.registry import OPS
+
+        tensor.pending = None
+        _pending.discard(tensor)
+        backend = self.inputs[0].backend
+        (real,) = backend.execute(OPS[self.op], self.inputs, self.params, (self.spec,))
+        tensor.handle = real.handle
+        tensor.base = real  # owns the storage (its finaliser frees it)
+
+
+def defer(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any], spec: TensorSpec) -> Tensor:
+    """A pending tensor standing for op(inputs) with output `spec`."""
+    tensor = Tensor(spec.shape, spec.dtype, inputs[0].backend, None)
+    tensor.pending = Pending(op, inputs, params, spec)
+    _pending.add(tensor)
+    return tensor
+
+
+def flush() -> None:
+    """Run every pending tensor still alive, oldest first (their order of dispatch)."""
+    for tensor in sorted(_pending, key=lambda t: t.pending.seq if t.pending else -1):
+        if tensor.pending is not None:
+            tensor.pending.realize(tensor)
+
+
+def _producer(t: Tensor, op: str) -> Pending | None:
+    p = t.pending
+    return p if isinstance(p, Pending) and p.op == op else None
+
+
+def _fold_matmul(x: Tensor, w: Tensor) -> Call | None:
+    norm = _producer(x, "rms_norm")
+    if norm is None:
+        return None
+    h, g = norm.inputs
+    return "rms_norm_matmul", (h, g, w), {"eps": norm.params["eps"], "gated": False}
+
+
+def _fold_silu_and_mul(y: Tensor) -> Call | None:
+    mm = _producer(y, "matmul")
+    if mm is not None:
+        return "matmul_silu_and_mul", mm.inputs, {}
+    nm = _producer(y, "rms_norm_matmul")
+    if nm is not None and not nm.params["gated"]:
+        return "rms_norm_matmul", nm.inputs, {**nm.params, "gated": True}
+    return None
+
+
+def _fold_add(a: Tensor, b: Tensor) -> Call | None:
+    for branch, residual in ((a, b), (b, a)):
+        mm = _producer(branch, "matmul")
+        if mm is not None and residual.shape == branch.shape and residual.dtype == "f32":
+            return "matmul_add", (*mm.inputs, residual), {}
+    return None
+
+
+def _fold_qkv_rope_kv_write(qkv: Tensor, *rest: Tensor, **params: Any) -> Call | None:
+    nm = _producer(qkv, "rms_norm_matmul")
+    if nm is None or nm.params["gated"]:
+        return None
+    return ("rms_norm_qkv_rope_kv_write", (*nm.inputs, *rest), {"eps": nm.params["eps"], **params})
+
+
+FOLDS: dict[str, Callable[..., Call | None]] = {
+    "matmul": _fold_matmul,
+    "silu_and_mul": _fold_silu_and_mul,
+    "add": _fold_add,
+    "qkv_rope_kv_write": _fold_qkv_rope_kv_write,
+}
+
+
+def fold(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any]) -> Call | None:
+    """The fused call that replaces op(inputs) on this backend, or None."""
+    rule = FOLDS.get(op)
+    if rule is None:
+        return None
+    call = rule(*inputs, **params)
+    if call is None:
+        return None
+    name, fused_inputs, fused_params = call
+    if inputs[0].backend.select(name, fused_inputs, fused_params) is None:
+        return None  # no native kernel takes it: run the unfused ops natively instead
+    return call
+
