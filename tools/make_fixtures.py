@@ -26,6 +26,7 @@ Then, from the repository root:
 
     .venv-tools/bin/python tools/make_fixtures.py                 # everything
     .venv-tools/bin/python tools/make_fixtures.py --only tiny     # tiny llamas only
+    .venv-tools/bin/python tools/make_fixtures.py --only families # tools/family_fixtures.py
     .venv-tools/bin/python tools/make_fixtures.py --only smollm2 --gguf PATH/TO/file.gguf
 
 Outputs (see tests/fixtures/README.md for schemas and tolerances):
@@ -33,6 +34,8 @@ Outputs (see tests/fixtures/README.md for schemas and tolerances):
     tests/fixtures/tiny_llama/          random-weight LlamaForCausalLM, f32, untied
     tests/fixtures/tiny_llama_tied/     same shape, tied embeddings + llama3 rope scaling
     tests/fixtures/tiny_llama_bf16/     tiny_llama's weights rounded to bf16
+    tests/fixtures/tiny_<family>/       qwen2, qwen3, mistral, gemma2, gemma3, phi3 (HF dirs)
+    tests/fixtures/tiny_{qwen3,gemma3}_gguf/  the same families as GGUF files
     tests/fixtures/smollm2_golden.json  SmolLM2-135M-Instruct Q4_1 GGUF via transformers
 
 Everything is seeded and run on CPU in float32 with eager attention; re-running
@@ -201,7 +204,8 @@ def greedy_reference(model, ids: list[int], n: int):
     return seq[len(ids):], margins
 
 
-def golden_for(model, name: str, weights_dtype: str, extra_meta: dict) -> dict:
+def golden_for(model, name: str, weights_dtype: str, extra_meta: dict,
+               prompts: list[list[int]] = TINY_PROMPTS) -> dict:
     import torch
     from transformers import GenerationConfig
 
@@ -213,7 +217,7 @@ def golden_for(model, name: str, weights_dtype: str, extra_meta: dict) -> dict:
         bos_token_id=None,
     )
     cases = []
-    for ids in TINY_PROMPTS:
+    for ids in prompts:
         x = torch.tensor([ids])
         with torch.no_grad():
             logits = model(x).logits[0].float()  # [T, V]
@@ -503,12 +507,18 @@ def make_smollm2(gguf_path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["tiny", "smollm2"], help="generate one group")
+    ap.add_argument("--only", choices=["tiny", "families", "smollm2"], help="generate one group")
     ap.add_argument("--gguf", help=f"path to {SMOL_GGUF_NAME}")
     args = ap.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tiny"):
         make_tiny()
+    if args.only in (None, "families"):
+        import torch
+        from family_fixtures import make_families
+
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+        make_families(FIXTURES, SEED, TINY_PROMPTS, golden_for, sha256_file)
     if args.only in (None, "smollm2"):
         make_smollm2(find_gguf(args.gguf))
 

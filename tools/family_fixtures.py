@@ -1,0 +1,263 @@
+"""Tiny random-weight models of every supported family, for tools/make_fixtures.py.
+
+Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
+Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+Phi3ForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+golden.json in the tiny llamas' schema. Qwen3 and Gemma 3 are also written as GGUF files
+with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
+stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
+computes after loading those GGUF files.
+
+Run through make_fixtures.py (`--only families`), from the tools venv.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Long enough to cross every sliding window below (8) several times.
+WINDOW = 8
+LONG_PROMPT = [(37 * i + 11) % 256 for i in range(40)]
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
+PHI3_LONG = [1.0, 1.5, 2.2, 3.0, 4.0, 5.2, 6.5, 8.0]
+
+GEMMA3_SMALL = dict(  # 6 layers so that the default pattern (every 6th layer global) appears
+    BASE, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
+    sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+)
+
+
+def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
+    """fixture name -> (transformers class, config kwargs, one-line description)."""
+    return {
+        "tiny_qwen2": ("Qwen2", dict(BASE, tie_word_embeddings=True, rope_theta=1e6),
+                       "q/k/v biases, tied embeddings, rope_theta 1e6"),
+        "tiny_qwen3": ("Qwen3", dict(BASE, tie_word_embeddings=False, rope_theta=1e6, attention_bias=False),
+                       "QK-norm (RMSNorm over head_dim before RoPE), untied"),
+        "tiny_mistral": ("Mistral", dict(BASE, tie_word_embeddings=False, sliding_window=WINDOW),
+                         f"sliding window {WINDOW} on every layer"),
+        "tiny_gemma2": ("Gemma2", dict(BASE, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                       hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                       sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=4.0,
+                                       layer_types=["sliding_attention", "full_attention"]),
+                        "GeGLU, (1 + w) norms, sandwich norms, softcaps 5 / 4, query_pre_attn_scalar 24, "
+                        f"sliding {WINDOW} / full"),
+        "tiny_gemma3": ("Gemma3", dict(GEMMA3_SMALL, rope_parameters={
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}),
+                        "QK-norm with (1 + w), sandwich norms, 5 sliding : 1 full, local rope 1e4, "
+                        "global rope 1e6 with linear factor 4"),
+        "tiny_phi3": ("Phi3", dict(BASE, tie_word_embeddings=False, max_position_embeddings=64, eos_token_id=None,
+                                   original_max_position_embeddings=64, rope_parameters={
+                                       "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                                       "short_factor": PHI3_SHORT, "long_factor": PHI3_LONG,
+                                       "original_max_position_embeddings": 64}),
+                      "fused qkv_proj and gate_up_proj, longrope (short factors, attention factor "
+                      "from factor 4)"),
+    }
+
+
+def _randomise(model, gemma: bool) -> None:
+    """Norms (and biases) default to constants; perturb them so a loader that drops one fails."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Gemma norms scale by (1 + w) and start at w = 0.
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+
+
+def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
+    """HF state dict -> llama.cpp tensor names. Neither family's q/k rows are permuted by
+    llama.cpp's converter (that is done for llama-type archs only); Gemma norms become 1 + w."""
+    gemma = arch == "gemma3"
+    per_layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    if gemma:
+        per_layer.update({"post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"})
+    else:
+        per_layer["post_attention_layernorm"] = "ffn_norm"
+    out: dict[str, np.ndarray] = {}
+    for name, value in sd.items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            parts = name.split(".")
+            assert parts[:2] == ["model", "layers"], name
+            layer, suffix = int(parts[2]), ".".join(parts[3:-1])
+            gguf_name = f"blk.{layer}.{per_layer[suffix]}.{parts[-1]}"
+        if gemma and gguf_name.endswith("norm.weight"):
+            value = value + np.float32(1.0)
+        out[gguf_name] = np.ascontiguousarray(value, dtype=np.float32)
+    return out
+
+
+def _write_gguf(path: Path, arch: str, cfg, tensors: dict[str, np.ndarray]) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(path.parent.name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "gemma3":
+        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+    else:
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, value in tensors.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_for, sha256_file) -> None:
+    import torch
+    import transformers
+
+    prompts = [*prompts, LONG_PROMPT]
+    for index, (fixture, (family, kwargs, description)) in enumerate(_families().items()):
+        t0 = time.time()
+        config_cls = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
+        model_cls = getattr(transformers, f"{family}ForCausalLM")
+        torch.manual_seed(seed + 10 + index)
+        cfg = config_cls(**kwargs)
+        model = model_cls(cfg).to(torch.float32).eval()
+        _randomise(model, gemma=family.startswith("Gemma"))
+        out_dir = fixtures / fixture
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for old in out_dir.iterdir():
+            old.unlink()
+        model.save_pretrained(out_dir, safe_serialization=True)
+        if (out_dir / "generation_config.json").exists():
+            (out_dir / "generation_config.json").unlink()  # tests feed ids and drive decoding
+        reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            a = model(torch.tensor([LONG_PROMPT])).logits
+            b = reloaded(torch.tensor([LONG_PROMPT])).logits
+        if not torch.allclose(a, b, atol=1e-5):
+            raise SystemExit(f"{fixture}: reload changed the logits")
+        saved = json.loads((out_dir / "config.json").read_text())
+        gold = golden_for(reloaded, fixture, "float32", {
+            "family": family,
+            "description": description,
+            "tie_word_embeddings": bool(saved.get("tie_word_embeddings")),
+            "rope_scaling": saved.get("rope_parameters"),
+            "model_sha256": sha256_file(out_dir / "model.safetensors"),
+        }, prompts)
+        (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
+        print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
+
+        if family in ("Qwen3", "Gemma3"):
+            _make_gguf(fixtures, fixture, family, cfg, reloaded, seed, prompts, golden_for, sha256_file)
+
+
+def _make_gguf(fixtures: Path, fixture: str, family: str, cfg, model, seed: int,
+               prompts: list[list[int]], golden_for, sha256_file) -> None:
+    """The same family as a GGUF; the golden is transformers' forward of the GGUF file."""
+    import torch
+    import transformers
+
+    t0 = time.time()
+    arch = family.lower()
+    model_cls = getattr(transformers, f"{family}ForCausalLM")
+    overrides: dict[str, Any] = {}
+    if family == "Gemma3":
+        # transformers' GGUF reader cannot express rope scaling for gemma3, so this file's
+        # model has none (a fresh model with plain rope on both layer types, same weights).
+        kwargs = dict(GEMMA3_SMALL, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+        cfg = transformers.Gemma3TextConfig(**kwargs)
+        plain = model_cls(cfg).eval()
+        plain.load_state_dict(model.state_dict())
+        model = plain
+        # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256);
+        # llama.cpp scales queries by 1/sqrt(head_dim) (the 27B aside), as vkrt does.
+        overrides["query_pre_attn_scalar"] = cfg.head_dim
+    else:
+        # transformers' qwen3 GGUF mapping does not read attention.key_length.
+        overrides["head_dim"] = cfg.head_dim
+    out_dir = fixtures / f"{fixture}_gguf"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        old.unlink()
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    gguf_path = out_dir / "model.gguf"
+    _write_gguf(gguf_path, arch, cfg, _gguf_tensors(arch, sd, cfg.num_hidden_layers))
+    loaded = model_cls.from_pretrained(out_dir, gguf_file="model.gguf", dtype=torch.float32,
+                                       attn_implementation="eager", **overrides).eval()
+    with torch.no_grad():
+        a = model(torch.tensor([LONG_PROMPT])).logits
+        b = loaded(torch.tensor([LONG_PROMPT])).logits
+    if not torch.allclose(a, b, atol=1e-4):
+        raise SystemExit(f"{fixture}_gguf: transformers reads the GGUF differently: "
+                         f"max diff {float((a - b).abs().max())}")
+    gold = golden_for(loaded, f"{fixture}_gguf", "float32", {
+        "family": family,
+        "model_file": "model.gguf",
+        "description": f"{fixture} written as GGUF (llama.cpp names and row order); golden = "
+                       f"transformers from_pretrained(gguf_file=..., {overrides})",
+        "tie_word_embeddings": bool(cfg.tie_word_embeddings),
+        "rope_scaling": None,
+        "model_sha256": sha256_file(gguf_path),
+    }, prompts)
+    (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
+    print(f"{fixture}_gguf: {time.time() - t0:.1f}s", flush=True)
