@@ -18,7 +18,7 @@ Q = gguf.GGMLQuantizationType
 
 def test_config_from_metadata(tmp_path: Path) -> None:
     def extra(w: gguf.GGUFWriter) -> None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(4.0)
         w.add_rope_scaling_orig_ctx_len(128)
         w.add_eot_token_id(3)
@@ -33,7 +33,7 @@ def test_config_from_metadata(tmp_path: Path) -> None:
     assert cfg.rms_norm_eps == 1e-5  # float32 metadata read back as its shortest decimal
     assert cfg.rope_theta == 500000.0
     assert cfg.max_position_embeddings == 512
-    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 128}
     assert cfg.bos_token_id == 1
     assert cfg.eos_token_ids == (2, 3)
     assert cfg.name == "tiny-llama"

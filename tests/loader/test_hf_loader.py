@@ -28,7 +28,7 @@ def test_single_file_f32_written_by_safetensors(tmp_path: Path) -> None:
     save_file({hf_name(n): a for n, a in weights.items()}, str(model_dir / "model.safetensors"))
     model = load_model(model_dir)
     cfg = model.config
-    assert cfg.architecture == "llama"
+    assert cfg.architecture == "mistral"
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (TINY.hidden, TINY.intermediate, TINY.layers)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (TINY.heads, TINY.kv_heads, TINY.head_dim)
     assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
@@ -144,9 +144,8 @@ def test_unknown_tensor(tmp_path: Path) -> None:
         load_model(tmp_path / "m")
 
 
-def test_sliding_window_limits_the_context(tmp_path: Path) -> None:
-    """Mistral-style sliding_window is not implemented: the context stops at the window, where
-    full attention computes the same thing."""
+def test_sliding_window_is_per_layer_and_keeps_the_context(tmp_path: Path) -> None:
+    """Mistral's sliding_window becomes every layer's attention window; the context is not cut."""
     import json
     import shutil
 
@@ -156,9 +155,12 @@ def test_sliding_window_limits_the_context(tmp_path: Path) -> None:
     model_dir = tmp_path / "windowed"
     shutil.copytree(FIXTURES / "tiny_llama", model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
     cfg["sliding_window"] = 64
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    assert load_model(model_dir).config.max_position_embeddings == 64
+    loaded = load_model(model_dir).config
+    assert loaded.max_position_embeddings == 256
+    assert [layer.window for layer in loaded.layers] == [64, 64]
     cfg["sliding_window"] = None
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    assert load_model(model_dir).config.max_position_embeddings == 256
+    assert [layer.window for layer in load_model(model_dir).config.layers] == [0, 0]

@@ -1,18 +1,22 @@
-"""Per-architecture tables: how GGUF and HF names map onto vkrt's canonical weight names.
+"""Per-architecture tables: how GGUF and HF names map onto vkrt's canonical weight names,
+and which family traits (biases, QK-norm, sandwich norms, ...) each architecture has.
 
-Adding an architecture (qwen2, gemma, ...) means adding one `ArchSpec` row here; the
-GGUF and HF loaders are driven entirely by these tables.
+Adding an architecture means adding one `ArchSpec` row here; the GGUF and HF loaders are
+driven entirely by these tables, and the models read only the traits they produce.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from vkrt.errors import ModelFormatError
 from vkrt.loader.config import ModelConfig, WeightData
 
-# Canonical per-layer weights, in the order a block uses them.
+# Canonical per-layer weights, in the order a block uses them. A family has a subset:
+# q/k/v or the fused qkv_proj, gate/up or the fused gate_up_proj; the rest are traits.
 LAYER_WEIGHTS = (
     "attn_norm",
     "q_proj",
@@ -26,9 +30,26 @@ LAYER_WEIGHTS = (
 )
 
 
+def _all_sliding(i: int, cfg: dict[str, Any]) -> bool:
+    return True  # Mistral, Phi-3: the window (when set) applies to every layer
+
+
+def _qwen2_sliding(i: int, cfg: dict[str, Any]) -> bool:
+    return bool(cfg.get("use_sliding_window")) and i >= int(cfg.get("max_window_layers") or 0)
+
+
+def _alternating(i: int, cfg: dict[str, Any]) -> bool:
+    return i % 2 == 0  # Gemma 2: local, global, local, ...
+
+
+def _gemma3_sliding(i: int, cfg: dict[str, Any]) -> bool:
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    return (i + 1) % pattern != 0  # Gemma 3: five local layers, then one global
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """How one architecture family is named in GGUF and HF checkpoints."""
+    """How one architecture family is named in GGUF and HF checkpoints, and what it computes."""
 
     name: str  # ModelConfig.architecture
     gguf_archs: tuple[str, ...]  # values of GGUF `general.architecture`
@@ -42,6 +63,22 @@ class ArchSpec:
     gguf_qk_permuted: bool = False
     # Tensors present in some checkpoints that carry no information vkrt needs.
     hf_ignored: re.Pattern[str] = re.compile(r"^$")
+    # -- family traits (ModelConfig fields of the same names) --
+    activation: str = "silu"  # MLP gate when config.json names none (GGUF never does)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    hf_norm_offset: float = 0.0  # HF checkpoints store norm weights as w of (1 + w)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
+    # Which layers are sliding when config.json has no `layer_types` (None: none are).
+    default_sliding: Callable[[int, dict[str, Any]], bool] | None = None
+    # Local layers' rope base when the file names none (Gemma 3: 10000); 0 = the global base.
+    local_rope_theta: float = 0.0
+    # llama.cpp scales Gemma queries by 1/sqrt(hidden/heads) for the 27B models (this many
+    # layers) and by 1/sqrt(head_dim) otherwise; GGUF files carry no query_pre_attn_scalar.
+    gguf_wide_query_layers: int = 0
+    # The rope scaling of the file applies to global layers only (Gemma 3).
+    scaling_global_only: bool = False
 
 
 def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
@@ -56,49 +93,167 @@ def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pa
     return None
 
 
+_GGUF_GLOBAL = {
+    "token_embd.weight": "embed_tokens",
+    "output_norm.weight": "final_norm",
+    "output.weight": "lm_head",
+}
+_GGUF_LAYER = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+}
+_HF_GLOBAL = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
+_HF_LAYER = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_ROTARY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
+_QKV_BIAS_HF = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+                "self_attn.v_proj.bias": "v_bias"}
+_QK_NORM_GGUF = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
+_QK_NORM_HF = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+# Gemma's four norms per layer: HF's post_attention_layernorm is the attention *output*
+# norm there, not the MLP input norm it is in Llama.
+_GEMMA_GGUF = {"post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm"}
+_GEMMA_HF = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "ffn_norm",
+    "post_feedforward_layernorm.weight": "post_ffn_norm",
+}
+
 _LLAMA = ArchSpec(
     name="llama",
     gguf_archs=("llama",),
-    hf_archs=("LlamaForCausalLM", "MistralForCausalLM"),
-    gguf_global={
-        "token_embd.weight": "embed_tokens",
-        "output_norm.weight": "final_norm",
-        "output.weight": "lm_head",
-        # Llama 3.1-style GGUFs bake the rope scaling into per-frequency factors.
-        "rope_freqs.weight": "rope_freqs",
-    },
-    gguf_layer={
-        "attn_norm.weight": "attn_norm",
-        "attn_q.weight": "q_proj",
-        "attn_k.weight": "k_proj",
-        "attn_v.weight": "v_proj",
-        "attn_output.weight": "o_proj",
-        "ffn_norm.weight": "ffn_norm",
-        "ffn_gate.weight": "gate_proj",
-        "ffn_up.weight": "up_proj",
-        "ffn_down.weight": "down_proj",
-    },
-    hf_global={
-        "model.embed_tokens.weight": "embed_tokens",
-        "model.norm.weight": "final_norm",
-        "lm_head.weight": "lm_head",
-    },
-    hf_layer={
-        "input_layernorm.weight": "attn_norm",
-        "self_attn.q_proj.weight": "q_proj",
-        "self_attn.k_proj.weight": "k_proj",
-        "self_attn.v_proj.weight": "v_proj",
-        "self_attn.o_proj.weight": "o_proj",
-        "post_attention_layernorm.weight": "ffn_norm",
-        "mlp.gate_proj.weight": "gate_proj",
-        "mlp.up_proj.weight": "up_proj",
-        "mlp.down_proj.weight": "down_proj",
-    },
+    hf_archs=("LlamaForCausalLM",),
+    # Llama 3.1-style GGUFs bake the rope scaling into per-frequency factors.
+    gguf_global={**_GGUF_GLOBAL, "rope_freqs.weight": "rope_freqs"},
+    gguf_layer=_GGUF_LAYER,
+    hf_global=_HF_GLOBAL,
+    hf_layer=_HF_LAYER,
     gguf_qk_permuted=True,
-    hf_ignored=re.compile(r"(^|\.)rotary_emb\.inv_freq$"),
+    hf_ignored=_ROTARY,
 )
 
-ARCHS: tuple[ArchSpec, ...] = (_LLAMA,)
+_MISTRAL = ArchSpec(
+    name="mistral",
+    gguf_archs=(),  # llama.cpp writes Mistral as "llama" (no window in the metadata)
+    hf_archs=("MistralForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer=_GGUF_LAYER,
+    hf_global=_HF_GLOBAL,
+    hf_layer=_HF_LAYER,
+    hf_ignored=_ROTARY,
+    default_sliding=_all_sliding,
+)
+
+_QWEN2 = ArchSpec(
+    name="qwen2",
+    gguf_archs=("qwen2",),
+    hf_archs=("Qwen2ForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias"),
+    hf_ignored=_ROTARY,
+    qkv_bias=True,
+    default_sliding=_qwen2_sliding,
+)
+
+_QWEN3 = ArchSpec(
+    name="qwen3",
+    gguf_archs=("qwen3",),
+    hf_archs=("Qwen3ForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    hf_ignored=_ROTARY,
+    qk_norm=True,
+    default_sliding=_qwen2_sliding,
+)
+
+_GEMMA2 = ArchSpec(
+    name="gemma2",
+    gguf_archs=("gemma2",),
+    hf_archs=("Gemma2ForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_GEMMA_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_GEMMA_HF},
+    layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm"),
+    hf_ignored=_ROTARY,
+    activation="gelu_tanh",
+    sandwich_norms=True,
+    hf_norm_offset=1.0,
+    scale_embeddings=True,
+    default_sliding=_alternating,
+    gguf_wide_query_layers=46,
+)
+
+_GEMMA3 = ArchSpec(
+    name="gemma3",
+    gguf_archs=("gemma3",),
+    hf_archs=("Gemma3ForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_GEMMA_GGUF, **_QK_NORM_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF},
+    layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm"),
+    hf_ignored=_ROTARY,
+    activation="gelu_tanh",
+    qk_norm=True,
+    sandwich_norms=True,
+    hf_norm_offset=1.0,
+    scale_embeddings=True,
+    default_sliding=_gemma3_sliding,
+    local_rope_theta=10000.0,
+    gguf_wide_query_layers=62,
+    scaling_global_only=True,
+)
+
+# Phi-3 checkpoints fuse q/k/v and gate/up; both stay stacked, the layout vkrt computes in.
+_PHI3_FUSED = ("attn_norm", "qkv_proj", "o_proj", "ffn_norm", "gate_up_proj", "down_proj")
+_PHI3 = ArchSpec(
+    name="phi3",
+    gguf_archs=("phi3",),
+    hf_archs=("Phi3ForCausalLM",),
+    gguf_global={**_GGUF_GLOBAL, "rope_factors_long.weight": "rope_factors_long",
+                 "rope_factors_short.weight": "rope_factors_short"},
+    gguf_layer={"attn_norm.weight": "attn_norm", "attn_qkv.weight": "qkv_proj",
+                "attn_output.weight": "o_proj", "ffn_norm.weight": "ffn_norm",
+                "ffn_up.weight": "gate_up_proj", "ffn_down.weight": "down_proj"},
+    hf_global=_HF_GLOBAL,
+    hf_layer={"input_layernorm.weight": "attn_norm", "self_attn.qkv_proj.weight": "qkv_proj",
+              "self_attn.o_proj.weight": "o_proj", "post_attention_layernorm.weight": "ffn_norm",
+              "mlp.gate_up_proj.weight": "gate_up_proj", "mlp.down_proj.weight": "down_proj"},
+    layer_weights=_PHI3_FUSED,
+    hf_ignored=_ROTARY,
+    default_sliding=_all_sliding,
+)
+
+ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -119,6 +274,11 @@ def supported_hf_archs() -> str:
     return ", ".join(name for a in ARCHS for name in a.hf_archs)
 
 
+def arch_named(name: str) -> ArchSpec:
+    """The spec whose ModelConfig.architecture is `name`."""
+    return next(a for a in ARCHS if a.name == name)
+
+
 def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightData]) -> None:
     """Raise ModelFormatError unless every canonical weight is present with its logical shape."""
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -130,20 +290,29 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     }
     if not config.tie_word_embeddings:
         expected["lm_head"] = (config.vocab_size, hidden)
-    per_layer = {
+    shapes = {
         "attn_norm": (hidden,),
         "q_proj": (q_rows, hidden),
         "k_proj": (kv_rows, hidden),
         "v_proj": (kv_rows, hidden),
+        "qkv_proj": (q_rows + 2 * kv_rows, hidden),
+        "q_bias": (q_rows,),
+        "k_bias": (kv_rows,),
+        "v_bias": (kv_rows,),
+        "q_norm": (config.head_dim,),
+        "k_norm": (config.head_dim,),
         "o_proj": (hidden, q_rows),
+        "post_attn_norm": (hidden,),
         "ffn_norm": (hidden,),
         "gate_proj": (inter, hidden),
         "up_proj": (inter, hidden),
+        "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
+        "post_ffn_norm": (hidden,),
     }
     for i in range(config.num_layers):
-        for name, shape in per_layer.items():
-            expected[f"layers.{i}.{name}"] = shape
+        for name in arch_named(config.architecture).layer_weights:
+            expected[f"layers.{i}.{name}"] = shapes[name]
     for name, shape in expected.items():
         weight = weights.get(name)
         if weight is None:

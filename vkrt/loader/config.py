@@ -9,8 +9,21 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class LayerConfig:
+    """What can differ between the layers of one model (Gemma's local/global, Mistral's window)."""
+
+    window: int = 0  # sliding window W: attend to positions p - W < j <= p; 0 = full attention
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters minus rope_theta
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters, normalised from config.json or GGUF metadata."""
+    """Architecture hyper-parameters, normalised from config.json or GGUF metadata.
+
+    The family traits below the hyper-parameters default to Llama's; loaders set them from
+    the architecture table and the file, so a model reads them and never its family name.
+    """
 
     architecture: str  # registry key, e.g. "llama"
     vocab_size: int
@@ -29,6 +42,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # -- family traits --------------------------------------------------------------------
+    layers: tuple[LayerConfig, ...] = ()  # one per layer; empty = every layer full with rope_theta/scaling
+    qkv_bias: bool = False  # q/k/v projections add a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # attention and MLP outputs are normed before the residual add (Gemma 2/3)
+    norm_offset: float = 0.0  # norms scale by (offset + w): 1.0 for HF Gemma, already folded in GGUF
+    embedding_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
+    query_scale: float = 0.0  # attention score scale; 0 = 1 / sqrt(head_dim)
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c); 0 = off (Gemma 2)
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c); 0 = off (Gemma 2)
+
+    def layer(self, i: int) -> LayerConfig:
+        """Layer i's attention window and rope settings."""
+        if self.layers:
+            return self.layers[i]
+        return LayerConfig(0, self.rope_theta, self.rope_scaling)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from vkrt.loader.arch import (
 )
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
+from vkrt.loader.normalize import gguf_family_config
 from vkrt.ops.formats import FORMATS, by_gguf_type
 
 log = logging.getLogger(__name__)
@@ -235,8 +236,11 @@ def load_gguf(path: str | Path) -> LoadedModel:
         except ValueError as exc:
             raise ModelFormatError(f"{path}: tensor {tensor.name!r} is malformed ({exc}); the file is corrupt") from exc
 
+    if f"{arch}.block_count" in meta:  # checked before anything loops over the layers
+        validate.layer_count(str(path), meta[f"{arch}.block_count"], weights)
     config = _config(path, spec, arch, meta, reader, weights)
-    validate.model(str(path), config, weights)
+    config = gguf_family_config(path, spec, arch, meta, reader, weights, config)
+    config = validate.model_config(str(path), config, weights)
     if spec.gguf_qk_permuted:
         for i in range(config.num_layers):
             for proj, n_heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):

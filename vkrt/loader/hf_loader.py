@@ -22,7 +22,8 @@ from vkrt.loader.arch import (
     check_weights,
     supported_hf_archs,
 )
-from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+from vkrt.loader.config import LoadedModel, WeightData
+from vkrt.loader.normalize import hf_model_config
 
 log = logging.getLogger(__name__)
 
@@ -108,61 +109,6 @@ def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
     return canonical_name(hf_name, spec.hf_global, _LAYER_NAME, spec.hf_layer)
 
 
-def _int_list(value: Any) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int)]
-    return []
-
-
-def _config(model_dir: Path, spec: ArchSpec, cfg: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
-    def need(key: str) -> Any:
-        if cfg.get(key) is None:
-            raise ModelFormatError(f"{model_dir / 'config.json'}: required field {key!r} is missing")
-        return cfg[key]
-
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    # transformers >= 5 moves rope settings into `rope_parameters`.
-    rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
-    rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta") if rope_params else None)
-    rope_scaling = cfg.get("rope_scaling")
-    if rope_scaling is None and rope_params and rope_params.get("rope_type", "default") != "default":
-        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    eos_ids: list[int] = []
-    for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
-        eos_ids += [i for i in _int_list(value) if i not in eos_ids]
-    bos = cfg.get("bos_token_id")
-    max_positions = int(cfg.get("max_position_embeddings", 2048))
-    window = cfg.get("sliding_window")
-    if isinstance(window, int) and 0 < window < max_positions:
-        # Sliding-window attention is not implemented; within the window full attention is
-        # the same computation, so the usable context stops there.
-        log.warning("%s: sliding_window=%d is not implemented; limiting the context to %d tokens",
-                    model_dir, window, window)
-        max_positions = window
-    return ModelConfig(
-        architecture=spec.name,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        hidden_act=str(cfg.get("hidden_act", "silu")),
-        bos_token_id=bos if isinstance(bos, int) else None,
-        eos_token_ids=tuple(eos_ids),
-        name=str(cfg.get("_name_or_path") or model_dir.name),
-    )
-
-
 def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     """Load a Hugging Face model directory; safetensors weights stay memory-mapped."""
     model_dir = Path(model_dir)
@@ -185,7 +131,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
         )
     gen_path = model_dir / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
-    config = _config(model_dir, spec, cfg, generation)
+    config = hf_model_config(config_path, spec, cfg, generation, str(cfg.get("_name_or_path") or model_dir.name))
 
     weights: dict[str, WeightData] = {}
     dtype_counts: Counter[str] = Counter()
@@ -212,7 +158,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             f"{model_dir}: config.json says tie_word_embeddings is false but there is no "
             "lm_head.weight; the checkpoint is incomplete"
         )
-    validate.model(str(model_dir), config, weights)
+    config = validate.model_config(str(model_dir), config, weights)
     check_weights(str(model_dir), config, weights)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
     return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg)

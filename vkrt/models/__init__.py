@@ -6,9 +6,15 @@ from vkrt.backend.base import Backend
 from vkrt.errors import UnsupportedModelError
 from vkrt.loader.config import LoadedModel
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
+from vkrt.models.decoder import DecoderModel
 from vkrt.models.llama import LlamaModel
 
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {"llama": LlamaModel}
+# Every family is the generic decoder; Llama keeps its own file until the fusion pass
+# matches its dispatch count through the decoder.
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "llama": LlamaModel,
+    **{name: DecoderModel for name in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")},
+}
 
 
 def build_model(loaded: LoadedModel, backend: Backend) -> CausalLM:

@@ -1,0 +1,222 @@
+"""Per-layer config normalisation of every family, and the one-line errors for what vkrt
+does not run: an unsupported family, an unknown rope type, a missing per-layer tensor."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from tests.conftest import FIXTURES
+from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
+from vkrt.loader import load_model
+from vkrt.loader.config import LayerConfig
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    out = tmp_path / name
+    shutil.copytree(FIXTURES / name, out)
+    return out
+
+
+def _edit_config(model_dir: Path, **changes: object) -> None:
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+def _one_line(exc: pytest.ExceptionInfo[VkrtError], *needles: str) -> None:
+    message = str(exc.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+# -- per-layer config -----------------------------------------------------------------------
+
+
+def test_gemma3_layers_from_rope_parameters_per_layer_type() -> None:
+    c = load_model(FIXTURES / "tiny_gemma3").config
+    local = LayerConfig(8, 10000.0, None)
+    glob = LayerConfig(0, 1e6, {"rope_type": "linear", "factor": 4.0})
+    assert c.layers == (local,) * 5 + (glob,)
+    assert (c.qk_norm, c.sandwich_norms, c.norm_offset, c.hidden_act) == (True, True, 1.0, "gelu_tanh")
+    assert c.embedding_scale == math.sqrt(32) and c.query_scale == 16 ** -0.5
+
+
+def test_gemma3_legacy_rope_spelling_gives_the_same_layers(tmp_path: Path) -> None:
+    """transformers < 5: rope_theta (global), rope_local_base_freq, rope_scaling (global only),
+    no layer_types (every 6th layer global)."""
+    d = _copy("tiny_gemma3", tmp_path)
+    _edit_config(d, rope_parameters=None, layer_types=None, rope_theta=1e6, rope_local_base_freq=10000.0,
+                 rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert load_model(d).config.layers == load_model(FIXTURES / "tiny_gemma3").config.layers
+
+
+def test_gemma3_gguf_layers_follow_llama_cpp() -> None:
+    """GGUF: every 6th layer global, local base 10000, norms already 1 + w, q scaled 1/sqrt(head_dim)."""
+    c = load_model(FIXTURES / "tiny_gemma3_gguf" / "model.gguf").config
+    assert [layer.window for layer in c.layers] == [8, 8, 8, 8, 8, 0]
+    assert [layer.rope_theta for layer in c.layers] == [10000.0] * 5 + [1e6]
+    assert c.norm_offset == 0.0 and c.query_scale == 16 ** -0.5 and c.embedding_scale == math.sqrt(32)
+
+
+def test_gemma2_traits() -> None:
+    c = load_model(FIXTURES / "tiny_gemma2").config
+    assert [layer.window for layer in c.layers] == [8, 0]
+    assert (c.attn_softcap, c.final_softcap) == (5.0, 4.0)
+    assert c.query_scale == 24 ** -0.5
+
+
+def test_mistral_window_on_every_layer_without_a_context_cap() -> None:
+    c = load_model(FIXTURES / "tiny_mistral").config
+    assert [layer.window for layer in c.layers] == [8, 8]
+    assert c.max_position_embeddings == 256
+
+
+def test_qwen_traits() -> None:
+    q2, q3 = load_model(FIXTURES / "tiny_qwen2").config, load_model(FIXTURES / "tiny_qwen3").config
+    assert (q2.qkv_bias, q2.qk_norm, q3.qkv_bias, q3.qk_norm) == (True, False, False, True)
+    g = load_model(FIXTURES / "tiny_qwen3_gguf" / "model.gguf").config
+    assert (g.qk_norm, g.layers, g.head_dim) == (True, q3.layers, 16)
+
+
+def test_phi3_longrope_attention_factor() -> None:
+    c = load_model(FIXTURES / "tiny_phi3").config
+    scaling = c.layer(0).rope_scaling
+    assert scaling is not None and scaling["rope_type"] == "longrope"
+    # transformers: sqrt(1 + ln(factor) / ln(original context)) with factor 4, context 64.
+    assert scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+
+
+def test_legacy_su_rope_type_is_longrope(tmp_path: Path) -> None:
+    d = _copy("tiny_phi3", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    params = dict(cfg["rope_parameters"], type="su")
+    del params["rope_type"]
+    _edit_config(d, rope_parameters=None, rope_scaling=params, rope_theta=10000.0)
+    assert load_model(d).config.layers == load_model(FIXTURES / "tiny_phi3").config.layers
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_unsupported_hf_family(tmp_path: Path) -> None:
+    d = _copy("tiny_qwen2", tmp_path)
+    _edit_config(d, architectures=["FalconForCausalLM"])
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "FalconForCausalLM", "not supported")
+
+
+def test_unknown_rope_type(tmp_path: Path) -> None:
+    d = _copy("tiny_qwen2", tmp_path)
+    _edit_config(d, rope_parameters={"rope_type": "spiral", "rope_theta": 1e6, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "rope_parameters.rope_type", "'spiral'")
+
+
+def test_unknown_rope_type_of_one_layer_type(tmp_path: Path) -> None:
+    d = _copy("tiny_gemma3", tmp_path)
+    _edit_config(d, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                     "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8}})
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "rope_parameters.full_attention.rope_type", "'yarn'")
+
+
+def test_unknown_layer_type(tmp_path: Path) -> None:
+    d = _copy("tiny_gemma2", tmp_path)
+    _edit_config(d, layer_types=["sliding_attention", "chunked_attention"])
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "layer_types", "chunked_attention")
+
+
+def test_missing_per_layer_tensor_hf(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy("tiny_qwen3", tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, str(d), "layers.1.k_norm", "missing")
+
+
+def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_type: str = "") -> None:
+    """Copy a GGUF through the gguf package's reader and writer, changing one thing."""
+    reader = gguf.GGUFReader(str(src))
+    old_arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(dst), arch or old_arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if isinstance(value, str):
+            writer.add_string(key.replace(old_arch, arch or old_arch, 1), value)
+        elif isinstance(value, float):
+            writer.add_float32(key.replace(old_arch, arch or old_arch, 1), value)
+        else:
+            writer.add_uint32(key.replace(old_arch, arch or old_arch, 1), int(value))
+    if rope_type:
+        writer.add_string(f"{arch or old_arch}.rope.scaling.type", rope_type)
+    for t in reader.tensors:
+        if t.name != drop:
+            writer.add_tensor(t.name, np.array(t.data).reshape(tuple(int(d) for d in reversed(t.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
+    src = FIXTURES / "tiny_gemma3_gguf" / "model.gguf"
+    copy = tmp_path / "whole.gguf"
+    _rewrite_gguf(src, copy)
+    assert load_model(copy).config == load_model(src).config  # the rewrite itself changes nothing
+    path = tmp_path / "no_q_norm.gguf"
+    _rewrite_gguf(src, path, drop="blk.3.attn_q_norm.weight")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "no_q_norm.gguf", "layers.3.q_norm", "missing")
+
+
+def test_unsupported_gguf_family(tmp_path: Path) -> None:
+    path = tmp_path / "falcon.gguf"
+    _rewrite_gguf(FIXTURES / "tiny_qwen3_gguf" / "model.gguf", path, arch="falcon")
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(path)
+    _one_line(exc, "falcon.gguf", "architecture 'falcon'", "not supported")
+
+
+def test_unknown_gguf_rope_type(tmp_path: Path) -> None:
+    path = tmp_path / "yarn.gguf"
+    _rewrite_gguf(FIXTURES / "tiny_qwen3_gguf" / "model.gguf", path, rope_type="yarn")
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(path)
+    _one_line(exc, "yarn.gguf", "qwen3.rope.scaling.type", "'yarn'")
+
+
+def test_cli_reports_an_unsupported_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vkrt.cli import main
+
+    d = _copy("tiny_qwen2", tmp_path)
+    _edit_config(d, architectures=["FalconForCausalLM"])
+    assert main(["generate", "hi", "--model", str(d), "--device", "reference"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vkrt: error:") and "FalconForCausalLM" in lines[0], err

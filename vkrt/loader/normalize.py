@@ -1,0 +1,253 @@
+"""config.json and GGUF metadata -> one ModelConfig, with per-layer attention and rope.
+
+Both spellings of config.json's rope settings are read: the top-level `rope_theta` /
+`rope_scaling` (and Gemma 3's `rope_local_base_freq`) of transformers < 5, and
+transformers 5's `rope_parameters`, either one dict or one per layer type
+(`{"full_attention": {...}, "sliding_attention": {...}}`). Whatever the source, a model
+sees `ModelConfig.layers`: each layer's window, rope base and rope scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType
+
+from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.loader.arch import ArchSpec
+from vkrt.loader.config import LayerConfig, ModelConfig, WeightData
+from vkrt.loader.gguf_file import GGUFFile
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+def _rope_scaling(source: str, fieldname: str, params: dict[str, Any] | None, max_positions: int,
+                  cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers' rope parameters (one layer type) -> vkrt's scaling dict, or None for plain RoPE."""
+    if not params:
+        return None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    kind = params.get("rope_type", params.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(f"{source}: {fieldname}.rope_type {kind!r} is not supported "
+                                    f"(supported: {', '.join(ROPE_TYPES)})")
+    if float(scaling.pop("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise UnsupportedModelError(f"{source}: {fieldname}.partial_rotary_factor < 1 is not supported")
+    if kind == "default":
+        return None
+    scaling["rope_type"] = kind
+    need: tuple[str, ...] = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
+                             "longrope": ("short_factor", "long_factor")}[kind]
+    if kind == "longrope":
+        orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not isinstance(orig, int) or orig <= 0:
+            raise ModelFormatError(f"{source}: {fieldname}: longrope needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = orig
+        # transformers: factor defaults to the context extension, the attention factor to
+        # sqrt(1 + ln(factor) / ln(original context)) (1 when nothing is extended).
+        factor = float(scaling.get("factor") or max_positions / orig)
+        scaling["factor"] = factor
+        if scaling.get("attention_factor") is None:
+            scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    for key in need:
+        if scaling.get(key) is None:
+            raise ModelFormatError(f"{source}: {fieldname} of rope_type {kind!r} has no {key!r}")
+    return scaling
+
+
+def _rope_by_layer_type(source: str, spec: ArchSpec, cfg: dict[str, Any],
+                        max_positions: int) -> dict[bool, tuple[float, dict[str, Any] | None]]:
+    """{is_sliding: (rope_theta, scaling)} from either spelling of the rope settings."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        per_type = {sliding: params.get(name) or {} for name, sliding in _LAYER_TYPES.items()}
+        field_of = {sliding: f"rope_parameters.{name}" for name, sliding in _LAYER_TYPES.items()}
+    else:
+        base = dict(params) if isinstance(params, dict) else dict(cfg.get("rope_scaling") or {})
+        base.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        local = dict(base)
+        if spec.local_rope_theta:  # Gemma 3: its own local base; the scaling is global only
+            local = {"rope_theta": cfg.get("rope_local_base_freq", spec.local_rope_theta)}
+        per_type = {False: base, True: local}
+        name = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
+        field_of = {False: name, True: name}
+    out: dict[bool, tuple[float, dict[str, Any] | None]] = {}
+    for sliding, p in per_type.items():
+        theta = p.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            theta = spec.local_rope_theta if sliding and spec.local_rope_theta else 10000.0
+        out[sliding] = (float(theta), _rope_scaling(source, field_of[sliding], p, max_positions, cfg))
+    return out
+
+
+def _sliding_layers(source: str, spec: ArchSpec, cfg: dict[str, Any], num_layers: int) -> list[bool]:
+    types = cfg.get("layer_types")
+    if types is None:
+        rule: Callable[[int, dict[str, Any]], bool] | None = spec.default_sliding
+        return [bool(rule and rule(i, cfg)) for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelFormatError(f"{source}: layer_types must list one type per layer ({num_layers})")
+    for t in types:
+        if t not in _LAYER_TYPES:
+            raise UnsupportedModelError(f"{source}: layer_types entry {t!r} is not supported "
+                                        f"(supported: {', '.join(_LAYER_TYPES)})")
+    return [_LAYER_TYPES[t] for t in types]
+
+
+def _softcap(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
+
+
+def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], generation: dict[str, Any],
+                    name: str) -> ModelConfig:
+    """config.json (+ generation_config.json) of family `spec` -> ModelConfig."""
+    source = str(config_path)
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ModelFormatError(f"{source}: required field {key!r} is missing")
+        return cfg[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    num_layers = int(need("num_hidden_layers"))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    act_field = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    act = str(cfg.get(act_field) or spec.activation)
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{source}: {act_field} {act!r} is not supported "
+                                    f"(supported: {', '.join(ACTIVATIONS)})")
+    rope = _rope_by_layer_type(source, spec, cfg, max_positions)
+    window = cfg.get("sliding_window")
+    window = int(window) if isinstance(window, int) and window > 0 else 0
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)])
+                   for sliding in _sliding_layers(source, spec, cfg, num_layers))
+    scalar = cfg.get("query_pre_attn_scalar")
+    eos_ids: list[int] = []
+    for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
+        eos_ids += [i for i in _int_list(value) if i not in eos_ids]
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        architecture=spec.name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope[False][0],
+        rope_scaling=rope[False][1],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=ACTIVATIONS[act],
+        bos_token_id=bos if isinstance(bos, int) else None,
+        eos_token_ids=tuple(eos_ids),
+        name=name,
+        layers=layers,
+        qkv_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        sandwich_norms=spec.sandwich_norms,
+        norm_offset=spec.hf_norm_offset,
+        embedding_scale=math.sqrt(hidden) if spec.scale_embeddings else 1.0,
+        query_scale=float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0,
+        attn_softcap=_softcap(cfg.get("attn_logit_softcapping")),
+        final_softcap=_softcap(cfg.get("final_logit_softcapping")),
+    )
+
+
+def _int_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _gguf_sliding_layers(reader: GGUFFile, arch: str, spec: ArchSpec, num_layers: int) -> list[bool]:
+    """Per-layer sliding flags: the file's `attention.sliding_window_pattern` (a period n, every
+    n-th layer global, as llama.cpp reads it; or one bool per layer), else the family's rule."""
+    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if f is not None:
+        value = f.value
+        if f.types and f.types[0] == GGUFValueType.ARRAY and isinstance(value, list) and len(value) == num_layers:
+            return [bool(v) for v in value]
+        if isinstance(value, int) and value >= 0:
+            return [value == 0 or i % value < value - 1 for i in range(num_layers)]
+        raise ModelFormatError(f"{arch}.attention.sliding_window_pattern: expected a period or "
+                               f"{num_layers} flags")
+    rule = spec.default_sliding
+    return [bool(rule and rule(i, {})) for i in range(num_layers)]
+
+
+def _gguf_longrope(path: Path, arch: str, meta: dict[str, Any], weights: dict[str, WeightData],
+                   config: ModelConfig) -> dict[str, Any] | None:
+    """Phi-3's longrope: llama.cpp stores the factors as tensors, the rest as metadata."""
+    if "rope_factors_long" not in weights or "rope_factors_short" not in weights:
+        return config.rope_scaling
+
+    def factors(name: str) -> list[float]:
+        w = weights.pop(name)
+        if w.fmt not in ("f32", "f16"):
+            raise ModelFormatError(f"{path}: tensor {name!r} must be F32 or F16, not {w.fmt}")
+        return [float(v) for v in np.asarray(w.data, dtype=np.float64).reshape(-1)]
+
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if not isinstance(orig, int) or orig <= 0:
+        raise ModelFormatError(f"{path}: rope_factors tensors need '{arch}.rope.scaling.original_context_length'")
+    params: dict[str, Any] = {"rope_type": "longrope", "long_factor": factors("rope_factors_long"),
+                              "short_factor": factors("rope_factors_short"),
+                              "original_max_position_embeddings": orig}
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if isinstance(attn, (int, float)):
+        params["attention_factor"] = float(attn)
+    return _rope_scaling(str(path), f"{arch}.rope.scaling", params, config.max_position_embeddings, {})
+
+
+def gguf_family_config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
+                       weights: dict[str, WeightData], config: ModelConfig) -> ModelConfig:
+    """Add the family traits and per-layer attention of a GGUF file to its base ModelConfig."""
+    def key(suffix: str) -> Any:
+        return meta.get(f"{arch}.{suffix}")
+
+    scaling = config.rope_scaling
+    if scaling is not None:
+        kind = scaling.get("rope_type")
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(f"{path}: metadata '{arch}.rope.scaling.type' {kind!r} is not "
+                                        f"supported (supported: {', '.join(ROPE_TYPES)})")
+    scaling = _gguf_longrope(path, arch, meta, weights, config)
+    window = key("attention.sliding_window")
+    window = int(window) if isinstance(window, int) and window > 0 else 0
+    local_theta = key("rope.freq_base_swa") or spec.local_rope_theta or config.rope_theta
+    layers = tuple(
+        LayerConfig(window, float(local_theta), None if spec.scaling_global_only else scaling)
+        if sliding and window else LayerConfig(0, config.rope_theta, scaling)
+        for sliding in _gguf_sliding_layers(reader, arch, spec, config.num_layers))
+    query_scale = 0.0
+    if spec.gguf_wide_query_layers:
+        wide = config.num_layers == spec.gguf_wide_query_layers
+        query_scale = (config.hidden_size / config.num_heads if wide else config.head_dim) ** -0.5
+    return dataclasses.replace(
+        config,
+        rope_scaling=scaling,
+        hidden_act=spec.activation,
+        layers=layers,
+        qkv_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        sandwich_norms=spec.sandwich_norms,
+        embedding_scale=math.sqrt(config.hidden_size) if spec.scale_embeddings else 1.0,
+        query_scale=query_scale,
+        attn_softcap=_softcap(key("attn_logit_softcapping")),
+        final_softcap=_softcap(key("final_logit_softcapping")),
+    )

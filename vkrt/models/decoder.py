@@ -1,0 +1,225 @@
+"""The decoder-only transformer every supported family is a configuration of.
+
+embedding (x scale) -> N x [norm, attention (+bias, QK-norm, RoPE, window, softcap),
+(post-norm), residual, norm, gated MLP, (post-norm), residual] -> final norm -> LM head
+(-> softcap). Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 differ only in ModelConfig
+(vkrt/loader/normalize.py builds it): the traits below are read from there, never from a
+family name. Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from vkrt import ops
+from vkrt.backend.base import Backend
+from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
+from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+from vkrt.models.base import CausalLM, KVCache, StepTensors
+from vkrt.models.rope import rope_table
+from vkrt.ops.quant import dequantize
+from vkrt.ops.tensor import Tensor
+
+GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
+
+
+def stack_rows(parts: list[WeightData], name: str) -> WeightData:
+    """Weights stacked along output rows in their shared storage format (q/k/v, gate/up)."""
+    rows = sum(p.shape[0] for p in parts)
+    if len({p.fmt for p in parts}) != 1:  # only gate/up get here: q/k/v then stay three matmuls
+        data = np.concatenate([dequantize(p.data, p.fmt).reshape(p.shape) for p in parts])
+        return WeightData(name, "f32", (rows, parts[0].shape[1]), data)
+    data = np.concatenate([np.asarray(p.data) for p in parts], axis=0)
+    return WeightData(name, parts[0].fmt, (rows, parts[0].shape[1]), data)
+
+
+class Block:
+    """One layer's weights on the device, and its attention window."""
+
+    def __init__(self, model: DecoderModel, i: int) -> None:
+        c = model.config
+        has = model.has
+        p = f"layers.{i}."
+        self.window = c.layer(i).window
+        self.attn_norm = model.norm(p + "attn_norm")
+        self.ffn_norm = model.norm(p + "ffn_norm")
+        self.post_attn_norm = model.norm(p + "post_attn_norm") if c.sandwich_norms else None
+        self.post_ffn_norm = model.norm(p + "post_ffn_norm") if c.sandwich_norms else None
+        self.q_norm = model.norm(p + "q_norm") if c.qk_norm else None
+        self.k_norm = model.norm(p + "k_norm") if c.qk_norm else None
+        # q, k and v are one matmul when they share a storage format (a fused checkpoint
+        # already is one); a GGUF mix such as Q5_0 q/k with Q8_0 v keeps three matmuls.
+        self.qkv: Tensor | None = None
+        self.q_proj = self.k_proj = self.v_proj = None
+        self.qkv_bias: Tensor | None = None
+        self.q_bias = self.k_bias = self.v_bias = None
+        if has(p + "qkv_proj"):
+            self.qkv = model.matrix(model.raw(p + "qkv_proj"))
+        else:
+            parts = [model.raw(p + n) for n in ("q_proj", "k_proj", "v_proj")]
+            if len({w.fmt for w in parts}) == 1:
+                self.qkv = model.matrix(stack_rows(parts, p + "qkv_proj"))
+            else:
+                self.q_proj, self.k_proj, self.v_proj = (model.matrix(w) for w in parts)
+        if c.qkv_bias:
+            biases = [model.vector(p + n) for n in ("q_bias", "k_bias", "v_bias")]
+            if self.qkv is not None:
+                self.qkv_bias = model.upload_f32(np.concatenate(biases))
+            else:
+                self.q_bias, self.k_bias, self.v_bias = (model.upload_f32(b) for b in biases)
+        self.o_proj = model.matrix(model.raw(p + "o_proj"))
+        if has(p + "gate_up_proj"):
+            self.gate_up = model.matrix(model.raw(p + "gate_up_proj"))
+        else:
+            self.gate_up = model.matrix(stack_rows([model.raw(p + "gate_proj"), model.raw(p + "up_proj")],
+                                                   p + "gate_up_proj"))
+        self.down_proj = model.matrix(model.raw(p + "down_proj"))
+
+
+class DecoderModel(CausalLM):
+    def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
+        self.config = c = loaded.config
+        self.backend = backend
+        self._weights = loaded.weights
+        self._path = loaded.path
+        if c.hidden_act not in GATED_ACTIVATIONS:
+            raise UnsupportedModelError(f"{loaded.path}: hidden_act {c.hidden_act!r} is not supported "
+                                        f"(supported: {', '.join(GATED_ACTIVATIONS)})")
+        self.activation = GATED_ACTIVATIONS[c.hidden_act]
+        backend.reserve("weights", self._device_bytes())
+        self.embed_tokens = self.matrix(self.raw("embed_tokens"))
+        self.blocks = [Block(self, i) for i in range(c.num_layers)]
+        self.final_norm = self.norm("final_norm")
+        tied = c.tie_word_embeddings or "lm_head" not in self._weights
+        self.lm_head = self.embed_tokens if tied else self.matrix(self.raw("lm_head"))
+        freqs = self._weights.get("rope_freqs")
+        self._freq_factors = dequantize(freqs.data, freqs.fmt).reshape(-1) if freqs is not None else None
+        self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
+        self._rope_positions = 0
+        self.scale = c.query_scale or 1.0 / float(np.sqrt(c.head_dim))
+        self._weights = {}  # uploaded: drop the host (memory-mapped) references
+
+    # -- weights ------------------------------------------------------------------
+    def _device_bytes(self) -> int:
+        """What the upload will occupy: matrices as stored, vectors as f32."""
+        return sum(self.backend.weight_nbytes(w.fmt if len(w.shape) == 2 else "f32", w.shape)
+                   for w in self._weights.values())
+
+    def has(self, name: str) -> bool:
+        return name in self._weights
+
+    def raw(self, name: str) -> WeightData:
+        try:
+            return self._weights[name]
+        except KeyError:
+            raise ModelFormatError(f"{self._path}: missing weight {name!r}") from None
+
+    def matrix(self, wd: WeightData) -> Tensor:
+        return self.backend.upload_weight(wd.data, wd.fmt, wd.shape)
+
+    def vector(self, name: str) -> np.ndarray:
+        wd = self.raw(name)
+        return dequantize(wd.data, wd.fmt).reshape(-1).astype(np.float32)
+
+    def upload_f32(self, values: np.ndarray) -> Tensor:
+        return self.backend.upload(np.ascontiguousarray(values, dtype=np.float32), "f32", purpose="weights")
+
+    def norm(self, name: str) -> Tensor:
+        """A norm's scale as f32; HF Gemma stores w of (1 + w), folded here once."""
+        return self.upload_f32(self.vector(name) + np.float32(self.config.norm_offset))
+
+    # -- rope ---------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "f32") -> KVCache:
+        # The RoPE tables cover the positions a cache can hold, never the file's claimed context.
+        positions = min(self.config.max_position_embeddings, num_blocks * block_size)
+        if positions > self._rope_positions:
+            self._rope = rope_tables(self.config, positions, self._freq_factors, self.upload_f32)
+            self._rope_positions = positions
+        return super().allocate_kv_cache(num_blocks, block_size, dtype)
+
+    def cos_sin(self, i: int) -> Tensor:
+        if not self._rope:
+            raise VkrtError("the RoPE tables are sized by allocate_kv_cache(); call it before forward()")
+        return self._rope[i]
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
+        c = self.config
+        h = ops.embedding(self.embed_tokens, step.token_ids)
+        if c.embedding_scale != 1.0:
+            h = ops.scale(h, c.embedding_scale)
+        for i, block in enumerate(self.blocks):
+            h = self.attention(block, h, step, kv, i)
+            h = self.mlp(block, h)
+        # Only the rows that need logits go through the final norm and the LM head.
+        x = ops.rms_norm(ops.gather_rows(h, step.logits_index), self.final_norm, c.rms_norm_eps)
+        logits = ops.matmul(x, self.lm_head)
+        return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
+
+    def attention(self, b: Block, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        c = self.config
+        x = ops.rms_norm(h, b.attn_norm, c.rms_norm_eps)
+        q = self.query_and_cache_write(b, x, step, kv, i)
+        a = ops.paged_attention(q, kv.keys[i], kv.values[i], step.block_tables, step.seq_index, step.positions,
+                                c.num_heads, c.num_kv_heads, self.scale, window=b.window, softcap=c.attn_softcap)
+        out = ops.matmul(a, b.o_proj)
+        if b.post_attn_norm is not None:
+            out = ops.rms_norm(out, b.post_attn_norm, c.rms_norm_eps)
+        return ops.add(out, h)
+
+    def mlp(self, b: Block, h: Tensor) -> Tensor:
+        c = self.config
+        x = ops.rms_norm(h, b.ffn_norm, c.rms_norm_eps)
+        out = ops.matmul(self.activation(ops.matmul(x, b.gate_up)), b.down_proj)
+        if b.post_ffn_norm is not None:
+            out = ops.rms_norm(out, b.post_ffn_norm, c.rms_norm_eps)
+        return ops.add(out, h)
+
+    def query_and_cache_write(self, b: Block, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """rope(q) of the normed input; rope(k) and v stored in layer i's cache at the step's slots."""
+        c = self.config
+        cos_sin = self.cos_sin(i)
+        heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+        if b.qkv is not None:
+            qkv = ops.matmul(x, b.qkv)
+            if b.qkv_bias is not None:
+                qkv = ops.add(qkv, b.qkv_bias)
+            if b.q_norm is not None and b.k_norm is not None:
+                return ops.qkv_norm_rope_kv_write(qkv, b.q_norm, b.k_norm, step.positions, cos_sin, kv.keys[i],
+                                                  kv.values[i], step.slots, c.rms_norm_eps, *heads)
+            return ops.qkv_rope_kv_write(qkv, step.positions, cos_sin, kv.keys[i], kv.values[i], step.slots, *heads)
+        assert b.q_proj is not None and b.k_proj is not None and b.v_proj is not None
+        q, k, v = ops.matmul(x, b.q_proj), ops.matmul(x, b.k_proj), ops.matmul(x, b.v_proj)
+        if b.q_bias is not None and b.k_bias is not None and b.v_bias is not None:
+            q, k, v = ops.add(q, b.q_bias), ops.add(k, b.k_bias), ops.add(v, b.v_bias)
+        if b.q_norm is not None and b.k_norm is not None:
+            q, k = self.head_norm(q, b.q_norm), self.head_norm(k, b.k_norm)
+        q = ops.rope(q, step.positions, cos_sin, c.head_dim)
+        ops.kv_write(kv.keys[i], kv.values[i], ops.rope(k, step.positions, cos_sin, c.head_dim), v, step.slots)
+        return q
+
+    def head_norm(self, x: Tensor, w: Tensor) -> Tensor:
+        """RMSNorm of each head of x [T, heads * head_dim] (QK-norm), through a per-head view."""
+        c = self.config
+        rows = ops.reshape(x, (-1, c.head_dim))
+        return ops.reshape(ops.rms_norm(rows, w, c.rms_norm_eps), x.shape)
+
+
+def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | None,
+                upload: Callable[[np.ndarray], Tensor]) -> dict[int, Tensor]:
+    """One cos|sin table per distinct (rope base, scaling) among the layers, keyed by layer.
+
+    The one place a table is sized: `positions` is what the KV cache can hold.
+    """
+    by_params: dict[str, Tensor] = {}
+    tables: dict[int, Tensor] = {}
+    for i in range(config.num_layers):
+        layer = config.layer(i)
+        key = repr((layer.rope_theta, sorted((layer.rope_scaling or {}).items())))
+        if key not in by_params:
+            by_params[key] = upload(rope_table(positions, config.head_dim, layer.rope_theta, layer.rope_scaling,
+                                               freq_factors))
+        tables[i] = by_params[key]
+    return tables
