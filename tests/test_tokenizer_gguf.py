@@ -1,0 +1,164 @@
+"""GGUF tokenizers and chat templates against transformers (fixtures by tools/make_tokenizer_fixtures.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from tests.conftest import FIXTURES
+from vkrt.errors import RequestError
+from vkrt.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TOKENIZER_GOLDEN = json.loads((FIXTURES / "gemma3_270m_tokenizer.json").read_text(encoding="utf-8"))
+TEMPLATES = FIXTURES / "chat_templates"
+CHAT_GOLDEN = json.loads((TEMPLATES / "golden.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma3_path)
+
+
+# ---- Gemma 3: SentencePiece vocabulary of 262k tokens, no space prefix -----------------------
+
+
+def test_gemma_fixture_is_for_the_pulled_file(gemma3_path: Path) -> None:
+    from vkrt.loader.pull import KNOWN_MODELS
+
+    assert TOKENIZER_GOLDEN["meta"]["gguf_sha256"] == KNOWN_MODELS["gemma-3-270m"].sha256
+    assert gemma3_path.stat().st_size == KNOWN_MODELS["gemma-3-270m"].size
+
+
+@pytest.mark.parametrize("case", TOKENIZER_GOLDEN["cases"], ids=lambda c: repr(c["text"][:24]))
+def test_gemma_ids_equal_transformers(gemma: Tokenizer, case: dict[str, Any]) -> None:
+    assert gemma.encode(case["text"]) == case["ids"]
+    assert gemma.encode(case["text"], add_special_tokens=False) == case["ids_no_special"]
+
+
+@pytest.mark.parametrize("case", TOKENIZER_GOLDEN["cases"], ids=lambda c: repr(c["text"][:24]))
+def test_gemma_decode_equals_transformers(gemma: Tokenizer, case: dict[str, Any]) -> None:
+    ids = case["ids_no_special"]
+    assert gemma.decode(ids) == case["decoded"]
+    assert gemma.decode(ids, skip_special_tokens=False) == case["decoded_with_special"]
+
+
+def test_gemma_special_tokens(gemma: Tokenizer) -> None:
+    meta = TOKENIZER_GOLDEN["meta"]
+    assert gemma.vocab_size == meta["vocab_size"] == 262144
+    assert gemma.bos_token_id == meta["bos_token_id"] and gemma.bos_token == "<bos>"
+    assert gemma.eos_token_ids[0] == meta["eos_token_id"] and gemma.eos_token == "<eos>"
+    end_of_turn = gemma.encode("<end_of_turn>", add_special_tokens=False)
+    assert len(end_of_turn) == 1 and end_of_turn[0] in gemma.eos_token_ids  # generation stops on it
+
+
+def test_gemma_round_trip_and_streaming(gemma: Tokenizer) -> None:
+    # Lossless on text without special tokens: spaces (no prefix added), byte fallback, emoji.
+    for case in TOKENIZER_GOLDEN["cases"]:
+        if "<" not in case["text"] and "[" not in case["text"]:
+            assert gemma.decode(case["ids_no_special"]) == case["text"]
+            assert b"".join(gemma.token_bytes(i) for i in case["ids_no_special"]) == case["text"].encode()
+    ids = gemma.encode("  two spaces, then 🙂👍🏽 and 東京\n\n", add_special_tokens=False)
+    detok = IncrementalDetokenizer(gemma)
+    assert "".join(detok.add(i) for i in ids) == gemma.decode(ids)
+
+
+# ---- SentencePiece vocabularies of other families (synthetic GGUFs) --------------------------
+
+
+def _spm_gguf(path: Path, arch: str, add_space_prefix: bool | None = None) -> dict[str, int]:
+    pieces = ["▁h", "ll", "▁he", "llo", "▁hello"]  # merged in this order (descending score)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += ["▁", "h", "e", "l", "o"] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    scores = [0.0] * (len(tokens) - len(pieces)) + [-1.0, -2.0, -3.0, -4.0, -5.0]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {t: i for i, t in enumerate(tokens)}
+
+
+def test_llama_spm_prefixes_the_text_once(tmp_path: Path) -> None:
+    vocab = _spm_gguf(tmp_path / "llama.gguf", "llama")
+    tok = Tokenizer.from_gguf(tmp_path / "llama.gguf")
+    # Metaspace with prepend_scheme "first" (transformers' LlamaTokenizer, legacy=False):
+    # a space at the start of the text, none after a special token.
+    assert tok.encode("hello</s>hello", add_special_tokens=False) == [
+        vocab["▁hello"], 2, vocab["h"], vocab["e"], vocab["llo"]]
+    assert tok.decode(tok.encode("hello hello")) == "hello hello"
+
+
+def test_phi3_spm_prefixes_after_special_tokens(tmp_path: Path) -> None:
+    vocab = _spm_gguf(tmp_path / "phi3.gguf", "phi3")
+    tok = Tokenizer.from_gguf(tmp_path / "phi3.gguf")
+    # transformers' phi3 builder: a Prepend normalizer, applied to each text run.
+    assert tok.encode("hello</s>hello", add_special_tokens=False) == [vocab["▁hello"], 2, vocab["▁hello"]]
+
+
+def test_gemma_spm_adds_no_prefix_and_merges_by_vocabulary_order(tmp_path: Path) -> None:
+    vocab = _spm_gguf(tmp_path / "gemma3.gguf", "gemma3", add_space_prefix=False)
+    tok = Tokenizer.from_gguf(tmp_path / "gemma3.gguf")
+    assert tok.encode("hello", add_special_tokens=False) == [vocab["h"], vocab["e"], vocab["llo"]]
+    assert tok.encode(" hello", add_special_tokens=False) == [vocab["▁hello"]]
+    assert tok.decode([vocab["▁hello"]]) == " hello"
+
+
+# ---- chat templates rendered as transformers renders them ----------------------------------
+
+
+def _template_tokenizer(template: str, bos: str | None, eos: str) -> Tokenizer:
+    names = ["[UNK]", *([bos] if bos else []), eos]
+    hf = HFTokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="[UNK]"))
+    source = (TEMPLATES / template).read_text(encoding="utf-8")
+    return Tokenizer(hf, bos_token_id=1 if bos else None, eos_token_ids=[len(names) - 1],
+                     chat_template=source, byte_level=False)
+
+
+@pytest.mark.parametrize("case", CHAT_GOLDEN["renders"], ids=lambda c: c["name"])
+def test_chat_template_renders_as_transformers(case: dict[str, Any]) -> None:
+    tok = _template_tokenizer(case["template"], case["bos_token"], case["eos_token"])
+    kwargs = dict(case["kwargs"])
+    rendered = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"],
+                                       tools=kwargs.pop("tools", None), **kwargs)
+    assert rendered == case["rendered"]
+
+
+@pytest.mark.parametrize("case", CHAT_GOLDEN["errors"], ids=lambda c: c["name"])
+def test_chat_template_refusals(case: dict[str, Any]) -> None:
+    tok = _template_tokenizer(case["template"], "<s>", "</s>")
+    with pytest.raises(RequestError) as info:
+        tok.apply_chat_template(case["messages"], add_generation_prompt=False)
+    assert case["error"] in str(info.value)
+
+
+def test_template_namespace_refuses_private_attributes() -> None:
+    hf = HFTokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok = Tokenizer(hf, bos_token_id=None, eos_token_ids=[], byte_level=False,
+                    chat_template="{% set ns = namespace(_x=1) %}{{ ns._x }}")
+    with pytest.raises(RequestError, match="underscore"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_gemma_chat_prompt_tokenizes_to_single_control_tokens(gemma: Tokenizer) -> None:
+    tok = _template_tokenizer("gemma3.jinja", "<bos>", "<eos>")
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    ids = gemma.encode(rendered, add_special_tokens=False)  # the template writes <bos> itself
+    assert ids[0] == gemma.bos_token_id and ids.count(gemma.bos_token_id) == 1
+    pieces = [gemma.token_text(i) for i in ids]
+    assert pieces[1] == "<start_of_turn>" and pieces.count("<start_of_turn>") == 2
+    assert pieces.count("<end_of_turn>") == 1 and pieces[-2:] == ["model", "\n"]
