@@ -1,10 +1,12 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=add,mul,silu_mul,gelu_mul,gather ACCESS=texel,ssbo
+//! variants: OP=add,mul,silu_mul,gelu_mul,gather,scale,softcap ACCESS=texel,ssbo
 // add/mul: y[i] = a[i] op b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
 // gather: y[r, d] = a[b[r], d] (b holds i32 row indices, b_len = D).
 // silu_mul/gelu_mul: x is [T, 2F]; y[t, f] = act(x[t, f]) * x[t, F + f], with b_len = F.
+// scale: y = x * param (one rounded f32 product). softcap: y = param * tanh(x / param).
 #include "access.glsl"
+#include "softcap.glsl"
 DECLARE_LOCAL_SIZE;
 
 #if defined(OP_ADD) || defined(OP_MUL)
@@ -20,7 +22,7 @@ IN_F32(0, x);
 OUT_F32(1, y);
 #endif
 
-layout(push_constant) uniform Push { uint n; uint b_len; } pc;
+layout(push_constant) uniform Push { uint n; uint b_len; float param; } pc;
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -31,6 +33,10 @@ void main() {
     y[i] = LD_F32(a, i) * LD_F32(b, i % pc.b_len);
 #elif defined(OP_GATHER)
     y[i] = LD_F32(a, uint(LD_I32(b, i / pc.b_len)) * pc.b_len + i % pc.b_len);
+#elif defined(OP_SCALE)
+    y[i] = LD_F32(x, i) * pc.param;
+#elif defined(OP_SOFTCAP)
+    y[i] = softcap_f32(LD_F32(x, i), pc.param);
 #else
     uint row = i / pc.b_len, col = i % pc.b_len;
     float g = LD_F32(x, row * 2u * pc.b_len + col);

@@ -1,4 +1,4 @@
-"""add, mul, silu_and_mul, gelu_tanh_and_mul: shaders/elementwise.comp."""
+"""add, mul, scale, softcap, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _binary(variant: str):
         y = backend.empty(out[0].shape, "f32")
         backend.run_shader(module(backend, "elementwise", variant),
                            [(a, "f32", False), (b, "f32", False), (y, "f32", True)],
-                           grid_1d(a.numel), ("<II", (a.numel, b.numel)), local_size())
+                           grid_1d(a.numel), ("<IIf", (a.numel, b.numel, 0.0)), local_size())
         return (y,)
 
     return run
@@ -30,7 +30,19 @@ def _gated(variant: str):
         n = y.numel
         backend.run_shader(module(backend, "elementwise", variant),
                            [(x, "f32", False), (y, "f32", True)],
-                           grid_1d(n), ("<II", (n, out[0].shape[1])), local_size())
+                           grid_1d(n), ("<IIf", (n, out[0].shape[1], 0.0)), local_size())
+        return (y,)
+
+    return run
+
+
+def _unary(variant: str, param: str):
+    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+            out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        (x,) = inputs
+        y = backend.empty(out[0].shape, "f32")
+        backend.run_shader(module(backend, "elementwise", variant), [(x, "f32", False), (y, "f32", True)],
+                           grid_1d(x.numel), ("<IIf", (x.numel, 1, params[param])), local_size())
         return (y,)
 
     return run
@@ -42,7 +54,7 @@ def _gather(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     y = backend.empty(out[0].shape, "f32")
     backend.run_shader(module(backend, "elementwise", "gather"),
                        [(x, "f32", False), (index, "i32", False), (y, "f32", True)],
-                       grid_1d(y.numel), ("<II", (y.numel, x.shape[1])), local_size())
+                       grid_1d(y.numel), ("<IIf", (y.numel, x.shape[1], 0.0)), local_size())
     return (y,)
 
 
@@ -50,5 +62,7 @@ def register(backend: Any) -> None:
     backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
     backend.register_kernel(Kernel("mul", "elementwise.mul", _binary("mul")))
+    backend.register_kernel(Kernel("scale", "elementwise.scale", _unary("scale", "factor")))
+    backend.register_kernel(Kernel("softcap", "elementwise.softcap", _unary("softcap", "cap")))
     backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))
     backend.register_kernel(Kernel("gelu_tanh_and_mul", "elementwise.gelu_mul", _gated("gelu_mul")))
