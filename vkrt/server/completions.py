@@ -25,10 +25,16 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_text_fields(body)
     prompt_ids = await state.run_cpu(completion_prompt_ids, engine, body, state.config.max_prompt_chars)
     prompt_text = body.prompt if isinstance(body.prompt, str) else None
-    echo_text = ""
-    if body.echo:
-        echo_text = prompt_text if prompt_text is not None else require_tokenizer(engine, "prompt").decode(prompt_ids)
     generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)
+    echo_text = ""
+    if body.echo and prompt_text is not None:
+        echo_text = prompt_text
+    elif body.echo:  # token ids, checked against the vocabulary by start_generation
+        try:
+            echo_text = require_tokenizer(engine, "prompt").decode(prompt_ids)
+        except BaseException:
+            generation.release()
+            raise
     base: dict[str, Any] = {"id": generation.request_id, "object": "text_completion", "created": now_s(),
                             "model": state.model_name}
 
