@@ -31,7 +31,8 @@ def _parse_bytes(text: str) -> int:
 
 def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)") -> None:
     p.add_argument("--model", "-m", default=None,
-                   help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on first use)")
+                   help="GGUF file, Hugging Face model directory, or a pulled model's name (`vkrt pull --list`; "
+                        "default: SmolLM2-135M-Instruct, pulled on first use)")
     p.add_argument("--device", choices=BACKEND_NAMES, default="auto",
                    help="vulkan, reference (numpy) or auto: Vulkan if usable (default)")
     p.add_argument("--max-model-len", type=int, default=None, help=f"context length (default: {default_len})")
