@@ -129,12 +129,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             f"{config_path}: architectures {archs!r} are not supported "
             f"(supported: {supported_hf_archs()}); use a model of a supported family"
         )
-    gen_path = model_dir / "generation_config.json"
-    generation = _read_json(gen_path) if gen_path.is_file() else {}
-    config = hf_model_config(config_path, spec, cfg, generation, str(cfg.get("_name_or_path") or model_dir.name))
-
     weights: dict[str, WeightData] = {}
-    dtype_counts: Counter[str] = Counter()
     for file in _safetensors_files(model_dir):
         for hf_name, (fmt, shape, data) in read_safetensors(file).items():
             name = _canonical_name(spec, hf_name)
@@ -145,14 +140,17 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                     f"{file}: tensor {hf_name!r} is not part of the {spec.name} architecture vkrt "
                     "implements; this variant of the model is not supported"
                 )
-            if name == "lm_head" and config.tie_word_embeddings:
-                continue  # some exports save the tied copy too; the embedding is the source of truth
             if name in weights:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
-            if len(shape) > 1:
-                dtype_counts[fmt.upper()] += 1
+    if cfg.get("num_hidden_layers") is not None:  # checked before anything loops over the layers
+        validate.layer_count(str(config_path), cfg["num_hidden_layers"], weights)
+    gen_path = model_dir / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.is_file() else {}
+    config = hf_model_config(config_path, spec, cfg, generation, str(cfg.get("_name_or_path") or model_dir.name))
+    if config.tie_word_embeddings:
+        weights.pop("lm_head", None)  # some exports save the tied copy too; the embedding is the source of truth
     if not config.tie_word_embeddings and "lm_head" not in weights:
         raise ModelFormatError(
             f"{model_dir}: config.json says tie_word_embeddings is false but there is no "
@@ -160,5 +158,6 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
         )
     config = validate.model_config(str(model_dir), config, weights)
     check_weights(str(model_dir), config, weights)
+    dtype_counts = Counter(w.fmt.upper() for w in weights.values() if len(w.shape) > 1)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
     return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg)

@@ -9,6 +9,8 @@ names the `arch` tables map them to, hyper-parameters through `ModelConfig`.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import stat
 from collections.abc import Iterable, Mapping
@@ -20,6 +22,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from vkrt.errors import ModelFormatError
 from vkrt.loader.config import ModelConfig, WeightData
+
+log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
 GGML_MAX_DIMS = 4
@@ -307,8 +311,6 @@ def _config(source: str, c: ModelConfig) -> None:
         raise bad("num_kv_heads", c.num_kv_heads, f"a divisor of num_heads ({c.num_heads})")
     if c.head_dim % 2:
         raise bad("head_dim", c.head_dim, "even (RoPE rotates pairs)")
-    if c.max_position_embeddings > MAX_POSITIONS:
-        raise bad("the context length", c.max_position_embeddings, f"at most {MAX_POSITIONS} (32-bit positions)")
     if not _is_number(c.rms_norm_eps) or not 0 < c.rms_norm_eps < 1:
         raise bad("rms_norm_eps", c.rms_norm_eps, "a number between 0 and 1")
     if not _is_number(c.rope_theta) or c.rope_theta <= 0:
@@ -331,9 +333,9 @@ def _config(source: str, c: ModelConfig) -> None:
     token_ids(source, ids + [("eos_token_id", i) for i in c.eos_token_ids], c.vocab_size)
 
 
-def _layers(source: str, c: ModelConfig, weights: Mapping[str, WeightData]) -> None:
-    """Per-layer tensors exist for exactly layers 0..num_layers-1 (checked without looping
-    over num_layers, which the file controls)."""
+def layer_count(source: str, num_layers: int, weights: Mapping[str, WeightData]) -> None:
+    """Per-layer tensors exist for exactly layers 0..num_layers-1. Checked without looping
+    over num_layers, which the file controls: call it before anything else does."""
     present: set[int] = set()
     for name in weights:
         if not name.startswith("layers."):
@@ -343,30 +345,36 @@ def _layers(source: str, c: ModelConfig, weights: Mapping[str, WeightData]) -> N
             raise ModelFormatError(f"{source}: tensor for layer {_show(index)} has a non-canonical layer "
                                    "number; the file is corrupt")
         present.add(int(index))
-    extra = sorted(i for i in present if i >= c.num_layers)
+    extra = sorted(i for i in present if i >= num_layers)
     if extra:
         raise ModelFormatError(
-            f"{source}: has tensors for layer {extra[0]}, but the config says {c.num_layers} layers; "
+            f"{source}: has tensors for layer {extra[0]}, but the config says {num_layers} layers; "
             "every tensor must belong to a layer the model runs (the file is corrupt)"
         )
-    if len(present) < c.num_layers:
+    if len(present) < num_layers:
         missing = next(i for i in range(len(present) + 1) if i not in present)
         raise ModelFormatError(
-            f"{source}: the config says {c.num_layers} layers, but there are no tensors for layer "
+            f"{source}: the config says {num_layers} layers, but there are no tensors for layer "
             f"{missing}; the file is incomplete or its layer count is corrupt"
         )
 
 
-def model(source: str, config: ModelConfig, weights: Mapping[str, WeightData]) -> None:
-    """The normalised config is in range and its layer count agrees with the tensors.
+def model_config(source: str, config: ModelConfig, weights: Mapping[str, WeightData]) -> ModelConfig:
+    """`config` once it is in range and its layer count agrees with the tensors, with a
+    context beyond 32-bit positions capped (the engine's max_model_len sizes what it uses).
 
     Runs before anything loops over layers; per-weight shapes are checked after it
     (`arch.check_weights`).
     """
     _config(source, config)
-    _layers(source, config, weights)
+    layer_count(source, config.num_layers, weights)
     freqs = weights.get("rope_freqs")
     if freqs is not None and freqs.shape != (config.head_dim // 2,):
         raise ModelFormatError(f"{source}: rope_freqs has shape {freqs.shape}, but head_dim "
                                f"{config.head_dim} needs ({config.head_dim // 2},); the file is corrupt")
+    if config.max_position_embeddings > MAX_POSITIONS:
+        log.warning("%s: a context of %d positions is more than 32-bit positions address; using %d",
+                    source, config.max_position_embeddings, MAX_POSITIONS)
+        config = dataclasses.replace(config, max_position_embeddings=MAX_POSITIONS)
+    return config
 
