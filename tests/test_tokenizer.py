@@ -11,7 +11,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from vkrt.errors import RequestError, UnsupportedModelError
+from vkrt.chat_template import ChatTemplate, TemplateBudget
+from vkrt.errors import ModelFormatError, RequestError, UnsupportedModelError
 from vkrt.loader import load_model
 from vkrt.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -191,3 +192,53 @@ def test_no_template() -> None:
     tok = Tokenizer(hf, bos_token_id=None, eos_token_ids=[], chat_template=None, byte_level=False)
     with pytest.raises(RequestError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# ---- template parsing at load and the rendering budget -----------------------------------------
+
+
+def test_a_template_that_does_not_parse_fails_the_load() -> None:
+    with pytest.raises(ModelFormatError, match=r"chat template does not parse \(line 1"):
+        _with_template("{% for m in messages %}{{ m.content }")
+
+
+@pytest.mark.parametrize(("template", "says"), [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "longer than 0.5 s"),
+    ("{{ 'x' * 10**10 }}", "over the limit of 100000"),
+    ("{{ 'x'|center(10**9) }}", "over the limit of 100000"),
+    ("{{ '%1000000000s' % 'x' }}", "over the limit of 100000"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+     "over the limit of 100000"),
+    ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "a prompt of"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+])
+def test_template_budget_turns_runaway_templates_into_request_errors(template: str, says: str) -> None:
+    tok = _with_template(template)
+    with pytest.raises(RequestError, match=says) as info:
+        tok.apply_chat_template([{"role": "user", "content": "abc"}],
+                                budget=TemplateBudget(seconds=0.5, max_chars=100_000))
+    assert info.value.param == "messages" and "chat template" in str(info.value)
+
+
+def test_template_budget_leaves_real_templates_alone(smol: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "hi " * 1000}]
+    assert smol.apply_chat_template(messages, budget=TemplateBudget(seconds=5, max_chars=10_000)).count("hi ") == 1000
+
+
+@pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "bos_token", "documents", "raise_exception"])
+def test_reserved_template_kwargs_are_request_errors(name: str) -> None:
+    template = ChatTemplate("{{ messages[0].content }}")
+    with pytest.raises(RequestError, match=name) as info:
+        template.render([{"role": "user", "content": "x"}], template_kwargs={name: 1})
+    assert info.value.param == "chat_template_kwargs"
+    assert template.render([{"role": "user", "content": "x"}], template_kwargs={"enable_thinking": 1}) == "x"
+
+
+def test_encode_as_text_reads_special_token_text_as_text(smol: Tokenizer) -> None:
+    im_end = smol.encode("<|im_end|>")
+    assert len(im_end) == 1  # a control token when rendered by the template
+    as_text = smol.encode_as_text("<|im_end|>")
+    assert im_end[0] not in as_text and len(as_text) > 1
+    assert smol.decode(as_text) == "<|im_end|>"
+    assert smol.encode_as_text("plain words") == smol.encode("plain words", add_special_tokens=False)

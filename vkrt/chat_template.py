@@ -38,7 +38,7 @@ from jinja2.visitor import NodeTransformer
 from vkrt.errors import ModelFormatError, RequestError
 
 # Names the renderer passes itself; chat_template_kwargs may not set them.
-RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
                             "raise_exception", "strftime_now"})
 
 
@@ -213,11 +213,63 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _TemplateDict:
+    """transformers' `dict` global: builds dicts, but exposes no attributes to reach beyond them."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's `namespace`, refusing underscore-prefixed attributes (as transformers does)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace (got {name!r})")
+
+
+# Names a message's reasoning arrives under; templates read `reasoning_content` (gpt-oss: `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as transformers hands them to a template: keys whose value is None dropped
+    (templates test for a missing key, not for None), reasoning under each of its names."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
 _METERED_ITER = "vkrt_metered_iter"
 _METERED_CONCAT = "vkrt_metered_concat"
 
 
 def _environment() -> _BudgetedEnvironment:
+    # The environment transformers' apply_chat_template builds (utils/chat_template_utils.py).
     env = _BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
@@ -226,6 +278,8 @@ def _environment() -> _BudgetedEnvironment:
     env.filters[_METERED_CONCAT] = _metered_concat
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     return env
 
 
@@ -251,11 +305,12 @@ class ChatTemplate:
         self.source = source
         self._template = _compile(source)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, bos_token: str = "", eos_token: str = "",
-               budget: TemplateBudget | None = None, **template_kwargs: Any) -> str:
+               budget: TemplateBudget | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The rendered prompt; RequestError (param `messages`, or `chat_template_kwargs` for a
         reserved name) if the template fails or goes over `budget`."""
+        template_kwargs = template_kwargs or {}
         reserved = sorted(RESERVED_NAMES & template_kwargs.keys())
         if reserved:
             raise RequestError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} "
@@ -267,9 +322,9 @@ class ChatTemplate:
             chunks: list[str] = []
             size = 0
             for chunk in self._template.generate(
-                messages=list(messages), tools=list(tools) if tools is not None else None,
-                add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
-                **template_kwargs,
+                messages=_template_messages(messages), tools=list(tools) if tools is not None else None,
+                documents=None, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                eos_token=eos_token, **template_kwargs,
             ):
                 size += len(chunk)
                 meter.allow(size, "a prompt")

@@ -7,17 +7,13 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.errors import ModelFormatError, RequestError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -119,7 +115,10 @@ class Tokenizer:
         self._bos_token_id = bos_token_id
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self._chat_template = chat_template
+        # Parsed now, so a template that does not parse fails the load, not every request.
+        self._template = ChatTemplate(chat_template) if chat_template else None
         self._byte_level = byte_level
+        self._text_tok: HFTokenizer | None = None  # a copy that reads special-token text as text
 
     # ---- construction -------------------------------------------------------------------
 
@@ -296,7 +295,17 @@ class Tokenizer:
 
         Encode a rendered chat prompt with add_special_tokens=False: templates add their own BOS.
         """
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL (encode does not): a long prompt tokenised in a worker
+        # thread then leaves the server's event loop running.
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token text (say "<|im_end|>") tokenised as plain text."""
+        if self._text_tok is None:
+            copy = HFTokenizer.from_str(self._tok.to_str())
+            copy.encode_special_tokens = True
+            self._text_tok = copy
+        return list(self._text_tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -324,23 +333,17 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        budget: TemplateBudget | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's chat template, as transformers does."""
-        if not self._chat_template:
+        """Render `messages` with the model's chat template, as transformers does, within
+        `budget` (RequestError if the template fails or goes over it)."""
+        if self._template is None:
             raise RequestError("this model has no chat template; send a plain completion prompt instead")
-        try:
-            return _compile_template(self._chat_template).render(
-                messages=_template_messages(messages),
-                tools=list(tools) if tools is not None else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **template_kwargs,
-            )
-        except jinja2.TemplateError as exc:
-            raise RequestError(f"chat template: {exc}", param="messages") from exc
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     budget=budget, template_kwargs=template_kwargs)
 
 
 class IncrementalDetokenizer:
@@ -480,105 +483,6 @@ def _sentencepiece_bpe(
         dec.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(dec)
     return tok
-
-
-# ---- chat templates ---------------------------------------------------------------------
-
-
-class _GenerationBlock(Extension):
-    """Accepts transformers' `{% generation %}...{% endgeneration %}` markers (renders the body)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: Any) -> str:
-        return str(caller())
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    # transformers' tojson: unlike jinja's built-in, no HTML escaping and non-ASCII kept.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _TemplateDict:
-    """transformers' `dict` global: builds dicts, but exposes no attributes to reach beyond them."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja's `namespace`, refusing underscore-prefixed attributes (as transformers does)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: `namespace(self=...)` works
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace (got {name!r})")
-
-
-# Names a message's reasoning arrives under; templates read `reasoning_content` (gpt-oss: `thinking`).
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as transformers hands them to a template: keys whose value is None dropped
-    (templates test for a missing key, not for None), reasoning under each of its names."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if not isinstance(message, dict):
-            out.append(message)
-            continue
-        message = {key: value for key, value in message.items() if value is not None}
-        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        out.append(message)
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    # The environment transformers' apply_chat_template builds (utils/chat_template_utils.py).
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ModelFormatError(f"chat template does not parse (line {exc.lineno}: {exc.message})") from exc
 
 
 def _read_optional_json(path: Path) -> dict[str, Any]:

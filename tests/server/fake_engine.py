@@ -76,7 +76,7 @@ class FakeTokenizer:
                             tools: Any = None, budget: TemplateBudget | None = None, **kwargs: Any) -> str:
         self.last_template_kwargs = kwargs
         return ChatTemplate(self.chat_template).render(messages, add_generation_prompt=add_generation_prompt,
-                                                       tools=tools, budget=budget, **kwargs)
+                                                       tools=tools, budget=budget, template_kwargs=kwargs)
 
 
 class FakeEngine:

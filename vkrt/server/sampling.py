@@ -20,6 +20,7 @@ from vkrt.server.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from vkrt.tokenizer import Tokenizer
 
 # OpenAI's default for /v1/completions; chat defaults to "until the context is full".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -186,7 +187,7 @@ def chat_prompt(engine: EngineClient, messages: list[ChatMessage], add_generatio
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def _escaped_ids(tokenizer: Any, dicts: list[dict[str, Any]], text: str,
+def _escaped_ids(tokenizer: Tokenizer, dicts: list[dict[str, Any]], text: str,
                  render: Callable[[list[dict[str, Any]]], str]) -> list[int]:
     """`text`'s ids with each message's content tokenised as plain text, so a user writing
     "<|im_end|>" gets the characters, not the control token.
