@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: KV=f32,f16 ACCESS=texel,ssbo
+//! variants: KV=f32,f16 NORM=none,qk ACCESS=texel,ssbo
 // qkv_rope_kv_write: the attention prologue in one dispatch. qkv [T, (H + 2 KVH) * head_dim]
 // is the stacked q/k/v projection; q = rope(qkv[:, q cols]) goes to the output, and
 // rope(k) and v are stored at the token's cache slot (slot < 0: padding, nothing stored).
@@ -9,8 +9,17 @@
 // Per token the invocations are: q_width q elements, then kv_items cache items (f32: one
 // element of k and v each; f16: one u32 word = two halves of k and v each; head_dim is even,
 // so kv_dim is even and every cache row is whole words, no edge merging).
+// NORM_QK (qkv_norm_rope_kv_write, the QK-norm of Qwen3 and Gemma 3): each q and k head is
+// first RMS-normalised with the weights q_norm / k_norm [head_dim]. One workgroup of
+// ROW_LANES lanes per (token, head of the H + 2 KVH): the head's sum of squares is reduced
+// exactly as norm.comp reduces a row of head_dim, and x * inv * w is norm.comp's expression,
+// so the result is bit-identical to rms_norm over [T * heads, head_dim] views followed by
+// this shader's NORM_NONE variant.
 #include "access.glsl"
 #include "cast.glsl"
+#ifdef NORM_QK
+#include "reduce.glsl"
+#endif
 DECLARE_LOCAL_SIZE;
 
 IN_F32(0, qkv);
@@ -25,6 +34,10 @@ OUT_F32(4, v_cache);
 #endif
 IN_I32(5, slots);
 OUT_F32(6, q);
+#ifdef NORM_QK
+IN_F32(7, q_norm);
+IN_F32(8, k_norm);
+#endif
 
 #if defined(KV_F16)
 #define KV_ELEMS 2u
@@ -41,33 +54,92 @@ layout(push_constant) uniform Push {
     uint max_positions;
     uint interleaved;
     uint row_items;      // q_width + kv_items
+#ifdef NORM_QK
+    float eps;
+#endif
 } pc;
+
+#ifdef NORM_QK
+float head_inv;    // 1 / rms of the workgroup's head
+bool head_is_q;    // which norm weights it takes
+// Element i of the qkv buffer (dim d of its head), normalised as norm.comp normalises it.
+float source(uint i, uint d) {
+    return LD_F32(qkv, i) * head_inv * (head_is_q ? LD_F32(q_norm, d) : LD_F32(k_norm, d));
+}
+#else
+float source(uint i, uint d) { return LD_F32(qkv, i); }
+#endif
 
 // Element `col` of token t's qkv row after rope (k and v columns start on head boundaries,
 // so col % head_dim is the dim within its head). As rope.comp, term for term.
 float roped(uint t, uint col, uint p) {
     uint i = t * (pc.q_width + 2u * pc.kv_dim) + col;
     uint d = col % pc.head_dim;
-    if (d >= pc.rot_dim) return LD_F32(qkv, i);
+    if (d >= pc.rot_dim) return source(i, d);
     uint half_rot = pc.rot_dim / 2u;
-    uint j, partner;
+    uint j, partner, partner_d;
     bool first;
     if (pc.interleaved != 0u) {
         j = d / 2u;
         first = (d & 1u) == 0u;
         partner = first ? i + 1u : i - 1u;
+        partner_d = first ? d + 1u : d - 1u;
     } else {
         first = d < half_rot;
         j = first ? d : d - half_rot;
         partner = first ? i + half_rot : i - half_rot;
+        partner_d = first ? d + half_rot : d - half_rot;
     }
     float c = LD_F32(cos_sin, p * pc.rot_dim + j);
     float s = LD_F32(cos_sin, p * pc.rot_dim + half_rot + j);
-    precise float out_value = first ? LD_F32(qkv, i) * c - LD_F32(qkv, partner) * s
-                                    : LD_F32(qkv, i) * c + LD_F32(qkv, partner) * s;
+    float x = source(i, d), y = source(partner, partner_d);
+    precise float out_value = first ? x * c - y * s : x * c + y * s;
     return out_value;
 }
 
+#ifdef NORM_QK
+void main() {
+    uint heads = (pc.q_width + 2u * pc.kv_dim) / pc.head_dim;
+    uint wg = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    if (wg >= pc.tokens * heads) return;  // the whole workgroup leaves: no barrier is skipped
+    uint lane = gl_LocalInvocationID.x;
+    uint t = wg / heads, head = wg % heads;
+    uint q_heads = pc.q_width / pc.head_dim, kv_heads = pc.kv_dim / pc.head_dim;
+    uint col0 = head * pc.head_dim;  // the head's first column in qkv
+    uint row0 = t * (pc.q_width + 2u * pc.kv_dim) + col0;
+    head_is_q = head < q_heads;
+    bool is_v = head >= q_heads + kv_heads;
+    if (!is_v) {  // uniform per workgroup, so the reduction's barriers are reached by all lanes
+        float sq = 0.0;
+        for (uint j = lane; j < pc.head_dim; j += ROW_LANES) {
+            float v = LD_F32(qkv, row0 + j);
+            sq += v * v;
+        }
+        head_inv = 1.0 / sqrt(workgroup_sum(sq) / float(pc.head_dim) + pc.eps);
+    }
+    uint p = uint(clamp(LD_I32(positions, t), 0, int(pc.max_positions) - 1));
+    if (head_is_q) {
+        for (uint j = lane; j < pc.head_dim; j += ROW_LANES) q[t * pc.q_width + col0 + j] = roped(t, col0 + j, p);
+        return;
+    }
+    int slot = LD_I32(slots, t);
+    if (slot < 0) return;
+    uint kv_head = is_v ? head - q_heads - kv_heads : head - q_heads;
+    uint dst0 = uint(slot) * (pc.kv_dim / KV_ELEMS) + kv_head * (pc.head_dim / KV_ELEMS);
+    for (uint w = lane; w < pc.head_dim / KV_ELEMS; w += ROW_LANES) {
+        uint col = col0 + w * KV_ELEMS;
+#if defined(KV_F16)
+        if (is_v) v_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, row0 + 2u * w)))
+                                   | (f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, row0 + 2u * w + 1u))) << 16);
+        else k_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(roped(t, col, p)))
+                               | (f32_bits_to_f16_bits(floatBitsToUint(roped(t, col + 1u, p))) << 16);
+#else
+        if (is_v) v_cache[dst0 + w] = LD_F32(qkv, row0 + w);
+        else k_cache[dst0 + w] = roped(t, col, p);
+#endif
+    }
+}
+#else
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     if (i >= pc.tokens * pc.row_items) return;
@@ -93,3 +165,4 @@ void main() {
     v_cache[dst] = LD_F32(qkv, v_src);
 #endif
 }
+#endif
