@@ -3,7 +3,7 @@
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
 Phi3ForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
-golden.json in the tiny llamas' schema. Qwen3 and Gemma 3 are also written as GGUF files
+golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
 computes after loading those GGUF files.
@@ -39,6 +39,9 @@ BASE = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+
+# Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
+GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3")
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
 PHI3_LONG = [1.0, 1.5, 2.2, 3.0, 4.0, 5.2, 6.5, 8.0]
@@ -95,9 +98,9 @@ def _randomise(model, gemma: bool) -> None:
 
 
 def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
-    """HF state dict -> llama.cpp tensor names. Neither family's q/k rows are permuted by
-    llama.cpp's converter (that is done for llama-type archs only); Gemma norms become 1 + w."""
-    gemma = arch == "gemma3"
+    """HF state dict -> llama.cpp tensor names. None of these families' q/k rows are permuted
+    by llama.cpp's converter (that is done for llama-type archs only); Gemma norms become 1 + w."""
+    gemma = arch.startswith("gemma")
     per_layer = {
         "input_layernorm": "attn_norm",
         "self_attn.q_proj": "attn_q",
@@ -153,9 +156,13 @@ def _write_gguf(path: Path, arch: str, cfg, tensors: dict[str, np.ndarray]) -> N
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch == "gemma3":
         w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-        w.add_sliding_window(cfg.sliding_window)
     else:
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for name, value in tensors.items():
@@ -203,11 +210,11 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
         print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
 
-        if family in ("Qwen3", "Gemma3"):
-            _make_gguf(fixtures, fixture, family, cfg, reloaded, seed, prompts, golden_for, sha256_file)
+        if family in GGUF_FAMILIES:
+            _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
 
-def _make_gguf(fixtures: Path, fixture: str, family: str, cfg, model, seed: int,
+def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any], cfg, model,
                prompts: list[list[int]], golden_for, sha256_file) -> None:
     """The same family as a GGUF; the golden is transformers' forward of the GGUF file."""
     import torch
@@ -220,19 +227,24 @@ def _make_gguf(fixtures: Path, fixture: str, family: str, cfg, model, seed: int,
     if family == "Gemma3":
         # transformers' GGUF reader cannot express rope scaling for gemma3, so this file's
         # model has none (a fresh model with plain rope on both layer types, same weights).
-        kwargs = dict(GEMMA3_SMALL, rope_parameters={
+        cfg = transformers.Gemma3TextConfig(**dict(GEMMA3_SMALL, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
-        cfg = transformers.Gemma3TextConfig(**kwargs)
-        plain = model_cls(cfg).eval()
-        plain.load_state_dict(model.state_dict())
-        model = plain
-        # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256);
-        # llama.cpp scales queries by 1/sqrt(head_dim) (the 27B aside), as vkrt does.
-        overrides["query_pre_attn_scalar"] = cfg.head_dim
-    else:
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}))
+    elif family == "Gemma2":
+        # llama.cpp scales queries by 1/sqrt(head_dim) (the 27B aside): this file's model
+        # has query_pre_attn_scalar = head_dim, the rest (softcaps included) as before.
+        cfg = transformers.Gemma2Config(**dict(kwargs, query_pre_attn_scalar=kwargs["head_dim"]))
+        overrides["attn_logit_softcapping"] = cfg.attn_logit_softcapping
+        overrides["final_logit_softcapping"] = cfg.final_logit_softcapping
+    elif family == "Qwen3":
         # transformers' qwen3 GGUF mapping does not read attention.key_length.
         overrides["head_dim"] = cfg.head_dim
+    if family.startswith("Gemma"):
+        same_weights = model_cls(cfg).eval()
+        same_weights.load_state_dict(model.state_dict())
+        model = same_weights
+        # transformers' GGUF reader leaves query_pre_attn_scalar at its default (256).
+        overrides["query_pre_attn_scalar"] = cfg.head_dim
     out_dir = fixtures / f"{fixture}_gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.iterdir():

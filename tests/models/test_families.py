@@ -21,8 +21,8 @@ from vkrt.loader import load_model
 from vkrt.models import build_model
 from vkrt.models.decoder import DecoderModel
 
-FAMILIES = ["tiny_qwen2", "tiny_qwen3", "tiny_qwen3_gguf", "tiny_mistral", "tiny_gemma2", "tiny_gemma3",
-            "tiny_gemma3_gguf", "tiny_phi3"]
+FAMILIES = ["tiny_qwen2", "tiny_qwen2_gguf", "tiny_qwen3", "tiny_qwen3_gguf", "tiny_mistral", "tiny_gemma2",
+            "tiny_gemma2_gguf", "tiny_gemma3", "tiny_gemma3_gguf", "tiny_phi3"]
 LLAMAS = ["tiny_llama", "tiny_llama_tied", "tiny_llama_bf16"]
 # Stated bound: max |logit difference| against transformers' float32 forward. Measured
 # 1.6e-5 at most on both backends (most of it the goldens' 6-digit rounding); 10x that,
@@ -79,12 +79,7 @@ def test_vulkan_equals_reference_token_for_token(name: str, ref: Backend, vk_def
     assert runs[0] == runs[1] == case["greedy_ids"]
 
 
-# QK-norm families call qkv_norm_rope_kv_write, which has a numpy reference but no Vulkan
-# kernel yet: their decode steps drain once per layer and cannot be recorded for replay.
-QK_NORM_FAMILIES = ["tiny_qwen3", "tiny_qwen3_gguf", "tiny_gemma3", "tiny_gemma3_gguf"]
-
-
-@pytest.mark.parametrize("name", [f for f in FAMILIES if f not in QK_NORM_FAMILIES])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_replayed_decode_step_is_one_submit_without_drains(name: str, vk_default: Backend) -> None:
     """Through the engine: recorded decode steps replay in one submit and never drain."""
     cases = _golden(name)["cases"][1:]
@@ -99,15 +94,3 @@ def test_replayed_decode_step_is_one_submit_without_drains(name: str, vk_default
     assert worst["submits"] == 1 and worst["fence_waits"] == 1
     assert stats["last_step"]["replayed"]
 
-
-@pytest.mark.parametrize("name", QK_NORM_FAMILIES)
-def test_qk_norm_decode_drains_only_the_missing_kernel(name: str, vk_default: Backend) -> None:
-    """Until qkv_norm_rope_kv_write is native: exactly one drain per layer per decode step, and
-    everything else native. This fails once the kernel lands: then move these families into
-    the replay test above."""
-    model = DecoderModel(load_model(_model_path(name)), vk_default)
-    driver = Greedy(model, max_len=MAX_LEN)
-    case = _golden(name)["cases"][-1]
-    assert driver.generate(case["input_ids"], 4) == case["greedy_ids"][:4]
-    for counters in driver.step_counters[1:]:
-        assert counters["drains"] == model.config.num_layers

@@ -76,6 +76,10 @@ def test_gemma2_traits() -> None:
     assert [layer.window for layer in c.layers] == [8, 0]
     assert (c.attn_softcap, c.final_softcap) == (5.0, 4.0)
     assert c.query_scale == 24 ** -0.5
+    g = load_model(FIXTURES / "tiny_gemma2_gguf" / "model.gguf").config
+    assert [layer.window for layer in g.layers] == [8, 0]
+    assert (g.attn_softcap, g.final_softcap, g.query_scale, g.norm_offset) == (5.0, 4.0, 16 ** -0.5, 0.0)
+    assert (g.sandwich_norms, g.hidden_act, g.embedding_scale) == (True, "gelu_tanh", 8.0)
 
 
 def test_mistral_window_on_every_layer_without_a_context_cap() -> None:
@@ -87,6 +91,8 @@ def test_mistral_window_on_every_layer_without_a_context_cap() -> None:
 def test_qwen_traits() -> None:
     q2, q3 = load_model(FIXTURES / "tiny_qwen2").config, load_model(FIXTURES / "tiny_qwen3").config
     assert (q2.qkv_bias, q2.qk_norm, q3.qkv_bias, q3.qk_norm) == (True, False, False, True)
+    g2 = load_model(FIXTURES / "tiny_qwen2_gguf" / "model.gguf").config
+    assert (g2.qkv_bias, g2.layers, g2.tie_word_embeddings) == (True, q2.layers, True)
     g = load_model(FIXTURES / "tiny_qwen3_gguf" / "model.gguf").config
     assert (g.qk_norm, g.layers, g.head_dim) == (True, q3.layers, 16)
 
