@@ -22,7 +22,7 @@ from vkrt.server.chat import create_chat_completion
 from vkrt.server.completions import create_completion
 from vkrt.server.config import PUBLIC_PATHS, ServerConfig
 from vkrt.server.engine_client import EngineClient, require_tokenizer
-from vkrt.server.errors import APIError, install_error_handlers
+from vkrt.server.errors import APIError, install_error_handlers, shown
 from vkrt.server.generation import ServerState
 from vkrt.server.middleware import ServerMiddleware
 from vkrt.server.protocol import (
@@ -33,6 +33,7 @@ from vkrt.server.protocol import (
 )
 from vkrt.server.responses import check_model
 from vkrt.server.sampling import chat_prompt, check_prompt_chars, check_text_fields
+from vkrt.tokenizer import Tokenizer
 
 log = logging.getLogger("vkrt.server")
 
@@ -123,7 +124,7 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         engine = state.require_engine()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt", code="invalid_value")
-        check_text_fields(body)
+        await state.run_cpu(check_text_fields, body)  # a walk over every string: off the loop too
         return JSONResponse(await state.run_cpu(_tokenize, engine, body, config))
 
     @app.post("/detokenize", response_model=schemas.DetokenizeResponse,
@@ -131,11 +132,7 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         check_model(state, body.model)
         tokenizer = require_tokenizer(state.require_engine(), "tokens")
-        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
-                           param="tokens", code="invalid_value")
-        return JSONResponse({"prompt": await state.run_cpu(tokenizer.decode, body.tokens)})
+        return JSONResponse({"prompt": await state.run_cpu(_detokenize, tokenizer, body.tokens)})
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -160,6 +157,14 @@ def _tokenize(engine: EngineClient, body: TokenizeRequest, config: ServerConfig)
         ids = tokenizer.encode(text, add_special_tokens=add_special)
     token_strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
+
+
+def _detokenize(tokenizer: Tokenizer, tokens: list[int]) -> str:
+    bad = next((t for t in tokens if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: id {shown(bad)} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                       param="tokens", code="invalid_value")
+    return tokenizer.decode(tokens)
 
 
 def _openapi_document(app: FastAPI) -> dict[str, Any]:

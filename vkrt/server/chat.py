@@ -21,7 +21,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
-    check_text_fields(body)
+    await state.run_cpu(check_text_fields, body)  # a walk over every string: off the loop too
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config)
     generation = start_generation(state, raw, body, prompt_ids, prompt, "messages", "chatcmpl", arrival)

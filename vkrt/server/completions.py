@@ -22,7 +22,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
-    check_text_fields(body)
+    await state.run_cpu(check_text_fields, body)  # a walk over every string: off the loop too
     prompt_ids = await state.run_cpu(completion_prompt_ids, engine, body, state.config.max_prompt_chars)
     prompt_text = body.prompt if isinstance(body.prompt, str) else None
     generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)
