@@ -94,3 +94,23 @@ def test_replayed_decode_step_is_one_submit_without_drains(name: str, vk_default
     assert worst["submits"] == 1 and worst["fence_waits"] == 1
     assert stats["last_step"]["replayed"]
 
+
+
+def test_decoder_runs_smollm2_like_the_llama_model(smollm2_path: Path, vk_default: Backend) -> None:
+    """The generic decoder on the shipped Llama-family model: the same greedy ids and the same
+    dispatches per decode step as models/llama.py (which it is meant to replace)."""
+    from vkrt.models.llama import LlamaModel
+
+    prompt = _smollm2_prompt()
+    runs = []
+    for cls in (LlamaModel, DecoderModel):
+        driver = Greedy(cls(load_model(smollm2_path), vk_default), max_len=len(prompt) + 17)
+        ids = driver.generate(prompt, 16)
+        decode = driver.step_counters[1:]
+        assert all(c["drains"] == 0 for c in decode)
+        runs.append((ids, [c["dispatches"] for c in decode]))
+    assert runs[0] == runs[1]
+
+
+def _smollm2_prompt() -> list[int]:
+    return json.loads((FIXTURES / "smollm2_golden.json").read_text())["text_prompts"][0]["prompt_ids"]
