@@ -29,6 +29,7 @@ class ServerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     kv_cache_memory: int | None = None  # bytes
+    kv_dtype: str = "f16"  # KV cache element type (--kv-cache-dtype)
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters/ids logged per request; None: all
     disable_metrics: bool = False
@@ -44,7 +45,7 @@ class ServerConfig:
     cpu_workers: int = 4  # threads that tokenise and render templates off the event loop
     # Connection limits (uvicorn/h11 underneath).
     timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this
-    timeout_read: float = 30.0  # a request head, and then its body, must arrive within this
+    timeout_read: float = 10.0  # a request head, and then its body, must arrive within this
     limit_concurrency: int = 512  # open connections + requests in progress; beyond it 503
     max_header_bytes: int = 16 * 1024  # request line + headers; larger gets 431
     uvicorn_log_level: str = "info"
@@ -80,6 +81,7 @@ class ServerConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=self.kv_cache_memory,
+            kv_dtype=self.kv_dtype,
             enable_replay=self.enable_replay,
         )
 

@@ -4,7 +4,8 @@ uvicorn closes idle keep-alive connections but sets no deadline for a request he
 client that opens a connection and sends nothing (or one byte a minute) holds it forever.
 `_HeadDeadlineProtocol` closes a connection whose next request head has not arrived within
 `timeout_read` seconds; the middleware bounds the body the same way. `limit_concurrency`
-caps connections plus requests in progress (beyond it uvicorn answers 503).
+caps connections plus requests in progress: uvicorn answers 503 to a request over it, and
+a connection over it gets the same 503 at once and is closed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vkrt.server.config import ServerConfig
+
+_OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                  b"connection: close\r\ncontent-length: 27\r\n\r\nExceeded concurrency limit.")
 
 
 class _HeadDeadlineProtocol(H11Protocol):
@@ -38,6 +42,12 @@ class _HeadDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+            # Over the cap before a byte is read: uvicorn would only answer once a head arrives,
+            # so a flood of silent connections would hold a descriptor each until the deadline.
+            transport.write(_OVER_CAPACITY)
+            transport.close()
+            return
         self._arm_head_timer()
 
     def on_response_complete(self) -> None:
