@@ -174,9 +174,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    write_llama_gguf(path, hf_weights(), types={"layers.1.up_proj": Q.Q5_0})
-    with pytest.raises(UnsupportedModelError, match=r"q5\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type Q5_0"):
+    path = tmp_path / "iq2.gguf"  # IQ2_XXS: a GGUF type no registered format decodes
+    write_llama_gguf(path, hf_weights(), types={"layers.1.up_proj": Q.IQ2_XXS})
+    with pytest.raises(UnsupportedModelError, match=r"iq2\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type IQ2_XXS"):
         load_model(path)
 
 

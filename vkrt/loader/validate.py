@@ -200,13 +200,15 @@ def token_ids(source: str, ids: Iterable[tuple[str, Any]], vocab_size: int | Non
 HF_CONFIG_TYPES: dict[str, str] = {
     "vocab_size": "count", "hidden_size": "count", "intermediate_size": "count",
     "num_hidden_layers": "count", "num_attention_heads": "count", "num_key_value_heads": "count",
-    "head_dim": "count", "max_position_embeddings": "count", "sliding_window": "count",
+    "head_dim": "count", "max_position_embeddings": "count", "sliding_window": "size",
     "rms_norm_eps": "number", "rope_theta": "number", "tie_word_embeddings": "bool",
     "hidden_act": "str", "rope_scaling": "object", "rope_parameters": "object",
     "bos_token_id": "id", "eos_token_id": "ids", "architectures": "strs",
 }
+# Fields that have a default when absent but no meaning as null.
+_HF_NOT_NULL = ("rms_norm_eps", "max_position_embeddings")
 _HF_TYPE_TEXT = {
-    "count": "a positive integer", "number": "a finite number", "bool": "true or false",
+    "count": "a positive integer", "size": "a non-negative integer", "number": "a finite number", "bool": "true or false",
     "str": "a string", "object": "an object", "id": "a token id", "ids": "a token id or a list of them",
     "strs": "a list of strings",
 }
@@ -215,6 +217,8 @@ _HF_TYPE_TEXT = {
 def _hf_type_ok(kind: str, value: Any) -> bool:
     if kind == "count":
         return _is_int(value) and value >= 1
+    if kind == "size":
+        return _is_int(value) and value >= 0
     if kind == "number":
         return _is_number(value)
     if kind == "bool":
@@ -234,7 +238,7 @@ def hf_config(source: Path, cfg: Mapping[str, Any]) -> None:
     """config.json fields have the JSON types transformers writes (null means 'not set')."""
     for key, kind in HF_CONFIG_TYPES.items():
         value = cfg.get(key)
-        if value is not None and not _hf_type_ok(kind, value):
+        if (value is not None or key in _HF_NOT_NULL and key in cfg) and not _hf_type_ok(kind, value):
             raise ModelFormatError(f"{source}: {key} is {_show(value)}, but it must be "
                                    f"{_HF_TYPE_TEXT[kind]}; fix or re-download the file")
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
