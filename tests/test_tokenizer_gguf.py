@@ -118,6 +118,27 @@ def test_gemma_spm_adds_no_prefix_and_merges_by_vocabulary_order(tmp_path: Path)
     assert tok.decode([vocab["▁hello"]]) == " hello"
 
 
+# ---- byte-level BPE pre-tokenizers by `tokenizer.ggml.pre` ------------------------------------
+
+
+@pytest.mark.parametrize(("pre", "pieces"), [
+    # Worked out by hand from each regex: llama3 groups digits by three, qwen2 and tekken
+    # split them one by one, gpt-4o keeps a contraction on its word.
+    ("llama-bpe", ["Hello", "ĠWorld", "'s", "Ġ", "123", "45"]),
+    ("qwen2", ["Hello", "ĠWorld", "'s", "Ġ", "1", "2", "3", "4", "5"]),
+    ("deepseek-r1-qwen", ["Hello", "ĠWorld", "'s", "Ġ", "1", "2", "3", "4", "5"]),
+    ("tekken", ["Hello", "ĠWorld", "'s", "Ġ", "1", "2", "3", "4", "5"]),
+    ("gpt-4o", ["Hello", "ĠWorld's", "Ġ", "123", "45"]),
+    ("default", ["Hello", "ĠWorld", "'s", "Ġ12345"]),
+    ("smollm", ["Hello", "ĠWorld", "'s", "Ġ", "1", "2", "3", "4", "5"]),
+])
+def test_pre_tokenizer_splits(pre: str, pieces: list[str]) -> None:
+    from vkrt.tokenizer import PRE_TOKENIZERS
+
+    split = PRE_TOKENIZERS[pre].build().pre_tokenize_str("Hello World's 12345")
+    assert [piece for piece, _ in split] == pieces
+
+
 # ---- chat templates rendered as transformers renders them ----------------------------------
 
 

@@ -41,6 +41,20 @@ _QWEN2_RE = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_RE = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_RE = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,12 @@ _SMOLLM = _PreTokenizerSpec(split_regex=None, individual_digits=True)
 _LLAMA3 = _PreTokenizerSpec(split_regex=_LLAMA3_RE, ignore_merges=True, add_bos=True)
 _GPT2 = _PreTokenizerSpec(split_regex=None)
 _QWEN2 = _PreTokenizerSpec(split_regex=_QWEN2_RE)
+_QWEN35 = _PreTokenizerSpec(split_regex=_QWEN35_RE)
+_TEKKEN = _PreTokenizerSpec(split_regex=_TEKKEN_RE, ignore_merges=True, add_bos=True)  # Mistral Nemo, Ministral
+_GPT4O = _PreTokenizerSpec(split_regex=_GPT4O_RE)
 
+# `tokenizer.ggml.pre` names (llama.cpp's llama-vocab) -> split; the regexes are the ones
+# transformers' GGUF loader uses for the same names, so ids match its.
 PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
     "default": _GPT2,
     "gpt-2": _GPT2,
@@ -75,7 +94,16 @@ PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
     "starcoder": _SMOLLM,
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "dbrx": _LLAMA3,
     "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "megrez": _QWEN2,
+    "qwen35": _QWEN35,
+    "tekken": _TEKKEN,
+    "gpt-4o": _GPT4O,
 }
 
 
