@@ -28,7 +28,8 @@ def vulkan() -> str:
 
 
 def tiny(device: str, **kwargs: Any) -> LLM:
-    return LLM(TINY, device=device, max_model_len=128, **kwargs)
+    # f32 KV: draws are compared across backends, whose f16 roundings of K/V could differ.
+    return LLM(TINY, device=device, max_model_len=128, **{"kv_dtype": "f32", **kwargs})
 
 
 def sampled(seed: int | None, max_tokens: int = 24, **kwargs: Any) -> SamplingParams:

@@ -32,7 +32,8 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 def tiny(device: str, **kwargs: Any) -> LLM:
-    return LLM(TINY, device=device, max_model_len=128, **kwargs)
+    # f32 KV: the goldens are transformers' fp32 logits, compared at tight bounds.
+    return LLM(TINY, device=device, max_model_len=128, **{"kv_dtype": "f32", **kwargs})
 
 
 def greedy(n: int) -> SamplingParams:
@@ -110,7 +111,7 @@ def test_smollm2_batched_greedy_and_chat_match_transformers(smollm2_path: Path) 
     golden = json.loads((TINY.parent / "smollm2_golden.json").read_text())
     text_case, chat_case = golden["text_prompts"][0], golden["chats"][0]
     # Reference backend: the slowest test here (~40 s on 2 cores), so only 6 tokens each.
-    llm = LLM(smollm2_path, device="reference", max_model_len=256)
+    llm = LLM(smollm2_path, device="reference", max_model_len=256, kv_dtype="f32")
     tokenizer = llm.tokenizer
     assert tokenizer is not None
     rendered = tokenizer.apply_chat_template(chat_case["messages"])

@@ -30,7 +30,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None: sized below
     num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
-    kv_dtype: str = "f32"
+    kv_dtype: str = "f16"  # KV cache elements; f32 where tests compare against goldens tightly
     enable_prefix_caching: bool = True
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0
