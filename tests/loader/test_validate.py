@@ -234,7 +234,7 @@ def test_duplicate_tensor_across_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("shard", ["/etc/passwd", "../../etc/hostname", "../m/model-00001-of-00002.safetensors",
-                                   "", 7, "a\x00b"])
+                                   "", ".", 7, "a\x00b"])
 def test_index_paths_stay_inside_the_model_directory(tmp_path: Path, shard: Any) -> None:
     model_dir = hf_with(tmp_path)
     index_path = model_dir / "model.safetensors.index.json"

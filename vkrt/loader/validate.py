@@ -55,7 +55,7 @@ def regular_file(path: Path) -> Path:
         raise ModelFormatError(f"{path}: cannot be read ({exc.strerror})") from None
     if not stat.S_ISREG(mode):
         raise ModelFormatError(
-            f"{path}: not a regular file (a pipe, socket or device); pass a .gguf file or a Hugging "
+            f"{path}: not a regular file (a directory, pipe, socket or device); pass a .gguf file or a Hugging "
             "Face model directory"
         )
     return path
@@ -67,7 +67,7 @@ def confined_path(model_dir: Path, name: Any, source: Path) -> Path:
         raise ModelFormatError(f"{source}: names the file {_show(name)}, which is not a file name; "
                                "re-download the model")
     rel = PurePosixPath(name.replace("\\", "/"))
-    if rel.is_absolute() or ".." in rel.parts or ":" in rel.parts[0]:
+    if not rel.parts or rel.is_absolute() or ".." in rel.parts or ":" in rel.parts[0]:
         raise ModelFormatError(
             f"{source}: names {_show(name)}, which is outside the model directory; model files "
             "may only name files next to them"
@@ -377,8 +377,8 @@ def model_config(source: str, config: ModelConfig, weights: Mapping[str, WeightD
         raise ModelFormatError(f"{source}: rope_freqs has shape {freqs.shape}, but head_dim "
                                f"{config.head_dim} needs ({config.head_dim // 2},); the file is corrupt")
     if config.max_position_embeddings > MAX_POSITIONS:
-        log.warning("%s: a context of %d positions is more than 32-bit positions address; using %d",
-                    source, config.max_position_embeddings, MAX_POSITIONS)
+        log.warning("%s: context length %d is beyond 32-bit positions; capped at %d (--max-model-len "
+                    "decides what is used)", source, config.max_position_embeddings, MAX_POSITIONS)
         config = dataclasses.replace(config, max_position_embeddings=MAX_POSITIONS)
     return config
 
