@@ -224,7 +224,8 @@ class Tokenizer:
                 f"{len(scores)} scores); the GGUF is corrupt"
             )
         validate.gguf_token_list(source, tokens)
-        validate.token_ids(source, [(k, get(k)) for k in validate.GGUF_TOKEN_IDS if get(k) is not None], len(tokens))
+        validate.gguf_tokenizer(source, {k: get(k) for k in (*validate.GGUF_TOKEN_IDS, *validate.GGUF_TOKENIZER_STRINGS)},
+                                len(tokens))
         if kind == "gpt2":
             pre_name = get("tokenizer.ggml.pre", "default")
             pre = PRE_TOKENIZERS.get(pre_name)

@@ -208,6 +208,8 @@ def gguf_cases(tmp: Path, rng: random.Random) -> list[Case]:
         ("tokenizer.ggml.token_type", [3] * len(tokens), V.ARRAY, False),
         ("tokenizer.ggml.token_type", [1] * 10, V.ARRAY, True),
         ("tokenizer.chat_template", "{% for %}", V.STRING, True), ("tokenizer.chat_template", "{{ x", V.STRING, True),
+        ("tokenizer.chat_template", 7, V.UINT32, True), ("tokenizer.chat_template", ["a"], V.ARRAY, True),
+        ("tokenizer.ggml.pre", ["a"], V.ARRAY, True),
         ("llama.rope.scaling.type", "linear", V.STRING, True),
         ("llama.rope.scaling.type", "bogus", V.STRING, True),
         ("llama.rope.scaling.factor", float("nan"), V.FLOAT32, True),

@@ -162,6 +162,7 @@ GGUF_TOKEN_IDS = tuple(
     f"tokenizer.ggml.{name}_token_id"
     for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "mask")
 )
+GGUF_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
 
 
 def gguf_metadata(source: str, arch: str, meta: Mapping[str, Any], n_tokens: int | None) -> None:
@@ -176,7 +177,15 @@ def gguf_metadata(source: str, arch: str, meta: Mapping[str, Any], n_tokens: int
         if key in meta and not _is_number(meta[key]):
             raise ModelFormatError(f"{source}: metadata {key} is {_show(meta[key])}, but it must be a "
                                    "finite number; the file is corrupt")
-    token_ids(source, ((key, meta[key]) for key in GGUF_TOKEN_IDS if key in meta), n_tokens)
+    gguf_tokenizer(source, meta, n_tokens)
+
+
+def gguf_tokenizer(source: str, meta: Mapping[str, Any], n_tokens: int | None) -> None:
+    """The tokenizer's strings are strings and its special token ids name tokens."""
+    for key in GGUF_TOKENIZER_STRINGS:
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ModelFormatError(f"{source}: metadata {key} is not a string; the file is corrupt")
+    token_ids(source, ((key, meta[key]) for key in GGUF_TOKEN_IDS if meta.get(key) is not None), n_tokens)
 
 
 def gguf_token_list(source: str, tokens: Any) -> int:
