@@ -230,6 +230,18 @@ def test_duplicate_tensor_across_shards(tmp_path: Path) -> None:
     assert "tensor 'model.norm.weight' is also in another shard" in load_error(model_dir)
 
 
+def test_duplicate_tensor_in_one_header(tmp_path: Path) -> None:
+    model_dir = hf_with(tmp_path)
+    shard = model_dir / "model-00001-of-00002.safetensors"
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + n].rstrip()
+    first = header[1:header.index(b"}}") + 2]  # '"__metadata__": {...}'
+    patched = header[:-1] + b", " + first + b"}"
+    shard.write_bytes(struct.pack("<Q", len(patched)) + patched + raw[8 + n:])
+    assert "the header names '__metadata__' twice" in load_error(model_dir)
+
+
 # ---- defect 10: shard paths escaping the model directory -------------------------------
 
 

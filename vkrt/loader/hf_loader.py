@@ -82,7 +82,7 @@ def read_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], np.nda
             raise ModelFormatError(f"{path}: the header length field exceeds the file; the file is "
                                    "truncated or not a safetensors file")
         try:
-            header = json.loads(f.read(header_len))
+            header = json.loads(f.read(header_len), object_pairs_hook=validate.unique_keys(path))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise ModelFormatError(f"{path}: the safetensors header is not valid JSON; re-download it") from None
     data_start = 8 + header_len

@@ -13,7 +13,8 @@ import dataclasses
 import logging
 import math
 import stat
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -266,6 +267,17 @@ class SafetensorsEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
+
+
+def unique_keys(source: Path) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A json `object_pairs_hook` refusing a repeated key (json keeps the last one silently)."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            key = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+            raise ModelFormatError(f"{source}: the header names {_show(key)} twice; re-download the file")
+        return out
+    return hook
 
 
 def safetensors_header(source: Path, header: Any, data_size: int) -> list[SafetensorsEntry]:
