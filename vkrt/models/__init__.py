@@ -7,13 +7,10 @@ from vkrt.errors import UnsupportedModelError
 from vkrt.loader.config import LoadedModel
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.models.decoder import DecoderModel
-from vkrt.models.llama import LlamaModel
 
-# Every family is the generic decoder; Llama keeps its own file until the fusion pass
-# matches its dispatch count through the decoder.
+# Every family is a configuration of the generic decoder (vkrt/loader/normalize.py).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    "llama": LlamaModel,
-    **{name: DecoderModel for name in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")},
+    name: DecoderModel for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 }
 
 
