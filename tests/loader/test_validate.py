@@ -103,9 +103,20 @@ def test_huge_context_sizes_the_rope_table_from_the_kv_cache(tmp_path: Path, con
     path = gguf_with(tmp_path, "llama.context_length", context, V.UINT64)
     loaded = finishes(lambda: load_model(path))
     assert loaded.config.max_position_embeddings == 2**31 - 1  # capped at 32-bit positions
-    model = build_model(loaded, get_backend("reference"))
-    model.allocate_kv_cache(4, 16)
-    assert model.cos_sin(0).shape == (64, SMALL.head_dim)  # 4 blocks of 16 positions, not 2^31
+    from vkrt.backend.reference import ReferenceBackend
+
+    class Recording(ReferenceBackend):
+        uploads: list[tuple[int, ...]] = []
+
+        def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Any:
+            self.uploads.append(np.shape(array))
+            return super().upload(array, dtype, purpose)
+
+    backend = Recording()
+    build_model(loaded, backend).allocate_kv_cache(4, 16)
+    # The RoPE table: 4 blocks of 16 positions, not 2^31 (no other upload has 64 rows of head_dim).
+    assert (64, SMALL.head_dim) in backend.uploads
+    assert max(shape[0] for shape in backend.uploads if shape) <= SMALL.vocab
 
 
 def test_safetensors_header_that_is_an_array(tmp_path: Path) -> None:
