@@ -157,9 +157,9 @@ def test_overwriting_an_input_of_an_earlier_dispatch_gets_a_barrier(vk_default: 
     add = module(vk_default, "elementwise", "add")
     before = _settled(vk_default)
     vk_default.run_shader(add, [(a, "f32", False), (b, "f32", False), (y, "f32", True)],
-                          grid_1d(n), ("<II", (n, n)), local_size())
+                          grid_1d(n), ("<IIf", (n, n, 0.0)), local_size())
     vk_default.run_shader(add, [(b, "f32", False), (b, "f32", False), (a, "f32", True)],
-                          grid_1d(n), ("<II", (n, n)), local_size())
+                          grid_1d(n), ("<IIf", (n, n, 0.0)), local_size())
     assert vk_default.counters.since(before)["barriers"] == 1
     np.testing.assert_array_equal(y.numpy(), np.arange(n, dtype=np.float32) + 1)
     np.testing.assert_array_equal(a.numpy(), np.full(n, 2, np.float32))

@@ -225,7 +225,7 @@ def test_wrong_binding_count_is_refused(vk_default: Any) -> None:
     before = vk_default.counters.snapshot()
     with pytest.raises(LayoutMismatch, match="elementwise.add"):
         vk_default.run_shader(name, [(a, "f32", False), (y, "f32", True)], grid_1d(16),
-                              ("<II", (16, 16)), local_size())
+                              ("<IIf", (16, 16, 0.0)), local_size())
     assert vk_default.counters.since(before)["dispatches"] == 0
 
 
@@ -234,15 +234,15 @@ def test_layout_is_checked_after_the_module_was_used(vk_default: Any) -> None:
     name = module(vk_default, "elementwise", "mul")
     a, b, y = _add_bindings(vk_default, 16)
     good = [(a, "f32", False), (b, "f32", False), (y, "f32", True)]
-    vk_default.run_shader(name, good, grid_1d(16), ("<II", (16, 16)), local_size())
+    vk_default.run_shader(name, good, grid_1d(16), ("<IIf", (16, 16, 0.0)), local_size())
     with pytest.raises(LayoutMismatch):
-        vk_default.run_shader(name, good[:2], grid_1d(16), ("<II", (16, 16)), local_size())
+        vk_default.run_shader(name, good[:2], grid_1d(16), ("<IIf", (16, 16, 0.0)), local_size())
     with pytest.raises(LayoutMismatch):  # the output declared read-only
         vk_default.run_shader(name, [*good[:2], (y, "f32", False)], grid_1d(16),
-                              ("<II", (16, 16)), local_size())
+                              ("<IIf", (16, 16, 0.0)), local_size())
     with pytest.raises(LayoutMismatch):  # an input declared written
         vk_default.run_shader(name, [(a, "f32", True), *good[1:]], grid_1d(16),
-                              ("<II", (16, 16)), local_size())
+                              ("<IIf", (16, 16, 0.0)), local_size())
     np.testing.assert_array_equal(y.numpy(), np.ones(16, np.float32))  # the good call ran
 
 
