@@ -191,6 +191,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "first_token_s", "seconds")} for r in results],
         "per_step": per_step, "per_step_max": best["decode_counters_max"],
         "resident_bytes": memory.get("reserved_bytes"), "memory": memory,
+        "kv_cache_dtype": llm.config.kv_dtype,
+        "kv_bytes_per_token": llm.engine.model.kv_bytes_per_block(1, llm.config.kv_dtype),
         "load_s": load_s, "first_token_s": best["first_token_s"],
     }
     if args.profile:

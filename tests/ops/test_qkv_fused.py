@@ -118,3 +118,5 @@ def test_smollm2_decode_step_has_fewer_dispatches(vk_default: Backend, smollm2_p
     # and cache write as one dispatch (-1 per layer): 154, five per layer.
     assert dispatches < BASELINE_DISPATCHES
     assert dispatches == BASELINE_DISPATCHES - 30 * 5 - 62 - 30
+    # The default KV cache is f16: K and V of 30 layers x 3 KV heads x 64 dims, 2 bytes each.
+    assert report["kv_cache_dtype"] == "f16" and report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
