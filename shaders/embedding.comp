@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q4_k,q6_k ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q4_k,q6_k ACCESS=texel,ssbo
 // Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
 // reading the weight device layout (layouts.py) through one 32-bit view of the table.
 // Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
@@ -21,6 +21,7 @@ OUT_F32(2, y);
 layout(push_constant) uniform Push { uint n; uint D; uint blocks; uint s_base; uint d_base; } pc;
 
 #include "tiles.glsl"  // the table is row-tiled; offsets below are in 32-bit words
+#include "quant.glsl"  // IQ4_LEVELS
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -70,7 +71,12 @@ void main() {
 #endif
 #else
     uint blk = d / 32u, e = d % 32u;
+#if defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
+    uint entry = pc.s_base + tiled(row, pc.blocks, blk, 2u);  // (d or d|m, fifth bits)
+    vec2 dm = unpackHalf2x16(LD_U32(table, entry));
+#else
     vec2 dm = unpackHalf2x16(LD_U32(table, pc.s_base + tiled(row, pc.blocks, blk, 1u)));
+#endif
 #if defined(WFMT_Q8_0)
     uint base = tiled(row, pc.blocks, blk, 8u);  // 32 int8 quants = 8 words
     uint w = LD_U32(table, base + e / 4u);
@@ -80,9 +86,18 @@ void main() {
     uint base = tiled(row, pc.blocks, blk, 4u);  // 32 nibbles = 4 words
     uint byte_index = e % 16u;
     uint w = LD_U32(table, base + byte_index / 4u);
-    float q = float((w >> (8u * (byte_index % 4u) + (e >= 16u ? 4u : 0u))) & 0xFu);
+    uint nibble = (w >> (8u * (byte_index % 4u) + (e >= 16u ? 4u : 0u))) & 0xFu;
+#if defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
+    float q = float(nibble | (((LD_U32(table, entry + 1u) >> e) & 1u) << 4));
+#else
+    float q = float(nibble);
+#endif
 #if defined(WFMT_Q4_0)
     v = dm.x * (q - 8.0);
+#elif defined(WFMT_Q5_0)
+    v = dm.x * (q - 16.0);
+#elif defined(WFMT_IQ4_NL)
+    v = dm.x * IQ4_LEVELS[nibble];
 #else
     v = dm.x * q + dm.y;
 #endif

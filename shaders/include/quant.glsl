@@ -1,10 +1,11 @@
 // Weight decoding for the device layout of vkrt/backend/vulkan/kernels/layouts.py.
 //
-// Block formats (q8_0, q4_0, q4_1) are split into a quants region of uvec4 texels and a
-// scales region of one uint per block (f16 d in the low half; q4_1 keeps f16 m in the high
-// half). Float rows are padded with zeros to whole 32-value blocks, so every weight row is a
+// Block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) are split into a quants region of
+// uvec4 texels and a scales region of one entry per block: a uint (f16 d in the low half;
+// q4_1 keeps f16 m in the high half) or, for q5_0 / q5_1, a uvec2 whose .y is the 32 fifth
+// bits. Float rows are padded with zeros to whole 32-value blocks, so every weight row is a
 // sequence of complete 32-value blocks:
-//   f32: 8 texels (RGBA32F) per block, f16/bf16: 4 uvec4 texels, q8_0: 2, q4_0/q4_1: 1.
+//   f32: 8 texels (RGBA32F) per block, f16/bf16: 4 uvec4 texels, q8_0: 2, the 4-bit ones: 1.
 // K-quants are read per 32-value sub-block too: q4_k one texel (q4 nibble order) plus its
 // super-block's 16-byte header texel; q6_k a texel of low nibbles, half a texel of 2-bit
 // highs, its super-block's int8 scales texel and f16 d word (layouts.py).
@@ -31,6 +32,9 @@ vec4 q4_lo(uint w) { return vec4((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFu); 
 vec4 q4_hi(uint w) { return vec4((uvec4(w) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu); }
 // q8: four signed bytes, element order = byte order (little endian).
 vec4 q8_vals(uint w) { return vec4(ivec4(uvec4(w) << uvec4(24u, 16u, 8u, 0u)) >> 24); }
+vec4 u8_vals(uint w) { return vec4((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFFu); }
+// Bits 0..3 of `bits` to bit 0 of bytes 0..3 (the four shifted copies do not overlap).
+uint spread4(uint bits) { return ((bits & 0xFu) * 0x00204081u) & 0x01010101u; }
 vec4 f16_vals(uint a, uint b) { return vec4(unpackHalf2x16(a), unpackHalf2x16(b)); }
 vec4 bf16_vals(uint a, uint b) {
     return uintBitsToFloat(uvec4(a << 16, a & 0xFFFF0000u, b << 16, b & 0xFFFF0000u));
@@ -42,6 +46,27 @@ vec4 bf16_vals(uint a, uint b) {
 void q4_block(uvec4 t, out vec4 w[8]) {
     w[0] = q4_lo(t.x); w[1] = q4_lo(t.y); w[2] = q4_lo(t.z); w[3] = q4_lo(t.w);
     w[4] = q4_hi(t.x); w[5] = q4_hi(t.y); w[6] = q4_hi(t.z); w[7] = q4_hi(t.w);
+}
+// q5: q4's nibbles plus bit i of qh as element i's fifth bit: values 0..31.
+// Word w of the texel gives elements 4w.. (low nibbles) and 16 + 4w.. (high nibbles).
+vec4 q5_vals(uint nibbles, uint qh, uint first) {
+    return u8_vals((nibbles & 0x0F0F0F0Fu) | (spread4(qh >> first) << 4));
+}
+void q5_block(uvec4 t, uint qh, out vec4 w[8]) {
+    w[0] = q5_vals(t.x, qh, 0u); w[1] = q5_vals(t.y, qh, 4u); w[2] = q5_vals(t.z, qh, 8u); w[3] = q5_vals(t.w, qh, 12u);
+    w[4] = q5_vals(t.x >> 4, qh, 16u); w[5] = q5_vals(t.y >> 4, qh, 20u);
+    w[6] = q5_vals(t.z >> 4, qh, 24u); w[7] = q5_vals(t.w >> 4, qh, 28u);
+}
+// iq4_nl: q4's nibbles index the 16 non-linear levels of vkrt.ops.formats.IQ4_LEVELS.
+const float IQ4_LEVELS[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                       1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+vec4 iq4_vals(uint w, uint shift) {
+    uvec4 i = (uvec4(w) >> (uvec4(0u, 8u, 16u, 24u) + shift)) & 0xFu;
+    return vec4(IQ4_LEVELS[i.x], IQ4_LEVELS[i.y], IQ4_LEVELS[i.z], IQ4_LEVELS[i.w]);
+}
+void iq4_block(uvec4 t, out vec4 w[8]) {
+    w[0] = iq4_vals(t.x, 0u); w[1] = iq4_vals(t.y, 0u); w[2] = iq4_vals(t.z, 0u); w[3] = iq4_vals(t.w, 0u);
+    w[4] = iq4_vals(t.x, 4u); w[5] = iq4_vals(t.y, 4u); w[6] = iq4_vals(t.z, 4u); w[7] = iq4_vals(t.w, 4u);
 }
 void q8_block(uvec4 a, uvec4 b, out vec4 w[8]) {
     w[0] = q8_vals(a.x); w[1] = q8_vals(a.y); w[2] = q8_vals(a.z); w[3] = q8_vals(a.w);
@@ -105,6 +130,8 @@ vec2 block_sum2(vec4 x[8]) {
 #endif
 #if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
 #define SCALE_T vec2
+#elif defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
+#define SCALE_T uvec2
 #else
 #define SCALE_T uint
 #endif
@@ -118,12 +145,17 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
 #elif defined(WFMT_Q6_K)
     precise float lo = fma(scale.x, fma(xsum.x, -32.0, p.x), acc);
     r = fma(scale.y, fma(xsum.y, -32.0, p.y), lo);
-#elif defined(WFMT_Q8_0)
+#elif defined(WFMT_Q8_0) || defined(WFMT_IQ4_NL)
     r = fma(unpackHalf2x16(scale).x, p, acc);
 #elif defined(WFMT_Q4_0)
     r = fma(unpackHalf2x16(scale).x, fma(xsum, -8.0, p), acc);
+#elif defined(WFMT_Q5_0)
+    r = fma(unpackHalf2x16(scale.x).x, fma(xsum, -16.0, p), acc);
 #elif defined(WFMT_Q4_1)
     vec2 dm = unpackHalf2x16(scale);
+    r = fma(dm.y, xsum, fma(dm.x, p, acc));
+#elif defined(WFMT_Q5_1)
+    vec2 dm = unpackHalf2x16(scale.x);
     r = fma(dm.y, xsum, fma(dm.x, p, acc));
 #else
     r = acc + p;
@@ -131,7 +163,8 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
     return r;
 }
 
-#if defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+#if defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q5_0) || defined(WFMT_Q5_1) || \
+    defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
 #define NEEDS_XSUM 1
 #endif
 #if !defined(WFMT_F32) && !defined(WFMT_F16) && !defined(WFMT_BF16)
@@ -184,8 +217,10 @@ void load_block(uint i, out vec4 w[8]) {
 #elif defined(WFMT_Q8_0)
 #define BLOCK_TEXELS 2u
 void load_block(uint i, out vec4 w[8]) { q8_block(LD_U32X4(wq, i), LD_U32X4(wq, i + 1u), w); }
+#elif defined(WFMT_IQ4_NL)
+#define BLOCK_TEXELS 1u
+void load_block(uint i, out vec4 w[8]) { iq4_block(LD_U32X4(wq, i), w); }
 #elif defined(WFMT_Q6_K)
-vec4 u8_vals(uint w) { return vec4((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFFu); }
 // Low nibbles in q4 order; hw holds the 2-bit highs (layouts.py): 6-bit values 0..63.
 void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {
     [[unroll]] for (uint i = 0u; i < 4u; i++) {
@@ -220,6 +255,8 @@ uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
     uint first = tiled(n, supers, 0u, 1u);  // (n, super-block 0), in units
     uint padded = (N + TILE - 1u) / TILE * TILE;
     return uvec2((s_base >> 2) + first, s_base + padded * supers * 4u + first);
+#elif defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
+    return uvec2((s_base >> 1) + tiled(n, blocks, 0u, 1u), 0u);  // in uvec2 entries
 #else
     return uvec2(s_base + tiled(n, blocks, 0u, 1u), 0u);
 #endif
@@ -232,6 +269,8 @@ SCALE_T load_scale(uvec2 rs, uint b) {
 #elif defined(WFMT_Q6_K)
     uint sup = (b >> 3) * TILE;
     return q6_k_scale(LD_U32X4(wq, rs.x + sup), b & 7u, unpackHalf2x16(LD_U32(ws, rs.y + sup)).x);
+#elif defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
+    return LD_U32X2(ws, rs.x + b * TILE);
 #elif defined(HAS_SCALES)
     return LD_U32(ws, rs.x + b * TILE);
 #else
@@ -239,9 +278,12 @@ SCALE_T load_scale(uvec2 rs, uint b) {
 #endif
 }
 
-// Block b of the row whose quants start at texel `wbase` (row_base; every format).
-void load_wblock(uint wbase, uint b, out vec4 w[8]) {
-#if defined(WFMT_Q6_K)
+// Block b of the row whose quants start at texel `wbase` (row_base; every format); `scale`
+// is load_scale's entry of the block (q5's fifth bits are in it).
+void load_wblock(uint wbase, uint b, SCALE_T scale, out vec4 w[8]) {
+#if defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
+    q5_block(LD_U32X4(wq, wbase + b * TILE), scale.y, w);
+#elif defined(WFMT_Q6_K)
     uint sb = wbase + (b >> 3) * (TILE * 12u), s = b & 7u;
     uvec4 hi = LD_U32X4(wq, sb + 8u + (s >> 1));
     q6_block(LD_U32X4(wq, sb + s), (s & 1u) == 0u ? hi.xy : hi.zw, w);

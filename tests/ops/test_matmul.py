@@ -5,7 +5,9 @@ accumulate in f32, so every format lands far inside its bound. Measured NMSE on 
 shapes, both paths and kernels (llvmpipe), median / worst: f32 7e-15 / 8e-14, f16 7e-15 /
 5e-12, bf16 8e-15 / 6e-14, q8_0 7e-15 / 2e-14, q4_0 6e-14 / 3e-13, q4_1 6e-14 / 1e-12 (the
 q4 offsets, -8 and m, are folded into a per-block activation sum), q4_k 2e-14 / 4e-14,
-q6_k 4e-14 / 3e-13 (random blocks; -dmin*m and -32 folded the same way). Bound: 1e-9 for all.
+q6_k 4e-14 / 3e-13 (random blocks; -dmin*m and -32 folded the same way), q5_0 4e-14 /
+1e-12, q5_1 9e-15 / 3e-14 (random blocks; -16 / m folded the same way), iq4_nl 8e-15 /
+6e-14 (random blocks). Bound: 1e-9 for all.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
+from tests.ops.test_formats import random_blocks
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
+from vkrt.ops.formats import FORMATS as REGISTRY
 from vkrt.ops.quant import dequantize, f32_to_bf16, quantize
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k")
 K_QUANTS = ("q4_k", "q6_k")
+RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl")  # random blocks (quantize() has no encoder for them)
 NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
 BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96), (1, 129, 576),
@@ -34,8 +39,12 @@ K_SHAPES = [(1, 1, 256), (2, 7, 512), (5, 64, 768), (33, 129, 256), (130, 7, 512
             (130, 64, 256)]
 
 
+def is_block(fmt: str) -> bool:
+    return REGISTRY[fmt].is_block
+
+
 def shapes_for(fmt: str) -> list[tuple[int, int, int]]:
-    return K_SHAPES if fmt in K_QUANTS else BLOCK_SHAPES if fmt.startswith("q") else FLOAT_SHAPES
+    return K_SHAPES if fmt in K_QUANTS else BLOCK_SHAPES if is_block(fmt) else FLOAT_SHAPES
 
 
 def block_k(fmt: str, k: int = 64) -> int:
@@ -67,6 +76,8 @@ def make_weight(rng: np.random.Generator, fmt: str, n: int, k: int) -> tuple[np.
         raw = f32_to_bf16(w)
     elif fmt in K_QUANTS:
         raw = random_k_quant(rng, fmt, n, k)
+    elif fmt in RANDOM_BLOCK_FORMATS:
+        raw = random_blocks(rng, fmt, n, k // 32)
     else:
         raw = quantize(w, fmt)
     return raw, dequantize(raw, fmt)
@@ -99,7 +110,7 @@ def test_matmul_matches_reference(vk: Backend, rng: np.random.Generator, fmt: st
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_selection_by_token_count(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
     """Few tokens take the vec kernel, many the tiled one; the op result equals the reference."""
-    k = block_k(fmt) if fmt.startswith("q") else 37
+    k = block_k(fmt) if is_block(fmt) else 37
     raw, dense = make_weight(rng, fmt, 9, k)
     w = vk.upload_weight(raw, fmt, (9, k))
     for t, expected_kernel in ((1, "matmul.vec"), (130, "matmul.tiled")):
@@ -115,7 +126,7 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
     """Row t of a T-token matmul is bit-identical to the 1-token result for that row, for
     T = 1, 3, 64, 130, through the op's own kernel choice and through each kernel forced."""
     n = 129
-    for k in (768,) if fmt in K_QUANTS else (576,) if fmt.startswith("q") else (37, 100):
+    for k in (768,) if fmt in K_QUANTS else (576,) if is_block(fmt) else (37, 100):
         raw, _ = make_weight(rng, fmt, n, k)
         w = vk.upload_weight(raw, fmt, (n, k))
         x = rng.standard_normal((130, k)).astype(np.float32)
@@ -129,14 +140,14 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
                 assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k"])
 def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, fmt: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every specialisation the device config may pick (rows, token tile, workgroup) gives
     bit-identical rows: the per-output reduction order never depends on them."""
     from vkrt.backend.vulkan.kernels import matmul as native
 
-    n, k, t = 67, block_k(fmt, 96) if fmt.startswith("q") else 37, 11
+    n, k, t = 67, block_k(fmt, 96) if is_block(fmt) else 37, 11
     raw, _ = make_weight(rng, fmt, n, k)
     w = vk.upload_weight(raw, fmt, (n, k))
     x = vk.upload(rng.standard_normal((t, k)).astype(np.float32))

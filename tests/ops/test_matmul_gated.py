@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
-from tests.ops.test_matmul import FORMATS, K_QUANTS, make_weight
+from tests.ops.test_matmul import FORMATS, K_QUANTS, is_block, make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
 from vkrt.ops.tensor import Tensor, TensorSpec
@@ -23,7 +23,7 @@ TOKENS = (1, 3, 8, 13)
 def k_for(fmt: str) -> tuple[int, ...]:
     """Ks per format: whole super-blocks for K-quants, whole blocks for the block formats,
     and a partial block / scalar-load K as well as a texel-aligned one for float weights."""
-    return (512,) if fmt in K_QUANTS else (96,) if fmt.startswith("q") else (37, 64)
+    return (512,) if fmt in K_QUANTS else (96,) if is_block(fmt) else (37, 64)
 
 
 def kernel(backend: Backend, op: str, name: str) -> Kernel:

@@ -6,10 +6,10 @@ from typing import Any
 
 from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.backend.vulkan.kernels.layouts import TILE_ROWS, padded_rows, quants_bytes
+from vkrt.backend.vulkan.kernels.layouts import LAYOUTS, TILE_ROWS, padded_rows, quants_bytes
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+FORMATS = tuple(LAYOUTS)  # the shader reads every format that has a device layout
 
 
 def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:

@@ -31,11 +31,10 @@ from typing import Any
 
 from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.kernels.common import module
-from vkrt.backend.vulkan.kernels.layouts import TILE_ROWS, quants_bytes, row_texels
+from vkrt.backend.vulkan.kernels.layouts import LAYOUTS, TILE_ROWS, quants_bytes, row_texels
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
-SCALED_FORMATS = ("q8_0", "q4_0", "q4_1", "q6_k")  # formats that bind a u32 view for scales
+FORMATS = tuple(LAYOUTS)  # the shader decodes every format that has a device layout
 MAX_GROUPS = 65535
 
 
@@ -154,8 +153,9 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
                 (x, "f32x4" if x_vec4 else "f32", False), (y, "f32", True)]
-    if w.dtype in SCALED_FORMATS:
-        bindings.append((w, "u32", False))
+    side_view = LAYOUTS[w.dtype].side_view
+    if side_view:  # the scales region, through its own view of the weight
+        bindings.append((w, side_view, False))
     fuse, eps = "none", 0.0
     if norm is not None:
         fuse, eps = "rms", norm[1]
