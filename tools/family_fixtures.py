@@ -81,6 +81,12 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                        "original_max_position_embeddings": 64}),
                       "fused qkv_proj and gate_up_proj, longrope (short factors, attention factor "
                       "from factor 4)"),
+        "tiny_smollm3": ("SmolLM3", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True,
+                                         rope_theta=10000.0, no_rope_layers=[1, 1, 1, 0]),
+                         "Llama with a NoPE layer (no_rope_layers [1, 1, 1, 0])"),
+        "tiny_granite": ("Granite", dict(BASE, tie_word_embeddings=True, embedding_multiplier=3.0,
+                                         attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.5),
+                         "Llama with embedding x3, attention scale 0.2, residual branches x0.6, logits / 2.5"),
     }
 
 

@@ -114,6 +114,25 @@ def test_legacy_su_rope_type_is_longrope(tmp_path: Path) -> None:
     assert load_model(d).config.layers == load_model(FIXTURES / "tiny_phi3").config.layers
 
 
+def test_smollm3_nope_layers() -> None:
+    c = load_model(FIXTURES / "tiny_smollm3").config
+    assert [layer.rope for layer in c.layers] == [True, True, True, False]
+
+
+def test_granite_multipliers() -> None:
+    c = load_model(FIXTURES / "tiny_granite").config
+    assert (c.embedding_scale, c.query_scale, c.residual_scale) == (3.0, 0.2, 0.6)
+    assert c.logit_scale == 1 / 2.5
+
+
+def test_bad_no_rope_layers(tmp_path: Path) -> None:
+    d = _copy("tiny_smollm3", tmp_path)
+    _edit_config(d, no_rope_layers=[1, 1, 2, 0])
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "no_rope_layers")
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 

@@ -233,6 +233,31 @@ _GEMMA3 = ArchSpec(
     scaling_global_only=True,
 )
 
+# SmolLM3 is Llama with every 4th layer unrotated (NoPE); config.json lists which.
+_SMOLLM3 = ArchSpec(
+    name="smollm3",
+    gguf_archs=(),  # llama.cpp's smollm3 GGUFs are not read yet (no fixture to check them by)
+    hf_archs=("SmolLM3ForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer=_GGUF_LAYER,
+    hf_global=_HF_GLOBAL,
+    hf_layer=_HF_LAYER,
+    hf_ignored=_ROTARY,
+    default_sliding=_qwen2_sliding,
+)
+
+# Granite is Llama with four multipliers in config.json (embedding, attention, residual, logits).
+_GRANITE = ArchSpec(
+    name="granite",
+    gguf_archs=(),  # llama.cpp's granite GGUFs are not read yet (no fixture to check them by)
+    hf_archs=("GraniteForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer=_GGUF_LAYER,
+    hf_global=_HF_GLOBAL,
+    hf_layer=_HF_LAYER,
+    hf_ignored=_ROTARY,
+)
+
 # Phi-3 checkpoints fuse q/k/v and gate/up; both stay stacked, the layout vkrt computes in.
 _PHI3_FUSED = ("attn_norm", "qkv_proj", "o_proj", "ffn_norm", "gate_up_proj", "down_proj")
 _PHI3 = ArchSpec(
@@ -253,7 +278,7 @@ _PHI3 = ArchSpec(
     default_sliding=_all_sliding,
 )
 
-ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3)
+ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:

@@ -15,6 +15,7 @@ class LayerConfig:
     window: int = 0  # sliding window W: attend to positions p - W < j <= p; 0 = full attention
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters minus rope_theta
+    rope: bool = True  # False: no positional rotation at all (SmolLM3's NoPE layers)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class ModelConfig:
     query_scale: float = 0.0  # attention score scale; 0 = 1 / sqrt(head_dim)
     attn_softcap: float = 0.0  # scores -> c * tanh(scores / c); 0 = off (Gemma 2)
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c); 0 = off (Gemma 2)
+    residual_scale: float = 1.0  # attention and MLP outputs times this before the residual add (Granite)
+    logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's attention window and rope settings."""

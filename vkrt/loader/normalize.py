@@ -102,6 +102,26 @@ def _sliding_layers(source: str, spec: ArchSpec, cfg: dict[str, Any], num_layers
     return [_LAYER_TYPES[t] for t in types]
 
 
+def _rotated_layers(source: str, cfg: dict[str, Any], num_layers: int) -> list[bool]:
+    """SmolLM3's `no_rope_layers`: 1 where the layer uses RoPE, 0 where it does not (NoPE)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return [True] * num_layers
+    if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) for f in flags):
+        raise ModelFormatError(f"{source}: no_rope_layers must list 0 or 1 for each of the {num_layers} layers")
+    return [bool(f) for f in flags]
+
+
+def _positive(source: str, cfg: dict[str, Any], key: str) -> float:
+    """An optional positive multiplier of config.json (0.0 when absent)."""
+    value = cfg.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ModelFormatError(f"{source}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _softcap(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
 
@@ -129,9 +149,16 @@ def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], gene
     rope = _rope_by_layer_type(source, spec, cfg, max_positions)
     window = cfg.get("sliding_window")
     window = int(window) if isinstance(window, int) and window > 0 else 0
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)])
-                   for sliding in _sliding_layers(source, spec, cfg, num_layers))
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated)
+                   for sliding, rotated in zip(_sliding_layers(source, spec, cfg, num_layers),
+                                               _rotated_layers(source, cfg, num_layers), strict=True))
     scalar = cfg.get("query_pre_attn_scalar")
+    query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
+    embedding_scale = math.sqrt(hidden) if spec.scale_embeddings else 1.0
+    # Granite's multipliers (absent elsewhere): the attention one is the score scale itself.
+    query_scale = _positive(source, cfg, "attention_multiplier") or query_scale
+    embedding_scale = _positive(source, cfg, "embedding_multiplier") or embedding_scale
+    logits_scaling = _positive(source, cfg, "logits_scaling")
     eos_ids: list[int] = []
     for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
         eos_ids += [i for i in _int_list(value) if i not in eos_ids]
@@ -159,10 +186,12 @@ def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], gene
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
         norm_offset=spec.hf_norm_offset,
-        embedding_scale=math.sqrt(hidden) if spec.scale_embeddings else 1.0,
-        query_scale=float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0,
+        embedding_scale=embedding_scale,
+        query_scale=query_scale,
         attn_softcap=_softcap(cfg.get("attn_logit_softcapping")),
         final_softcap=_softcap(cfg.get("final_logit_softcapping")),
+        residual_scale=_positive(source, cfg, "residual_multiplier") or 1.0,
+        logit_scale=1.0 / logits_scaling if logits_scaling else 1.0,
     )
 
 

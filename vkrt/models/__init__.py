@@ -10,7 +10,8 @@ from vkrt.models.decoder import DecoderModel
 
 # Every family is a configuration of the generic decoder (vkrt/loader/normalize.py).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    name: DecoderModel for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+    name: DecoderModel for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
+                                    "granite")
 }
 
 

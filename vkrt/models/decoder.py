@@ -1,10 +1,11 @@
 """The decoder-only transformer every supported family is a configuration of.
 
 embedding (x scale) -> N x [norm, attention (+bias, QK-norm, RoPE, window, softcap),
-(post-norm), residual, norm, gated MLP, (post-norm), residual] -> final norm -> LM head
-(-> softcap). Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 differ only in ModelConfig
-(vkrt/loader/normalize.py builds it): the traits below are read from there, never from a
-family name. Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
+(post-norm), residual (x scale), norm, gated MLP, (post-norm), residual (x scale)] ->
+final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3,
+SmolLM3 and Granite differ only in ModelConfig (vkrt/loader/normalize.py builds it): the
+traits are read from there, never from a family name. Written in primitive ops;
+vkrt.ops.fusion folds them into fused kernels.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class DecoderModel(CausalLM):
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), self.final_norm, c.rms_norm_eps)
         logits = ops.matmul(x, self.lm_head)
+        if c.logit_scale != 1.0:
+            logits = ops.scale(logits, c.logit_scale)
         return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
 
     def attention(self, b: Block, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
@@ -167,7 +170,7 @@ class DecoderModel(CausalLM):
         out = ops.matmul(a, b.o_proj)
         if b.post_attn_norm is not None:
             out = ops.rms_norm(out, b.post_attn_norm, c.rms_norm_eps)
-        return ops.add(out, h)
+        return self.residual(out, h)
 
     def mlp(self, b: Block, h: Tensor) -> Tensor:
         c = self.config
@@ -175,7 +178,11 @@ class DecoderModel(CausalLM):
         out = ops.matmul(self.activation(ops.matmul(x, b.gate_up)), b.down_proj)
         if b.post_ffn_norm is not None:
             out = ops.rms_norm(out, b.post_ffn_norm, c.rms_norm_eps)
-        return ops.add(out, h)
+        return self.residual(out, h)
+
+    def residual(self, branch: Tensor, h: Tensor) -> Tensor:
+        scale = self.config.residual_scale
+        return ops.add(branch if scale == 1.0 else ops.scale(branch, scale), h)
 
     def query_and_cache_write(self, b: Block, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """rope(q) of the normed input; rope(k) and v stored in layer i's cache at the step's slots."""
@@ -217,9 +224,13 @@ def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | 
     tables: dict[int, Tensor] = {}
     for i in range(config.num_layers):
         layer = config.layer(i)
-        key = repr((layer.rope_theta, sorted((layer.rope_scaling or {}).items())))
+        key = repr((layer.rope, layer.rope_theta, sorted((layer.rope_scaling or {}).items())))
         if key not in by_params:
-            by_params[key] = upload(rope_table(positions, config.head_dim, layer.rope_theta, layer.rope_scaling,
-                                               freq_factors))
+            if layer.rope:
+                table = rope_table(positions, config.head_dim, layer.rope_theta, layer.rope_scaling, freq_factors)
+            else:  # cos 1, sin 0: the rotation is exactly the identity, so NoPE layers need no other op
+                table = np.concatenate([np.ones((positions, config.head_dim // 2), np.float32),
+                                        np.zeros((positions, config.head_dim // 2), np.float32)], axis=1)
+            by_params[key] = upload(table)
         tables[i] = by_params[key]
     return tables
