@@ -45,6 +45,11 @@ BAD_CALLS: list[tuple[str, Callable[[Backend], Any], list[str]]] = [
     ("attention", lambda b: ops.attention(f32(b, 3, 16), f32(b, 3, 8), f32(b, 3, 8), 4, 3, 0.5),
      ["f32[3, 16]", "f32[3, 8]"]),
     ("cast", lambda b: ops.cast(f32(b, 3), "q4_0"), ["f32[3]"]),
+    ("scale", lambda b: ops.scale(i32(b, 3), 2.0), ["i32[3]"]),
+    ("softcap", lambda b: ops.softcap(f32(b, 2, 3), -1.0), ["f32[2, 3]"]),
+    ("qkv_norm_rope_kv_write", lambda b: ops.qkv_norm_rope_kv_write(
+        f32(b, 2, 64), f32(b, 16), f32(b, 8), i32(b, 2), f32(b, 8, 16), f32(b, 2, 4, 16), f32(b, 2, 4, 16),
+        i32(b, 2), 1e-6, 2, 1, 16), ["f32[2, 64]", "f32[16]", "f32[8]"]),
 ]
 
 
