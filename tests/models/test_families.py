@@ -94,3 +94,67 @@ def test_replayed_decode_step_is_one_submit_without_drains(name: str, vk_default
     assert worst["drains"] == 0, "a decode step fell back to the reference tier"
     assert worst["submits"] == 1 and worst["fence_waits"] == 1
     assert stats["last_step"]["replayed"]
+
+
+def _logits_within_golden(model: DecoderModel, golden: str) -> None:
+    for case in _golden(golden)["cases"]:
+        logits = Greedy(model, max_len=MAX_LEN).step(case["input_ids"], 0, all_logits=True)
+        diff = float(np.abs(logits - np.array(case["all_logits"], dtype=np.float32)).max())
+        assert diff <= FAMILY_LOGIT_ATOL, f"len {len(case['input_ids'])}: max |diff| {diff}"
+
+
+def test_gemma3_gguf_rope_scaling_applies_to_global_layers_only(tmp_path: Path, ref: Backend) -> None:
+    """tiny_gemma3_gguf holds tiny_gemma3's weights; with `rope.scaling` linear 4 in its metadata
+    (as Gemma 3 4B+ GGUFs carry it) it must reproduce tiny_gemma3's transformers golden, whose
+    config scales the full-attention layers only."""
+    from tests.models.test_family_configs import _rewrite_gguf
+
+    path = tmp_path / "scaled.gguf"
+    _rewrite_gguf(FIXTURES / "tiny_gemma3_gguf" / "model.gguf", path, rope_type="linear", rope_factor=4.0)
+    _logits_within_golden(DecoderModel(load_model(path), ref), "tiny_gemma3")
+
+
+def test_phi3_gguf_reproduces_the_hf_golden(tmp_path: Path, ref: Backend) -> None:
+    """tiny_phi3's weights as llama.cpp writes Phi-3 (fused attn_qkv, gate|up in ffn_up, the
+    longrope factors as rope_factors_* tensors, rows not permuted) give transformers' golden.
+    transformers cannot read this GGUF itself, so the golden of the HF directory is the reference."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((FIXTURES / "tiny_phi3" / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    hf = load_file(str(FIXTURES / "tiny_phi3" / "model.safetensors"))
+    names = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    path = tmp_path / "phi3.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    # transformers' attention factor for this config (factor 4 over a context of 64).
+    w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(4.0) / np.log(64))))
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    for name, value in hf.items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            parts = name.split(".")
+            gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
+        w.add_tensor(gguf_name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = DecoderModel(load_model(path), ref)
+    _logits_within_golden(model, "tiny_phi3")

@@ -181,7 +181,8 @@ def test_missing_per_layer_tensor_hf(tmp_path: Path) -> None:
     _one_line(exc, str(d), "layers.1.k_norm", "missing")
 
 
-def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_type: str = "") -> None:
+def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_type: str = "",
+                  rope_factor: float = 0.0) -> None:
     """Copy a GGUF through the gguf package's reader and writer, changing one thing."""
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
@@ -198,6 +199,8 @@ def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_typ
             writer.add_uint32(key.replace(old_arch, arch or old_arch, 1), int(value))
     if rope_type:
         writer.add_string(f"{arch or old_arch}.rope.scaling.type", rope_type)
+    if rope_factor:
+        writer.add_float32(f"{arch or old_arch}.rope.scaling.factor", rope_factor)
     for t in reader.tensors:
         if t.name != drop:
             writer.add_tensor(t.name, np.array(t.data).reshape(tuple(int(d) for d in reversed(t.shape.tolist()))))
