@@ -11,6 +11,10 @@ class ModelFormatError(VkrtError):
     """A model file or directory is missing, truncated or malformed."""
 
 
+class NoTokenizerError(ModelFormatError):
+    """A model ships no tokenizer at all (weights only): only token-id prompts can work."""
+
+
 class UnsupportedModelError(VkrtError):
     """The model is well formed but uses an architecture or tensor type vkrt lacks."""
 

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from vkrt.chat_template import ChatTemplate, TemplateBudget
-from vkrt.errors import ModelFormatError, RequestError, UnsupportedModelError
+from vkrt.errors import ModelFormatError, NoTokenizerError, RequestError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from vkrt.loader.config import LoadedModel
@@ -162,7 +162,7 @@ class Tokenizer:
         model_dir = Path(path)
         tok_file = model_dir / "tokenizer.json"
         if not tok_file.is_file():
-            raise ModelFormatError(
+            raise NoTokenizerError(
                 f"{model_dir}: no tokenizer.json; vkrt needs the fast-tokenizer file "
                 "(save it with transformers' tokenizer.save_pretrained)"
             )
@@ -215,7 +215,7 @@ class Tokenizer:
         kind = get("tokenizer.ggml.model")
         tokens: list[str] | None = get("tokenizer.ggml.tokens")
         if kind is None or not tokens:
-            raise ModelFormatError(f"{source}: no tokenizer in the GGUF metadata; use a GGUF that embeds one")
+            raise NoTokenizerError(f"{source}: no tokenizer in the GGUF metadata; use a GGUF that embeds one")
         token_types: list[int] = get("tokenizer.ggml.token_type") or [1] * len(tokens)
         scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         if len(token_types) != len(tokens) or len(scores) != len(tokens):

@@ -19,7 +19,7 @@ from vkrt.engine.request import Request, RequestOutput
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, SamplerOutput, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
-from vkrt.errors import ModelFormatError, RequestError, VkrtError
+from vkrt.errors import NoTokenizerError, RequestError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
 
@@ -128,7 +128,8 @@ class EngineCore:
             if tokenizer is None:
                 try:
                     tokenizer = Tokenizer.from_model(loaded)
-                except ModelFormatError as exc:  # e.g. test fixtures that ship only weights
+                except NoTokenizerError as exc:  # e.g. test fixtures that ship only weights;
+                    # a tokenizer that is present but corrupt stays an error
                     log.warning("%s; only token-id prompts will work", exc)
         return cls(config, model, tokenizer)
 
