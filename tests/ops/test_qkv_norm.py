@@ -140,3 +140,31 @@ def test_bad_norm_weights_are_refused(vk: Backend, rng: np.random.Generator) -> 
     with pytest.raises(VkrtError, match="qkv_norm_rope_kv_write: q_norm and k_norm"):
         ops.qkv_norm_rope_kv_write(up["qkv"], vk.upload(np.ones(15, np.float32)), up["k_norm"], up["positions"],
                                    up["cos_sin"], up["k_cache"], up["v_cache"], up["slots"], EPS, 4, 2, 16)
+
+
+@pytest.mark.parametrize("lanes", [1, 64, 256])
+def test_native_at_gpu_row_widths(vk_default: Backend, rng: np.random.Generator, lanes: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUs reduce a row with up to 256 lanes (norm.row_workgroup): more lanes than head_dim
+    leaves some idle; the result still matches the spec and the per-head rms_norm."""
+    from vkrt.backend.vulkan.kernels import norm, qkv_rope
+
+    monkeypatch.setattr(norm, "row_workgroup", lambda caps: lanes)
+    monkeypatch.setattr(qkv_rope, "row_workgroup", lambda caps: lanes)
+    case = (3, 8, 2, 128, 128)
+    tokens, num_heads, num_kv_heads, head_dim, _ = case
+    c = _case(rng, *case, "f16")
+    params = _params(case, False)
+    vk = vk_default
+    up = {name: vk.upload(a, "f16" if "cache" in name else None) for name, a in c.items()}
+    q = ops.qkv_norm_rope_kv_write(up["qkv"], up["q_norm"], up["k_norm"], up["positions"], up["cos_sin"],
+                                   up["k_cache"], up["v_cache"], up["slots"], **params).numpy()
+    want_k, want_v = c["k_cache"].copy(), c["v_cache"].copy()
+    want_q = reference.qkv_norm_rope_kv_write(c["qkv"], c["q_norm"], c["k_norm"], c["positions"], c["cos_sin"],
+                                              want_k, want_v, c["slots"], **params)
+    assert nmse(q, want_q) <= QKV_NORM_NMSE
+    q_width = num_heads * head_dim
+    heads = ops.reshape(vk.upload(np.ascontiguousarray(c["qkv"][:, :q_width])), (-1, head_dim))
+    normed_q = ops.reshape(ops.rms_norm(heads, up["q_norm"], EPS), (tokens, -1)).numpy()
+    roped = ops.rope(vk.upload(normed_q), up["positions"], up["cos_sin"], head_dim).numpy()
+    assert q.tobytes() == roped.tobytes()
