@@ -148,15 +148,19 @@ def probe(vk: Any, physical: Any, index: int) -> DeviceCaps:
         mt = mem.memoryTypes[i]
         if (mt.propertyFlags & want) == want and mem.memoryHeaps[mt.heapIndex].size == caps.device_local_bytes:
             caps.unified_memory = True
-    # Kernels read weights through uniform texel buffers on CPU devices, where storage-buffer
-    # loads measured ~20x slower; GPUs take storage buffers (shared/LLVMPIPE_NOTES.md).
-    caps.access_path = "texel" if caps.device_type == "cpu" else "ssbo"
+    caps.access_path = default_access_path(caps)
     override = config.access_path_override()
     if override:
         if override not in ("texel", "ssbo"):
             raise VkrtError(f"VKRT_ACCESS must be 'texel' or 'ssbo', not {override!r}")
         caps.access_path = override
     return caps
+
+
+def default_access_path(caps: Any) -> str:
+    """Kernels read weights through uniform texel buffers on CPU devices, where storage-buffer
+    loads measured ~20x slower; GPUs take storage buffers (shared/LLVMPIPE_NOTES.md)."""
+    return "texel" if caps.device_type == "cpu" else "ssbo"
 
 
 def enumerate_devices(vk: Any, instance: Any) -> list[tuple[Any, DeviceCaps]]:

@@ -88,6 +88,22 @@ def config_for(caps: Any, dtype: str, n: int, t: int, prefill: bool = False) -> 
     return MatmulConfig(workgroup=32, rows=4, tokens=tokens, split=32)
 
 
+def dispatch_config(caps: Any, dtype: str, n: int, k: int, t: int, tiled: bool, gated: bool = False,
+                    qkv: bool = False) -> MatmulConfig:
+    """The configuration `dispatch_matmul` runs for n weight rows, K = k and t tokens on `caps`:
+    `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K."""
+    cfg = config_for(caps, dtype, n, t, prefill=tiled)
+    if gated:
+        # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
+        cfg = replace(cfg, rows=max(1, cfg.rows // 2))
+    if qkv:  # the epilogue's rotation groups are 8 rows (include/qkv_epilogue.glsl)
+        cfg = replace(cfg, rows=8)
+    if cfg.split > 1:  # a power of two no larger than the blocks to split (fixed per K)
+        split = min(cfg.split, 1 << ((-(-k // 32)).bit_length() - 1))
+        cfg = replace(cfg, split=split, workgroup=split)
+    return cfg
+
+
 def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
     """Whether the device can bind these operands whole (texel-count or range limits)."""
     caps = backend.caps
@@ -140,15 +156,7 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     y = backend.empty((t, qkv.num_heads * qkv.head_dim if qkv else n), "f32")
     if t == 0 or n == 0:
         return y
-    cfg = config_for(backend.caps, w.dtype, w.shape[0], t, prefill=tiled)
-    if gated:
-        # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
-        cfg = replace(cfg, rows=max(1, cfg.rows // 2))
-    if qkv:  # the epilogue's rotation groups are 8 rows (include/qkv_epilogue.glsl)
-        cfg = replace(cfg, rows=8)
-    if cfg.split > 1:  # a power of two no larger than the blocks to split (fixed per K)
-        split = min(cfg.split, 1 << ((-(-k // 32)).bit_length() - 1))
-        cfg = replace(cfg, split=split, workgroup=split)
+    cfg = dispatch_config(backend.caps, w.dtype, w.shape[0], k, t, tiled, gated, qkv is not None)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),

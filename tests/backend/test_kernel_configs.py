@@ -1,0 +1,292 @@
+"""Every kernel configuration a device could select, run on this device against the numpy
+reference (tests/backend/device_configs.py derives them from the selection functions).
+
+Each matmul case imposes a synthetic device's capability fields (the ones its selection
+reads) on the test device and its default access path, runs the op through the normal
+kernel selection and checks that the dispatch used the case's specialisation constants.
+So a GPU's split-K with 16 or 32 lanes, its 4-row token tiles, and a CPU's 32-row tiles
+all run here, at K >= 1024 and >= 4096 (odd block counts) where the selection allows.
+The row kernels (norm, softmax, argmax) and sample_top_k get every lane count likewise;
+paged_attention's subgroup split needs a subgroup of its lane count, which llvmpipe
+provides when its vector width is set (LP_NATIVE_VECTOR_WIDTH = 32 x lanes), in a child
+process since one process holds one device.
+
+Bounds (NMSE vs the float64 reference): matmul family 1e-11 (measured <= 7.5e-14 over
+the first 105 cases with >= 67 rows); norms, softmax and paged attention 1e-12; argmax and
+sample_top_k ids exact; f16 KV-cache rows 1e-6 (one f16 rounding).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.backend import device_configs as dc
+from tests.conftest import nmse
+from tests.ops.test_matmul import make_weight
+from vkrt import ops
+from vkrt.backend.base import Backend
+from vkrt.backend.vulkan.device import default_access_path
+from vkrt.backend.vulkan.kernels import attention as attention_kernels
+from vkrt.backend.vulkan.kernels import matmul as native
+
+REPO = Path(__file__).resolve().parents[2]
+MATMUL_NMSE = 1e-11
+ROW_NMSE = 1e-12
+ATTENTION_NMSE = 1e-12
+EPS = 1e-5
+MATMUL_CASES = dc.matmul_cases()
+
+
+class Dispatches:
+    """Records (module, spec constants) of every shader the backend runs."""
+
+    def __init__(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[tuple[str, dict[int, int]]] = []
+        original = backend.run_shader  # type: ignore[attr-defined]
+
+        def spy(name: str, bindings: Any, groups: Any, push: Any, spec: dict[int, int]) -> Any:
+            self.seen.append((name, dict(spec)))
+            return original(name, bindings, groups, push, spec)
+
+        monkeypatch.setattr(backend, "run_shader", spy)
+
+    def of(self, family: str) -> list[dict[int, int]]:
+        return [spec for name, spec in self.seen if name.split(".")[0] == family]
+
+
+@pytest.fixture
+def device_as(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A function imposing capability fields (and their default access path) on the device."""
+    caps: Any = vk_default.caps  # type: ignore[attr-defined]
+    previous = caps.access_path
+
+    def impose(values: dict[str, Any]) -> Backend:
+        for name, value in values.items():
+            monkeypatch.setattr(caps, name, value)
+        vk_default.set_access_path(default_access_path(caps))  # type: ignore[attr-defined]
+        return vk_default
+
+    yield impose
+    monkeypatch.undo()
+    vk_default.set_access_path(previous)  # type: ignore[attr-defined]
+
+
+def _cos_sin(max_pos: int, rot: int) -> np.ndarray:
+    angles = np.outer(np.arange(max_pos), 10000.0 ** (-np.arange(rot // 2) * 2.0 / rot))
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def _run_matmul_mode(vk: Backend, rng: np.random.Generator, mode: str, dtype: str, n: int, k: int,
+                     t: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Run `mode` at (n, k, t); (what, got, expected) pairs."""
+    gated = mode in ("gated", "rms_gated")
+    raw, dense = make_weight(rng, dtype, 2 * n if gated else n, k)
+    w = vk.upload_weight(raw, dtype, dense.shape)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    xt = vk.upload(x)
+    if mode == "matmul":
+        return [("y", ops.matmul(xt, w).numpy(), ops.OPS["matmul"].reference(x, dense))]
+    if mode == "gated":
+        return [("y", ops.matmul_silu_and_mul(xt, w).numpy(), ops.OPS["matmul_silu_and_mul"].reference(x, dense))]
+    if mode == "add":
+        r = rng.standard_normal((t, n)).astype(np.float32)
+        return [("y", ops.matmul_add(xt, w, vk.upload(r)).numpy(), ops.OPS["matmul_add"].reference(x, dense, r))]
+    g = (1.0 + 0.5 * rng.standard_normal(k)).astype(np.float32)
+    if mode in ("rms", "rms_gated"):
+        got = ops.rms_norm_matmul(xt, vk.upload(g), w, EPS, gated=gated).numpy()
+        return [("y", got, ops.OPS["rms_norm_matmul"].reference(x, g, dense, EPS, gated))]
+    heads, kv_heads, head_dim = dc.QKV_HEADS
+    kv = "f16" if mode == "qkv16" else "f32"
+    np_kv = np.float16 if kv == "f16" else np.float32
+    blocks, block, max_pos = 8, 4, 64
+    cache_shape = (blocks, block, kv_heads * head_dim)
+    k0, v0 = (rng.standard_normal(cache_shape).astype(np_kv) for _ in range(2))
+    positions = rng.integers(0, max_pos, t).astype(np.int32)
+    slots = rng.permutation(blocks * block)[:t].astype(np.int32)
+    cs = _cos_sin(max_pos, head_dim)
+    kc, vc = vk.upload(k0, kv), vk.upload(v0, kv)
+    q = ops.rms_norm_qkv_rope_kv_write(xt, vk.upload(g), w, vk.upload(positions), vk.upload(cs), kc, vc,
+                                       vk.upload(slots), EPS, heads, kv_heads, head_dim).numpy()
+    ref_k, ref_v = k0.copy(), v0.copy()
+    ref_q = ops.OPS["rms_norm_qkv_rope_kv_write"].reference(x, g, dense, positions, cs, ref_k, ref_v, slots, EPS,
+                                                             heads, kv_heads, head_dim)
+    rows = lambda a: a.reshape(blocks * block, -1)[slots].astype(np.float32)  # noqa: E731
+    # f16 caches: the kernel and numpy each round the same f32 value once; rounding
+    # differences of the f32 inputs show as at most one f16 step (relative 2^-11).
+    return [("q", q, ref_q), ("k", rows(kc.numpy()), rows(ref_k)), ("v", rows(vc.numpy()), rows(ref_v))]
+
+
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=[c.id for c in MATMUL_CASES])
+def test_matmul_configuration(case: dc.MatmulCase, device_as: Any, rng: np.random.Generator,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    vk = device_as(dict(case.device))
+    dispatches = Dispatches(vk, monkeypatch)
+    cfg = case.config
+    for n, k, t in case.shapes:
+        assert dc.matmul_config(vk.caps, case.mode, case.dtype, n, k, t) == cfg  # type: ignore[attr-defined]
+        dispatches.seen.clear()
+        drains = vk.counters.drains
+        for what, got, want in _run_matmul_mode(vk, rng, case.mode, case.dtype, n, k, t):
+            bound = 1e-6 if case.mode == "qkv16" and what in ("k", "v") else MATMUL_NMSE
+            err = nmse(got, want)
+            assert err <= bound, f"{case.id} N={n} K={k} T={t} {what}: NMSE {err:.3g}"
+        assert vk.counters.drains == drains
+        (spec,) = dispatches.of("matmul_vec")
+        ran = (spec[0], spec[1], spec[3], spec[8])
+        assert ran == (cfg.workgroup, cfg.rows, cfg.tokens, cfg.split), f"{case.id}: dispatched {ran}"
+
+
+def test_matmul_cases_cover_every_reachable_configuration() -> None:
+    """The parametrised cases cover every coverage key of every configuration on the grid."""
+    covered = set().union(*(dc.matmul_coverage(c.mode, c.dtype, c.config) for c in MATMUL_CASES))
+    wanted = set().union(*(dc.matmul_coverage(*key) for key in dc.matmul_reachable()))
+    assert not wanted - covered, f"configurations no test runs: {sorted(map(str, wanted - covered))[:5]}"
+    splits = {c.config.split for c in MATMUL_CASES}
+    assert {16, 32} <= splits, "the GPU split-K lane counts must be among the cases"
+    assert any(k >= 4096 and c.config.split == 32 for c in MATMUL_CASES for _, k, _ in c.shapes)
+
+
+def test_matmul_grid_misses_no_configuration() -> None:
+    """Random shapes beyond the grid select nothing the grid did not (its thresholds are dense
+    enough), on every distinct synthetic device."""
+    rng = np.random.default_rng(7)
+    known = set(dc.matmul_reachable())
+    _, devices = dc.representatives(dc._probe_matmul)
+    for caps in devices:
+        for _ in range(300):
+            mode = dc.MODES[rng.integers(len(dc.MODES))]
+            dtype = native.FORMATS[rng.integers(len(native.FORMATS))]
+            n = dc.QKV_ROWS if mode.startswith("qkv") else int(rng.integers(1, 1 << 17))
+            block = 256 if dtype in dc.K_QUANTS else 1 if dtype in dc.FLOATS else 32
+            k, t = block * int(rng.integers(1, 9000 // block)), int(rng.integers(1, 300))
+            assert (mode, dtype, dc.matmul_config(caps, mode, dtype, n, k, t)) in known, (mode, dtype, n, k, t)
+
+
+# ------------------------------------------------------------------------------ row kernels
+
+ROW_CASES = sorted(dc.reachable("row"))
+
+
+@pytest.mark.parametrize("lanes", ROW_CASES)
+def test_row_kernels_at_every_lane_count(lanes: int, device_as: Any, rng: np.random.Generator,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """norm (rms, add_rms, layer), softmax and argmax with the lanes a device would choose."""
+    caps = dc.reachable("row")[lanes]
+    vk = device_as(dc.device_fields(caps, dc.fields_of("row")))
+    dispatches = Dispatches(vk, monkeypatch)
+    for rows, dim in ((3, 1), (5, 37), (2, 1031), (3, 4099)):
+        x = (rng.standard_normal((rows, dim)) * 3 + 0.5).astype(np.float32)
+        r = rng.standard_normal((rows, dim)).astype(np.float32)
+        w = (1 + 0.3 * rng.standard_normal(dim)).astype(np.float32)
+        b = rng.standard_normal(dim).astype(np.float32)
+        xt, rt, wt = vk.upload(x), vk.upload(r), vk.upload(w)
+        label = f"lanes={lanes} {rows}x{dim}"
+        assert nmse(ops.rms_norm(xt, wt, EPS).numpy(), ops.OPS["rms_norm"].reference(x, w, EPS)) <= ROW_NMSE, label
+        y, h = (a.numpy() for a in ops.add_rms_norm(xt, rt, wt, EPS))
+        want_y, want_h = ops.OPS["add_rms_norm"].reference(x, r, w, EPS)
+        assert nmse(y, want_y) <= ROW_NMSE and h.tobytes() == want_h.tobytes(), label
+        got = ops.layer_norm(xt, wt, vk.upload(b), EPS).numpy()
+        assert nmse(got, ops.OPS["layer_norm"].reference(x, w, b, EPS)) <= ROW_NMSE, label
+        assert nmse(ops.softmax(xt).numpy(), ops.OPS["softmax"].reference(x)) <= ROW_NMSE, label
+        np.testing.assert_array_equal(ops.argmax(xt).numpy(), ops.OPS["argmax"].reference(x), err_msg=label)
+    specs = [spec[0] for family in ("norm", "softmax", "argmax") for spec in dispatches.of(family)]
+    assert specs and set(specs) == {lanes}
+
+
+# sample.comp picks ids other than the reference's with fewer than 8 lanes (a CPU device
+# whose subgroup is 1 or 4 lanes, e.g. llvmpipe on a 128-bit vector unit) at vocab >= 4096
+# with top_k >= 32 or top_p / min_p set: a shader bug this test found, open until fixed.
+SAMPLE_BUG = pytest.mark.xfail(strict=True, reason="sample.comp: wrong ids with < 8 lanes at large vocab")
+SAMPLE_CASES = [pytest.param(lanes, marks=SAMPLE_BUG) if lanes < 8 else lanes
+                for lanes in sorted(dc.reachable("sample"))]
+
+
+@pytest.mark.parametrize("lanes", SAMPLE_CASES)
+def test_sample_top_k_at_every_lane_count(lanes: int, device_as: Any, rng: np.random.Generator,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.ops.test_sample import random_params
+
+    caps = dc.reachable("sample")[lanes]
+    vk = device_as(dc.device_fields(caps, dc.fields_of("sample")))
+    dispatches = Dispatches(vk, monkeypatch)
+    for rows, vocab in ((3, 7), (4, 1001), (8, 8192), (8, 8192), (8, 8192), (2, 49152)):
+        x = rng.standard_normal((rows, vocab)).astype(np.float32) * 4
+        params, u = random_params(rng, rows), rng.random(rows).astype(np.float32)
+        got = ops.sample_top_k(vk.upload(x), vk.upload(params), vk.upload(u)).numpy()
+        np.testing.assert_array_equal(got, ops.OPS["sample_top_k"].reference(x, params, u))
+    assert {spec[0] for spec in dispatches.of("sample")} == {lanes}
+
+
+# ------------------------------------------------------------------------- paged attention
+
+def _paged_checks(vk: Backend, rng: np.random.Generator) -> int:
+    """paged_attention vs its reference on a few shapes (contexts 1..300, GQA); returns cases."""
+    from tests.ops.test_attention import _paged_case
+
+    count = 0
+    for lengths, heads, kv_heads, head_dim, kv in (([1, 37], 4, 2, 16, "f32"), ([300, 5, 64], 6, 2, 32, "f16"),
+                                                  ([129], 2, 1, 64, "f32")):
+        c = _paged_case(rng, lengths, heads, kv_heads, head_dim, kv)
+        args = [vk.upload(c["q"]), vk.upload(c["k_cache"], kv), vk.upload(c["v_cache"], kv),
+                *(vk.upload(c[name]) for name in ("block_table", "seq_index", "positions"))]
+        scale = head_dim ** -0.5
+        got = ops.paged_attention(*args, num_heads=heads, num_kv_heads=kv_heads, scale=scale).numpy()
+        want = ops.OPS["paged_attention"].reference(c["q"], c["k_cache"], c["v_cache"], c["block_table"],
+                                                    c["seq_index"], c["positions"], heads, kv_heads, scale)
+        err = nmse(got, want)
+        assert err <= ATTENTION_NMSE, f"{lengths} H={heads} D={head_dim} {kv}: NMSE {err:.3g}"
+        count += 1
+    return count
+
+
+# With 32 or more lanes (NVIDIA's 32) the subgroup split misses the reference (NMSE ~0.04)
+# on llvmpipe set to 1024-bit or wider vectors, while 4, 8 and 16 lanes match: either the
+# shader or llvmpipe's widest vectors are wrong; open until someone runs it on a GPU.
+PAGED_WIDE = pytest.mark.xfail(strict=True, reason="paged_attention sub >= 32 lanes: unresolved mismatch")
+PAGED_CASES = sorted(dc.reachable("paged"))
+PAGED_PARAMS = [pytest.param(split, marks=PAGED_WIDE) if split[0] == "sub" and split[1] >= 32 else split
+                for split in PAGED_CASES]
+
+
+@pytest.mark.parametrize("split", PAGED_PARAMS, ids=[f"{v}{n}" for v, n in PAGED_CASES])
+def test_paged_attention_configuration(split: tuple[str, int], device_as: Any, vk_default: Backend,
+                                       rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (variant, lanes): here when this device has that subgroup size, else in a child
+    process whose llvmpipe is set to that vector width."""
+    variant, lanes = split
+    here = vk_default.caps  # type: ignore[attr-defined]
+    if variant == "sub" and lanes != here.subgroup_size:
+        if "llvmpipe" not in here.name:
+            pytest.skip(f"subgroup size {lanes} needs a device that has it ({here.name} has {here.subgroup_size})")
+        env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": str(32 * lanes)}
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                f"{Path(__file__).relative_to(REPO)}::test_paged_attention_on_this_device"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+        assert f"paged_attention ran sub{lanes}" in child.stdout, child.stdout[-2000:]
+        return
+    caps = dc.reachable("paged")[split]
+    vk = device_as(dc.device_fields(caps, dc.fields_of("paged")))
+    dispatches = Dispatches(vk, monkeypatch)
+    assert _paged_checks(vk, rng) == 3
+    names = [name for name, _ in dispatches.seen if name.startswith("paged_attention")]
+    assert names and all(f".{variant}." in name for name in names)
+    assert {spec[0] for spec in dispatches.of("paged_attention")} == {lanes}
+
+
+def test_paged_attention_on_this_device(vk_default: Backend, rng: np.random.Generator,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """paged_attention with the split this device selects (the child process of the test above)."""
+    variant, lanes = attention_kernels.paged_split(vk_default.caps)  # type: ignore[attr-defined]
+    dispatches = Dispatches(vk_default, monkeypatch)
+    assert _paged_checks(vk_default, rng) == 3
+    assert {spec[0] for spec in dispatches.of("paged_attention")} == {lanes}
+    print(f"paged_attention ran {variant}{lanes}")
