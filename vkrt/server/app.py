@@ -32,7 +32,7 @@ from vkrt.server.protocol import (
     TokenizeRequest,
 )
 from vkrt.server.responses import check_model
-from vkrt.server.sampling import chat_prompt, check_prompt_chars, check_text_fields
+from vkrt.server.sampling import chat_prompt, check_prompt_chars, check_request_text
 from vkrt.tokenizer import Tokenizer
 
 log = logging.getLogger("vkrt.server")
@@ -124,7 +124,7 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         engine = state.require_engine()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt", code="invalid_value")
-        await state.run_cpu(check_text_fields, body)  # a walk over every string: off the loop too
+        check_request_text(body, config.max_prompt_chars)
         return JSONResponse(await state.run_cpu(_tokenize, engine, body, config))
 
     @app.post("/detokenize", response_model=schemas.DetokenizeResponse,

@@ -13,7 +13,7 @@ from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
-from vkrt.server.sampling import chat_prompt, check_text_fields, check_unsupported
+from vkrt.server.sampling import chat_prompt, check_request_text, check_unsupported
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -21,7 +21,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
-    await state.run_cpu(check_text_fields, body)  # a walk over every string: off the loop too
+    check_request_text(body, state.config.max_prompt_chars)
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config)
     generation = start_generation(state, raw, body, prompt_ids, prompt, "messages", "chatcmpl", arrival)

@@ -14,7 +14,7 @@ from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import completion_logprobs, prompt_logprobs_json
 from vkrt.server.protocol import CompletionRequest
 from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
-from vkrt.server.sampling import check_text_fields, check_unsupported, completion_prompt_ids
+from vkrt.server.sampling import check_request_text, check_unsupported, completion_prompt_ids
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
@@ -22,7 +22,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
-    await state.run_cpu(check_text_fields, body)  # a walk over every string: off the loop too
+    check_request_text(body, state.config.max_prompt_chars)
     prompt_ids = await state.run_cpu(completion_prompt_ids, engine, body, state.config.max_prompt_chars)
     prompt_text = body.prompt if isinstance(body.prompt, str) else None
     generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)

@@ -42,7 +42,7 @@ class ServerConfig:
     max_prompt_chars: int = 1 << 20
     chat_template_timeout: float = 2.0  # seconds one chat-template rendering may take
     escape_special_tokens: bool = False  # message content tokenised as text, never as control tokens
-    cpu_workers: int = 4  # threads that tokenise and render templates off the event loop
+    cpu_workers: int = 2  # threads that tokenise and render templates off the event loop (niced)
     # Connection limits (uvicorn/h11 underneath).
     timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this
     timeout_read: float = 10.0  # a request head, and then its body, must arrive within this

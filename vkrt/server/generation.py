@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +52,8 @@ class ServerState:
         """Run tokenisation or template rendering on the worker pool, off the event loop, so
         one big prompt never stalls /health or other clients' streams."""
         if self._cpu_pool is None:
-            self._cpu_pool = ThreadPoolExecutor(self.config.cpu_workers, thread_name_prefix="vkrt-cpu")
+            self._cpu_pool = ThreadPoolExecutor(self.config.cpu_workers, thread_name_prefix="vkrt-cpu",
+                                                initializer=_lower_thread_priority)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._cpu_pool, functools.partial(fn, *args, **kwargs))
 
@@ -89,6 +92,15 @@ class ServerState:
         """Synchronous on purpose: this runs inside cancelled tasks, where an await would be cancelled."""
         if self.engine is not None:
             self.engine.abort(request_id)
+
+
+def _lower_thread_priority() -> None:
+    """Nice a worker thread (Linux schedules threads by their own id): a megabyte of prompt
+    being tokenised must not take the CPU from the event loop or the engine's steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 @dataclass

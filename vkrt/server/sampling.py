@@ -19,6 +19,7 @@ from vkrt.server.protocol import (
     ChatMessage,
     CompletionRequest,
     SamplingFields,
+    TokenizeRequest,
 )
 from vkrt.tokenizer import Tokenizer
 
@@ -97,6 +98,28 @@ def check_prompt_chars(num_chars: int, limit: int, param: str) -> None:
     if num_chars > limit:
         raise APIError(413, f"{param}: {num_chars} characters of prompt text exceed the limit of {limit} "
                        "(--max-prompt-chars)", param=param, code="prompt_too_large")
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content if isinstance(part.get("text"), str))
+    return 0
+
+
+def check_request_text(body: CompletionRequest | ChatCompletionRequest | TokenizeRequest, limit: int) -> None:
+    """The cheap checks on the loop, before the request waits for a worker: prompt text
+    over the limit (413), and strings that are not valid Unicode (400)."""
+    prompt: Any = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), limit, "prompt")
+    messages = getattr(body, "messages", None)
+    if messages:
+        check_prompt_chars(sum(_content_chars(m.content) for m in messages), limit, "messages")
+    check_text_fields(body)
 
 
 def completion_prompt_ids(engine: EngineClient, body: CompletionRequest, max_chars: int) -> list[int]:
