@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
@@ -13,6 +15,34 @@ from vkrt.backend.base import Backend
 from vkrt.errors import VkrtError
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Under CI (CI=true, as CI services set it) a missing prerequisite fails the run instead of
+# skipping what needs it: a CI that skips every Vulkan or model test must not pass.
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+# Skip reasons that mean "a prerequisite is missing", from helpers here and elsewhere.
+PREREQUISITES = ("Vulkan unavailable", "default model unavailable", "shader compiler unavailable",
+                 "glslangValidator")
+
+
+def missing(what: str, detail: object) -> NoReturn:
+    """Skip for a missing prerequisite on a developer machine; fail under CI=true."""
+    message = f"{what} unavailable: {detail}"
+    if CI:
+        pytest.fail(f"CI=true and {message}", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    """Under CI, a skip whose reason names a missing prerequisite is reported as a failure
+    (covers skips raised by fixtures and tests that do not call `missing`)."""
+    outcome: Any = yield
+    report = outcome.get_result()
+    if CI and report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if reason.startswith(PREREQUISITES):
+            report.outcome = "failed"
+            report.longrepr = f"CI=true and a prerequisite is missing: {reason}"
 
 
 def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -27,7 +57,7 @@ def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
 def _vulkan_or_skip() -> Backend:
     reason = vulkan_unavailable_reason()
     if reason is not None:
-        pytest.skip(f"Vulkan unavailable: {reason}")
+        missing("Vulkan", reason)
     return get_backend("vulkan")
 
 
@@ -67,7 +97,7 @@ def smollm2_path() -> Path:
     try:
         return ensure_default_model(progress=False)
     except VkrtError as exc:
-        pytest.skip(f"default model unavailable: {exc}")
+        missing("default model", exc)
 
 
 @pytest.fixture(scope="session")
