@@ -148,6 +148,12 @@ def test_logprobs_are_raw_model_logprobs(logits: np.ndarray) -> None:
     assert Sampler().sample(logits[None], [request()]).logprobs == [None]
 
 
-def test_token_logprobs_sum_to_one(logits: np.ndarray) -> None:
+def test_token_logprobs_are_log_softmax(logits: np.ndarray) -> None:
+    """Every one of the V logprobs is the float64 log-softmax of its own logit, in rank order
+    (summing to 1 alone would hold for any normalised distribution, e.g. a wrong row's)."""
     entry = token_logprobs(logits, 0, V)
-    assert sum(np.exp(lp.logprob) for lp in entry.top) == pytest.approx(1.0, abs=1e-6)
+    x = logits.astype(np.float64)
+    expected = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+    assert [lp.token_id for lp in entry.top] == np.argsort(-expected, kind="stable").tolist()
+    np.testing.assert_allclose([lp.logprob for lp in entry.top], np.sort(expected)[::-1], rtol=0, atol=1e-6)
+    assert entry.token.logprob == pytest.approx(expected[0], abs=1e-6)
