@@ -118,6 +118,30 @@ def test_gemma_spm_adds_no_prefix_and_merges_by_vocabulary_order(tmp_path: Path)
     assert tok.decode([vocab["▁hello"]]) == " hello"
 
 
+def test_spm_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vkrt import tokenizer as tokenizer_mod
+
+    monkeypatch.setenv("VKRT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_mod, "_SPM_CACHE_MIN_TOKENS", 0)
+    vocab = _spm_gguf(tmp_path / "gemma3.gguf", "gemma3", add_space_prefix=False)
+    expected = [vocab["▁hello"], vocab["▁hello"], vocab["▁"], vocab["<0xC3>"], vocab["<0xA9>"]]
+    assert Tokenizer.from_gguf(tmp_path / "gemma3.gguf").encode(" hello hello é", False) == expected
+    cached = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert len(cached) == 1 and cached[0].suffix == ".json"
+
+    def no_rebuild(*args: Any) -> Any:
+        raise AssertionError("rebuilt although cached")
+
+    monkeypatch.setattr(tokenizer_mod, "_sentencepiece_bpe", no_rebuild)
+    assert Tokenizer.from_gguf(tmp_path / "gemma3.gguf").encode(" hello hello é", False) == expected
+    monkeypatch.undo()
+    monkeypatch.setenv("VKRT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_mod, "_SPM_CACHE_MIN_TOKENS", 0)
+    cached[0].write_text("{ damaged")
+    assert Tokenizer.from_gguf(tmp_path / "gemma3.gguf").encode(" hello hello é", False) == expected
+    assert json.loads(cached[0].read_text())["model"]["type"] == "BPE"  # rewritten whole
+
+
 # ---- byte-level BPE pre-tokenizers by `tokenizer.ggml.pre` ------------------------------------
 
 

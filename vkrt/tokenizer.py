@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
+import os
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from vkrt import config
 from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.errors import ModelFormatError, NoTokenizerError, RequestError, UnsupportedModelError
 
@@ -240,7 +244,7 @@ class Tokenizer:
             add_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
             unk = get("tokenizer.ggml.unknown_token_id")
             arch = str(get("general.architecture", ""))
-            tok = _vocabulary(source, lambda: _sentencepiece_bpe(tokens, scores, arch, add_prefix, unk))
+            tok = _vocabulary(source, lambda: _cached_sentencepiece_bpe(tokens, scores, arch, add_prefix, unk))
             add_bos_default, byte_level = True, False
         else:
             raise UnsupportedModelError(
@@ -511,6 +515,42 @@ def _sentencepiece_bpe(
     if add_prefix:
         dec.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(dec)
+    return tok
+
+
+# Bump when _sentencepiece_bpe builds a different pipeline: cached JSON of older builds is then ignored.
+_SPM_CACHE_VERSION = 1
+_SPM_CACHE_MIN_TOKENS = 32768  # smaller vocabularies build in well under a second
+
+
+def _cached_sentencepiece_bpe(
+    tokens: Sequence[str], scores: Sequence[float], arch: str, add_prefix: bool, unk_id: int | None
+) -> HFTokenizer:
+    """`_sentencepiece_bpe`, kept as tokenizer JSON under <VKRT_CACHE>/tokenizers/.
+
+    Deriving a 262k-token vocabulary's merges costs ~2.5 s of CPU at every start; loading the
+    JSON ~1 s. The file is named by a digest of everything the build reads, and written atomically.
+    """
+    if len(tokens) < _SPM_CACHE_MIN_TOKENS:
+        return _sentencepiece_bpe(tokens, scores, arch, add_prefix, unk_id)
+    digest = hashlib.sha256(f"{_SPM_CACHE_VERSION}|{arch}|{add_prefix}|{unk_id}|{len(tokens)}|".encode())
+    digest.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
+    digest.update(array("d", scores).tobytes())
+    path = config.cache_dir() / "tokenizers" / f"spm-{digest.hexdigest()[:32]}.json"
+    if path.is_file():
+        try:
+            return HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises bare Exception on a damaged file: rebuild it
+            log.warning("ignoring the damaged tokenizer cache %s (%s)", path, str(exc).splitlines()[0][:100])
+    tok = _sentencepiece_bpe(tokens, scores, arch, add_prefix, unk_id)
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text(tok.to_str(), encoding="utf-8")
+        os.replace(part, path)
+    except OSError as exc:  # a read-only cache only costs the rebuild next time
+        part.unlink(missing_ok=True)
+        log.debug("tokenizer cache not written to %s (%s)", path, exc)
     return tok
 
 
