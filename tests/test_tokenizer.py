@@ -91,19 +91,23 @@ def test_from_model_accepts_loaded_model(smollm2_path: Path) -> None:
 # ---- SentencePiece-llama vocabulary in a GGUF -------------------------------------------
 
 
-def _spm_gguf(path: Path, model: str = "llama") -> dict[str, int]:
+def _spm_gguf(path: Path, model: str = "llama", arch: str = "llama", add_space_prefix: bool | None = None
+              ) -> dict[str, int]:
+    """A SentencePiece-style GGUF vocabulary of 5 merged pieces, byte tokens and 3 specials."""
     pieces = ["▁h", "ll", "▁he", "llo", "▁hello"]  # merged in this order (descending score)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += ["▁", "h", "e", "l", "o"] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
     scores = [0.0] * (len(tokens) - len(pieces)) + [-1.0, -2.0, -3.0, -4.0, -5.0]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model(model)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_scores(scores)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from tests.conftest import FIXTURES
+from tests.test_tokenizer import _spm_gguf
 from vkrt.errors import RequestError
 from vkrt.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -71,30 +71,8 @@ def test_gemma_round_trip_and_streaming(gemma: Tokenizer) -> None:
 # ---- SentencePiece vocabularies of other families (synthetic GGUFs) --------------------------
 
 
-def _spm_gguf(path: Path, arch: str, add_space_prefix: bool | None = None) -> dict[str, int]:
-    pieces = ["▁h", "ll", "▁he", "llo", "▁hello"]  # merged in this order (descending score)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += ["▁", "h", "e", "l", "o"] + pieces
-    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
-    scores = [0.0] * (len(tokens) - len(pieces)) + [-1.0, -2.0, -3.0, -4.0, -5.0]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_scores(scores)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    if add_space_prefix is not None:
-        w.add_add_space_prefix(add_space_prefix)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {t: i for i, t in enumerate(tokens)}
-
-
 def test_llama_spm_prefixes_the_text_once(tmp_path: Path) -> None:
-    vocab = _spm_gguf(tmp_path / "llama.gguf", "llama")
+    vocab = _spm_gguf(tmp_path / "llama.gguf")
     tok = Tokenizer.from_gguf(tmp_path / "llama.gguf")
     # Metaspace with prepend_scheme "first" (transformers' LlamaTokenizer, legacy=False):
     # a space at the start of the text, none after a special token.
@@ -104,14 +82,14 @@ def test_llama_spm_prefixes_the_text_once(tmp_path: Path) -> None:
 
 
 def test_phi3_spm_prefixes_after_special_tokens(tmp_path: Path) -> None:
-    vocab = _spm_gguf(tmp_path / "phi3.gguf", "phi3")
+    vocab = _spm_gguf(tmp_path / "phi3.gguf", arch="phi3")
     tok = Tokenizer.from_gguf(tmp_path / "phi3.gguf")
     # transformers' phi3 builder: a Prepend normalizer, applied to each text run.
     assert tok.encode("hello</s>hello", add_special_tokens=False) == [vocab["▁hello"], 2, vocab["▁hello"]]
 
 
 def test_gemma_spm_adds_no_prefix_and_merges_by_vocabulary_order(tmp_path: Path) -> None:
-    vocab = _spm_gguf(tmp_path / "gemma3.gguf", "gemma3", add_space_prefix=False)
+    vocab = _spm_gguf(tmp_path / "gemma3.gguf", arch="gemma3", add_space_prefix=False)
     tok = Tokenizer.from_gguf(tmp_path / "gemma3.gguf")
     assert tok.encode("hello", add_special_tokens=False) == [vocab["h"], vocab["e"], vocab["llo"]]
     assert tok.encode(" hello", add_special_tokens=False) == [vocab["▁hello"]]
@@ -123,7 +101,7 @@ def test_spm_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setenv("VKRT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tokenizer_mod, "_SPM_CACHE_MIN_TOKENS", 0)
-    vocab = _spm_gguf(tmp_path / "gemma3.gguf", "gemma3", add_space_prefix=False)
+    vocab = _spm_gguf(tmp_path / "gemma3.gguf", arch="gemma3", add_space_prefix=False)
     expected = [vocab["▁hello"], vocab["▁hello"], vocab["▁"], vocab["<0xC3>"], vocab["<0xA9>"]]
     assert Tokenizer.from_gguf(tmp_path / "gemma3.gguf").encode(" hello hello é", False) == expected
     cached = list((tmp_path / "cache" / "tokenizers").iterdir())
