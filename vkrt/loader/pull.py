@@ -202,18 +202,8 @@ def _check_free_space(model: KnownModel, where: Path) -> None:
         )
 
 
-def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
-    """Make model `name` available in the model cache and return its GGUF path (cached after the first call).
-
-    The GGUF is assembled in a temporary directory inside the cache and moved into place
-    only after its sha256 matches, so a partial or corrupt download never looks complete.
-    """
-    model = _known(name)
-    dest = model_cache_dir() / model.filename
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _check_free_space(model, dest.parent)
+def _assemble(model: KnownModel, dest: Path, progress: bool) -> None:
+    """Fetch each part, stream it onto one file next to `dest`, check the digest, rename into place."""
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=dest.parent) as tmp_name:
         tmp = Path(tmp_name)
         if model.checksums is not None:
@@ -234,6 +224,27 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
                 f"it was not kept. Retry `vkrt pull {model.name}`, or {_HOW_TO_GET_A_MODEL}"
             )
         os.replace(assembled, dest)
+
+
+def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """Make model `name` available in the model cache and return its GGUF path (cached after the first call).
+
+    The GGUF is assembled in a temporary directory inside the cache and moved into place
+    only after its sha256 matches, so a partial or corrupt download never looks complete.
+    """
+    model = _known(name)
+    dest = model_cache_dir() / model.filename
+    if dest.is_file():
+        return dest
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _check_free_space(model, dest.parent)
+        _assemble(model, dest, progress)
+    except OSError as exc:  # an unwritable or full cache: say where, not a traceback
+        raise VkrtError(
+            f"cannot write {model.name} into the model cache {dest.parent} ({exc.strerror or exc}); "
+            "point VKRT_CACHE at a writable directory with enough space"
+        ) from exc
     log.info("model %s is at %s", name, dest)
     return dest
 
