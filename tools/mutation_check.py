@@ -160,7 +160,7 @@ def main() -> int:
                 print(f"stale mutant {m.name!r}: its snippet occurs {count} times in {m.path}", file=sys.stderr)
                 return 2
         baseline: dict[tuple[str, ...], bool] = {}
-        for tests in dict.fromkeys(m.tests):
+        for tests in dict.fromkeys(m.tests for m in mutants):
             rc, summary = run_tests(copy, env, tests, args.timeout)
             baseline[tests] = rc == 0
             print(f"baseline {'ok' if rc == 0 else 'FAILED'}: pytest {' '.join(tests)}: {summary}", flush=True)
