@@ -244,7 +244,7 @@ def make_golden(gguf_path: Path) -> None:
     }, indent=1)
 
 
-def make_chat(gguf_path: Path | None) -> None:
+def make_chat() -> None:
     import jinja2
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -291,7 +291,7 @@ def main() -> None:
     ap.add_argument("--gguf", help=f"path to {GEMMA_GGUF_NAME} (default: vkrt's model cache)")
     args = ap.parse_args()
     if args.only in (None, "chat"):
-        make_chat(None)
+        make_chat()
     if args.only in (None, "tokenizer"):
         make_tokenizer(find_gguf(args.gguf))
     if args.only in (None, "golden"):
