@@ -108,4 +108,4 @@ def gemma3_path() -> Path:
     try:
         return find_model("gemma-3-270m") or pull("gemma-3-270m", progress=False)
     except VkrtError as exc:
-        pytest.skip(f"gemma-3-270m unavailable: {exc}")
+        missing("gemma-3-270m", exc)
