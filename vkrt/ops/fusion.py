@@ -25,9 +25,10 @@ which kernels run, not what the model means.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,24 @@ DEFERRED_OPS = frozenset({"matmul", "rms_norm", "rms_norm_matmul"})
 
 _pending: weakref.WeakSet[Tensor] = weakref.WeakSet()
 _dispatch_order = itertools.count()
+_disabled = 0
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run ops exactly as called inside the block: no deferral, no folding (tests compare a
+    fused kernel with the unfused ops it replaces this way)."""
+    global _disabled
+    flush()
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def enabled() -> bool:
+    return _disabled == 0
 
 
 @dataclass

@@ -69,12 +69,13 @@ def dispatch(name: str, *inputs: Tensor, **params: Any) -> Any:
         if t.backend is not backend:
             raise OpError(f"{name}: inputs live on different backends ({backend.name}, {t.backend.name})")
     out_specs = opdef.infer(*[t.spec for t in inputs], **params)
-    fused = fusion.fold(name, inputs, params)
-    if fused is not None:  # the fused op has the same outputs as the one it replaces
-        name, inputs, params = fused
-        opdef = OPS[name]
-    if name in fusion.DEFERRED_OPS:
-        return fusion.defer(name, inputs, params, out_specs[0])
+    if fusion.enabled():
+        fused = fusion.fold(name, inputs, params)
+        if fused is not None:  # the fused op has the same outputs as the one it replaces
+            name, inputs, params = fused
+            opdef = OPS[name]
+        if name in fusion.DEFERRED_OPS:
+            return fusion.defer(name, inputs, params, out_specs[0])
     outputs = backend.execute(opdef, inputs, params, out_specs)
     if not out_specs:
         return None  # a purely in-place op

@@ -252,18 +252,6 @@ def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, A
                             norm=(g, params["eps"]), qkv=epilogue),)
 
 
-def _run_qkv_composed(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    """Two native dispatches (rms_norm_matmul, qkv_rope_kv_write) for shapes FUSE=qkv cannot group."""
-    from vkrt import ops
-
-    x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
-    qkv = ops.rms_norm_matmul(x, g, w, params["eps"])
-    return (ops.qkv_rope_kv_write(qkv, positions, cos_sin, k_cache, v_cache, slots, params["num_heads"],
-                                  params["num_kv_heads"], params["head_dim"],
-                                  params.get("interleaved", False)),)
-
-
 def register(backend: Any) -> None:
     # Higher priority first: vec for T <= max_tokens, tiled for the rest.
     for op in OPS:
@@ -273,4 +261,3 @@ def register(backend: Any) -> None:
                                        supports=_supports(op, vec=False)))
     backend.register_kernel(Kernel(QKV_OP, f"{QKV_OP}.fused", _run_qkv_fused, priority=10,
                                    supports=_qkv_fused_supports))
-    backend.register_kernel(Kernel(QKV_OP, f"{QKV_OP}.composed", _run_qkv_composed, priority=5))
