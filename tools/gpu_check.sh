@@ -318,6 +318,13 @@ report = {
     "nvidia_smi": (work / "nvidia_smi.txt").read_text().strip() if (work / "nvidia_smi.txt").is_file() else None,
     "device": chosen, "devices": devices, "stages": stages, "notes": notes,
     "peers": peers, "matvec": matvec,
+    # the GPU targets of the long-context issue, next to what this run measured
+    "targets": {
+        "decode_vs_llama_cpp": {"target": 1.2, "measured": {
+            m: p.get("ratio_decode_tok_s") for m, p in peers.items() if isinstance(p, dict) and "error" not in p}},
+        "matvec_of_peak": {"target": 0.7, "measured": {
+            f"{r['format']}/{r['path']}": r.get("of_peak") for r in (matvec or {}).get("rows", []) if "gb_s" in r}},
+    },
 }
 out.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -335,13 +342,18 @@ for model, p in peers.items():
     if isinstance(p, dict) and "error" in p:
         print(f"  peers {model}: {stages.get('peers-' + model, {}).get('detail') or p['error']}")
     elif isinstance(p, dict) and "ratio_decode_tok_s" in p:
-        f = lambda v: "-" if v is None else f"{v:.2f}"
-        print(f"  peers {model}: vkrt pp {f(p.get('vkrt_prefill_tok_s'))} / tg {f(p.get('vkrt_decode_tok_s'))} tok/s; "
-              f"llama.cpp pp {f(p.get('peer_prefill_tok_s'))} / tg {f(p.get('peer_decode_tok_s'))}; "
-              f"vkrt/llama.cpp pp {f(p.get('ratio_prefill_tok_s'))}x tg {f(p.get('ratio_decode_tok_s'))}x")
+        f = lambda v, unit="": "-" if v is None else f"{v:.2f}{unit}"
+        line = f"  peers {model}: vkrt pp {f(p.get('vkrt_prefill_tok_s'))} / tg {f(p.get('vkrt_decode_tok_s'))} tok/s"
+        if p.get("peer_decode_tok_s") is None:
+            line += "; llama.cpp not run"
+        else:
+            line += (f"; llama.cpp pp {f(p.get('peer_prefill_tok_s'))} / tg {f(p.get('peer_decode_tok_s'))}; "
+                     f"vkrt/llama.cpp pp {f(p.get('ratio_prefill_tok_s'), 'x')} tg {f(p.get('ratio_decode_tok_s'), 'x')}"
+                     " (target: tg >= 1.2x)")
+        print(line)
 if isinstance(matvec, dict) and matvec.get("rows"):
     peak = matvec.get("peak_gb_s")
-    print(f"  matvec GB/s vs peak {peak if peak else 'unknown'}:")
+    print(f"  matvec GB/s vs peak {f'{peak:g} GB/s' if peak else 'unknown'} (target: 70% of peak):")
     for r in matvec["rows"]:
         if "gb_s" in r:
             share = f" = {r['of_peak']:.0%}" if r.get("of_peak") is not None else ""
@@ -371,11 +383,16 @@ else
 fi
 
 peer_ok() { [[ -x "$PEER_PY" ]] && "$PEER_PY" -c 'import cyllama.llama.llama_cpp' >/dev/null 2>&1; }
-make_peer() {  # the peer venv, kept apart from vkrt's
-  local venv
+make_peer() {  # the peer venv, kept apart from vkrt's; one this run made is removed if pip fails
+  local venv made=0
   venv="$(dirname "$(dirname "$PEER_PY")")"
-  [[ -x "$PEER_PY" ]] || python3 -m venv "$venv" || return 1
-  "$PEER_PY" -m pip install -q cyllama-vulkan numpy
+  if [[ ! -x "$PEER_PY" ]]; then
+    python3 -m venv "$venv" || return 1
+    made=1
+  fi
+  "$PEER_PY" -m pip install -q cyllama-vulkan numpy && return 0
+  ((made)) && rm -rf "$venv"
+  return 1
 }
 if ((NO_PEER)); then
   record peer-setup skipped - 0 "--no-peer"
