@@ -2,8 +2,9 @@
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 //! variants: ACCESS=texel,ssbo
-// sample_top_k over logits [rows, n] -> i32 [rows]; the spec, bit for bit, is the numpy
-// reference in vkrt/ops/sampling.py. One row per workgroup of ROW_LANES (W) lanes; lane l
+// sample_top_k over logits [rows, n] and a token mask [rows, ceil(n / 32)] -> i32 [rows]; the
+// spec, bit for bit, is the numpy reference in vkrt/ops/sampling.py. Every read of a logit
+// goes through logit(), which reads a token the mask disallows as -inf. One row per workgroup of ROW_LANES (W) lanes; lane l
 // owns columns l, l + W, l + 2W, ...:
 // 1. a lower bound for the row's k-th best: each lane's q-th best (q = ceil(k / W)) from a
 //    sorted register network, minimised over the lanes;
@@ -21,7 +22,8 @@ DECLARE_LOCAL_SIZE;
 IN_F32(0, logits);
 IN_F32X4(1, params);  // (inv_temperature, top_p, min_p, top_k) per row
 IN_F32(2, uniforms);
-OUT_I32(3, ids);
+IN_U32(3, mask);  // bit j % 32 of word j / 32 of the row allows token j (structured output)
+OUT_I32(4, ids);
 
 layout(push_constant) uniform Push { uint rows; uint n; } pc;
 
@@ -59,6 +61,12 @@ float exp2_weight(float t) {
 
 #define LIST(s) ((s) * ROW_LANES + lane)
 
+// Column j of the row starting at `base` (row `row`), -inf where the row's mask clears its bit.
+float logit(uint row, uint base, uint j) {
+    uint word = LD_U32(mask, row * ((pc.n + 31u) / 32u) + j / 32u);
+    return (word >> (j % 32u) & 1u) != 0u ? LD_F32(logits, base + j) : -1.0 / 0.0;
+}
+
 void main() {
     uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
     if (row >= pc.rows) return;  // the whole workgroup leaves together
@@ -77,7 +85,7 @@ void main() {
         float best[BOUND_REGS];  // sorted, largest first; registers once unrolled
         [[unroll]] for (uint r = 0u; r < BOUND_REGS; r++) best[r] = -1.0 / 0.0;
         for (uint j = lane; j < pc.n; j += ROW_LANES) {
-            float v = LD_F32(logits, base + j);
+            float v = logit(row, base, j);
             float c = isnan(v) ? 1.0 / 0.0 : v;
             if (!(c > best[BOUND_REGS - 1u])) continue;  // the common case after warm-up
             [[unroll]] for (uint r = 0u; r < BOUND_REGS; r++) {
@@ -107,7 +115,7 @@ void main() {
         uint count = 0u;
         uint end = min(pc.n, chunk + CHUNK * ROW_LANES);
         for (uint j = chunk; j < end; j += ROW_LANES) {
-            float v = LD_F32(logits, base + j);
+            float v = logit(row, base, j);
             if (isnan(v) || (v >= bound && (v > tail_v || tail_i == NONE))) {
                 pending[LIST(count)] = j;
                 count++;
@@ -115,7 +123,7 @@ void main() {
         }
         for (uint c = 0u; c < count; c++) {
             uint j = pending[LIST(c)];
-            float v = LD_F32(logits, base + j);
+            float v = logit(row, base, j);
             if (!argmax_beats(v, j, tail_v, tail_i)) continue;
             uint s = k - 1u;
             for (; s > 0u && argmax_beats(v, j, list_v[LIST(s - 1u)], list_i[LIST(s - 1u)]); s--) {
@@ -142,7 +150,7 @@ void main() {
         uint winner = workgroup_argmax(has ? list_v[at] : -1.0 / 0.0, has ? list_i[at] : NONE);
         if (winner % ROW_LANES == lane) head++;
         if (lane == 0u) {
-            float v = LD_F32(logits, base + winner);
+            float v = logit(row, base, winner);
             if (r == 0u) top = v;
             precise float t = (v - top) * scale;
             float w = r == 0u ? 1.0 : exp2_weight(t);

@@ -148,3 +148,82 @@ def test_rejects_bad_input(vk_default) -> None:
         ops.sample_top_k(x, vk_default.upload(np.zeros((2, 3), np.float32)), vk_default.upload(np.zeros(2, np.float32)))
     with pytest.raises(VkrtError, match="sample_top_k"):
         ops.sample_top_k(x, vk_default.upload(np.zeros((2, 4), np.float32)), vk_default.upload(np.zeros(3, np.float32)))
+
+
+# ---- the token mask (structured output) ------------------------------------------------------
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """bool [R, V] -> u32 [R, ceil(V / 32)], bit j % 32 of word j // 32 (written out here, not
+    with the module's helpers, so a bit-order slip in either shows)."""
+    rows, vocab = allowed.shape
+    words = np.zeros((rows, -(-vocab // 32)), np.uint64)
+    for j in range(vocab):
+        words[:, j // 32] |= allowed[:, j].astype(np.uint64) << np.uint64(j % 32)
+    return words.astype(np.uint32)
+
+
+def run_masked(backend, logits: np.ndarray, params: np.ndarray, uniforms: np.ndarray,
+               mask: np.ndarray) -> np.ndarray:
+    return ops.sample_top_k(backend.upload(logits.astype(np.float32)), backend.upload(params),
+                            backend.upload(uniforms.astype(np.float32)), backend.upload(mask, "u32")).numpy()
+
+
+@pytest.mark.parametrize("shape", [(3, 31), (6, 1001), (4, 49152)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_masked_ids_equal_reference_and_stay_allowed(vk, rng, shape: tuple[int, int]) -> None:
+    rows, vocab = shape
+    for density in (0.5, 0.01, 1 / vocab):
+        x = rng.standard_normal(shape).astype(np.float32) * 4
+        allowed = rng.random(shape) < density
+        allowed[np.arange(rows), rng.integers(0, vocab, rows)] = True  # >= 1 token per row
+        mask = pack_mask(allowed)
+        params, u = random_params(rng, rows), rng.random(rows).astype(np.float32)
+        want = reference(x, params, u, mask)
+        assert allowed[np.arange(rows), want].all()
+        got = run_masked(vk, x, params, u, mask)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_masked_greedy_takes_the_best_allowed_token(vk, rng) -> None:
+    x = rng.standard_normal((5, 3000)).astype(np.float32)
+    allowed = rng.random(x.shape) < 0.05
+    allowed[:, 0] = True
+    allowed[4] = False
+    allowed[4, [2999]] = True  # one allowed token, in the last (partial) word
+    params = np.stack([sample_params(1.0, top_k=1)] * 5)
+    got = run_masked(vk, x, params, rng.random(5).astype(np.float32), pack_mask(allowed))
+    expected = np.where(allowed, x, -np.inf).argmax(axis=1)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_masked_draws_never_leave_the_mask(rng) -> None:
+    """Over many uniforms and k up to MAX_TOP_K, every draw is an allowed token, and all of the
+    allowed candidates among the top k get drawn."""
+    x = rng.standard_normal(200).astype(np.float32)
+    allowed = np.zeros(200, bool)
+    allowed[[3, 50, 51, 120, 199]] = True
+    n = 2000
+    u = ((np.arange(n) + 0.5) / n).astype(np.float32)
+    mask = np.repeat(pack_mask(allowed[None]), n, axis=0)
+    ids = reference(np.repeat(x[None], n, axis=0), np.stack([sample_params(1.0, top_k=MAX_TOP_K)] * n), u, mask)
+    assert set(ids.tolist()) == {3, 50, 51, 120, 199}
+
+
+def test_all_ones_mask_is_the_unmasked_op(vk, rng) -> None:
+    x = np.round(rng.standard_normal((8, 1001)) * 3).astype(np.float32)
+    x[1, [4, 70]] = np.nan
+    x[2, ::3] = -np.inf
+    params, u = random_params(rng, 8), rng.random(8).astype(np.float32)
+    ones = np.full((8, 32), 0xFFFFFFFF, np.uint32)
+    unmasked = run(vk, x, params, u)
+    np.testing.assert_array_equal(run_masked(vk, x, params, u, ones), unmasked)
+    np.testing.assert_array_equal(reference(x, params, u, ones), reference(x, params, u))
+    np.testing.assert_array_equal(unmasked, reference(x, params, u))
+
+
+def test_rejects_a_mask_of_the_wrong_shape(vk_default) -> None:
+    x = vk_default.upload(np.zeros((2, 40), np.float32))
+    params = vk_default.upload(np.zeros((2, 4), np.float32))
+    u = vk_default.upload(np.zeros(2, np.float32))
+    with pytest.raises(VkrtError, match="mask"):
+        ops.sample_top_k(x, params, u, vk_default.upload(np.zeros((2, 1), np.uint32), "u32"))

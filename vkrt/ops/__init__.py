@@ -3,6 +3,8 @@ register native kernels for it. Call ops through the functions below."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from vkrt.ops import attention as _attention
 from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
@@ -12,7 +14,7 @@ from vkrt.ops.attention import rope_cos_sin
 from vkrt.ops.registry import OPS, OpDef, OpError, dispatch
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-del _attention, _elementwise, _linear, _norm, _sampling  # imported for their registrations
+del _attention, _elementwise, _linear, _norm  # imported for their registrations
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
@@ -146,9 +148,13 @@ def argmax(x: Tensor) -> Tensor:
     return dispatch("argmax", x)
 
 
-def sample_top_k(logits: Tensor, params: Tensor, uniforms: Tensor) -> Tensor:
-    """Token ids [R] drawn from logits [R, V]; params [R, 4] and uniforms [R] as in vkrt.ops.sampling."""
-    return dispatch("sample_top_k", logits, params, uniforms)
+def sample_top_k(logits: Tensor, params: Tensor, uniforms: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Token ids [R] drawn from logits [R, V]; params [R, 4], uniforms [R] and the token mask
+    [R, ceil(V / 32)] u32 (None: every token allowed) as in vkrt.ops.sampling."""
+    if mask is None:
+        rows, vocab = logits.shape
+        mask = logits.backend.upload(np.full((rows, _sampling.mask_words(vocab)), _sampling.ALL_ALLOWED), "u32")
+    return dispatch("sample_top_k", logits, params, uniforms, mask)
 
 
 def cast(x: Tensor, dtype: str) -> Tensor:

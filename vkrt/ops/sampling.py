@@ -25,6 +25,18 @@ EXP2_COEFFS = np.array([0x3F800000, 0x3F317216, 0x3E75FEAD, 0x3D634478, 0x3C1E86
                         0x3962A320], np.uint32).view(np.float32)
 # The largest float32 below 1: uniforms are clamped to [0, U_MAX] so u * total < total.
 U_MAX = np.float32(1.0) - np.float32(2.0**-24)
+ALL_ALLOWED = np.uint32(0xFFFFFFFF)  # a mask word that allows its 32 tokens
+
+
+def mask_words(vocab: int) -> int:
+    """u32 words per row of a token mask over `vocab` tokens (bit j % 32 of word j // 32)."""
+    return -(-vocab // 32)
+
+
+def allowed_tokens(mask_row: np.ndarray, vocab: int) -> np.ndarray:
+    """bool [vocab]: which tokens one row of a token mask allows."""
+    bits = np.unpackbits(np.ascontiguousarray(mask_row, np.uint32).view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
 
 
 def sample_params(temperature: float, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 1) -> np.ndarray:
@@ -82,10 +94,13 @@ def _first(mask: np.ndarray, default: int) -> int:
     return int(np.argmax(mask)) if mask.any() else default
 
 
-def _sample_top_k_infer(logits: TensorSpec, params: TensorSpec, uniforms: TensorSpec) -> tuple[TensorSpec, ...]:
-    specs = (logits, params, uniforms)
+def _sample_top_k_infer(logits: TensorSpec, params: TensorSpec, uniforms: TensorSpec,
+                        mask: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (logits, params, uniforms, mask)
     require(logits.dtype == "f32" and len(logits.shape) == 2, "sample_top_k", specs, "logits must be f32 [R, V]")
-    rows = logits.shape[0]
+    rows, vocab = logits.shape
+    require(mask.dtype == "u32" and mask.shape == (rows, mask_words(vocab)), "sample_top_k", specs,
+            f"mask must be u32 [R, ceil(V / 32)] = [{rows}, {mask_words(vocab)}]")
     require(params.dtype == "f32" and params.shape == (rows, 4), "sample_top_k", specs,
             f"params must be f32 [R, 4] ({', '.join(PARAM_COLUMNS)})")
     require(uniforms.dtype == "f32" and uniforms.shape == (rows,), "sample_top_k", specs, "uniforms must be f32 [R]")
@@ -93,9 +108,13 @@ def _sample_top_k_infer(logits: TensorSpec, params: TensorSpec, uniforms: Tensor
 
 
 @register_op("sample_top_k", _sample_top_k_infer)
-def sample_top_k(logits: np.ndarray, params: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
-    """Per row, a token drawn from the top-k logits after temperature, min-p and top-p.
+def sample_top_k(logits: np.ndarray, params: np.ndarray, uniforms: np.ndarray,
+                 mask: np.ndarray | None = None) -> np.ndarray:
+    """Per row, a token drawn from the top-k allowed logits after temperature, min-p and top-p.
 
+    mask [R, ceil(V / 32)] u32 (None: all ones) allows token j of row r when bit j % 32 of
+    mask[r, j // 32] is set; a token it disallows reads as -inf in every step below (so it
+    weighs 0 and is never drawn while the row allows any token with a logit above -inf).
     Row r with params (s, top_p, min_p, top_k) = params[r] (s = 1 / temperature) and u =
     uniforms[r], all float32:
     1. k = clamp(int(top_k), 1, min(MAX_TOP_K, V)); candidates c_0..c_{k-1} are the first
@@ -110,8 +129,11 @@ def sample_top_k(logits: np.ndarray, params: np.ndarray, uniforms: np.ndarray) -
     5. target = clamp(u, 0, U_MAX) * S_j; the token is the first kept candidate (within the
        top-p prefix) whose S exceeds the target (the prefix's last one if rounding leaves none).
     """
-    rows = logits.shape[0]
+    rows, vocab = logits.shape
     ids = np.empty(rows, np.int32)
     for r in range(rows):
-        ids[r] = sample_row(np.asarray(logits[r], np.float32), params[r], np.float32(uniforms[r]))
+        x = np.asarray(logits[r], np.float32)
+        if mask is not None:
+            x = np.where(allowed_tokens(mask[r], vocab), x, np.float32(-np.inf))
+        ids[r] = sample_row(x, params[r], np.float32(uniforms[r]))
     return ids

@@ -29,12 +29,12 @@ def sample_workgroup(caps: Any) -> int:
 
 def _sample_top_k(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    logits, sample_params, uniforms = inputs
+    logits, sample_params, uniforms, mask = inputs
     rows, n = logits.shape
     ids = backend.empty(out[0].shape, "i32")
     backend.run_shader(module(backend, "sample"),
                        [(logits, "f32", False), (sample_params, "f32x4", False), (uniforms, "f32", False),
-                        (ids, "i32", True)],
+                        (mask, "u32", False), (ids, "i32", True)],
                        grid_1d(rows, 1), ("<II", (rows, n)), {0: sample_workgroup(backend.caps)})
     return (ids,)
 
