@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt.engine.config import EngineConfig, SamplingParams
-from vkrt.engine.kv_cache import BlockManager
+from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.request import Request, RequestOutput
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
@@ -94,10 +94,11 @@ class EngineCore:
             raise VkrtError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{model.config.max_position_embeddings}; lower max_model_len")
-        bytes_per_block = model.kv_bytes_per_block(config.block_size, config.kv_dtype)
-        num_blocks = config.resolve_num_blocks(bytes_per_block, self.max_model_len)
-        kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        groups = model.kv_groups()
+        bytes_per_block = model.kv_group_bytes_per_block(config.block_size, config.kv_dtype)
+        num_blocks = size_kv_pools(config, groups, bytes_per_block, self.max_model_len)
+        kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=self.max_model_len)
+        self.block_manager = KVCacheManager(groups, num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, kv, config.max_num_seqs, self.max_model_len, replay=config.enable_replay)
         self.sampler = Sampler()
@@ -106,7 +107,9 @@ class EngineCore:
         self.totals = EngineTotals()
         self.stats_listeners: list[StatsListener] = []
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests without one
-        log.info("KV cache: %d blocks x %d tokens (%d MiB), max_model_len %d", num_blocks,
+        log.info("KV cache: %s blocks x %d tokens (%d MiB), max_model_len %d",
+                 " + ".join(f"{n} ({len(g.layers)} layers, window {g.window or 'full'})"
+                            for n, g in zip(num_blocks, groups, strict=True)),
                  config.block_size, kv.nbytes >> 20, self.max_model_len)
 
     @classmethod
@@ -192,6 +195,7 @@ class EngineCore:
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens
+            self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
         for request, row, position, count in layout.prompt_rows:
             assert request.prompt_logprobs is not None
             for k in range(count):

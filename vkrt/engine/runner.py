@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt import ops
-from vkrt.engine.kv_cache import BlockManager
+from vkrt.engine.kv_groups import KVCacheManager
 from vkrt.engine.request import Request
 from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
 from vkrt.engine.scheduler import SchedulerOutput
@@ -25,24 +25,29 @@ class LogitsLayout:
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
-def build_forward_batch(out: SchedulerOutput, blocks: BlockManager) -> tuple[ForwardBatch, LogitsLayout]:
-    """Flatten every scheduled chunk into one ForwardBatch (sequence j = out.scheduled[j])."""
+def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[ForwardBatch, LogitsLayout]:
+    """Flatten every scheduled chunk into one ForwardBatch (sequence j = out.scheduled[j]),
+    with one row of slots and one block table per sequence for each KV group."""
     token_ids: list[int] = []
     positions: list[np.ndarray] = []
     seq_index: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
-    tables = [blocks.block_table(s.request.request_id) for s in out.scheduled]
-    block_tables = np.zeros((len(tables), max((len(t) for t in tables), default=1)), dtype=np.int32)
+    groups = range(blocks.num_groups)
+    slots: list[list[np.ndarray]] = [[] for _ in groups]
+    tables = [[blocks.block_table(s.request.request_id, g) for s in out.scheduled] for g in groups]
+    width = max((len(t) for group in tables for t in group), default=1)
+    block_tables = np.zeros((len(groups), len(out.scheduled), width), dtype=np.int32)
     logits_index: list[int] = []
     layout = LogitsLayout()
     offset = 0
     for j, s in enumerate(out.scheduled):
         request = s.request
-        block_tables[j, :len(tables[j])] = tables[j]
+        for g in groups:
+            # Entries a window dropped (kv_cache.NULL_BLOCK) are never read; 0 keeps every entry a valid block.
+            block_tables[g, j, :len(tables[g][j])] = np.maximum(tables[g][j], 0)
+            slots[g].append(blocks.slots(request.request_id, s.start, s.num_tokens, g))
         token_ids += request.all_token_ids[s.start:s.start + s.num_tokens]
         positions.append(np.arange(s.start, s.start + s.num_tokens))
         seq_index.append(np.full(s.num_tokens, j))
-        slots.append(blocks.slots(request.request_id, s.start, s.num_tokens))
         if request.prompt_logprobs is not None:
             # Row at position p predicts prompt token p + 1; skip positions already scored
             # (a preempted request recomputes its prompt).
@@ -65,7 +70,7 @@ def build_forward_batch(out: SchedulerOutput, blocks: BlockManager) -> tuple[For
         token_ids=np.asarray(token_ids, dtype=np.int32),
         positions=i32(positions),
         seq_index=i32(seq_index),
-        slots=i32(slots),
+        slots=np.stack([i32(group) for group in slots]),
         block_tables=block_tables,
         logits_index=np.asarray(logits_index, dtype=np.int32),
     )
@@ -130,7 +135,7 @@ class ModelRunner:
             else:
                 result = np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1)
         self.last_step = StepStats(
-            num_seqs=int(batch.block_tables.shape[0]),
+            num_seqs=batch.num_seqs,
             num_tokens=batch.num_tokens,
             num_logits_rows=rows,
             seconds=time.perf_counter() - start,
@@ -144,7 +149,7 @@ class ModelRunner:
         t = batch.num_tokens
         if not self.replay or t == 0 or t > self.max_bucket:
             return None
-        if batch.block_tables.shape[0] != t or batch.block_tables.shape[1] > self.max_blocks:
+        if batch.num_seqs != t or batch.block_tables.shape[-1] > self.max_blocks:
             return None
         if not np.array_equal(batch.logits_index, np.arange(t)) or not np.array_equal(batch.seq_index, np.arange(t)):
             return None
@@ -157,17 +162,19 @@ class ModelRunner:
 
 class _DecodeGraph:
     """One decode bucket: persistent input tensors and the forward recorded over them,
-    then sample_top_k over the logits (a step that samples reads back only its ids)."""
+    then sample_top_k over the logits (a step that samples reads back only its ids).
+    Each KV group has its own slots and block tables among the inputs."""
 
     def __init__(self, model: CausalLM, kv: KVCache, bucket: int, max_blocks: int) -> None:
         backend = model.backend
         self.backend = backend
         self.bucket = bucket
         self.max_blocks = max_blocks
+        groups = len(kv.num_blocks)
         self.host = ForwardBatch(
             token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
-            seq_index=np.full(bucket, -1, np.int32), slots=np.full(bucket, -1, np.int32),
-            block_tables=np.zeros((bucket, max_blocks), np.int32),
+            seq_index=np.full(bucket, -1, np.int32), slots=np.full((groups, bucket), -1, np.int32),
+            block_tables=np.zeros((groups, bucket, max_blocks), np.int32),
             logits_index=np.arange(bucket, dtype=np.int32))
         self.inputs = StepTensors.upload(backend, self.host)
         # Padding rows sample greedily (top_k=1) with a uniform of 0; their ids are dropped.
@@ -186,11 +193,15 @@ class _DecodeGraph:
         host.token_ids[:t], host.token_ids[t:] = batch.token_ids, 0
         host.positions[:t], host.positions[t:] = batch.positions, 0
         host.seq_index[:t], host.seq_index[t:] = batch.seq_index, -1
-        host.slots[:t], host.slots[t:] = batch.slots, -1
+        host.slots[:, :t], host.slots[:, t:] = batch.slots, -1
         host.block_tables[:] = 0
-        host.block_tables[:t, :batch.block_tables.shape[1]] = batch.block_tables
-        for name in ("token_ids", "positions", "seq_index", "slots", "block_tables"):
-            self.backend.write(getattr(self.inputs, name), getattr(host, name))
+        host.block_tables[:, :t, :batch.block_tables.shape[-1]] = batch.block_tables
+        inputs = self.inputs
+        for name in ("token_ids", "positions", "seq_index"):
+            self.backend.write(getattr(inputs, name), getattr(host, name))
+        for g in range(host.slots.shape[0]):
+            self.backend.write(inputs.slots_of(g), host.slots[g])
+            self.backend.write(inputs.block_tables_of(g), host.block_tables[g])
         if sampling is None:  # the caller samples on the host: the ids are not read
             self.graph.replay()
             return np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t]

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from vkrt.engine.kv_cache import BlockManager
+from vkrt.engine.kv_groups import KVCacheManager
 from vkrt.engine.request import Request, RequestStatus
 
 
@@ -58,9 +58,9 @@ def _priority(request: Request) -> float:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; the BlockManager owns their blocks."""
+    """Owns the waiting queue and the running list; the KVCacheManager owns their blocks."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -109,10 +109,10 @@ class Scheduler:
         # Admitting more right after a preemption would only thrash the pool.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(request)
-            num_cached = len(computed) * self.block_manager.block_size
+            hit = self.block_manager.get_computed_blocks(request)
+            num_cached = hit.num_tokens
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(request, num_new, computed):
+            if not self.block_manager.allocate_slots(request, num_new, hit):
                 break
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:  # first admission, not a resumption

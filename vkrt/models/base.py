@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from vkrt.backend.base import Backend
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.ops.tensor import Tensor
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block pool and one block table per sequence: equal attention windows."""
+
+    window: int  # 0: full attention; W: positions p - W < j <= p
+    layers: tuple[int, ...]
+
+
+def kv_groups(config: ModelConfig) -> list[KVGroup]:
+    """The model's KV groups: full-attention layers first, then one group per window, smallest first."""
+    by_window: dict[int, list[int]] = {}
+    for i in range(config.num_layers):
+        by_window.setdefault(config.layer(i).window, []).append(i)
+    return [KVGroup(w, tuple(by_window[w])) for w in sorted(by_window)]
 
 
 @dataclass
@@ -19,23 +36,33 @@ class ForwardBatch:
     Token t belongs to row `seq_index[t]` of `block_tables` at `positions[t]`; its K/V go to
     cache slot `slots[t]` (block * block_size + offset). Logits are produced only for the
     token rows in `logits_index` (typically the last token of each sequence's chunk).
+    With one row of `slots` and one table per KV group ([G, T] and [G, S, max_blocks]) each
+    group's layers use their own; without the group axis every group uses the same ones.
     """
 
     token_ids: np.ndarray  # i32 [T]
     positions: np.ndarray  # i32 [T]
     seq_index: np.ndarray  # i32 [T]
-    slots: np.ndarray  # i32 [T]
-    block_tables: np.ndarray  # i32 [S, max_blocks]
+    slots: np.ndarray  # i32 [T] or [G, T]
+    block_tables: np.ndarray  # i32 [S, max_blocks] or [G, S, max_blocks]
     logits_index: np.ndarray  # i32 [R]
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_tables.shape[-2])
+
 
 @dataclass
 class StepTensors:
-    """ForwardBatch uploaded to the device. Persistent ones can be rewritten in place."""
+    """ForwardBatch uploaded to the device. Persistent ones can be rewritten in place.
+
+    `slots` and `block_tables` are KV group 0's; `group_slots[g]` / `group_block_tables[g]`
+    each group's (empty when every group shares group 0's).
+    """
 
     token_ids: Tensor
     positions: Tensor
@@ -43,29 +70,48 @@ class StepTensors:
     slots: Tensor
     block_tables: Tensor
     logits_index: Tensor
+    group_slots: tuple[Tensor, ...] = ()
+    group_block_tables: tuple[Tensor, ...] = ()
 
     @classmethod
     def upload(cls, backend: Backend, batch: ForwardBatch) -> StepTensors:
         def up(a: np.ndarray) -> Tensor:
             return backend.upload(np.ascontiguousarray(a, dtype=np.int32), "i32", purpose="inputs")
 
-        return cls(up(batch.token_ids), up(batch.positions), up(batch.seq_index), up(batch.slots),
-                   up(batch.block_tables), up(batch.logits_index))
+        slots, tables = batch.slots, batch.block_tables
+        group_slots = tuple(up(row) for row in slots) if slots.ndim == 2 else ()
+        group_tables = tuple(up(table) for table in tables) if tables.ndim == 3 else ()
+        return cls(up(batch.token_ids), up(batch.positions), up(batch.seq_index),
+                   group_slots[0] if group_slots else up(slots), group_tables[0] if group_tables else up(tables),
+                   up(batch.logits_index), group_slots, group_tables)
+
+    def slots_of(self, group: int) -> Tensor:
+        """Cache slots of this step's tokens in KV group `group`'s pool."""
+        return self.group_slots[group] if self.group_slots else self.slots
+
+    def block_tables_of(self, group: int) -> Tensor:
+        """Block tables [S, max_blocks] of KV group `group`."""
+        return self.group_block_tables[group] if self.group_block_tables else self.block_tables
 
 
 @dataclass
 class KVCache:
-    """Per-layer key and value caches: [num_blocks, block_size, kv_heads * head_dim]."""
+    """Per-layer key and value caches: [num_blocks of the layer's group, block_size, kv_heads * head_dim]."""
 
     keys: list[Tensor]
     values: list[Tensor]
-    num_blocks: int
+    num_blocks: list[int]  # per KV group
     block_size: int
     dtype: str
+    groups: list[KVGroup] = field(default_factory=list)
+    layer_group: list[int] = field(default_factory=list)  # KV group of each layer
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+    def group_of(self, layer: int) -> int:
+        return self.layer_group[layer] if self.layer_group else 0
 
 
 class CausalLM(ABC):
@@ -78,18 +124,56 @@ class CausalLM(ABC):
     @abstractmethod
     def __init__(self, loaded: LoadedModel, backend: Backend) -> None: ...
 
+    def kv_groups(self) -> list[KVGroup]:
+        return kv_groups(self.config)
+
     def kv_bytes_per_block(self, block_size: int, dtype: str = "f32") -> int:
+        """K and V bytes of one block in every layer."""
+        return sum(self.kv_group_bytes_per_block(block_size, dtype))
+
+    def kv_group_bytes_per_block(self, block_size: int, dtype: str = "f32") -> list[int]:
+        """K and V bytes of one block of each KV group (its layers only)."""
         c = self.config
         item = 4 if dtype == "f32" else 2
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * item
+        return [2 * len(g.layers) * block_size * c.num_kv_heads * c.head_dim * item for g in self.kv_groups()]
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "f32") -> KVCache:
+    def kv_positions(self, num_blocks: int | Sequence[int], block_size: int, max_len: int | None = None) -> int:
+        """Positions a sequence can reach in a cache of these pools (the RoPE tables' length).
+
+        A full-attention pool bounds a sequence's length; a sliding window's does not (it
+        recycles blocks), so a model of sliding layers only is bounded by `max_len` (the
+        engine's max_model_len) when given, else by its largest pool.
+        """
+        counts = self._pool_sizes(num_blocks)
+        full = [n for n, g in zip(counts, self.kv_groups(), strict=True) if not g.window]
+        if full:
+            reach = min(full) * block_size
+        else:
+            reach = max_len if max_len is not None else max(counts) * block_size
+        return min(self.config.max_position_embeddings, reach)
+
+    def _pool_sizes(self, num_blocks: int | Sequence[int]) -> list[int]:
+        groups = self.kv_groups()
+        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(groups):
+            raise ValueError(f"{len(counts)} pool sizes for {len(groups)} KV groups")
+        return counts
+
+    def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
+                          max_len: int | None = None) -> KVCache:
+        """K and V tensors of every layer; `num_blocks` per KV group (one int: the same for all)."""
         c = self.config
-        shape = (num_blocks, block_size, c.num_kv_heads * c.head_dim)
-        self.backend.reserve("kv", 2 * c.num_layers * self.backend.weight_nbytes(dtype, shape))
-        keys = [self.backend.empty(shape, dtype, purpose="kv") for _ in range(c.num_layers)]
-        values = [self.backend.empty(shape, dtype, purpose="kv") for _ in range(c.num_layers)]
-        return KVCache(keys, values, num_blocks, block_size, dtype)
+        groups = self.kv_groups()
+        counts = self._pool_sizes(num_blocks)
+        layer_group = [0] * c.num_layers
+        for g, group in enumerate(groups):
+            for i in group.layers:
+                layer_group[i] = g
+        shapes = [(counts[layer_group[i]], block_size, c.num_kv_heads * c.head_dim) for i in range(c.num_layers)]
+        self.backend.reserve("kv", 2 * sum(self.backend.weight_nbytes(dtype, shape) for shape in shapes))
+        keys = [self.backend.empty(shape, dtype, purpose="kv") for shape in shapes]
+        values = [self.backend.empty(shape, dtype, purpose="kv") for shape in shapes]
+        return KVCache(keys, values, counts, block_size, dtype, groups, layer_group)
 
     @abstractmethod
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:

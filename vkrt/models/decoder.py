@@ -10,7 +10,7 @@ vkrt.ops.fusion folds them into fused kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -132,13 +132,14 @@ class DecoderModel(CausalLM):
         return self.upload_f32(self.vector(name) + np.float32(self.config.norm_offset))
 
     # -- rope ---------------------------------------------------------------------
-    def allocate_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "f32") -> KVCache:
+    def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
+                          max_len: int | None = None) -> KVCache:
         # The RoPE tables cover the positions a cache can hold, never the file's claimed context.
-        positions = min(self.config.max_position_embeddings, num_blocks * block_size)
+        positions = self.kv_positions(num_blocks, block_size, max_len)
         if positions > self._rope_positions:
             self._rope = rope_tables(self.config, positions, self._freq_factors, self.upload_f32)
             self._rope_positions = positions
-        return super().allocate_kv_cache(num_blocks, block_size, dtype)
+        return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len)
 
     def cos_sin(self, i: int) -> Tensor:
         if not self._rope:
@@ -165,7 +166,8 @@ class DecoderModel(CausalLM):
         c = self.config
         x = ops.rms_norm(h, b.attn_norm, c.rms_norm_eps)
         q = self.query_and_cache_write(b, x, step, kv, i)
-        a = ops.paged_attention(q, kv.keys[i], kv.values[i], step.block_tables, step.seq_index, step.positions,
+        tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
+        a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
                                 c.num_heads, c.num_kv_heads, self.scale, window=b.window, softcap=c.attn_softcap)
         out = ops.matmul(a, b.o_proj)
         if b.post_attn_norm is not None:
@@ -188,6 +190,7 @@ class DecoderModel(CausalLM):
         """rope(q) of the normed input; rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
         cos_sin = self.cos_sin(i)
+        slots = step.slots_of(kv.group_of(i))
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
         if b.qkv is not None:
             qkv = ops.matmul(x, b.qkv)
@@ -195,8 +198,8 @@ class DecoderModel(CausalLM):
                 qkv = ops.add(qkv, b.qkv_bias)
             if b.q_norm is not None and b.k_norm is not None:
                 return ops.qkv_norm_rope_kv_write(qkv, b.q_norm, b.k_norm, step.positions, cos_sin, kv.keys[i],
-                                                  kv.values[i], step.slots, c.rms_norm_eps, *heads)
-            return ops.qkv_rope_kv_write(qkv, step.positions, cos_sin, kv.keys[i], kv.values[i], step.slots, *heads)
+                                                  kv.values[i], slots, c.rms_norm_eps, *heads)
+            return ops.qkv_rope_kv_write(qkv, step.positions, cos_sin, kv.keys[i], kv.values[i], slots, *heads)
         assert b.q_proj is not None and b.k_proj is not None and b.v_proj is not None
         q, k, v = ops.matmul(x, b.q_proj), ops.matmul(x, b.k_proj), ops.matmul(x, b.v_proj)
         if b.q_bias is not None and b.k_bias is not None and b.v_bias is not None:
@@ -204,7 +207,7 @@ class DecoderModel(CausalLM):
         if b.q_norm is not None and b.k_norm is not None:
             q, k = self.head_norm(q, b.q_norm), self.head_norm(k, b.k_norm)
         q = ops.rope(q, step.positions, cos_sin, c.head_dim)
-        ops.kv_write(kv.keys[i], kv.values[i], ops.rope(k, step.positions, cos_sin, c.head_dim), v, step.slots)
+        ops.kv_write(kv.keys[i], kv.values[i], ops.rope(k, step.positions, cos_sin, c.head_dim), v, slots)
         return q
 
     def head_norm(self, x: Tensor, w: Tensor) -> Tensor:
