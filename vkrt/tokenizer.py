@@ -343,6 +343,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def hf_json(self) -> str:
+        """The HF `tokenizers` serialisation (tokenizer.json text) of this tokenizer."""
+        return str(self._tok.to_str())
+
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (for logprobs); partial UTF-8 shows as U+FFFD."""
         return self.decode([token_id], skip_special_tokens=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from vkrt.engine.async_llm import AsyncLLM, EngineMetrics
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore, IterationStats
+from vkrt.engine.guided import GuidedDecoding
 from vkrt.engine.llm import LLM
 from vkrt.engine.request import (
     CompletionOutput,
@@ -17,6 +18,7 @@ from vkrt.engine.request import (
 )
 
 __all__ = [
-    "LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineMetrics", "IterationStats",
+    "LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineMetrics", "GuidedDecoding",
+    "IterationStats",
     "Logprob", "RequestMetrics", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprobs",
 ]

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vkrt.engine.guided import GuidedDecoding
 from vkrt.errors import RequestError, VkrtError
 
 # Most top/scored logprobs one request may ask for per position (OpenAI caps top_logprobs at 20).
@@ -90,6 +91,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    guided_decoding: GuidedDecoding | None = None  # structured output: the grammar to follow
 
     @property
     def stop_strings(self) -> list[str]:
@@ -153,3 +155,5 @@ class SamplingParams:
                     raise bad("logprob_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.guided_decoding is not None:
+            self.guided_decoding.validate()

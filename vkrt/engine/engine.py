@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt.engine.config import EngineConfig, SamplingParams
+from vkrt.engine.guided import GrammarCompiler, fill_masks
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
-from vkrt.engine.request import Request, RequestOutput
+from vkrt.engine.request import Request, RequestOutput, RequestStatus
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, SamplerOutput, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
@@ -43,6 +44,7 @@ class IterationStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     ttfts: list[float] = field(default_factory=list)
+    mask_seconds: float | None = None  # host time computing structured-output masks (None: none)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
@@ -104,6 +106,7 @@ class EngineCore:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self.totals = EngineTotals()
         self.stats_listeners: list[StatsListener] = []
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests without one
@@ -159,6 +162,8 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                           prompt=prompt, generator_seed=int(self._seed_rng.integers(2**63)),
                           arrival_time=arrival_time)
+        if params.guided_decoding is not None:
+            request.guide = self.grammars.compile(params.guided_decoding)
         self.scheduler.add_request(request)
         self.outputs.add(request)
         return request
@@ -188,9 +193,13 @@ class EngineCore:
             return []
         batch, layout = build_forward_batch(scheduled, self.block_manager)
         requests = [request for request, _ in layout.sample_rows]
+        # Constrained rows' token masks, before the forward: they are inputs of the sampling.
+        mask_start = time.perf_counter()
+        masks = fill_masks(requests, self.grammars.words)
+        mask_seconds = None if masks is None else time.perf_counter() - mask_start
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled token, as the host's would).
-        sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
+        sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index), masks)
         logits = self.runner.execute(batch, sampling)
         now = time.monotonic()
         for s in scheduled.scheduled:
@@ -204,12 +213,13 @@ class EngineCore:
                 self.outputs.fill_text(entry)
                 request.prompt_logprobs.append(entry)
 
-        stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted))
+        stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted),
+                               mask_seconds=mask_seconds)
         rows = [row for _, row in layout.sample_rows]
         if sampling is not None:  # the runner returned each row's token
             sampled = SamplerOutput([int(t) for t in logits[rows]], [None] * len(rows))
         else:
-            sampled = self.sampler.sample(logits[rows], requests)
+            sampled = self.sampler.sample(logits[rows], requests, masks)
         results: list[RequestOutput] = []
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
             metrics = request.metrics
@@ -222,6 +232,8 @@ class EngineCore:
             metrics.last_token_time = now
             stats.num_generation_tokens += 1
             status = self.outputs.append_token(request, token_id, logprobs)
+            if request.guide is not None:
+                status = self._advance_guide(request, token_id, status)
             if status is not None:
                 self.scheduler.finish(request, status)
                 stats.finished.append(FinishedRequestStats(
@@ -232,6 +244,18 @@ class EngineCore:
                 self.outputs.remove(request.request_id)
         self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
         return results
+
+    def _advance_guide(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
+        """Feed the sampled token to the request's grammar: a complete grammar stops the request;
+        a rejected token (the mask allowed it, so a bug) aborts it rather than emit invalid output."""
+        assert request.guide is not None
+        if not request.guide.advance(token_id):
+            log.error("request %s: the grammar rejected token %d: %s", request.request_id, token_id,
+                      request.guide.error)
+            return RequestStatus.FINISHED_ABORTED
+        if status is None and request.guide.is_complete:
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _record(self, stats: IterationStats, num_prefill: int) -> None:
         totals = self.totals

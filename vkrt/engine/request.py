@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vkrt.engine.config import SamplingParams
+
+if TYPE_CHECKING:
+    from vkrt.engine.guided import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -108,6 +112,7 @@ class Request:
         self.generator = np.random.Generator(np.random.PCG64(
             params.seed if params.seed is not None else generator_seed))
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self.guide: Guide | None = None  # the grammar's state under structured output
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,7 @@ from vkrt.engine.request import Request
 from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
 from vkrt.engine.scheduler import SchedulerOutput
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
+from vkrt.ops.sampling import ALL_ALLOWED, mask_words
 
 
 @dataclass
@@ -114,7 +115,7 @@ class ModelRunner:
 
         With `sampling` (one row per logits row) the caller needs only each row's
         sample_top_k token: int32 ids [rows] come back instead, drawn on the device (inside
-        the recorded step when it is replayed), so no logits are read back.
+        the recorded step when it is replayed, with its token masks), so no logits are read back.
         """
         counters = self.backend.counters
         before = counters.snapshot()
@@ -129,8 +130,9 @@ class ModelRunner:
             step = StepTensors.upload(self.backend, batch)
             logits = self.model.forward(step, self.kv)
             if sampling is not None:
+                masks = None if sampling.masks is None else self.backend.upload(sampling.masks, "u32")
                 ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
-                                       self.backend.upload(sampling.uniforms, "f32"))
+                                       self.backend.upload(sampling.uniforms, "f32"), masks)
                 result = self.backend.read(ids).reshape(rows)
             else:
                 result = np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1)
@@ -181,9 +183,13 @@ class _DecodeGraph:
         self.host_sampling = SampleInputs(np.tile(GREEDY_PARAMS, (bucket, 1)), np.zeros(bucket, np.float32))
         self.sample_params = backend.upload(self.host_sampling.params, "f32")
         self.uniforms = backend.upload(self.host_sampling.uniforms, "f32")
+        # Token masks (structured output), rewritten only while a step has a constrained row.
+        self.host_masks = np.full((bucket, mask_words(model.config.vocab_size)), ALL_ALLOWED, np.uint32)
+        self.masks = backend.upload(self.host_masks, "u32")
+        self.masks_all_ones = True
         with backend.capture() as graph:
             self.logits = model.forward(self.inputs, kv)
-            self.ids = ops.sample_top_k(self.logits, self.sample_params, self.uniforms)
+            self.ids = ops.sample_top_k(self.logits, self.sample_params, self.uniforms, self.masks)
         self.graph = graph
 
     def run(self, batch: ForwardBatch, sampling: SampleInputs | None) -> np.ndarray:
@@ -210,5 +216,11 @@ class _DecodeGraph:
         uniforms[:t], uniforms[t:] = sampling.uniforms, 0.0
         self.backend.write(self.sample_params, params)
         self.backend.write(self.uniforms, uniforms)
+        if sampling.masks is not None or not self.masks_all_ones:
+            masks = self.host_masks
+            masks[:t] = ALL_ALLOWED if sampling.masks is None else sampling.masks
+            masks[t:] = ALL_ALLOWED
+            self.backend.write(self.masks, masks)
+            self.masks_all_ones = sampling.masks is None
         self.graph.replay()
         return self.backend.read(self.ids)[:t]

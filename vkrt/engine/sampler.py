@@ -11,6 +11,9 @@ is sampled by the sample_top_k op's spec instead (vkrt/ops/sampling.py), from th
 draw per token: on the host here, or on the device when every row of a step qualifies
 (`sample_inputs`), so its tokens do not depend on which path, or batch, sampled them.
 
+Under structured output a row also has a token mask (vkrt/engine/guided.py): the tokens it
+disallows read as -inf before anything above, on either path; logprobs stay the raw model's.
+
 Every row is processed on its own 1-D slice, so a row's result never depends on the batch.
 """
 
@@ -23,7 +26,7 @@ import numpy as np
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.request import Logprob, Request, TokenLogprobs
-from vkrt.ops.sampling import MAX_TOP_K, sample_params, sample_row
+from vkrt.ops.sampling import ALL_ALLOWED, MAX_TOP_K, allowed_tokens, sample_params, sample_row
 
 
 @dataclass
@@ -86,28 +89,33 @@ def draw_uniform(request: Request) -> np.float32:
 
 @dataclass
 class SampleInputs:
-    """sample_top_k operands for one step's rows: params [R, 4] and uniforms [R], float32."""
+    """sample_top_k operands for one step's rows: params [R, 4] and uniforms [R], float32;
+    masks u32 [R, ceil(V / 32)], or None when no row is constrained (all ones)."""
 
     params: np.ndarray
     uniforms: np.ndarray
+    masks: np.ndarray | None = None
 
 
 GREEDY_PARAMS = sample_params(temperature=1.0, top_k=1)  # top_k=1 is the argmax
 
 
-def sample_inputs(requests: Sequence[Request], num_rows: int) -> SampleInputs | None:
+def sample_inputs(requests: Sequence[Request], num_rows: int,
+                  masks: np.ndarray | None = None) -> SampleInputs | None:
     """sample_top_k operands for logits rows 0..num_rows-1, row i sampling requests[i]
-    (plain greedy ones as top_k=1; rows past the requests, unused, too), drawing each
-    sampled request's uniform; None, drawing nothing, if any request needs the host."""
+    (plain greedy ones as top_k=1; rows past the requests, unused, too) with masks[i],
+    drawing each sampled request's uniform; None, drawing nothing, if any request needs the host."""
     if not all(is_plain_greedy(r) or is_device_samplable(r) for r in requests):
         return None
+    if masks is not None and num_rows > masks.shape[0]:
+        masks = np.concatenate([masks, np.full((num_rows - masks.shape[0], masks.shape[1]), ALL_ALLOWED)])
     params = np.tile(GREEDY_PARAMS, (num_rows, 1))
     uniforms = np.zeros(num_rows, np.float32)
     for i, request in enumerate(requests):
         if not request.params.greedy:
             params[i] = _op_params(request.params)
             uniforms[i] = draw_uniform(request)
-    return SampleInputs(params, uniforms)
+    return SampleInputs(params, uniforms, masks)
 
 
 def _op_params(params: SamplingParams) -> np.ndarray:
@@ -161,11 +169,16 @@ def filter_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
 class Sampler:
     """Batched host sampler: one row of logits per request that samples this step."""
 
-    def sample(self, logits: np.ndarray, requests: Sequence[Request]) -> SamplerOutput:
+    def sample(self, logits: np.ndarray, requests: Sequence[Request],
+               masks: np.ndarray | None = None) -> SamplerOutput:
+        """One token per row; masks[i] (u32 words) restricts row i (None: no row is constrained)."""
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
-        for row, request in zip(logits, requests, strict=True):
+        for i, (raw, request) in enumerate(zip(logits, requests, strict=True)):
             params = request.params
+            row = raw
+            if masks is not None and request.guide is not None:
+                row = np.where(allowed_tokens(masks[i], raw.shape[0]), raw, np.float32(-np.inf))
             x = apply_penalties_and_bias(row, params, request.prompt_token_ids,
                                          request.output_token_ids, request.eos_token_ids)
             if params.greedy:
@@ -182,5 +195,5 @@ class Sampler:
             if request.logprobs is None:
                 logprobs.append(None)
             else:
-                logprobs.append(token_logprobs(row, token, params.logprobs or 0, params.logprob_token_ids))
+                logprobs.append(token_logprobs(raw, token, params.logprobs or 0, params.logprob_token_ids))
         return SamplerOutput(token_ids, logprobs)

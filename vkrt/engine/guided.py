@@ -1,0 +1,160 @@
+"""Structured output: a request's grammar, compiled with llguidance, as a token mask per step.
+
+`GuidedDecoding` (on SamplingParams) names the grammar; `GrammarCompiler` turns it into a
+`Guide` (an llguidance matcher over the model's tokenizer) when the request is added, so a
+bad or unsatisfiable grammar is a RequestError then, never mid-generation. Each step the
+engine asks every constrained request's guide for its mask row (u32 words, bit j % 32 of word
+j // 32 allows token j: the sample_top_k op's mask operand), samples with it, and advances the
+guide with the chosen token. When the grammar admits no further token the request stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from vkrt.errors import RequestError, VkrtError
+from vkrt.ops.sampling import ALL_ALLOWED, mask_words
+
+if TYPE_CHECKING:
+    from vkrt.engine.request import Request
+    from vkrt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+GuidedKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+PARAM = "guided_decoding"
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """The grammar one request's output must match.
+
+    kind "json": `spec` is a JSON schema (dict or its JSON text); with strict=False keywords
+    llguidance does not implement are ignored instead of rejected. "json_object": any JSON
+    object (`spec` unused). "regex": `spec` is a regular expression (Rust regex syntax) the
+    whole output matches. "choice": `spec` is a list of strings, the output is one of them.
+    "grammar": `spec` is a Lark grammar (llguidance's dialect; GBNF is converted).
+    """
+
+    kind: GuidedKind
+    spec: Any = None
+    strict: bool = True
+
+    def validate(self) -> None:
+        """Raise RequestError for a malformed spec (the grammar itself is checked at compile)."""
+        if self.kind not in KINDS:
+            raise RequestError(f"{PARAM}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}", param=PARAM)
+        if self.kind == "json" and not isinstance(self.spec, (dict, str, bool)):
+            raise RequestError(f"{PARAM}: a json schema must be an object (or its JSON text)", param=PARAM)
+        if self.kind in ("regex", "grammar") and not (isinstance(self.spec, str) and self.spec):
+            raise RequestError(f"{PARAM}: a {self.kind} must be a non-empty string", param=PARAM)
+        if self.kind == "choice" and not (
+                isinstance(self.spec, (list, tuple)) and self.spec
+                and all(isinstance(c, str) and c for c in self.spec)):
+            raise RequestError(f"{PARAM}: choice must be a non-empty list of non-empty strings", param=PARAM)
+
+    def grammar(self) -> str:
+        """The llguidance grammar definition of this spec."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher
+        if self.kind == "json_object":
+            return str(matcher.grammar_from_json_schema({"type": "object"}))
+        if self.kind == "json":
+            schema = json.loads(self.spec) if isinstance(self.spec, str) else self.spec
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            options: dict[str, Any] = {"lenient": not self.strict}
+            return str(matcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
+        if self.kind == "regex":
+            return str(matcher.grammar_from_regex(self.spec))
+        if self.kind == "choice":
+            return str(matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.spec)))
+        return str(llguidance.grammar_from("grammar", self.spec))  # Lark, or GBNF converted to Lark
+
+
+class Guide:
+    """One request's grammar state: the mask of tokens allowed next, advanced per token."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        """Write the allowed-next-token bits into `row` (u32 [ceil(V / 32)], contiguous)."""
+        assert row.dtype == np.uint32 and row.flags["C_CONTIGUOUS"]
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def advance(self, token_id: int) -> bool:
+        """Consume the sampled token; False if the grammar rejects it (the matcher's error)."""
+        return bool(self._matcher.consume_token(token_id))
+
+    @property
+    def is_complete(self) -> bool:
+        """True when the grammar admits no further token (the output is a full match)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error())
+
+
+class GrammarCompiler:
+    """Compiles GuidedDecoding specs against one model's tokenizer (built once, on first use:
+    llguidance's tokenizer takes ~1 s to index a 49k vocabulary)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.words = mask_words(vocab_size)
+        self._ll_tokenizer: Any = None
+
+    def _llg_tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            if self.tokenizer is None:
+                raise RequestError(f"{PARAM}: structured output needs the model's tokenizer, and this model "
+                                   "was loaded without one", param=PARAM)
+            import llguidance
+
+            try:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self.tokenizer.hf_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+            except Exception as exc:  # llguidance raises plain ValueError/RuntimeError
+                raise VkrtError(f"llguidance could not index this model's tokenizer: {exc}") from exc
+        return self._ll_tokenizer
+
+    def compile(self, guided: GuidedDecoding) -> Guide:
+        """A fresh Guide for one request; RequestError naming the feature if the grammar is
+        unsupported, malformed or unsatisfiable."""
+        import llguidance
+
+        guided.validate()
+        tokenizer = self._llg_tokenizer()
+        try:
+            grammar = guided.grammar()
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"{PARAM}: invalid {guided.kind}: {exc}", param=PARAM) from exc
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"{PARAM}: unsupported or invalid {guided.kind}: {matcher.get_error()}",
+                               param=PARAM)
+        return Guide(matcher)
+
+
+def fill_masks(requests: Sequence[Request], words: int) -> np.ndarray | None:
+    """u32 [len(requests), words] masks, row i for requests[i] (all ones where unconstrained);
+    None, computing nothing, when no request is constrained."""
+    guided = [(i, r.guide) for i, r in enumerate(requests) if r.guide is not None]
+    if not guided:
+        return None
+    masks = np.full((len(requests), words), ALL_ALLOWED, np.uint32)
+    for i, guide in guided:
+        guide.fill_mask(masks[i])
+    return masks
