@@ -360,3 +360,23 @@ def test_sliding_groups_replay_in_one_submit(vk_default: Any) -> None:
     worst = stats["decode_counters_max"]
     assert stats["decode_steps"] >= 10 and stats["last_step"]["replayed"]
     assert worst["drains"] == 0 and worst["submits"] == 1 and worst["fence_waits"] == 1
+
+
+def test_prefix_caching_on_tiny_gemma3_matches_transformers() -> None:
+    """Hits taken after the sliding group released the prefix's early blocks give the same ids."""
+    case = _golden("tiny_gemma3")["cases"][-1]  # 40 prompt tokens: five windows of 8
+    prompt = case["input_ids"]
+    batch = [prompt, prompt, prompt[:30] + [1, 2, 3], prompt[:21]]
+    runs = []
+    for caching in (True, False):
+        # A pool of 4 sequences at the bound (20 sliding blocks): one request's 14 blocks leave
+        # the next one's window cached. One request at a time, so each hit comes from freed blocks.
+        llm = LLM(FIXTURES / "tiny_gemma3", device="reference", kv_dtype="f32", max_model_len=64, block_size=BLOCK,
+                  max_num_batched_tokens=CHUNK, max_num_seqs=4, enable_prefix_caching=caching)
+        runs.append([generate(llm, [p], greedy(16))[0] for p in batch])
+        manager = llm.engine.block_manager
+        # Whole shared blocks before each prompt's last token: 9 of the repeated prompt, 7 of
+        # the 30 shared tokens (the 8th holds new ones), 5 of the 21-token prefix.
+        assert manager.prefix_hits == (36 + 28 + 20 if caching else 0)
+        assert manager.num_free_blocks == manager.num_blocks
+    assert runs[0] == runs[1] and runs[0][0] == runs[0][1] == case["greedy_ids"]
