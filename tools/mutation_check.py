@@ -91,7 +91,7 @@ MUTANTS = [
            ("tests/engine/test_output.py",)),
     Mutant("min-p keeps only weights above it (> for >=)", "vkrt/ops/sampling.py",
            "keep = weights >= min_p", "keep = weights > min_p",
-           ("tests/ops/test_sample.py", "tests/engine/test_sampler.py")),
+           ("tests/ops/test_sample.py", "tests/ops/test_sample_min_p_boundary.py", "tests/engine/test_sampler.py")),
     Mutant("host min-p filter at half its threshold", "vkrt/engine/sampler.py",
            "probs[probs < params.min_p * probs.max()] = 0.0", "probs[probs < 0.5 * params.min_p * probs.max()] = 0.0",
            ("tests/engine/test_sampler.py",)),
