@@ -39,3 +39,8 @@ class RequestError(VkrtError):
 
 class DeviceUnavailable(VkrtError):
     """No usable Vulkan loader or device; callers fall back to the reference backend."""
+
+
+class NotReplayable(VkrtError):
+    """A step being recorded for replay needed the host mid-step (an op without a native
+    kernel drains); the caller runs such steps eagerly instead."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -12,8 +13,11 @@ from vkrt.engine.kv_groups import KVCacheManager
 from vkrt.engine.request import Request
 from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
 from vkrt.engine.scheduler import SchedulerOutput
+from vkrt.errors import NotReplayable
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.ops.sampling import ALL_ALLOWED, mask_words
+
+log = logging.getLogger("vkrt")
 
 
 @dataclass
@@ -158,7 +162,15 @@ class ModelRunner:
         bucket = 1 << (t - 1).bit_length()
         graph = self._graphs.get(bucket)
         if graph is None:
-            graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks)
+            try:
+                graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks)
+            except NotReplayable:
+                # An op of this model has no native kernel here (its drain named it in a
+                # warning): decode steps run eagerly, correct but one submit per drain.
+                log.warning("decode steps of this model cannot be recorded for replay on %s; "
+                            "running them eagerly", self.backend.name)
+                self.replay = False
+                return None
         return graph
 
 

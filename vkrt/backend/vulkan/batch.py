@@ -15,7 +15,7 @@ from typing import Any
 from vkrt.backend.base import Counters
 from vkrt.backend.vulkan.memory import Allocation
 from vkrt.backend.vulkan.profile import COPY_LABEL, Profiler, QueryTimeline
-from vkrt.errors import VkrtError
+from vkrt.errors import NotReplayable
 
 UINT64_MAX = 0xFFFFFFFFFFFFFFFF
 # Memory freed while a batch is open is recycled only after it completes; past this many
@@ -245,8 +245,8 @@ class CommandBatch:
     def flush(self) -> None:
         """Submit what was recorded and block until the device finishes it."""
         if self.capturing:
-            raise VkrtError("the host needs device results while a step is being recorded for "
-                            "replay; recorded steps must not read back or upload mid-step")
+            raise NotReplayable("the host needs device results while a step is being recorded for "
+                                "replay; recorded steps must not read back or upload mid-step")
         if not self.recording:
             return
         lib = self.lib
