@@ -8,13 +8,14 @@ import numpy as np
 from vkrt.ops import attention as _attention
 from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
+from vkrt.ops import moe as _moe
 from vkrt.ops import norm as _norm
 from vkrt.ops import sampling as _sampling
 from vkrt.ops.attention import rope_cos_sin
 from vkrt.ops.registry import OPS, OpDef, OpError, dispatch
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-del _attention, _elementwise, _linear, _norm  # imported for their registrations
+del _attention, _elementwise, _linear, _moe, _norm  # imported for their registrations
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
@@ -165,6 +166,21 @@ def copy(x: Tensor) -> Tensor:
     return dispatch("copy", x)
 
 
+def moe_router(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Expert ids i32 [T, k] and weights f32 [T, k] from router logits [T, E] (vkrt.ops.moe)."""
+    return dispatch("moe_router", logits, top_k=int(top_k), normalize=bool(normalize))
+
+
+def moe_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
+    """[T, k, N]: x [T, K] (or [T, k, K]) through the experts ids [T, k] pick of w [E, N, K]."""
+    return dispatch("moe_matmul", x, w, ids)
+
+
+def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
+    """[T, N]: the k expert outputs y [T, k, N] summed with their router weights [T, k]."""
+    return dispatch("moe_combine", y, weights)
+
+
 def op_names() -> list[str]:
     return sorted(OPS)
 
@@ -172,7 +188,7 @@ def op_names() -> list[str]:
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "matmul_silu_and_mul", "mul", "op_names", "paged_attention",
+    "layer_norm", "matmul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_router", "mul", "op_names", "paged_attention",
     "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rope",
     "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
 ]

@@ -1,0 +1,100 @@
+"""Mixture-of-experts ops: routing, the id-indexed expert matmul and the weighted combine.
+
+A sparse MLP is four ops (the router matmul is a plain `matmul` against [E, H]):
+
+    ids, weights = moe_router(router_logits, top_k, normalize)   # [T, k] i32, [T, k] f32
+    y = moe_matmul(x, experts_gate_up, ids)                       # [T, k, 2F]
+    a = silu_and_mul(y viewed as [T * k, 2F]) viewed as [T, k, F]
+    out = moe_combine(moe_matmul(a, experts_down, ids), weights)  # [T, H]
+
+ids and weights are tensors that stay where the activations live (no host readback of
+routing), so a decode step can be recorded and replayed like a dense one. The combine is
+its own op rather than part of the down projection: it keeps the expert matmul one op for
+both projections, and a backend can fold it into the down projection's epilogue the way
+`matmul_add` folds a residual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkrt.ops.linear import WEIGHT_DTYPES, _weight_values
+from vkrt.ops.registry import register_op, require
+from vkrt.ops.tensor import TensorSpec
+
+
+def _router_infer(logits: TensorSpec, top_k: int, normalize: bool) -> tuple[TensorSpec, ...]:
+    require(logits.dtype == "f32" and len(logits.shape) == 2, "moe_router", (logits,),
+            "router logits must be f32 [T, E]")
+    require(1 <= top_k <= logits.shape[1], "moe_router", (logits,),
+            f"top_k must be in 1..E ({logits.shape[1]}), got {top_k}")
+    rows = logits.shape[0]
+    return TensorSpec((rows, top_k), "i32"), TensorSpec((rows, top_k), "f32")
+
+
+@register_op("moe_router", _router_infer)
+def moe_router(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's k experts and their weights from router logits [T, E].
+
+    The k largest logits, in descending order, ties broken by the lower expert index
+    (softmax is monotone, so this is the top-k of the probabilities transformers takes).
+    Weights are the softmax probabilities of the chosen experts over all E; with
+    `normalize` (Qwen3-MoE's norm_topk_prob, Mixtral) they are divided by their sum, which
+    is the softmax over the k chosen logits. Computed in float64, rounded once to f32.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    order = np.argsort(-x, axis=1, kind="stable")[:, :top_k]  # stable: equal logits keep index order
+    probs = np.exp(x - x.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    chosen = np.take_along_axis(probs, order, axis=1)
+    if normalize:
+        chosen = chosen / chosen.sum(axis=1, keepdims=True)
+    return order.astype(np.int32), chosen.astype(np.float32)
+
+
+def _moe_matmul_infer(x: TensorSpec, w: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (x, w, ids)
+    require(w.dtype in WEIGHT_DTYPES and len(w.shape) == 3, "moe_matmul", specs,
+            f"experts must be [E, N, K] in one of {WEIGHT_DTYPES}")
+    require(ids.dtype == "i32" and len(ids.shape) == 2, "moe_matmul", specs, "ids must be i32 [T, k]")
+    tokens, k = ids.shape
+    require(x.dtype == "f32" and x.shape in ((tokens, w.shape[2]), (tokens, k, w.shape[2])), "moe_matmul",
+            specs, f"x must be f32 [T, K] (one row per token) or [T, k, K] (one per chosen expert), K = {w.shape[2]}")
+    return (TensorSpec((tokens, k, w.shape[1]), "f32"),)
+
+
+@register_op("moe_matmul", _moe_matmul_infer)
+def moe_matmul(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """y[t, j] = x[t] (or x[t, j]) @ w[ids[t, j]].T: each token through its chosen experts.
+
+    x [T, K] feeds the same row to all k experts of a token (gate/up); x [T, k, K] gives each
+    chosen expert its own row (down). Accumulated in float64 per (t, j), as `matmul` is, so a
+    row's result does not depend on which other tokens chose the same expert.
+    """
+    values = _weight_values(w).astype(np.float64, copy=False)
+    tokens, k = ids.shape
+    rows = np.asarray(x, dtype=np.float64)
+    if rows.ndim == 2:
+        rows = np.broadcast_to(rows[:, None, :], (tokens, k, rows.shape[1]))
+    out = np.zeros((tokens, k, values.shape[1]), np.float64)
+    for e in np.unique(ids):
+        t, j = np.nonzero(ids == e)
+        out[t, j] = rows[t, j] @ values[int(e)].T
+    return out.astype(np.float32)
+
+
+def _combine_infer(y: TensorSpec, weights: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(y.dtype == "f32" and len(y.shape) == 3, "moe_combine", (y, weights), "y must be f32 [T, k, N]")
+    require(weights.dtype == "f32" and weights.shape == y.shape[:2], "moe_combine", (y, weights),
+            f"weights must be f32 {list(y.shape[:2])}")
+    return (TensorSpec((y.shape[0], y.shape[2]), "f32"),)
+
+
+@register_op("moe_combine", _combine_infer)
+def moe_combine(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """sum over j of weights[t, j] * y[t, j]: the experts' outputs mixed by their router weights,
+    in slot order j = 0..k-1 (a fixed order per output element)."""
+    acc = np.zeros((y.shape[0], y.shape[2]), np.float64)
+    for j in range(y.shape[1]):
+        acc += weights[:, j, None].astype(np.float64) * y[:, j].astype(np.float64)
+    return acc.astype(np.float32)
