@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q4_k,q6_k ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q4_k,q5_k,q6_k,iq4_xs ACCESS=texel,ssbo
 // Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
 // reading the weight device layout (layouts.py) through one 32-bit view of the table.
 // Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
@@ -38,14 +38,30 @@ void main() {
 #else
     v = uintBitsToFloat((d & 1u) == 0u ? w << 16 : w & 0xFFFF0000u);
 #endif
-#elif defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+#elif defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K) || defined(WFMT_IQ4_XS)
     // Sub-block blk of super-block blk / 8: low nibbles in q4 order (byte e % 16, high
-    // nibble for e >= 16); value = (d * sc) * q - dmin * m (q4_k) or (d * sc) * (q - 32).
+    // nibble for e >= 16); value = (d * sc) * q - dmin * m (q4_k, q5_k), (d * sc) * (q - 32)
+    // (q6_k) or (d * (sc - 32)) * level (iq4_xs).
     uint blk = d / 32u, e = d % 32u, s = blk % 8u, supers = pc.blocks / 8u, sup = blk / 8u;
     uint j = e % 16u, half_ = e / 16u;
+#if defined(WFMT_IQ4_XS)
+    uint w = LD_U32(table, tiled(row, pc.blocks, blk, 4u) + j / 4u);
+    uint nibble = (w >> (8u * (j % 4u) + 4u * half_)) & 0xFu;
+    uint entry = pc.s_base + tiled(row, supers, sup, 2u);  // (f16 d | scale highs, scale lows)
+    uint e0 = LD_U32(table, entry), e1 = LD_U32(table, entry + 1u);
+    int sc = int(((e1 >> (4u * s)) & 0xFu) | (((e0 >> (16u + 2u * s)) & 3u) << 4)) - 32;
+    precise float dl = unpackHalf2x16(e0).x * float(sc);
+    v = dl * IQ4_LEVELS[nibble];
+#elif defined(WFMT_Q4_K) || defined(WFMT_Q5_K)
 #ifdef WFMT_Q4_K
     uint w = LD_U32(table, tiled(row, pc.blocks, blk, 4u) + j / 4u);
     float q = float((w >> (8u * (j % 4u) + 4u * half_)) & 0xFu);
+#else
+    uint base = tiled(row, supers, sup, 40u);  // 10 texels per super-block: nibbles, fifth bits
+    uint w = LD_U32(table, base + s * 4u + j / 4u);
+    uint qh = LD_U32(table, base + 32u + s);
+    float q = float(((w >> (8u * (j % 4u) + 4u * half_)) & 0xFu) | (((qh >> e) & 1u) << 4));
+#endif
     uint h[4];
     uint header = pc.s_base + tiled(row, supers, sup, 4u);
     for (uint k = 0u; k < 4u; k++) h[k] = LD_U32(table, header + k);

@@ -7,6 +7,9 @@
 // sequence of complete 32-value blocks:
 //   f32: 8 texels (RGBA32F) per block, f16/bf16: 4 uvec4 texels, q8_0: 2, the 4-bit ones: 1.
 // K-quants are read per 32-value sub-block too: q4_k one texel (q4 nibble order) plus its
+// super-block's 16-byte header texel; q5_k the same plus a word of fifth bits (a texel of
+// them after the super-block's 8 nibble texels); iq4_xs one texel of level indices and its
+// super-block's uvec2 scales entry (f16 d | 2-bit scale highs, 4-bit scale lows);
 // super-block's 16-byte header texel; q6_k a texel of low nibbles, half a texel of 2-bit
 // highs, its super-block's int8 scales texel and f16 d word (layouts.py).
 //
@@ -128,10 +131,12 @@ vec2 block_sum2(vec4 x[8]) {
 #define block_part block_dot
 #define block_xsum block_sum
 #endif
-#if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K)
 #define SCALE_T vec2
 #elif defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
 #define SCALE_T uvec2
+#elif defined(WFMT_IQ4_XS)
+#define SCALE_T float
 #else
 #define SCALE_T uint
 #endif
@@ -140,8 +145,10 @@ vec2 block_sum2(vec4 x[8]) {
 // xsum its block_sum (unused by formats that have no offset).
 float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
     precise float r;
-#if defined(WFMT_Q4_K)
+#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K)
     r = fma(scale.y, xsum, fma(scale.x, p, acc));
+#elif defined(WFMT_IQ4_XS)
+    r = fma(scale, p, acc);
 #elif defined(WFMT_Q6_K)
     precise float lo = fma(scale.x, fma(xsum.x, -32.0, p.x), acc);
     r = fma(scale.y, fma(xsum.y, -32.0, p.y), lo);
@@ -164,7 +171,7 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
 }
 
 #if defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q5_0) || defined(WFMT_Q5_1) || \
-    defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+    defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K)
 #define NEEDS_XSUM 1
 #endif
 #if !defined(WFMT_F32) && !defined(WFMT_F16) && !defined(WFMT_BF16)
@@ -183,6 +190,13 @@ vec2 q4_k_scale(uvec4 h, uint s) {
     uint mn = s < 4u ? m & 63u : (c >> 4) | ((m >> 6) << 4);
     vec2 dm = unpackHalf2x16(h.x);
     precise vec2 r = vec2(dm.x * float(sc), -(dm.y * float(mn)));
+    return r;
+}
+// iq4_xs: sub-block s's d * (sc - 32) from its super-block's entry: e.x = f16 d | the 2-bit
+// scale highs (2s..2s+1 of the high half), e.y = the 4-bit scale lows (bits 4s..4s+3).
+float iq4_xs_scale(uvec2 e, uint s) {
+    int sc = int(((e.y >> (4u * s)) & 0xFu) | (((e.x >> (16u + 2u * s)) & 3u) << 4)) - 32;
+    precise float r = unpackHalf2x16(e.x).x * float(sc);
     return r;
 }
 // q6_k: sub-block s's (d*sc_lo, d*sc_hi) from the super-block's 16 int8 scales.
@@ -229,6 +243,9 @@ void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {
         w[4u + i] = u8_vals(((lo[i] >> 4) & 0x0F0F0F0Fu) | ((h & 0x0C0C0C0Cu) << 2));
     }
 }
+#elif defined(WFMT_IQ4_XS)
+#define BLOCK_TEXELS 1u
+void load_block(uint i, out vec4 w[8]) { iq4_block(LD_U32X4(wq, i), w); }
 #else
 #define BLOCK_TEXELS 1u
 void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
@@ -237,6 +254,8 @@ void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
 #include "tiles.glsl"
 #ifdef WFMT_Q6_K
 #define UNIT_TEXELS 12u  // quants texels per q6_k super-block
+#elif defined(WFMT_Q5_K)
+#define UNIT_TEXELS 10u  // 8 nibble texels and 2 of fifth bits per q5_k super-block
 #else
 #define UNIT_TEXELS BLOCK_TEXELS
 #endif
@@ -250,11 +269,13 @@ uint row_base(uint n, uint w_row) {
 // s_base: first scales word (u32 units, 16-byte aligned); blocks: 32-value blocks per row;
 // N: the weight's rows (its scales regions hold them padded to whole tiles).
 uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
-#if defined(WFMT_Q4_K) || defined(WFMT_Q6_K)
+#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K)
     uint supers = blocks >> 3;
     uint first = tiled(n, supers, 0u, 1u);  // (n, super-block 0), in units
     uint padded = (N + TILE - 1u) / TILE * TILE;
     return uvec2((s_base >> 2) + first, s_base + padded * supers * 4u + first);
+#elif defined(WFMT_IQ4_XS)
+    return uvec2((s_base >> 1) + tiled(n, blocks >> 3, 0u, 1u), 0u);  // in uvec2 entries
 #elif defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
     return uvec2((s_base >> 1) + tiled(n, blocks, 0u, 1u), 0u);  // in uvec2 entries
 #else
@@ -264,8 +285,10 @@ uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
 
 // Block b's scales for combine() (rs from row_scales).
 SCALE_T load_scale(uvec2 rs, uint b) {
-#if defined(WFMT_Q4_K)
+#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K)
     return q4_k_scale(LD_U32X4(wq, rs.x + (b >> 3) * TILE), b & 7u);
+#elif defined(WFMT_IQ4_XS)
+    return iq4_xs_scale(LD_U32X2(ws, rs.x + (b >> 3) * TILE), b & 7u);
 #elif defined(WFMT_Q6_K)
     uint sup = (b >> 3) * TILE;
     return q6_k_scale(LD_U32X4(wq, rs.x + sup), b & 7u, unpackHalf2x16(LD_U32(ws, rs.y + sup)).x);
@@ -283,6 +306,9 @@ SCALE_T load_scale(uvec2 rs, uint b) {
 void load_wblock(uint wbase, uint b, SCALE_T scale, out vec4 w[8]) {
 #if defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
     q5_block(LD_U32X4(wq, wbase + b * TILE), scale.y, w);
+#elif defined(WFMT_Q5_K)
+    uint sb = wbase + (b >> 3) * (TILE * 10u), s = b & 7u;
+    q5_block(LD_U32X4(wq, sb + s), LD_U32X4(wq, sb + 8u + (s >> 2))[s & 3u], w);
 #elif defined(WFMT_Q6_K)
     uint sb = wbase + (b >> 3) * (TILE * 12u), s = b & 7u;
     uvec4 hi = LD_U32X4(wq, sb + 8u + (s >> 1));

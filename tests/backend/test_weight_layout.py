@@ -10,6 +10,7 @@ import pytest
 
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels.layouts import (
+    LAYOUTS,
     TILE_ROWS,
     device_layout,
     device_nbytes,
@@ -19,7 +20,7 @@ from vkrt.backend.vulkan.kernels.layouts import (
 from vkrt.ops.quant import quantize
 from vkrt.ops.tensor import BLOCK_LAYOUT
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+FORMATS = tuple(LAYOUTS)
 
 
 def _raw(rng: np.random.Generator, dtype: str, rows: int, k: int) -> np.ndarray:
@@ -34,7 +35,7 @@ def _raw(rng: np.random.Generator, dtype: str, rows: int, k: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("rows", [1, 7, TILE_ROWS, TILE_ROWS + 1, 2 * TILE_ROWS + 3])
 def test_size_is_whole_tiles(dtype: str, rows: int) -> None:
-    k = 512 if dtype in ("q4_k", "q6_k") else 96 if dtype in BLOCK_LAYOUT else 37
+    k = 512 if dtype in BLOCK_LAYOUT and BLOCK_LAYOUT[dtype][1] == 256 else 96 if dtype in BLOCK_LAYOUT else 37
     image = device_layout(_raw(np.random.default_rng(rows), dtype, rows, k), dtype)
     tiles = -(-rows // TILE_ROWS)
     assert image.nbytes == device_nbytes(dtype, rows, k)

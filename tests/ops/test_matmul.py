@@ -23,9 +23,11 @@ from vkrt.ops.formats import FORMATS as REGISTRY
 from vkrt.ops.quant import dequantize, f32_to_bf16, quantize
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k")
-K_QUANTS = ("q4_k", "q6_k")
-RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl")  # random blocks (quantize() has no encoder for them)
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k",
+           "iq4_xs")
+K_QUANTS = tuple(f for f in FORMATS if REGISTRY[f].block_values == 256)  # 256-value super-blocks
+# Random blocks (tests.ops.test_formats.random_blocks): quantize() has no encoder for them.
+RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl", "q5_k", "iq4_xs")
 NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
 BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96), (1, 129, 576),
@@ -74,10 +76,10 @@ def make_weight(rng: np.random.Generator, fmt: str, n: int, k: int) -> tuple[np.
         raw = w.astype(np.float16)
     elif fmt == "bf16":
         raw = f32_to_bf16(w)
+    elif fmt in RANDOM_BLOCK_FORMATS:
+        raw = random_blocks(rng, fmt, n, k // REGISTRY[fmt].block_values)
     elif fmt in K_QUANTS:
         raw = random_k_quant(rng, fmt, n, k)
-    elif fmt in RANDOM_BLOCK_FORMATS:
-        raw = random_blocks(rng, fmt, n, k // 32)
     else:
         raw = quantize(w, fmt)
     return raw, dequantize(raw, fmt)
@@ -140,7 +142,7 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
                 assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, fmt: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every specialisation the device config may pick (rows, token tile, workgroup) gives

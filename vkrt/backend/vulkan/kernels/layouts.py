@@ -1,35 +1,46 @@
 """Device layouts of weights: how each storage format is laid out for the kernels.
 
+Every format with a kernel has a `DeviceLayout` row in LAYOUTS (sizes per row unit);
+formats without one are stored as their raw blocks and run on the reference tier.
+Nothing is dequantized.
+
 Block formats are split into a quants region (one uvec4 texel per 16 bytes of quants) and
 a scales region, so every load is aligned: GGUF's 18/20/22/24/34-byte blocks are not. For
 the 32-value block formats both derive from the registry row (vkrt/ops/formats.py): the
 `qs` field is the quants, the other fields, in order, the scales entry (f16 fields packed
-two to a word, bit fields word-aligned: q4_1 one word d|m, q5_0 two words d, qh, q5_1 two
-words d|m, qh). The kernels bind an entry of one word as u32 and of two as u32x2. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F texels or 4
-uvec4 texels of f16/bf16), so the matmul kernels read every row as complete blocks, like the
-block formats, without bounds checks. Nothing is dequantized.
+two to a word, bit fields word-aligned: q8_0/q4_0/iq4_nl one word d, q4_1 one word d|m,
+q5_0 two words d, qh, q5_1 two words d|m, qh). Kernels bind an entry of one word as u32
+and of two as u32x2. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F
+texels or 4 uvec4 texels of f16/bf16), so the matmul kernels read every row as complete
+blocks, like the block formats, without bounds checks.
 
 Matrices are stored in row tiles of TILE_ROWS rows (the last padded with zero rows): within a
 tile, unit u of every row comes before unit u + 1 of any, where a unit is the format's
-32-value block (f32 8 texels, f16/bf16 4, q8_0 2, q4_0/q4_1/q4_k 1) or, for q6_k, its
-256-value super-block (12 texels). The scales regions are tiled the same way, with one
-word per (row, block) for q8_0/q4_0/q4_1 and one texel or word per (row, super-block) for
-the K-quants (shaders/include/tiles.glsl has the addressing). A matmul workgroup owns consecutive rows, so for each block it reads
-one contiguous run of memory instead of one texel per row, a row's length apart: on
-llvmpipe the CPU's prefetchers follow a few long streams but not 64 short ones (cold-cache
-decode matmuls ~13% faster), and GPU lanes reading neighbouring rows get coalesced loads.
-1-D weights (norms, biases) are not tiled.
+32-value block (f32 8 texels, f16/bf16 4, q8_0 2, the 4-bit formats and q4_k/iq4_xs 1) or,
+for q5_k and q6_k, their 256-value super-block (10 and 12 texels). The scales regions are
+tiled the same way, with one entry per (row, block) for the 32-value formats and one per
+(row, super-block) for the K-quants (shaders/include/tiles.glsl has the addressing). A
+matmul workgroup owns consecutive rows, so for each block it reads one contiguous run of
+memory instead of one texel per row, a row's length apart: on llvmpipe the CPU's
+prefetchers follow a few long streams but not 64 short ones (cold-cache decode matmuls
+~13% faster), and GPU lanes reading neighbouring rows get coalesced loads. 1-D weights
+(norms, biases) are not tiled.
 
 K-quants are repacked per 32-value sub-block, with the same nibble order as q4_0/q4_1
 (byte j holds element j low, element j + 16 high), so one texel fetch gives a sub-block:
 - q4_k (144 bytes / 256 values): quants 8 texels per super-block; scales region one texel
   per super-block = GGUF's 16-byte header (f16 d, f16 dmin, 12 bytes of 6-bit scales/mins).
   Same size as GGUF.
+- q5_k (176 bytes / 256 values): q4_k's 8 nibble texels then 2 texels of fifth bits (word
+  s: bit i is element i of sub-block s) per super-block; the same header texel. Same size.
 - q6_k (210 bytes / 256 values): per super-block 8 texels of low nibbles then 4 texels of
   the 2-bit highs (sub-block s: texel 8 + s/2, words 2(s%2)..+1; element 4i+c's bits at
   8c + 4(i%2), element 16+4i+c's two bits above them); scales region one texel of the 16
   int8 scales per super-block; then a d region of one u32 (f16 d) per super-block.
   212 bytes per super-block.
+- iq4_xs (136 bytes / 256 values): GGUF's 16 bytes of level indices per sub-block are
+  already in q4 order (one texel each); the scales region holds its first 8 bytes (f16 d,
+  the 2-bit scale highs, the 4-bit scale lows) as one uvec2 per super-block. Same size.
 """
 
 from __future__ import annotations
@@ -99,7 +110,9 @@ LAYOUTS: dict[str, DeviceLayout] = {
     "bf16": DeviceLayout(32, 4),
     **{name: _block_layout(FORMATS[name]) for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")},
     "q4_k": DeviceLayout(32, 1, 256, 16),  # the header texel is read through the quants view
+    "q5_k": DeviceLayout(256, 10, 256, 16),  # likewise
     "q6_k": DeviceLayout(256, 12, 256, 20, "u32"),
+    "iq4_xs": DeviceLayout(32, 1, 256, 8, "u32x2"),
 }
 
 
@@ -145,7 +158,13 @@ def device_layout(raw: np.ndarray, dtype: str, tiled: bool = True) -> np.ndarray
     fmt = FORMATS[dtype]
     blocks = raw.reshape(rows, -1, fmt.block_bytes)
     if dtype == "q4_k":  # quants per 32-value sub-block; the 16-byte header per super-block
-        return regions(_q4_k_quants(blocks).reshape(rows, -1, 16), blocks[..., 0:16])
+        return regions(_k_nibbles(blocks[..., 16:144]).reshape(rows, -1, 16), blocks[..., 0:16])
+    if dtype == "q5_k":  # per super-block 8 nibble texels, then 8 words of fifth bits; the header
+        fifth = _k_fifth_bits(blocks[..., 16:48]).view(np.uint8)
+        return regions(np.concatenate([_k_nibbles(blocks[..., 48:176]).reshape(rows, -1, 128), fifth], -1),
+                       blocks[..., 0:16])
+    if dtype == "iq4_xs":  # 16 bytes of indices per sub-block (already q4 order); 8 bytes of scales
+        return regions(blocks[..., 8:136].reshape(rows, -1, 16), blocks[..., 0:8])
     if dtype == "q6_k":  # 192 quant bytes, the 16 int8 scales and the f16 d per super-block
         return regions(_q6_k_quants(blocks), blocks[..., 192:208], np.pad(blocks[..., 208:210], ((0, 0), (0, 0), (0, 2))))
     side = np.zeros(blocks.shape[:2] + (LAYOUTS[dtype].side_bytes,), np.uint8)
@@ -160,17 +179,24 @@ def _nibble_pairs(v: np.ndarray) -> np.ndarray:
     return (v[..., :16] | (v[..., 16:] << 4)).astype(np.uint8)
 
 
-def _q4_k_quants(blocks: np.ndarray) -> np.ndarray:
-    """GGUF q4_k quants (4 chunks of 32 bytes: sub-block 2c low nibbles, 2c+1 high) ->
-    [rows, super-blocks, 8 sub-blocks, 16 bytes]."""
-    qs = blocks[..., 16:144].reshape(blocks.shape[:2] + (4, 32))
-    sub = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(blocks.shape[:2] + (8, 32))
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF q4_k / q5_k nibbles [rows, super-blocks, 128] (4 chunks of 32 bytes: sub-block
+    2c low nibbles, 2c+1 high) -> [rows, super-blocks, 8 sub-blocks, 16 bytes]."""
+    chunks = qs.reshape(qs.shape[:2] + (4, 32))
+    sub = np.stack([chunks & 0x0F, chunks >> 4], axis=3).reshape(qs.shape[:2] + (8, 32))
     return np.ascontiguousarray(_nibble_pairs(sub))
+
+
+def _k_fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """GGUF q5_k's 32 bytes of fifth bits (bit s of byte i: element i of sub-block s) ->
+    [rows, super-blocks, 8] u32 words, bit i of word s the fifth bit of element i."""
+    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., s, i]
+    return np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0]
 
 
 def _q6_k_quants(blocks: np.ndarray) -> np.ndarray:
     """GGUF q6_k ql/qh -> [rows, super-blocks, 192 bytes]: 8 texels of low nibbles, then 4
-    texels of 2-bit highs (the order vkrt.ops.quant.dequant_q6_k decodes them in)."""
+    texels of 2-bit highs (the order vkrt.ops.formats decodes q6_k in)."""
     shape = blocks.shape[:2]
     ql = blocks[..., 0:128].reshape(shape + (2, 64))
     qh = blocks[..., 128:192].reshape(shape + (2, 32))
