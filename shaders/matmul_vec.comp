@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q4_k,q5_k,q6_k,iq4_xs FUSE=none,rms,add,qkv,qkv16 ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q4_k,q5_k,q6_k,iq4_xs FUSE=none,rms,add,qkv ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -22,15 +22,13 @@
 // sum(w * ((x * inv) * g)). Equal up to f32 rounding (the bound is in the parity test).
 // FUSE_ADD (matmul_add): y = x @ w.T + residual, the residual add of a block's output
 // projection, bit-identical to matmul then add.
-// FUSE_QKV / FUSE_QKV16 (rms_norm_qkv_rope_kv_write): FUSE_RMS's prologue, the stacked qkv
-// projection, then include/qkv_epilogue.glsl (rope, q out, k and v into an f32 / f16 cache).
+// FUSE_QKV (rms_norm_qkv_rope_kv_write): FUSE_RMS's prologue, the stacked qkv projection,
+// then include/qkv_epilogue.glsl (rope, q out, k and v into an f32 or f16 cache: spec
+// constant KV_F16, so both caches share one module per format).
 #include "access.glsl"
-#if defined(FUSE_QKV) || defined(FUSE_QKV16)
+#ifdef FUSE_QKV
 #define FUSE_RMS
 #define QKV_EPILOGUE
-#endif
-#ifdef FUSE_QKV16
-#define KV_F16
 #endif
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
@@ -73,13 +71,9 @@ IN_F32(4, residual);  // [T, N]
 #ifdef QKV_EPILOGUE
 IN_I32(5, positions);
 IN_F32(6, cos_sin);
-#ifdef KV_F16
+layout(constant_id = 9) const bool KV_F16 = false;  // the cache holds f16 pairs, else f32 bits
 OUT_U32(7, k_cache);
 OUT_U32(8, v_cache);
-#else
-OUT_F32(7, k_cache);
-OUT_F32(8, v_cache);
-#endif
 IN_I32(9, slots);
 #endif
 

@@ -1,4 +1,4 @@
-// The attention prologue as a matmul epilogue (matmul_vec.comp FUSE=qkv / qkv16): the
+// The attention prologue as a matmul epilogue (matmul_vec.comp FUSE=qkv): the
 // stacked q|k|v projection is computed, q and k are roped, q is written out and rope(k), v
 // go to the token's KV-cache slot, all from registers. Bit-identical to the matmul followed
 // by qkv_rope.comp: each row is reduced exactly as the plain matmul reduces it and the
@@ -13,11 +13,10 @@
 // The kernel checks the shapes this needs: D % 8 == 0 and, for NeoX, rot_dim % 8 == 0.
 //
 // The including shader declares the bindings positions, cos_sin, k_cache, v_cache, slots,
-// the output y (= q) and the push constants H, KVH, D, rot, max_pos, interleaved.
+// the output y (= q), the push constants H, KVH, D, rot, max_pos, interleaved, and the
+// bool spec constant KV_F16 (caches bound as uint words: f16 pairs, or f32 bits).
 
-#ifdef KV_F16
 #include "cast.glsl"
-#endif
 
 // Dim within its head of slot (group gi of the head, lane-row r).
 uint qkv_dim(uint head, uint gi, uint r) {
@@ -77,18 +76,18 @@ void qkv_epilogue(uint t, uint s0, float v[8]) {
     bool is_k = roped;
     uint kv_head = head - pc.H - (is_k ? 0u : pc.KVH);
     uint base = uint(slot) * pc.KVH * pc.D + kv_head * pc.D;
-#ifdef KV_F16
-    // Lane-rows r, r + 1 (r even) hold dims d, d + 1 with d even: one cache word.
-    [[unroll]] for (uint r = 0u; r < 8u; r += 2u) {
-        uint word = f32_bits_to_f16_bits(floatBitsToUint(o[r]))
-                  | (f32_bits_to_f16_bits(floatBitsToUint(o[r + 1u])) << 16);
-        if (is_k) k_cache[(base + dim[r]) / 2u] = word;
-        else v_cache[(base + dim[r]) / 2u] = word;
+    if (KV_F16) {
+        // Lane-rows r, r + 1 (r even) hold dims d, d + 1 with d even: one cache word.
+        [[unroll]] for (uint r = 0u; r < 8u; r += 2u) {
+            uint word = f32_bits_to_f16_bits(floatBitsToUint(o[r]))
+                      | (f32_bits_to_f16_bits(floatBitsToUint(o[r + 1u])) << 16);
+            if (is_k) k_cache[(base + dim[r]) / 2u] = word;
+            else v_cache[(base + dim[r]) / 2u] = word;
+        }
+    } else {
+        [[unroll]] for (uint r = 0u; r < 8u; r++) {
+            if (is_k) k_cache[base + dim[r]] = floatBitsToUint(o[r]);
+            else v_cache[base + dim[r]] = floatBitsToUint(o[r]);
+        }
     }
-#else
-    [[unroll]] for (uint r = 0u; r < 8u; r++) {
-        if (is_k) k_cache[base + dim[r]] = o[r];
-        else v_cache[base + dim[r]] = o[r];
-    }
-#endif
 }

@@ -18,8 +18,8 @@ The FUSE variant axis adds a prologue or epilogue to any of these: `rms_norm_mat
 (FUSE=rms: the pass over x also sums x^2 per token, x is multiplied by the norm weight as
 it loads, and the finished sums are scaled by 1/rms; equal to rms_norm then matmul up to
 rounding) and `matmul_add` (FUSE=add: + residual, bit-identical to matmul then add), and
-`rms_norm_qkv_rope_kv_write` (FUSE=qkv / qkv16: FUSE=rms plus include/qkv_epilogue.glsl,
-rope and the f32 / f16 KV-cache write; bit-identical to rms_norm_matmul then
+`rms_norm_qkv_rope_kv_write` (FUSE=qkv: FUSE=rms plus include/qkv_epilogue.glsl, rope
+and the f32 / f16 KV-cache write, chosen by spec constant 9; bit-identical to rms_norm_matmul then
 qkv_rope_kv_write, which is what runs for shapes its 8-row groups cannot take).
 """
 
@@ -127,7 +127,7 @@ def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class QkvEpilogue:
-    """FUSE=qkv / qkv16: rope q and k of the stacked qkv rows, return q, store k and v."""
+    """FUSE=qkv: rope q and k of the stacked qkv rows, return q, store k and v."""
 
     positions: Tensor
     cos_sin: Tensor
@@ -175,15 +175,16 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     push_values: tuple = (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4,
                           eps)
     if qkv:
-        f16 = qkv.k_cache.dtype == "f16"
-        fuse, cache_kind = ("qkv16", "u32") if f16 else ("qkv", "f32")
-        bindings += [(qkv.positions, "i32", False), (qkv.cos_sin, "f32", False), (qkv.k_cache, cache_kind, True),
-                     (qkv.v_cache, cache_kind, True), (qkv.slots, "i32", False)]
+        fuse = "qkv"  # the caches are bound as uint words (f32 caches written as their bits)
+        bindings += [(qkv.positions, "i32", False), (qkv.cos_sin, "f32", False), (qkv.k_cache, "u32", True),
+                     (qkv.v_cache, "u32", True), (qkv.slots, "i32", False)]
         max_positions, rot_dim = qkv.cos_sin.shape
         push_format += "6I"
         push_values += (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, rot_dim, max_positions, int(qkv.interleaved))
     push = (push_format, push_values)
     spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 7: TILE_ROWS, 8: cfg.split}
+    if qkv:
+        spec[9] = int(qkv.k_cache.dtype == "f16")
     if texel:
         spec[2] = int(x_vec4)
     row_sets = -(-n // cfg.rows)  # invocations, or with split-K workgroups
@@ -244,7 +245,7 @@ def _qkv_fused_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> b
 
 def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    """One dispatch: FUSE=qkv (f32 cache) / qkv16 (f16 cache)."""
+    """One dispatch: FUSE=qkv (an f32 or f16 cache, spec constant 9)."""
     x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
     epilogue = QkvEpilogue(positions, cos_sin, k_cache, v_cache, slots, params["num_heads"],
                            params["num_kv_heads"], params["head_dim"], params.get("interleaved", False))
