@@ -180,3 +180,19 @@ def test_oversized_weight_falls_back_to_reference(vk: Backend, rng: np.random.Ge
     assert vk.counters.drains == drains + 1
     expected = ops.OPS["matmul"].reference(x, dense)
     assert np.allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k"])
+def test_format_without_kernel_runs_on_the_reference(vk_default: Backend, rng: np.random.Generator,
+                                                     fmt: str) -> None:
+    """A registered format with no device layout is uploaded as its raw blocks, no kernel
+    claims it, and the reference tier computes the matmul after exactly one drain."""
+    n, k = 5, 512
+    raw = random_blocks(rng, fmt, n, k // 256)
+    w = vk_default.upload_weight(raw, fmt, (n, k))
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    drains = vk_default.counters.drains
+    got = ops.matmul(vk_default.upload(x), w).numpy()
+    assert vk_default.counters.drains == drains + 1
+    assert np.array_equal(w.numpy(), raw)
+    assert np.allclose(got, ops.OPS["matmul"].reference(x, dequantize(raw, fmt)), rtol=1e-6, atol=1e-6)
