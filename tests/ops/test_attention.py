@@ -1,7 +1,8 @@
 """Native kv_write, paged_attention and attention vs their numpy references, both access paths.
 
-kv_write is a copy (bit-exact, f16 rounded like numpy). Attention kernels meet NMSE <= 1e-6
-against the float64-softmax references (measured ~1e-14) and must be batch invariant: a
+kv_write is a copy (bit-exact, f16 rounded like numpy). Attention kernels meet NMSE <= 5e-11
+against the float64-softmax references (measured <= 4.8e-12, the 3000-position peaked
+context on the sequential variant; ~1e-14 elsewhere) and must be batch invariant: a
 token's output is bit-identical whatever else is in the batch. paged_attention's tests run
 both its variants: "sub" (the context split over a subgroup's lanes, what devices with
 subgroup arithmetic run) and "seq" (one invocation per token and head, the fallback).
@@ -21,7 +22,7 @@ from vkrt.errors import VkrtError
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 
-ATTENTION_NMSE = 1e-6
+ATTENTION_NMSE = 5e-11  # 10x the worst measured (4.8e-12)
 NP_KV = {"f32": np.float32, "f16": np.float16}
 
 
