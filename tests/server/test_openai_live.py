@@ -142,8 +142,8 @@ def test_bad_input_then_serving_continues(live: LiveModel) -> None:
         (openai.BadRequestError, {**base, "max_tokens": 0}, "max_tokens"),
         (openai.BadRequestError, {**base, "prompt": "word " * 300}, "prompt"),
         (openai.BadRequestError, {**base, "logit_bias": {"49152": 10}}, "logit_bias"),
-        (openai.BadRequestError, {**base, "extra_body": {"response_format": {"type": "json_object"}}},
-         "response_format"),
+        (openai.BadRequestError, {**base, "extra_body": {"structured_outputs": {"regex": "("}}},
+         "structured_outputs"),
     ]
     for error_class, kwargs, param in cases:
         with pytest.raises(error_class) as caught:

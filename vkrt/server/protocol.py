@@ -22,9 +22,28 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: str
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of the constraint fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
 
 
 class SamplingFields(_Body):
@@ -54,6 +73,10 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # llama.cpp extensions
+    json_schema: dict[str, Any] | bool | None = None
+    grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

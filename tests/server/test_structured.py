@@ -1,0 +1,202 @@
+"""Structured output over HTTP: response_format, vLLM's structured_outputs and llama.cpp's
+json_schema / grammar, against a live server over the real SmolLM2 with the openai client.
+
+Whatever the 135M model would rather say, the output must satisfy the constraint; the checks
+are independent of vkrt: pydantic validates JSON, Python's `re` checks regex matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.server.live_model import LiveModel, live_model
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+class Role(str, enum.Enum):
+    admin = "admin"
+    guest = "guest"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=12)
+    floor: int = Field(ge=0, le=9)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=18, le=99)
+    role: Role
+    address: Address
+    tags: list[str] = Field(max_length=2)
+    nickname: str | None = Field(default=None, max_length=8)
+
+
+class Reading(BaseModel):
+    sensor: str = Field(max_length=10)
+    values: list[float] = Field(min_length=1, max_length=3)
+    ok: bool
+
+
+@pytest.fixture(scope="module")
+def live(smollm2_path: Path) -> Iterator[LiveModel]:
+    with live_model(smollm2_path, max_model_len=512, max_num_seqs=16) as server:
+        yield server
+
+
+def _client(live: LiveModel) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+
+
+def test_parse_schemas_streamed_and_not(live: LiveModel) -> None:
+    """parse() gives a validated object for nested, array, enum, bounded and optional fields;
+    the streamed form's final message parses to the same schema."""
+    client = _client(live)
+
+    async def parse(model: type[BaseModel], seed: int) -> Any:
+        completion = await client.chat.completions.parse(
+            model="smollm2", messages=MESSAGES, response_format=model, max_tokens=200, temperature=0.8,
+            seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        return choice.message.parsed
+
+    async def streamed(model: type[BaseModel], seed: int) -> tuple[Any, str]:
+        text = ""
+        async with client.chat.completions.stream(
+                model="smollm2", messages=MESSAGES, response_format=model, max_tokens=200, temperature=0.8,
+                seed=seed) as stream:
+            async for event in stream:
+                if event.type == "content.delta":
+                    text += event.delta
+            final = await stream.get_final_completion()
+        return final.choices[0].message.parsed, text
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(parse(Person, 1), parse(Person, 2), parse(Reading, 3),
+                                    streamed(Person, 4), streamed(Reading, 5))
+
+    person1, person2, reading, (person_s, person_text), (reading_s, _) = asyncio.run(run())
+    for person in (person1, person2, person_s):
+        assert isinstance(person, Person)
+        assert 18 <= person.age <= 99 and 0 <= person.address.floor <= 9 and len(person.tags) <= 2
+    for value in (reading, reading_s):
+        assert isinstance(value, Reading) and 1 <= len(value.values) <= 3
+    # The deltas are the whole output: they validate on their own.
+    assert Person.model_validate_json(person_text) == person_s
+
+
+def test_json_object_and_cutoffs(live: LiveModel) -> None:
+    """json_object output is a JSON object; max_tokens cuts a constrained output with
+    "length", streamed or not; a stop string still stops it."""
+    client = _client(live)
+    schema = Person.model_json_schema()
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+
+    async def chat(**kwargs: Any) -> Any:
+        return (await client.chat.completions.create(model="smollm2", messages=MESSAGES, **kwargs)).choices[0]
+
+    async def stream_finish(**kwargs: Any) -> tuple[str, str | None]:
+        text, finish = "", None
+        async for chunk in await client.chat.completions.create(model="smollm2", messages=MESSAGES, stream=True,
+                                                                **kwargs):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            chat(response_format={"type": "json_object"}, max_tokens=120, seed=7),
+            chat(response_format=fmt, max_tokens=4, seed=8),
+            stream_finish(response_format=fmt, max_tokens=4, seed=9),
+            chat(response_format=fmt, max_tokens=120, seed=10, stop=['"age"']),
+        )
+
+    obj, cut, (cut_text, cut_finish), stopped = asyncio.run(run())
+    assert obj.finish_reason == "stop", obj.message.content
+    assert isinstance(json.loads(obj.message.content), dict)
+    assert cut.finish_reason == "length" and cut_finish == "length"
+    assert cut.message.content.startswith("{") and cut_text.startswith("{")
+    assert stopped.finish_reason == "stop"
+    # The schema's first property is "name", so the output reached "age" only after it.
+    assert '"age"' not in stopped.message.content and stopped.message.content.startswith('{')
+
+
+def test_regex_choice_grammar_over_seeds(live: LiveModel) -> None:
+    """vLLM's structured_outputs regex / choice and llama.cpp's json_schema / GBNF grammar hold
+    for every seed, on completions and chat."""
+    client = _client(live)
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    colours = ["red", "green", "light blue"]
+    seeds = range(4)
+
+    async def complete(extra: dict[str, Any], seed: int) -> Any:
+        result = await client.completions.create(model="smollm2", prompt="Here it is:", max_tokens=30,
+                                                 temperature=1.0, seed=seed, extra_body=extra)
+        return result.choices[0]
+
+    async def chat(extra: dict[str, Any], seed: int) -> Any:
+        result = await client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=30,
+                                                      temperature=1.0, seed=seed, extra_body=extra)
+        return result.choices[0]
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            *[complete({"structured_outputs": {"regex": pattern}}, s) for s in seeds],
+            *[chat({"structured_outputs": {"choice": colours}}, s) for s in seeds],
+            *[complete({"grammar": 'root ::= "yes" | "no" | "maybe"'}, s) for s in seeds],
+            *[complete({"json_schema": {"type": "integer", "minimum": 3, "maximum": 7}}, s) for s in seeds],
+            *[chat({"structured_outputs": {"grammar": 'start: "A" /[0-9]/ "!"'}}, s) for s in seeds],
+        )
+
+    results = asyncio.run(run())
+    regex, choice, gbnf, integer, lark = (results[k:k + len(seeds)] for k in range(0, len(results), len(seeds)))
+    for c in regex:
+        assert re.fullmatch(pattern, c.text) and c.finish_reason == "stop", c.text
+    for c in choice:
+        assert c.message.content in colours and c.finish_reason == "stop"
+    for c in gbnf:
+        assert c.text in ("yes", "no", "maybe")
+    for c in integer:
+        assert 3 <= json.loads(c.text) <= 7
+    for c in lark:
+        assert re.fullmatch(r"A[0-9]!", c.message.content)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {"type": "x"}}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"grammar": "root ::= undefined_rule"}, "grammar"),
+    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "grammar"),
+])
+def test_bad_constraints_are_400(live: LiveModel, body: dict[str, Any], param: str) -> None:
+    """A bad constraint is a 400 naming the field, streamed or not, and the server keeps serving."""
+    client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4, stream=stream,
+                                           extra_body=body)
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"] == param, error
+    ok = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
