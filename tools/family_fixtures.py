@@ -2,13 +2,15 @@
 
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+Phi3ForCausalLM, SmolLM3, Granite, and the mixtures of experts Qwen3MoeForCausalLM,
+MixtralForCausalLM, OlmoeForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
 golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
 computes after loading those GGUF files.
 
-Run through make_fixtures.py (`--only families`), from the tools venv.
+Run through make_fixtures.py (`--only families`, or `--only moe` for the mixtures of
+experts alone), from the tools venv.
 """
 
 from __future__ import annotations
@@ -87,7 +89,23 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
         "tiny_granite": ("Granite", dict(BASE, tie_word_embeddings=True, embedding_multiplier=3.0,
                                          attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.5),
                          "Llama with embedding x3, attention scale 0.2, residual branches x0.6, logits / 2.5"),
+        # Mixtures of experts (after the dense families, so their seeds stay as they were).
+        "tiny_qwen3_moe": ("Qwen3Moe", dict(BASE, tie_word_embeddings=True, rope_theta=1e6, attention_bias=False,
+                                            intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[0]),
+                           "QK-norm; layer 0 dense (mlp_only_layers), layer 1 sparse: 8 experts of width 16, "
+                           "top-2, norm_topk_prob"),
+        "tiny_mixtral": ("Mixtral", dict(BASE, tie_word_embeddings=True, intermediate_size=32, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=WINDOW),
+                         f"every layer sparse: 4 experts of width 32, top-2 renormalised; sliding window {WINDOW}"),
+        "tiny_olmoe": ("Olmoe", dict(BASE, tie_word_embeddings=True, intermediate_size=32, num_experts=5,
+                                     num_experts_per_tok=3, norm_topk_prob=False),
+                       "QK-norm over all of q and of k; every layer sparse: 5 experts of width 32, top-3, "
+                       "weights not renormalised"),
     }
+
+
+MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe")
 
 
 def _randomise(model, gemma: bool) -> None:
@@ -179,12 +197,16 @@ def _write_gguf(path: Path, arch: str, cfg, tensors: dict[str, np.ndarray]) -> N
     w.close()
 
 
-def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_for, sha256_file) -> None:
+def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_for, sha256_file,
+                  only: tuple[str, ...] = ()) -> None:
+    """Every family's fixture, or those named in `only` (seeds do not depend on the selection)."""
     import torch
     import transformers
 
     prompts = [*prompts, LONG_PROMPT]
     for index, (fixture, (family, kwargs, description)) in enumerate(_families().items()):
+        if only and fixture not in only:
+            continue
         t0 = time.time()
         config_cls = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
         model_cls = getattr(transformers, f"{family}ForCausalLM")
@@ -192,6 +214,9 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         cfg = config_cls(**kwargs)
         model = model_cls(cfg).to(torch.float32).eval()
         _randomise(model, gemma=family.startswith("Gemma"))
+        for name, p in model.named_parameters():  # expert tensors start torch.empty until initialised
+            if not bool(torch.isfinite(p).all()) or float(p.std()) == 0.0 and p.numel() > 1:
+                raise SystemExit(f"{fixture}: parameter {name} is not initialised")
         out_dir = fixtures / fixture
         out_dir.mkdir(parents=True, exist_ok=True)
         for old in out_dir.iterdir():

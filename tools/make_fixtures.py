@@ -27,6 +27,7 @@ Then, from the repository root:
     .venv-tools/bin/python tools/make_fixtures.py                 # everything
     .venv-tools/bin/python tools/make_fixtures.py --only tiny     # tiny llamas only
     .venv-tools/bin/python tools/make_fixtures.py --only families # tools/family_fixtures.py
+    .venv-tools/bin/python tools/make_fixtures.py --only moe      # its mixtures of experts only
     .venv-tools/bin/python tools/make_fixtures.py --only smollm2 --gguf PATH/TO/file.gguf
 
 Outputs (see tests/fixtures/README.md for schemas and tolerances):
@@ -34,7 +35,8 @@ Outputs (see tests/fixtures/README.md for schemas and tolerances):
     tests/fixtures/tiny_llama/          random-weight LlamaForCausalLM, f32, untied
     tests/fixtures/tiny_llama_tied/     same shape, tied embeddings + llama3 rope scaling
     tests/fixtures/tiny_llama_bf16/     tiny_llama's weights rounded to bf16
-    tests/fixtures/tiny_<family>/       qwen2, qwen3, mistral, gemma2, gemma3, phi3 (HF dirs)
+    tests/fixtures/tiny_<family>/       qwen2, qwen3, mistral, gemma2, gemma3, phi3, ...,
+                                        qwen3_moe, mixtral, olmoe (HF dirs)
     tests/fixtures/tiny_{qwen3,gemma3}_gguf/  the same families as GGUF files
     tests/fixtures/smollm2_golden.json  SmolLM2-135M-Instruct Q4_1 GGUF via transformers
 
@@ -507,18 +509,19 @@ def make_smollm2(gguf_path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["tiny", "families", "smollm2"], help="generate one group")
+    ap.add_argument("--only", choices=["tiny", "families", "moe", "smollm2"], help="generate one group")
     ap.add_argument("--gguf", help=f"path to {SMOL_GGUF_NAME}")
     args = ap.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tiny"):
         make_tiny()
-    if args.only in (None, "families"):
+    if args.only in (None, "families", "moe"):
         import torch
-        from family_fixtures import make_families
+        from family_fixtures import MOE_FIXTURES, make_families
 
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-        make_families(FIXTURES, SEED, TINY_PROMPTS, golden_for, sha256_file)
+        make_families(FIXTURES, SEED, TINY_PROMPTS, golden_for, sha256_file,
+                      only=MOE_FIXTURES if args.only == "moe" else ())
     if args.only in (None, "smollm2"):
         make_smollm2(find_gguf(args.gguf))
 

@@ -79,6 +79,11 @@ class ArchSpec:
     gguf_wide_query_layers: int = 0
     # The rope scaling of the file applies to global layers only (Gemma 3).
     scaling_global_only: bool = False
+    # QK-norm over each head (Qwen3, Gemma 3) or over all of q and all of k (OLMoE).
+    qk_norm_per_head: bool = True
+    # Mixture of experts: whether the k router weights are renormalised when the file does
+    # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
+    norm_topk_prob: bool = False
 
 
 def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
@@ -88,9 +93,20 @@ def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pa
     if name in global_names:
         return global_names[name]
     m = layer_pattern.match(name)
-    if m and m.group(2) in layer_names:
+    if not m:
+        return None
+    if m.group(2) in layer_names:
         return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    # One expert of a sparse MLP saved on its own: "...experts.{e}..." in the table.
+    e = _EXPERT_INDEX.search(m.group(2))
+    if e and str(int(e.group(1))) == e.group(1):
+        canonical = layer_names.get(f"{m.group(2)[:e.start(1)]}{{e}}{m.group(2)[e.end(1):]}")
+        if canonical is not None:
+            return f"layers.{m.group(1)}.{canonical.format(e=e.group(1))}"
     return None
+
+
+_EXPERT_INDEX = re.compile(r"experts\.(\d+)\.")
 
 
 _GGUF_GLOBAL = {
@@ -126,6 +142,20 @@ _HF_LAYER = {
     "mlp.down_proj.weight": "down_proj",
 }
 _ROTARY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Sparse MLPs: the router [E, hidden], then the experts, either stacked [E, out, in] as
+# llama.cpp writes them (gate and up separate) or one tensor per expert as HF saves them.
+_MOE_GGUF = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate_proj",
+             "ffn_up_exps.weight": "experts.up_proj", "ffn_down_exps.weight": "experts.down_proj"}
+_MOE_HF = {"mlp.gate.weight": "router", "mlp.experts.{e}.gate_proj.weight": "experts.{e}.gate_proj",
+           "mlp.experts.{e}.up_proj.weight": "experts.{e}.up_proj",
+           "mlp.experts.{e}.down_proj.weight": "experts.{e}.down_proj"}
+_MIXTRAL_HF = {"block_sparse_moe.gate.weight": "router",
+               "block_sparse_moe.experts.{e}.w1.weight": "experts.{e}.gate_proj",
+               "block_sparse_moe.experts.{e}.w3.weight": "experts.{e}.up_proj",
+               "block_sparse_moe.experts.{e}.w2.weight": "experts.{e}.down_proj"}
+_ATTENTION_WEIGHTS = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm")
+# A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
+DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
 _QKV_BIAS_HF = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
                 "self_attn.v_proj.bias": "v_bias"}
@@ -278,7 +308,54 @@ _PHI3 = ArchSpec(
     default_sliding=_all_sliding,
 )
 
-ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE)
+# Qwen3-MoE: Qwen3's attention; every decoder_sparse_step-th layer not in mlp_only_layers is sparse.
+_QWEN3_MOE = ArchSpec(
+    name="qwen3_moe",
+    gguf_archs=("qwen3moe",),
+    hf_archs=("Qwen3MoeForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    hf_ignored=_ROTARY,
+    qk_norm=True,
+    default_sliding=_qwen2_sliding,
+    norm_topk_prob=True,
+)
+
+# Mixtral: Mistral's attention (window on every layer when set), every MLP sparse.
+_MIXTRAL = ArchSpec(
+    name="mixtral",
+    gguf_archs=(),  # llama.cpp writes Mixtral as "llama" with expert tensors; not read yet
+    hf_archs=("MixtralForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_MOE_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_MIXTRAL_HF},
+    layer_weights=LAYER_WEIGHTS,
+    hf_ignored=_ROTARY,
+    default_sliding=_all_sliding,
+    norm_topk_prob=True,  # Mixtral always renormalises (its config has no such key)
+)
+
+# OLMoE: QK-norm over all of q and all of k (not per head), every MLP sparse.
+_OLMOE = ArchSpec(
+    name="olmoe",
+    gguf_archs=("olmoe",),
+    hf_archs=("OlmoeForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    hf_ignored=_ROTARY,
+    qk_norm=True,
+    qk_norm_per_head=False,
+)
+
+ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
+                               _QWEN3_MOE, _MIXTRAL, _OLMOE)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -324,8 +401,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "q_bias": (q_rows,),
         "k_bias": (kv_rows,),
         "v_bias": (kv_rows,),
-        "q_norm": (config.head_dim,),
-        "k_norm": (config.head_dim,),
+        "q_norm": (config.head_dim,) if config.qk_norm_per_head else (q_rows,),
+        "k_norm": (config.head_dim,) if config.qk_norm_per_head else (kv_rows,),
         "o_proj": (hidden, q_rows),
         "post_attn_norm": (hidden,),
         "ffn_norm": (hidden,),
@@ -336,8 +413,12 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "post_ffn_norm": (hidden,),
     }
     for i in range(config.num_layers):
+        moe = config.layer(i).moe
         for name in arch_named(config.architecture).layer_weights:
-            expected[f"layers.{i}.{name}"] = shapes[name]
+            if not (moe and name in DENSE_MLP_WEIGHTS):
+                expected[f"layers.{i}.{name}"] = shapes[name]
+        if moe:
+            expected.update(_expert_shapes(source, config, i, weights))
     for name, shape in expected.items():
         weight = weights.get(name)
         if weight is None:
@@ -350,3 +431,22 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                 f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "
                 f"{shape}; the checkpoint and its config disagree"
             )
+
+
+def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, WeightData]
+                   ) -> dict[str, tuple[int, ...]]:
+    """Layer i's router and experts: stacked [E, out, in] tensors (GGUF) or one tensor per
+    expert (HF); an expert beyond num_experts is an error naming it."""
+    experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    p = f"layers.{i}."
+    out: dict[str, tuple[int, ...]] = {p + "router": (experts, hidden)}
+    proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    if p + "experts.gate_proj" in weights:
+        return out | {f"{p}experts.{n}": (experts, *shape) for n, shape in proj.items()}
+    prefix = p + "experts."
+    for name in weights:
+        index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
+        if index.isdigit() and int(index) >= experts:
+            raise ModelFormatError(f"{source}: weight {name!r} is an expert beyond the config's "
+                                   f"{experts} experts; the checkpoint and its config disagree")
+    return out | {f"{prefix}{e}.{n}": shape for e in range(experts) for n, shape in proj.items()}

@@ -16,6 +16,7 @@ class LayerConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters minus rope_theta
     rope: bool = True  # False: no positional rotation at all (SmolLM3's NoPE layers)
+    moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ class ModelConfig:
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c); 0 = off (Gemma 2)
     residual_scale: float = 1.0  # attention and MLP outputs times this before the residual add (Granite)
     logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    qk_norm_per_head: bool = True  # QK-norm over each head; False: over all of q and of k (OLMoE)
+    # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
+    num_experts: int = 0  # E; 0 = every MLP is dense
+    num_experts_per_tok: int = 0  # k experts per token
+    moe_intermediate_size: int = 0  # one expert's FFN width
+    norm_topk_prob: bool = False  # the k router weights are renormalised to sum to 1
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's attention window and rope settings."""

@@ -112,6 +112,33 @@ def _rotated_layers(source: str, cfg: dict[str, Any], num_layers: int) -> list[b
     return [bool(f) for f in flags]
 
 
+MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
+
+
+def _moe_fields(source: str, experts: Any, per_token: Any, expert_ffn: Any) -> tuple[int, int, int]:
+    """ModelConfig's expert count, experts per token and expert FFN width, checked (0s: dense)."""
+    if experts in (None, 0):
+        return 0, 0, 0
+    for key, value, top in (("num_experts", experts, MAX_EXPERTS), ("num_experts_per_tok", per_token, experts),
+                            ("moe_intermediate_size", expert_ffn, None)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top is not None and value > top):
+            bound = f" and at most {top}" if top is not None else ""
+            raise ModelFormatError(f"{source}: {key} must be a positive integer{bound}, got {value!r}")
+    return experts, per_token, expert_ffn
+
+
+def _hf_sparse_layers(source: str, cfg: dict[str, Any], num_layers: int) -> list[bool]:
+    """Qwen3-MoE's rule: layer i is sparse unless listed in mlp_only_layers, every
+    decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE)."""
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = cfg.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelFormatError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise ModelFormatError(f"{source}: mlp_only_layers must be a list of layer indices")
+    return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+
+
 def _positive(source: str, cfg: dict[str, Any], key: str) -> float:
     """An optional positive multiplier of config.json (0.0 when absent)."""
     value = cfg.get(key)
@@ -149,9 +176,14 @@ def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], gene
     rope = _rope_by_layer_type(source, spec, cfg, max_positions)
     window = cfg.get("sliding_window")
     window = int(window) if isinstance(window, int) and window > 0 else 0
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated)
-                   for sliding, rotated in zip(_sliding_layers(source, spec, cfg, num_layers),
-                                               _rotated_layers(source, cfg, num_layers), strict=True))
+    moe = _moe_fields(source, cfg.get("num_experts", cfg.get("num_local_experts")), cfg.get("num_experts_per_tok"),
+                      cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
+    if moe[0] and cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{source}: clip_qkv is not supported")
+    sparse = _hf_sparse_layers(source, cfg, num_layers) if moe[0] else [False] * num_layers
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe)
+                   for sliding, rotated, is_moe in zip(_sliding_layers(source, spec, cfg, num_layers),
+                                                       _rotated_layers(source, cfg, num_layers), sparse, strict=True))
     scalar = cfg.get("query_pre_attn_scalar")
     query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
     embedding_scale = math.sqrt(hidden) if spec.scale_embeddings else 1.0
@@ -192,6 +224,11 @@ def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], gene
         final_softcap=_softcap(cfg.get("final_logit_softcapping")),
         residual_scale=_positive(source, cfg, "residual_multiplier") or 1.0,
         logit_scale=1.0 / logits_scaling if logits_scaling else 1.0,
+        qk_norm_per_head=spec.qk_norm_per_head,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", spec.norm_topk_prob)),
+        num_experts=moe[0],
+        num_experts_per_tok=moe[1],
+        moe_intermediate_size=moe[2],
     )
 
 
@@ -259,10 +296,13 @@ def gguf_family_config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, An
     window = key("attention.sliding_window")
     window = int(window) if isinstance(window, int) and window > 0 else 0
     local_theta = key("rope.freq_base_swa") or spec.local_rope_theta or config.rope_theta
-    layers = tuple(
+    moe = _moe_fields(str(path), key("expert_count"), key("expert_used_count"),
+                      key("expert_feed_forward_length") or config.intermediate_size)
+    layers = tuple(dataclasses.replace(
         LayerConfig(window, float(local_theta), None if spec.scaling_global_only else scaling)
-        if sliding and window else LayerConfig(0, config.rope_theta, scaling)
-        for sliding in _gguf_sliding_layers(reader, arch, spec, config.num_layers))
+        if sliding and window else LayerConfig(0, config.rope_theta, scaling),
+        moe=bool(moe[0]) and f"layers.{i}.router" in weights)  # llama.cpp: a layer with a router is sparse
+        for i, sliding in enumerate(_gguf_sliding_layers(reader, arch, spec, config.num_layers)))
     query_scale = 0.0
     if spec.gguf_wide_query_layers:
         wide = config.num_layers == spec.gguf_wide_query_layers
@@ -279,4 +319,10 @@ def gguf_family_config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, An
         query_scale=query_scale,
         attn_softcap=_softcap(key("attn_logit_softcapping")),
         final_softcap=_softcap(key("final_logit_softcapping")),
+        qk_norm_per_head=spec.qk_norm_per_head,
+        norm_topk_prob=bool(key("expert_weights_norm") if key("expert_weights_norm") is not None
+                            else spec.norm_topk_prob),
+        num_experts=moe[0],
+        num_experts_per_tok=moe[1],
+        moe_intermediate_size=moe[2],
     )

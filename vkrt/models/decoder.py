@@ -1,11 +1,11 @@
 """The decoder-only transformer every supported family is a configuration of.
 
 embedding (x scale) -> N x [norm, attention (+bias, QK-norm, RoPE, window, softcap),
-(post-norm), residual (x scale), norm, gated MLP, (post-norm), residual (x scale)] ->
-final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3,
-SmolLM3 and Granite differ only in ModelConfig (vkrt/loader/normalize.py builds it): the
-traits are read from there, never from a family name. Written in primitive ops;
-vkrt.ops.fusion folds them into fused kernels.
+(post-norm), residual (x scale), norm, gated MLP or mixture of experts, (post-norm), residual
+(x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3, SmolLM3, Granite, Qwen3-MoE, Mixtral and OLMoE differ only in ModelConfig
+(vkrt/loader/normalize.py builds it): the traits are read from there, never from a family
+name. Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +36,23 @@ def stack_rows(parts: list[WeightData], name: str) -> WeightData:
     return WeightData(name, parts[0].fmt, (rows, parts[0].shape[1]), data)
 
 
+def expert_matrices(w: WeightData) -> list[np.ndarray]:
+    """A stacked [E, out, in] expert weight as E storage-format matrices (views)."""
+    return list(np.asarray(w.data).reshape(w.shape[0], w.shape[1], -1))
+
+
+def stack_experts(experts: list[list[WeightData]], name: str) -> WeightData:
+    """[E, rows, in] from each expert's matrices stacked along rows (gate over up), in their
+    shared storage format (dequantized to f32 only if the formats differ)."""
+    parts = [p for expert in experts for p in expert]
+    rows, cols = sum(p.shape[0] for p in experts[0]), parts[0].shape[1]
+    if len({p.fmt for p in parts}) != 1:
+        data = np.stack([np.concatenate([dequantize(p.data, p.fmt).reshape(p.shape) for p in e]) for e in experts])
+        return WeightData(name, "f32", (len(experts), rows, cols), data)
+    data = np.stack([np.concatenate([np.asarray(p.data) for p in e], axis=0) for e in experts])
+    return WeightData(name, parts[0].fmt, (len(experts), rows, cols), data)
+
+
 class Block:
     """One layer's weights on the device, and its attention window."""
 
@@ -60,7 +77,8 @@ class Block:
             self.qkv = model.matrix(model.raw(p + "qkv_proj"))
         else:
             parts = [model.raw(p + n) for n in ("q_proj", "k_proj", "v_proj")]
-            if len({w.fmt for w in parts}) == 1:
+            # A norm over all of q and of k (OLMoE) needs them apart; per-head QK-norm does not.
+            if len({w.fmt for w in parts}) == 1 and not (c.qk_norm and not c.qk_norm_per_head):
                 self.qkv = model.matrix(stack_rows(parts, p + "qkv_proj"))
             else:
                 self.q_proj, self.k_proj, self.v_proj = (model.matrix(w) for w in parts)
@@ -71,12 +89,22 @@ class Block:
             else:
                 self.q_bias, self.k_bias, self.v_bias = (model.upload_f32(b) for b in biases)
         self.o_proj = model.matrix(model.raw(p + "o_proj"))
-        if has(p + "gate_up_proj"):
+        # The MLP is dense (gate|up stacked, down) or sparse: the router and each expert's
+        # stacked gate|up and down, [E, out, in].
+        self.gate_up = self.down_proj = None
+        self.router = self.experts_gate_up = self.experts_down = None
+        if c.layer(i).moe:
+            self.router = model.matrix(model.raw(p + "router"))
+            self.experts_gate_up = model.matrix(stack_experts(model.experts(i, "gate_proj", "up_proj"),
+                                                              p + "experts.gate_up_proj"))
+            self.experts_down = model.matrix(stack_experts(model.experts(i, "down_proj"), p + "experts.down_proj"))
+        elif has(p + "gate_up_proj"):
             self.gate_up = model.matrix(model.raw(p + "gate_up_proj"))
+            self.down_proj = model.matrix(model.raw(p + "down_proj"))
         else:
             self.gate_up = model.matrix(stack_rows([model.raw(p + "gate_proj"), model.raw(p + "up_proj")],
                                                    p + "gate_up_proj"))
-        self.down_proj = model.matrix(model.raw(p + "down_proj"))
+            self.down_proj = model.matrix(model.raw(p + "down_proj"))
 
 
 class DecoderModel(CausalLM):
@@ -105,7 +133,7 @@ class DecoderModel(CausalLM):
     # -- weights ------------------------------------------------------------------
     def _device_bytes(self) -> int:
         """What the upload will occupy: matrices as stored, vectors as f32."""
-        return sum(self.backend.weight_nbytes(w.fmt if len(w.shape) == 2 else "f32", w.shape)
+        return sum(self.backend.weight_nbytes(w.fmt if len(w.shape) >= 2 else "f32", w.shape)
                    for w in self._weights.values())
 
     def has(self, name: str) -> bool:
@@ -116,6 +144,17 @@ class DecoderModel(CausalLM):
             return self._weights[name]
         except KeyError:
             raise ModelFormatError(f"{self._path}: missing weight {name!r}") from None
+
+    def experts(self, i: int, *projections: str) -> list[list[WeightData]]:
+        """Layer i's experts, each as its list of `projections` matrices (from the stacked
+        [E, out, in] tensors of a GGUF or HF's one tensor per expert)."""
+        p = f"layers.{i}.experts."
+        if self.has(p + projections[0]):
+            stacked = [self.raw(p + n) for n in projections]
+            split = [expert_matrices(w) for w in stacked]
+            return [[WeightData(w.name, w.fmt, w.shape[1:], m[e]) for w, m in zip(stacked, split, strict=True)]
+                    for e in range(self.config.num_experts)]
+        return [[self.raw(f"{p}{e}.{n}") for n in projections] for e in range(self.config.num_experts)]
 
     def matrix(self, wd: WeightData) -> Tensor:
         return self.backend.upload_weight(wd.data, wd.fmt, wd.shape)
@@ -177,10 +216,24 @@ class DecoderModel(CausalLM):
     def mlp(self, b: Block, h: Tensor) -> Tensor:
         c = self.config
         x = ops.rms_norm(h, b.ffn_norm, c.rms_norm_eps)
-        out = ops.matmul(self.activation(ops.matmul(x, b.gate_up)), b.down_proj)
+        if b.gate_up is not None and b.down_proj is not None:
+            out = ops.matmul(self.activation(ops.matmul(x, b.gate_up)), b.down_proj)
+        else:
+            out = self.sparse_mlp(b, x)
         if b.post_ffn_norm is not None:
             out = ops.rms_norm(out, b.post_ffn_norm, c.rms_norm_eps)
         return self.residual(out, h)
+
+    def sparse_mlp(self, b: Block, x: Tensor) -> Tensor:
+        """Mixture of experts: each token through the gated MLPs of its k routed experts,
+        summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
+        assert b.router is not None and b.experts_gate_up is not None and b.experts_down is not None
+        c = self.config
+        tokens, k, width = x.shape[0], c.num_experts_per_tok, c.moe_intermediate_size
+        ids, weights = ops.moe_router(ops.matmul(x, b.router), k, c.norm_topk_prob)
+        gate_up = ops.reshape(ops.moe_matmul(x, b.experts_gate_up, ids), (tokens * k, 2 * width))
+        act = ops.reshape(self.activation(gate_up), (tokens, k, width))
+        return ops.moe_combine(ops.moe_matmul(act, b.experts_down, ids), weights)
 
     def residual(self, branch: Tensor, h: Tensor) -> Tensor:
         scale = self.config.residual_scale
@@ -204,8 +257,10 @@ class DecoderModel(CausalLM):
         q, k, v = ops.matmul(x, b.q_proj), ops.matmul(x, b.k_proj), ops.matmul(x, b.v_proj)
         if b.q_bias is not None and b.k_bias is not None and b.v_bias is not None:
             q, k, v = ops.add(q, b.q_bias), ops.add(k, b.k_bias), ops.add(v, b.v_bias)
-        if b.q_norm is not None and b.k_norm is not None:
+        if b.q_norm is not None and b.k_norm is not None and c.qk_norm_per_head:
             q, k = self.head_norm(q, b.q_norm), self.head_norm(k, b.k_norm)
+        elif b.q_norm is not None and b.k_norm is not None:  # one norm over all heads (OLMoE)
+            q, k = ops.rms_norm(q, b.q_norm, c.rms_norm_eps), ops.rms_norm(k, b.k_norm, c.rms_norm_eps)
         q = ops.rope(q, step.positions, cos_sin, c.head_dim)
         ops.kv_write(kv.keys[i], kv.values[i], ops.rope(k, step.positions, cos_sin, c.head_dim), v, slots)
         return q
