@@ -33,7 +33,8 @@ def test_completion(fake: Live) -> None:
     assert body["id"].startswith("cmpl-")
     assert body["choices"][0]["text"] == "abcde"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert r.headers["x-request-id"]
 
 
@@ -99,7 +100,8 @@ def test_completion_stream_framing_and_usage(fake: Live) -> None:
     assert all(c["usage"] is None for c in chunks)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_stream_role_first_then_content(fake: Live) -> None:

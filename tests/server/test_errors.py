@@ -51,12 +51,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "logit_bias": {"abc": 5}}, 400, "logit_bias", "token ids"),
     ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature", ""),
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", ""),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "only n=1"),
-    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "batched"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n", ">= 1"),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", "only n=1"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", [104]]}, 400, "prompt", "mixes text and token ids"),
+    ("/v1/completions", {**GOOD, "prompt": [104, "a"]}, 400, "prompt", "mixes text and token ids"),
+    ("/v1/completions", {**GOOD, "prompt": [104, [105]]}, 400, "prompt", "mixes token ids and lists"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", ""]}, 400, "prompt.1", "empty"),
+    ("/v1/completions", {**GOOD, "n": 2, "best_of": 1}, 400, "best_of", ">= n"),
+    ("/v1/completions", {**GOOD, "best_of": 2, "stream": True}, 400, "best_of", "cannot stream"),
     ("/v1/completions", {**GOOD, "prompt": [1, 9999]}, 400, "prompt", "vocabulary"),
     ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt", "empty"),
     ("/v1/completions", {**GOOD, "suffix": "x"}, 400, "suffix", "not supported"),
-    ("/v1/completions", {**GOOD, "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
     ("/v1/completions", {**GOOD, "logprobs": 50}, 400, "logprobs", ""),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/completions", {**GOOD, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
@@ -109,6 +114,34 @@ def test_api_key(serve_fake: Any) -> None:
     assert live.client.get("/metrics", headers=auth).status_code == 200
     for path in ("/health", "/version"):
         assert live.client.get(path).status_code == 200
+
+
+def test_x_api_key_header(serve_fake: Any) -> None:
+    live = serve_fake(api_key="sekrit")
+    assert live.client.post("/v1/completions", json=GOOD, headers={"X-Api-Key": "sekrit"}).status_code == 200
+    assert_error(live.client.post("/v1/completions", json=GOOD, headers={"X-Api-Key": "wrong"}), 401)
+
+
+def test_cors_preflight_passes_auth(serve_fake: Any) -> None:
+    live = serve_fake(api_key="sekrit", allowed_origins=("https://app.example",))
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = live.client.options("/v1/completions", headers=preflight)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    ok = live.client.post("/v1/completions", json=GOOD, headers={"Origin": "https://app.example",
+                                                                 "Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    # The key is still needed for the request itself, and other origins get no CORS grant.
+    assert_error(live.client.post("/v1/completions", json=GOOD, headers={"Origin": "https://app.example"}), 401)
+    other = live.client.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_by_default(serve_fake: Any) -> None:
+    live = serve_fake()
+    r = live.client.post("/v1/completions", json=GOOD, headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 def test_public_metrics_opens_only_metrics(serve_fake: Any) -> None:

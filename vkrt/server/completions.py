@@ -1,7 +1,8 @@
-"""POST /v1/completions: one prompt in, text out (streamed as SSE or whole)."""
+"""POST /v1/completions: one or several prompts in, `n` choices each, text out (SSE or whole)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,12 +10,41 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vkrt.server.engine_client import require_tokenizer
-from vkrt.server.generation import Generation, ServerState
-from vkrt.server.logprobs import completion_logprobs, prompt_logprobs_json
+from vkrt.engine.config import SamplingParams
+from vkrt.server.choices import (
+    CandidateSet,
+    best_by_logprob,
+    merged_updates,
+    run_all,
+    start_candidates,
+)
+from vkrt.server.engine_client import EngineClient, require_tokenizer
+from vkrt.server.generation import Result, ServerState
+from vkrt.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
+    logprobs_text_length,
+    prompt_logprobs_json,
+)
+from vkrt.server.middleware import request_id_of
 from vkrt.server.protocol import CompletionRequest
-from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
-from vkrt.server.sampling import check_request_text, check_unsupported, completion_prompt_ids
+from vkrt.server.responses import (
+    check_model,
+    combined_usage,
+    event_stream,
+    log_request,
+    new_response_id,
+    now_s,
+    sse,
+)
+from vkrt.server.sampling import (
+    check_request_text,
+    check_unsupported,
+    completion_prompts,
+    sampling_params,
+)
+from vkrt.tokenizer import Tokenizer
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
@@ -23,57 +53,107 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     engine = state.require_engine()
     check_unsupported(body)
     check_request_text(body, state.config.max_prompt_chars)
-    prompt_ids = await state.run_cpu(completion_prompt_ids, engine, body, state.config.max_prompt_chars)
-    prompt_text = body.prompt if isinstance(body.prompt, str) else None
-    generation = start_generation(state, raw, body, prompt_ids, prompt_text, "prompt", "cmpl", arrival)
-    echo_text = ""
-    if body.echo and prompt_text is not None:
-        echo_text = prompt_text
-    elif body.echo:  # token ids, checked against the vocabulary by start_generation
-        try:
-            echo_text = require_tokenizer(engine, "prompt").decode(prompt_ids)
-        except BaseException:
-            generation.release()
-            raise
-    base: dict[str, Any] = {"id": generation.request_id, "object": "text_completion", "created": now_s(),
+    prompts = await state.run_cpu(completion_prompts, engine, body, state.config.max_prompt_chars)
+    params = [_candidate_params(engine, body, ids) for ids, _ in prompts]
+    echo_texts = [_echo_text(engine, ids, text) if body.echo else "" for ids, text in prompts]
+    response_id = new_response_id("cmpl")
+    per_prompt = body.best_of or body.n
+    candidates = start_candidates(state, response_id, prompts, params, per_prompt, arrival)
+    for (ids, text), prompt_params in zip(prompts, params, strict=True):
+        log_request(state, response_id, request_id_of(raw.state), text, ids, prompt_params)
+    base: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": now_s(),
                             "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base, echo_text), generation)
+        return event_stream(_stream(state, candidates, body, base, echo_texts), candidates)
 
-    result = await generation.run(raw)
+    groups = await run_all(candidates.groups, raw)
+    tokenizer = engine.tokenizer
+    choices = []
+    for p, results in enumerate(groups):
+        chosen = best_by_logprob(results, body.n) if per_prompt > body.n else results
+        for k, result in enumerate(chosen):
+            choices.append(_choice(tokenizer, body, p * body.n + k, result, echo_texts[p]))
+    return JSONResponse({**base, "choices": choices, "usage": combined_usage(groups), "system_fingerprint": None})
+
+
+def _candidate_params(engine: EngineClient, body: CompletionRequest, prompt_ids: list[int]) -> SamplingParams:
+    params = sampling_params(engine, body, prompt_ids, "prompt")
+    changes: dict[str, Any] = {}
+    if body.best_of is not None and body.best_of > body.n and params.logprobs is None:
+        changes["logprobs"] = 0  # ranking by cumulative logprob needs each sampled token's
+    if body.echo and body.logprobs is not None:
+        changes["prompt_logprobs"] = max(body.logprobs, params.prompt_logprobs or 0)
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def _echo_text(engine: EngineClient, prompt_ids: list[int], prompt_text: str | None) -> str:
+    if prompt_text is not None:
+        return prompt_text
+    # token ids, already checked against the vocabulary by sampling_params
+    return require_tokenizer(engine, "prompt").decode(prompt_ids)
+
+
+def _prompt_part(tokenizer: Tokenizer | None, body: CompletionRequest, result: Result) -> dict[str, Any]:
+    """The echoed prompt's logprobs, cut to the `logprobs` alternatives asked for."""
+    assert body.logprobs is not None
+    positions = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
+    cut = [None if p is None else dataclasses.replace(p, top=p.top[:body.logprobs]) for p in positions]
+    return echo_logprobs(tokenizer, result.prompt_token_ids, cut)
+
+
+def _choice(tokenizer: Tokenizer | None, body: CompletionRequest, index: int, result: Result,
+            echo_text: str) -> dict[str, Any]:
     logprobs = None
-    if result.logprobs is not None:
-        logprobs = completion_logprobs(engine.tokenizer, result.logprobs, 0)
-    choice = {"index": 0, "text": echo_text + result.text, "logprobs": logprobs,
+    if body.logprobs is not None and result.logprobs is not None:
+        if body.echo:
+            prompt_part = _prompt_part(tokenizer, body, result)
+            output_part = completion_logprobs(tokenizer, result.logprobs, logprobs_text_length(prompt_part))
+            logprobs = joined_logprobs(prompt_part, output_part)
+        else:
+            logprobs = completion_logprobs(tokenizer, result.logprobs, 0)
+    choice = {"index": index, "text": echo_text + result.text, "logprobs": logprobs,
               "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
-    if result.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, result.prompt_logprobs)
-    return JSONResponse({**base, "choices": [choice], "usage": usage(result), "system_fingerprint": None})
+    if body.prompt_logprobs is not None and result.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, result.prompt_logprobs)
+    return choice
 
 
-async def _stream(state: ServerState, generation: Generation, body: CompletionRequest,
-                  base: dict[str, Any], echo_text: str) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, candidates: CandidateSet, body: CompletionRequest,
+                  base: dict[str, Any], echo_texts: list[str]) -> AsyncIterator[bytes]:
+    """Chunks of every choice as they come, each with its index (streaming has best_of == n)."""
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     continuous_usage = include_usage and options is not None and options.continuous_usage_stats
     tokenizer = state.require_engine().tokenizer
-    offset = 0
+    groups = candidates.groups
+    num_candidates = sum(len(group) for group in groups)
+    offsets = [0] * num_candidates
+    started = [False] * num_candidates
 
-    def chunk(text: str, logprobs: Any, finish_reason: str | None) -> bytes:
-        payload = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+    def current_usage() -> dict[str, Any]:
+        return combined_usage([[generation.result for generation in group] for group in groups])
+
+    def chunk(index: int, text: str, logprobs: Any, finish_reason: str | None) -> bytes:
+        payload = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}]}
         if include_usage:
-            payload["usage"] = usage(generation.result) if continuous_usage else None
+            payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    if echo_text:
-        yield chunk(echo_text, None, None)
-    async for update in generation.updates():
+    async for index, update in merged_updates(groups):
+        if not started[index]:
+            started[index] = True
+            if body.echo:  # the prompt's logprobs arrive with the first update
+                prompt_part = None
+                if body.logprobs is not None:
+                    prompt_part = _prompt_part(tokenizer, body, candidates.generation(index).result)
+                    offsets[index] = logprobs_text_length(prompt_part)
+                yield chunk(index, echo_texts[index // body.n], prompt_part, None)
         logprobs = None
-        if update.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, update.logprobs, offset)
-            offset += sum(len(token) for token in logprobs["tokens"])
-        yield chunk(update.text, logprobs, update.finish_reason)
+        if update.logprobs is not None and body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, update.logprobs, offsets[index])
+            offsets[index] += logprobs_text_length(logprobs)
+        yield chunk(index, update.text, logprobs, update.finish_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(generation.result)})
+        yield sse({**base, "choices": [], "usage": current_usage()})

@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.config import SamplingParams
-from vkrt.engine.request import RequestOutput, TokenLogprobs
+from vkrt.engine.request import RequestMetrics, RequestOutput, TokenLogprobs
 from vkrt.server.config import ServerConfig
 from vkrt.server.engine_client import EngineClient
 from vkrt.server.errors import APIError
@@ -45,7 +45,7 @@ class ServerState:
         # Requests admitted and not yet finished: counted at admission, so a burst that
         # arrives together cannot all pass the capacity check before any starts.
         self.num_in_flight = 0
-        self.metrics = ServerMetrics(self.read_stats)
+        self.metrics = ServerMetrics(self.read_stats, self.model_name)
         self._cpu_pool: ThreadPoolExecutor | None = None
 
     async def run_cpu(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -124,6 +124,8 @@ class Result:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    engine_metrics: RequestMetrics | None = None  # the engine's timestamps, as of the last output
 
 
 class Generation:
@@ -163,9 +165,9 @@ class Generation:
                 if update.token_ids:
                     now = time.monotonic()
                     if last_token_time is None:
-                        state.metrics.ttft.observe(now - self.arrival_time)
+                        state.metrics.observe_ttft(now - self.arrival_time)
                     else:
-                        state.metrics.itl.observe(now - last_token_time)
+                        state.metrics.observe_itl(now - last_token_time)
                     last_token_time = now
                 if update.token_ids or update.text or update.finish_reason:
                     yield update
@@ -180,7 +182,7 @@ class Generation:
                 log.info("request %s ended (%s) after %d tokens", self.request_id, result.finish_reason,
                          len(result.token_ids))
             state.metrics.record_finished(result.finish_reason, len(result.prompt_token_ids),
-                                          len(result.token_ids))
+                                          len(result.token_ids), self.arrival_time, result.engine_metrics)
 
     def _absorb(self, output: RequestOutput) -> Update:
         result = self.result
@@ -195,6 +197,8 @@ class Generation:
         result.text = completion.text
         if output.prompt_logprobs is not None:
             result.prompt_logprobs = output.prompt_logprobs
+        result.num_cached_tokens = output.num_cached_tokens
+        result.engine_metrics = output.metrics
         if output.finished:
             result.finish_reason = completion.finish_reason or "stop"
             result.stop_reason = completion.stop_reason

@@ -42,6 +42,37 @@ def completion_logprobs(tokenizer: Tokenizer | None, positions: list[TokenLogpro
             "text_offset": offsets}
 
 
+def echo_logprobs(tokenizer: Tokenizer | None, prompt_token_ids: list[int],
+                  positions: list[TokenLogprobs | None]) -> dict[str, Any]:
+    """The prompt's tokens in completion-logprobs form, for `echo` with `logprobs`, as vLLM
+    sends them: a position the model did not score (the first) has null logprob and top_logprobs."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token_id, position in zip(prompt_token_ids, positions, strict=True):
+        if position is None:
+            text = tokenizer.token_text(token_id) if tokenizer is not None else f"token_id:{token_id}"
+            entry: dict[str, list[Any]] = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
+                                           "text_offset": [offset]}
+        else:
+            entry = completion_logprobs(tokenizer, [position], offset)
+        for key, values in entry.items():
+            out[key] += values
+        offset += len(entry["tokens"][0])
+    return out
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completion-logprobs objects one after the other (`then`'s offsets already continue)."""
+    if then is None:
+        return first
+    return {key: first[key] + then[key] for key in first}
+
+
+def logprobs_text_length(logprobs: dict[str, Any]) -> int:
+    """The characters a completion-logprobs object's tokens cover (where the next offset starts)."""
+    return sum(len(token) for token in logprobs["tokens"])
+
+
 def _chat_entry(tokenizer: Tokenizer | None, logprob: Logprob) -> dict[str, Any]:
     return {"token": _text(tokenizer, logprob), "logprob": _finite(logprob.logprob),
             "bytes": list(tokenizer.token_bytes(logprob.token_id)) if tokenizer is not None else None}

@@ -4,6 +4,11 @@ Per-request counters and latency histograms are observed by the server as it str
 (TTFT and inter-token latency as the client sees them, queueing included); engine state
 (running/waiting, KV usage, preemptions, device counters) is read at scrape time from the
 engine's metrics snapshot.
+
+Every measurement vkrt shares with vLLM is also exported under vLLM's own name and type
+(`vllm:...`, labelled `model_name`), so dashboards and tools written for vLLM read vkrt
+unchanged; the `vkrt_` names stay for what vLLM does not measure (device counters). The
+mapping is in docs/USAGE.md.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vkrt.engine.async_llm import EngineMetrics
+from vkrt.engine.request import RequestMetrics
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+# vLLM's buckets for request-level durations.
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 # Device counters always exported, even before the first step; others appear once reported.
@@ -26,8 +36,9 @@ _STEP_COUNTERS = ("dispatches", "submits", "drains", "fence_waits")
 
 
 class _EngineCollector(Collector):
-    def __init__(self, read_stats: Callable[[], EngineMetrics | None]) -> None:
+    def __init__(self, read_stats: Callable[[], EngineMetrics | None], model_name: str) -> None:
         self._read_stats = read_stats
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self._read_stats() or EngineMetrics()
@@ -50,12 +61,31 @@ class _EngineCollector(Collector):
         for key in dict.fromkeys([*_STEP_COUNTERS, *stats.counters]):
             yield CounterMetricFamily(f"vkrt_device_{key}", f"Device {key} over all engine steps.",
                                       value=stats.counters.get(key, 0))
+        yield from self._vllm(stats)
+
+    def _vllm(self, stats: EngineMetrics) -> Iterator[Metric]:
+        """The engine state under vLLM's names; prefix-cache counters count prompt tokens."""
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
+            GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.", labels=["model_name"]),
+            GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for admission.", labels=["model_name"]),
+            GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage (0..1).", labels=["model_name"]),
+            CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                labels=["model_name"]),
+            CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                labels=["model_name"]),
+            CounterMetricFamily("vllm:num_preemptions", "Requests preempted so far.", labels=["model_name"]),
+        ]
+        values = (stats.num_running, stats.num_waiting, stats.kv_usage, stats.prefix_cache_queries,
+                  stats.prefix_cache_hits, stats.num_preemptions)
+        for family, value in zip(families, values, strict=True):
+            family.add_metric([self._model_name], value)
+            yield family
 
 
 class ServerMetrics:
     """The app's registry and the per-request instruments the routes update."""
 
-    def __init__(self, read_stats: Callable[[], EngineMetrics | None]) -> None:
+    def __init__(self, read_stats: Callable[[], EngineMetrics | None], model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("vkrt_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=self.registry)
@@ -69,12 +99,84 @@ class ServerMetrics:
                               buckets=_TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("vkrt_inter_token_latency_seconds", "Time between consecutive output updates.",
                              buckets=_ITL_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(read_stats))
+        self.registry.register(_EngineCollector(read_stats, model_name))
+        self._vllm = _VllmRequestMetrics(self.registry, model_name)
 
-    def record_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self._vllm.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self._vllm.itl.observe(seconds)
+
+    def record_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
+                        arrival_time: float | None = None, stamps: RequestMetrics | None = None) -> None:
+        """Count a finished request; `arrival_time` (the server's) and the engine's `stamps`
+        give its end-to-end, queue, prefill, decode and inference times."""
         self.requests.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+        self._vllm.record(finish_reason, prompt_tokens, generation_tokens, arrival_time, stamps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VllmRequestMetrics:
+    """Per-request instruments under vLLM's names (vllm/v1/metrics/loggers.py)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(name, doc, ["model_name"], buckets=buckets, registry=registry)
+            return metric.labels(model_name=model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name=model_name)
+
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=registry)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name=model_name, finished_reason=reason)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished requests.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output updates.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to the last output.", _REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                                 _REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.",
+                                _REQUEST_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds", "First scheduled to last token.",
+                                   _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request.", _TOKEN_BUCKETS)
+
+    def record(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
+               arrival_time: float | None, stamps: RequestMetrics | None) -> None:
+        self.success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        if stamps is None:
+            return
+        end = stamps.last_token_time
+        if arrival_time is not None and end is not None:
+            self.e2e.observe(max(end - arrival_time, 0.0))
+        scheduled, first = stamps.first_scheduled_time, stamps.first_token_time
+        if scheduled is not None:
+            self.queue.observe(max(scheduled - stamps.arrival_time, 0.0))
+        if scheduled is not None and first is not None:
+            self.prefill.observe(max(first - scheduled, 0.0))
+        if first is not None and end is not None:
+            self.decode.observe(max(end - first, 0.0))
+        if scheduled is not None and end is not None:
+            self.inference.observe(max(end - scheduled, 0.0))

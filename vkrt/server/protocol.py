@@ -80,7 +80,8 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # The last member takes mixed lists only so that the route can say what is wrong with them.
+    prompt: str | list[int] | list[str] | list[list[int]] | list[str | int | list[int]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
@@ -34,8 +34,17 @@ def now_s() -> int:
 
 
 def usage(result: Result) -> dict[str, Any]:
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return combined_usage([[result]])
+
+
+def combined_usage(groups: list[list[Result]]) -> dict[str, Any]:
+    """Usage of several prompts (groups), each with its candidates: a prompt counts once and its
+    cached tokens are its first candidate's (the siblings reuse what that one computed)."""
+    prompt = sum(len(group[0].prompt_token_ids) for group in groups)
+    completion = sum(len(result.token_ids) for group in groups for result in group)
+    cached = sum(group[0].num_cached_tokens for group in groups)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -57,7 +66,13 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def event_stream(chunks: AsyncIterator[bytes], generation: Generation) -> StreamingResponse:
+class _Releasable(Protocol):
+    request_id: str
+
+    def release(self) -> None: ...
+
+
+def event_stream(chunks: AsyncIterator[bytes], generation: _Releasable) -> StreamingResponse:
     """An SSE response; an error after the headers went out becomes an error event, then [DONE]."""
     request_id = generation.request_id
 

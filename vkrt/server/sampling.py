@@ -36,8 +36,8 @@ def _bad(param: str, message: str) -> APIError:
 
 def check_unsupported(body: SamplingFields) -> None:
     """Reject what vkrt does not implement, saying so, instead of silently ignoring it."""
-    if body.n != 1:
-        raise _bad("n", f"only n=1 is supported, got {body.n}")
+    if body.n < 1:
+        raise _bad("n", f"must be >= 1, got {body.n}")
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options", "only allowed when stream=true")
     fmt = body.response_format
@@ -46,12 +46,14 @@ def check_unsupported(body: SamplingFields) -> None:
                    "'json_schema'")
     if isinstance(body, CompletionRequest):
         if body.suffix:
-            raise _bad("suffix", "not supported")
-        if body.best_of not in (None, 1):
-            raise _bad("best_of", f"only best_of=1 is supported, got {body.best_of}")
-        if body.echo and body.logprobs is not None:
-            raise _bad("echo", "echo together with logprobs is not supported")
+            raise _bad("suffix", "not supported: vkrt has no fill-in-the-middle; put the text in the prompt")
+        if body.best_of is not None and body.best_of < body.n:
+            raise _bad("best_of", f"must be >= n ({body.n}), got {body.best_of}")
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            raise _bad("best_of", "cannot stream when best_of > n: the best are known only at the end")
     if isinstance(body, ChatCompletionRequest):
+        if body.n != 1:
+            raise _bad("n", f"only n=1 is supported on chat completions, got {body.n}; /v1/completions takes n")
         if body.tools and body.tool_choice != "none":
             raise _bad("tools", "tool calling is not supported")
         if body.top_logprobs is not None and not body.logprobs:
@@ -123,22 +125,33 @@ def check_request_text(body: CompletionRequest | ChatCompletionRequest | Tokeniz
     check_text_fields(body)
 
 
-def completion_prompt_ids(engine: EngineClient, body: CompletionRequest, max_chars: int) -> list[int]:
-    """The single prompt of a completion request as token ids (CPU work: run it off the loop)."""
-    prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise _bad("prompt", f"batched prompts are not supported ({len(prompt)} given); "
-                       "send one request per prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        check_prompt_chars(len(prompt), max_chars, "prompt")
-        ids = require_tokenizer(engine, "prompt").encode(prompt, add_special_tokens=body.add_special_tokens)
-    else:
-        ids = list(prompt)  # ids outside the vocabulary are refused by engine.check_request
-    if not ids:
+def completion_prompts(engine: EngineClient, body: CompletionRequest,
+                       max_chars: int) -> list[tuple[list[int], str | None]]:
+    """Each prompt of a completion request as (token ids, text or None); a string, a list of
+    ids, a list of strings or a list of id lists (CPU work: run it off the loop)."""
+    raw: Any = body.prompt
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(x, int) for x in raw)):
+        raw = [raw]
+    if not raw:
         raise _bad("prompt", "the prompt is empty")
-    return ids
+    kinds = {type(x) for x in raw}
+    if len(kinds) > 1 and str in kinds:
+        raise _bad("prompt", "mixes text and token ids; send a list of strings or a list of token-id lists")
+    if len(kinds) > 1 or int in kinds:
+        raise _bad("prompt", "mixes token ids and lists of token ids; send one list of ids per prompt")
+    check_prompt_chars(sum(len(x) for x in raw if isinstance(x, str)), max_chars, "prompt")
+    prompts: list[tuple[list[int], str | None]] = []
+    for i, prompt in enumerate(raw):
+        param = "prompt" if len(raw) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            ids = require_tokenizer(engine, param).encode(prompt, add_special_tokens=body.add_special_tokens)
+            prompts.append((ids, prompt))
+        else:  # ids outside the vocabulary are refused by engine.check_request
+            ids = list(prompt)
+            prompts.append((ids, None))
+        if not ids:
+            raise _bad(param, "the prompt is empty")
+    return prompts
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -345,7 +358,7 @@ def sampling_params(engine: EngineClient, body: SamplingFields, prompt_ids: list
         prompt_logprobs=body.prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
-        n=body.n,
+        n=1,  # each choice is its own engine request (server/choices.py)
         guided_decoding=constraint[0] if constraint else None,
     )
     try:

@@ -1,0 +1,147 @@
+"""Several engine requests behind one response: n choices per prompt, best_of, several prompts.
+
+Every choice is its own engine request with n=1. Choice k of prompt p is candidate
+p * per_prompt + k. With a request `seed`, candidate j samples with seed (seed + j) mod 2**63,
+so each choice is reproducible and its siblings differ; without one, the engine draws a seed
+per request. A prompt's first candidate starts alone; its siblings start once it has produced
+its first token, when its full prompt blocks are in the prefix cache, so they reuse those
+blocks instead of computing them again (the last prompt token is always computed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from vkrt.engine.config import SamplingParams
+from vkrt.server.errors import APIError
+from vkrt.server.generation import Generation, Result, ServerState, Update, wait_for_disconnect
+
+_SEED_MODULUS = 2**63
+
+
+def choice_seed(seed: int | None, candidate: int) -> int | None:
+    """The seed of candidate `candidate` of a request seeded with `seed` (None: unseeded)."""
+    return None if seed is None else (seed + candidate) % _SEED_MODULUS
+
+
+class CandidateSet:
+    """The generations of one response, grouped by prompt; `release` frees every admission place."""
+
+    def __init__(self, request_id: str, groups: list[list[Generation]]) -> None:
+        self.request_id = request_id
+        self.groups = groups
+
+    def release(self) -> None:
+        release_all(self.groups)
+
+    def generation(self, candidate: int) -> Generation:
+        per_prompt = len(self.groups[0])
+        return self.groups[candidate // per_prompt][candidate % per_prompt]
+
+
+def start_candidates(state: ServerState, response_id: str, prompts: list[tuple[list[int], str | None]],
+                     params: list[SamplingParams], per_prompt: int, arrival: float) -> CandidateSet:
+    """`per_prompt` admitted generations for each prompt (429 when they do not all fit)."""
+    groups: list[list[Generation]] = []
+    try:
+        for p, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params, strict=True)):
+            group = []
+            for k in range(per_prompt):
+                candidate = p * per_prompt + k
+                request_id = response_id if candidate == 0 else f"{response_id}-{candidate}"
+                choice_params = dataclasses.replace(prompt_params, seed=choice_seed(prompt_params.seed, candidate))
+                group.append(Generation(state, request_id, prompt_ids, choice_params, arrival, prompt_text))
+            groups.append(group)
+    except BaseException:
+        release_all(groups)
+        raise
+    return CandidateSet(response_id, groups)
+
+
+def release_all(groups: list[list[Generation]]) -> None:
+    for group in groups:
+        for generation in group:
+            generation.release()
+
+
+async def merged_updates(groups: list[list[Generation]]) -> AsyncIterator[tuple[int, Update]]:
+    """(candidate number, update) of every generation as updates come; leaving early aborts all."""
+    queue: asyncio.Queue[tuple[int, Update | BaseException | None]] = asyncio.Queue()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def pump(candidate: int, generation: Generation, followers: list[tuple[int, Generation]]) -> None:
+        try:
+            async for update in generation.updates():
+                if followers:
+                    start(followers)
+                    followers = []
+                queue.put_nowait((candidate, update))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((candidate, exc))
+        finally:
+            if followers:
+                start(followers)
+            queue.put_nowait((candidate, None))
+
+    def start(members: list[tuple[int, Generation]], followers: list[tuple[int, Generation]] | None = None) -> None:
+        for candidate, generation in members:
+            tasks.append(asyncio.ensure_future(pump(candidate, generation, followers or [])))
+
+    candidate = 0
+    for group in groups:
+        numbered = list(enumerate(group, start=candidate))
+        candidate += len(group)
+        start(numbered[:1], numbered[1:])
+    remaining = candidate
+    try:
+        while remaining:
+            number, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield number, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        release_all(groups)
+
+
+async def run_all(groups: list[list[Generation]], raw_request: Request | None) -> list[list[Result]]:
+    """Generate every candidate to the end; abort all if the HTTP client disconnects first."""
+
+    async def consume() -> None:
+        async for _ in merged_updates(groups):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request)) if raw_request else None
+    try:
+        waiters: set[asyncio.Future[Any]] = {task} if watcher is None else {task, watcher}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client went away
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(400, "client disconnected", code="client_disconnected")
+        task.result()
+        return [[generation.result for generation in group] for group in groups]
+    finally:
+        release_all(groups)
+        if watcher is not None:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def best_by_logprob(results: list[Result], n: int) -> list[Result]:
+    """The `n` candidates with the highest cumulative logprob of their tokens, best first."""
+    def score(result: Result) -> float:
+        return sum(position.token.logprob for position in result.logprobs or [])
+    return sorted(results, key=score, reverse=True)[:n]
