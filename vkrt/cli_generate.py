@@ -247,7 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, timeout_keep_alive=args.timeout_keep_alive,
                        timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
-                       max_header_bytes=args.max_header_bytes))
+                       max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins)))
     return 0
 
 
@@ -294,6 +294,8 @@ def register(sub: Any) -> None:
                         "(visible in ps: prefer --api-key-file or VKRT_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from the first line of PATH")
     p.add_argument("--public-metrics", action="store_true", help="let GET /metrics answer without the API key")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="answer CORS requests from these browser origins ('*' for any); none by default")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -71,6 +72,10 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
     app.add_middleware(ServerMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
                        max_header_bytes=config.max_header_bytes, read_timeout=config.timeout_read,
                        public_paths=frozenset(public))
+    if config.allowed_origins:
+        # Added last, so outside the auth middleware: a browser's preflight carries no key.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "the model is loaded: an empty body"},

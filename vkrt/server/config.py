@@ -24,6 +24,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # when set, every route but PUBLIC_PATHS needs "Authorization: Bearer <key>"
     public_metrics: bool = False  # GET /metrics answers without the key (for scrapers)
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); empty: no CORS headers
     served_model_name: str | None = None  # None: the model file or directory name
     max_model_len: int | None = None
     max_num_seqs: int = 16

@@ -131,7 +131,7 @@ class ServerMiddleware:
             return (400, "a request may not carry both Content-Length and Transfer-Encoding",
                     "invalid_framing", _CLOSE)
         if not self._authorized(scope):
-            return (401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key",
+            return (401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'", "invalid_api_key",
                     {"WWW-Authenticate": "Bearer"})
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return (413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes",
@@ -141,9 +141,14 @@ class ServerMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or str(scope.get("path", "")) in self.public_paths:
             return True
+        key = self.api_key.encode()
         auth = _header(scope, b"authorization") or ""
         scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return True
+        # Anthropic-style clients and some gateways send the key in X-Api-Key instead.
+        x_api_key = _header(scope, b"x-api-key")
+        return x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), key)
 
 
 def request_id_of(state: Any) -> str:
