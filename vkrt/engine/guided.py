@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 GuidedKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
 PARAM = "guided_decoding"
+# Whitespace JSON may hold between tokens: llama.cpp's json-schema-to-grammar `space` rule (a
+# space, or one or two newlines and up to 20 spaces or tabs). llguidance's default, any run
+# of whitespace, let SmolLM2-135M fill max_tokens with tabs and newlines inside an object.
+JSON_WHITESPACE = r"(?:\x20|\n{1,2}[\x20\t]{0,20})?"
 
 
 @dataclass(frozen=True)
@@ -65,13 +69,13 @@ class GuidedDecoding:
         import llguidance
 
         matcher = llguidance.LLMatcher
+        options: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not self.strict}
         if self.kind == "json_object":
-            return str(matcher.grammar_from_json_schema({"type": "object"}))
+            return str(matcher.grammar_from_json_schema({"type": "object"}, overrides=options))  # type: ignore[arg-type]
         if self.kind == "json":
             schema = json.loads(self.spec) if isinstance(self.spec, str) else self.spec
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            options: dict[str, Any] = {"lenient": not self.strict}
             return str(matcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
         if self.kind == "regex":
             return str(matcher.grammar_from_regex(self.spec))
