@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -99,6 +100,14 @@ def test_repeated_prompt_reports_cached_tokens(live: LiveModel) -> None:
     # Full blocks before the last prompt token (which is always computed) come from the cache.
     assert again.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert again.choices[0].text == first.choices[0].text
+
+
+def test_tokenize_token_strs_are_text(live: LiveModel) -> None:
+    r = httpx.post(f"{live.url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True,
+                                                 "add_special_tokens": False}, timeout=60)
+    strs = r.json()["token_strs"]
+    assert "".join(strs) == PROMPTS[0]  # text pieces, not byte-level vocabulary pieces ("Ġcapital")
+    assert " capital" in strs
 
 
 def _events(text: str) -> list[dict[str, Any]]:
