@@ -13,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 
 from vkrt.engine.config import SamplingParams
-from vkrt.server.errors import APIError
-from vkrt.server.generation import Generation, Result, ServerState, Update, wait_for_disconnect
+from vkrt.server.generation import Generation, Result, ServerState, Update, consume_watching
 
 _SEED_MODULUS = 2**63
 
@@ -116,28 +114,11 @@ async def merged_updates(groups: list[list[Generation]]) -> AsyncIterator[tuple[
 
 async def run_all(groups: list[list[Generation]], raw_request: Request | None) -> list[list[Result]]:
     """Generate every candidate to the end; abort all if the HTTP client disconnects first."""
-
-    async def consume() -> None:
-        async for _ in merged_updates(groups):
-            pass
-
-    task = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request)) if raw_request else None
     try:
-        waiters: set[asyncio.Future[Any]] = {task} if watcher is None else {task, watcher}
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():  # the client went away
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(400, "client disconnected", code="client_disconnected")
-        task.result()
+        await consume_watching(merged_updates(groups), raw_request)
         return [[generation.result for generation in group] for group in groups]
     finally:
         release_all(groups)
-        if watcher is not None:
-            watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 def best_by_logprob(results: list[Result], n: int) -> list[Result]:

@@ -206,28 +206,36 @@ class Generation:
 
     async def run(self, raw_request: Request | None = None) -> Result:
         """Generate to the end; abort if the HTTP client disconnects first (499-style)."""
-
-        async def consume() -> None:
-            async for _ in self.updates():
-                pass
-
-        task = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(wait_for_disconnect(raw_request)) if raw_request else None
         try:
-            waiters: set[asyncio.Future[Any]] = {task} if watcher is None else {task, watcher}
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client went away
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise APIError(400, "client disconnected", code="client_disconnected")
-            task.result()
+            await consume_watching(self.updates(), raw_request)
             return self.result
         finally:
             self.release()
-            if watcher is not None:
-                watcher.cancel()
-            if not task.done():
-                task.cancel()
+
+
+async def consume_watching(updates: AsyncIterator[Any], raw_request: Request | None) -> None:
+    """Iterate `updates` to the end; stop it (aborting its requests) and raise a 400 if the
+    HTTP client disconnects first."""
+
+    async def consume() -> None:
+        async for _ in updates:
+            pass
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request)) if raw_request else None
+    try:
+        waiters: set[asyncio.Future[Any]] = {task} if watcher is None else {task, watcher}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client went away
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(400, "client disconnected", code="client_disconnected")
+        task.result()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
 
 
 async def wait_for_disconnect(request: Request) -> None:
