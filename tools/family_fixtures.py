@@ -43,7 +43,7 @@ BASE = dict(
 )
 
 # Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
-GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3")
+GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
 PHI3_LONG = [1.0, 1.5, 2.2, 3.0, 4.0, 5.2, 6.5, 8.0]
@@ -106,6 +106,7 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
 
 
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe")
+SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
 
 def _randomise(model, gemma: bool) -> None:
@@ -143,8 +144,19 @@ def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[s
                           "post_feedforward_layernorm": "post_ffw_norm"})
     else:
         per_layer["post_attention_layernorm"] = "ffn_norm"
+    per_layer["mlp.gate"] = "ffn_gate_inp"  # a sparse MLP's router
     out: dict[str, np.ndarray] = {}
     for name, value in sd.items():
+        parts = name.split(".")
+        if parts[3:5] == ["mlp", "experts"]:  # transformers holds experts as [E, 2I, H] and [E, H, I]
+            layer = int(parts[2])
+            if parts[5] == "gate_up_proj":
+                gate, up = np.split(value, 2, axis=1)
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(gate, dtype=np.float32)
+                out[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(up, dtype=np.float32)
+            else:
+                out[f"blk.{layer}.ffn_down_exps.weight"] = np.ascontiguousarray(value, dtype=np.float32)
+            continue
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -182,6 +194,10 @@ def _write_gguf(path: Path, arch: str, cfg, tensors: dict[str, np.ndarray]) -> N
         w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
     else:
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if getattr(cfg, "num_experts", 0):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch.startswith("gemma"):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -215,7 +231,8 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         model = model_cls(cfg).to(torch.float32).eval()
         _randomise(model, gemma=family.startswith("Gemma"))
         for name, p in model.named_parameters():  # expert tensors start torch.empty until initialised
-            if not bool(torch.isfinite(p).all()) or float(p.std()) == 0.0 and p.numel() > 1:
+            values = p.detach()
+            if not bool(torch.isfinite(values).all()) or float(values.std()) == 0.0 and values.numel() > 1:
                 raise SystemExit(f"{fixture}: parameter {name} is not initialised")
         out_dir = fixtures / fixture
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,6 +287,15 @@ def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any]
     elif family == "Qwen3":
         # transformers' qwen3 GGUF mapping does not read attention.key_length.
         overrides["head_dim"] = cfg.head_dim
+    elif family == "Qwen3Moe":
+        # A GGUF cannot say mlp_only_layers (llama.cpp makes every layer sparse), so this file
+        # is its own model: every layer sparse, fresh weights of the same seed. transformers'
+        # qwen3_moe GGUF mapping does not read expert_feed_forward_length.
+        torch.manual_seed(SEED_QWEN3_MOE_GGUF)
+        cfg = transformers.Qwen3MoeConfig(**dict(kwargs, mlp_only_layers=[]))
+        model = model_cls(cfg).to(torch.float32).eval()
+        _randomise(model, gemma=False)
+        overrides["moe_intermediate_size"] = cfg.moe_intermediate_size
     if family.startswith("Gemma"):
         same_weights = model_cls(cfg).eval()
         same_weights.load_state_dict(model.state_dict())
@@ -296,7 +322,8 @@ def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any]
     gold = golden_for(loaded, f"{fixture}_gguf", "float32", {
         "family": family,
         "model_file": "model.gguf",
-        "description": f"{fixture} written as GGUF (llama.cpp names and row order); golden = "
+        "description": f"{fixture}{' with every layer sparse' if family == 'Qwen3Moe' else ''} written as GGUF "
+                       "(llama.cpp names and row order); golden = "
                        f"transformers from_pretrained(gguf_file=..., {overrides})",
         "tie_word_embeddings": bool(cfg.tie_word_embeddings),
         "rope_scaling": None,

@@ -1,7 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) through the generic decoder.
 
 The fixtures are tiny random-weight models made by transformers' own classes
-(tools/make_fixtures.py --only moe, tests/fixtures/README.md). Bound: max |logit - golden|
+(tools/make_fixtures.py --only moe, tests/fixtures/README.md); tiny_qwen3_moe_gguf is a
+GGUF written with the gguf package and its golden is transformers' forward of that file. Bound: max |logit - golden|
 <= 2e-4 on the reference backend, as for the dense families (measured <= 1.3e-5, most of it
 the goldens' 6-digit rounding); greedy ids equal (the smallest greedy margin in these
 goldens is 0.012). The MoE ops have no native Vulkan kernel yet: there each one drains, so
@@ -26,7 +27,7 @@ from vkrt.errors import ModelFormatError, VkrtError
 from vkrt.loader import load_model
 from vkrt.models import build_model
 
-MOE = ["tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe"]
+MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_olmoe"]
 LOGIT_ATOL = 2e-4
 MAX_LEN = 64
 DRAINS_PER_SPARSE_LAYER = 4  # moe_router, moe_matmul x 2, moe_combine: no native kernels yet
@@ -34,6 +35,11 @@ DRAINS_PER_SPARSE_LAYER = 4  # moe_router, moe_matmul x 2, moe_combine: no nativ
 
 def _golden(name: str) -> dict:
     return json.loads((FIXTURES / name / "golden.json").read_text())
+
+
+def _model_path(name: str) -> Path:
+    """The fixture's HF directory, or its GGUF file (`meta.model_file`)."""
+    return FIXTURES / name / _golden(name)["meta"].get("model_file", "")
 
 
 def _logits_within(model, golden: str) -> None:
@@ -47,7 +53,7 @@ def _logits_within(model, golden: str) -> None:
 
 @pytest.mark.parametrize("name", MOE)
 def test_logits_and_greedy_ids_match_transformers(name: str, ref: Backend) -> None:
-    model = build_model(load_model(FIXTURES / name), ref)
+    model = build_model(load_model(_model_path(name)), ref)
     _logits_within(model, name)
     for case in _golden(name)["cases"]:
         got = Greedy(model, max_len=MAX_LEN).generate(case["input_ids"], len(case["greedy_ids"]))
@@ -63,21 +69,24 @@ def test_configs() -> None:
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (4, 2, 32)
     assert mixtral.norm_topk_prob and not mixtral.qk_norm
     assert [(layer.moe, layer.window) for layer in mixtral.layers] == [(True, 8), (True, 8)]
+    gguf_cfg = load_model(_model_path("tiny_qwen3_moe_gguf")).config  # llama.cpp: every layer has a router
+    assert [layer.moe for layer in gguf_cfg.layers] == [True, True] and gguf_cfg.norm_topk_prob
+    assert (gguf_cfg.num_experts, gguf_cfg.num_experts_per_tok, gguf_cfg.moe_intermediate_size) == (8, 2, 16)
     olmoe = load_model(FIXTURES / "tiny_olmoe").config
     assert (olmoe.num_experts, olmoe.num_experts_per_tok) == (5, 3)
     assert not olmoe.norm_topk_prob and olmoe.qk_norm and not olmoe.qk_norm_per_head
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen3_moe", "tiny_mixtral"])
+@pytest.mark.parametrize("name", ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral"])
 def test_vulkan_equals_reference_token_for_token(name: str, ref: Backend, vk_default: Backend) -> None:
     """Greedy ids of both backends on the longest prompt; on Vulkan the MoE ops drain, counted."""
     case = _golden(name)["cases"][-1]
     runs = []
     for backend in (ref, vk_default):
-        driver = Greedy(build_model(load_model(FIXTURES / name), backend), max_len=MAX_LEN)
+        driver = Greedy(build_model(load_model(_model_path(name)), backend), max_len=MAX_LEN)
         runs.append(driver.generate(case["input_ids"], len(case["greedy_ids"])))
         if backend is vk_default:
-            sparse = sum(layer.moe for layer in load_model(FIXTURES / name).config.layers)
+            sparse = sum(layer.moe for layer in load_model(_model_path(name)).config.layers)
             assert {c["drains"] for c in driver.step_counters[1:]} == {DRAINS_PER_SPARSE_LAYER * sparse}
     assert runs[0] == runs[1] == case["greedy_ids"]
 
