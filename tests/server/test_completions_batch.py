@@ -102,6 +102,18 @@ def test_repeated_prompt_reports_cached_tokens(live: LiveModel) -> None:
     assert again.choices[0].text == first.choices[0].text
 
 
+def test_sibling_choices_share_the_prompt_blocks(live: LiveModel) -> None:
+    prompt = LONG_PROMPT.replace("Paris", "Lyon").replace("capital", "third city")  # not cached yet
+    client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=600)
+    hits_before = live.engine.metrics().prefix_cache_hits
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, n=3, max_tokens=2, seed=1)
+    hits = live.engine.metrics().prefix_cache_hits - hits_before
+    num_prompt = response.usage.prompt_tokens
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # the first candidate computed it
+    # Each of the two siblings finds every full block before its last prompt token cached.
+    assert hits == 2 * ((num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE) > 0
+
+
 def test_tokenize_token_strs_are_text(live: LiveModel) -> None:
     r = httpx.post(f"{live.url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True,
                                                  "add_special_tokens": False}, timeout=60)
