@@ -245,7 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics,
                        enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
-                       escape_special_tokens=args.escape_special_tokens, timeout_keep_alive=args.timeout_keep_alive,
+                       escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
+                       timeout_keep_alive=args.timeout_keep_alive,
                        timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
                        max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins)))
     return 0
@@ -283,7 +284,7 @@ def register(sub: Any) -> None:
                    help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
     p.set_defaults(func=cmd_bench)
 
-    from vkrt.server.config import ServerConfig
+    from vkrt.server.config import TOOL_CALL_PARSERS, ServerConfig
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(p, default_len="the model's")
@@ -308,6 +309,8 @@ def register(sub: Any) -> None:
                    help="prompt text longer than this many characters gets HTTP 413 before tokenising")
     p.add_argument("--chat-template-timeout", type=float, default=ServerConfig.chat_template_timeout, metavar="SECONDS",
                    help="time one chat-template rendering may take (then HTTP 400)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model's tool-call syntax (default: picked from its chat template)")
     p.add_argument("--escape-special-tokens", action="store_true",
                    help="tokenise message content as text, so '<|im_end|>' typed by a user is not a control token")
     p.add_argument("--timeout-keep-alive", type=float, default=ServerConfig.timeout_keep_alive, metavar="SECONDS",

@@ -75,7 +75,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content", "only text"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools.0", "each tool must be"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("/v1/nothing-here", {}, 404, None, "no route"),
 ]

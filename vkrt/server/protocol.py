@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class _Body(BaseModel):
@@ -107,6 +107,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # Set by the route, never by the client: the grammar that forces tool_choice "required"
+    # or a named function (a GuidedDecoding).
+    _tool_grammar: Any = PrivateAttr(default=None)
 
 
 class TokenizeRequest(_Body):

@@ -24,6 +24,7 @@ from vkrt.server.protocol import (
     StructuredOutputs,
     TokenizeRequest,
 )
+from vkrt.server.tools import template_messages
 from vkrt.tokenizer import Tokenizer
 
 # OpenAI's default for /v1/completions; chat defaults to "until the context is full".
@@ -54,8 +55,6 @@ def check_unsupported(body: SamplingFields) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.n != 1:
             raise _bad("n", f"only n=1 is supported on chat completions, got {body.n}; /v1/completions takes n")
-        if body.tools and body.tool_choice != "none":
-            raise _bad("tools", "tool calling is not supported")
         if body.top_logprobs is not None and not body.logprobs:
             raise _bad("top_logprobs", "requires logprobs=true")
 
@@ -191,13 +190,13 @@ def _cut_after_final(text: str, final: str) -> str:
 
 def chat_prompt(engine: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool,
                 continue_final_message: bool, template_kwargs: dict[str, Any] | None,
-                config: ServerConfig) -> tuple[str, list[int]]:
+                config: ServerConfig, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """Render the chat template and tokenise it (CPU work: run it off the loop).
 
     RequestError from the template becomes a 400 through the error handlers. With
     config.escape_special_tokens, message content is tokenised as plain text.
     """
-    dicts = message_dicts(messages)
+    dicts = template_messages(message_dicts(messages))
     if continue_final_message:
         if add_generation_prompt:
             raise _bad("continue_final_message", "cannot be combined with add_generation_prompt=true")
@@ -212,7 +211,7 @@ def chat_prompt(engine: EngineClient, messages: list[ChatMessage], add_generatio
     budget = TemplateBudget(seconds=config.chat_template_timeout, max_chars=config.max_prompt_chars)
 
     def render(entries: list[dict[str, Any]]) -> str:
-        text = tokenizer.apply_chat_template(entries, add_generation_prompt=add_generation_prompt,
+        text = tokenizer.apply_chat_template(entries, add_generation_prompt=add_generation_prompt, tools=tools,
                                              budget=budget, **(template_kwargs or {}))
         return _cut_after_final(text, entries[-1]["content"]) if continue_final_message else text
 
@@ -315,6 +314,8 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
         found.append((GuidedDecoding("json", body.json_schema), "json_schema"))
     if body.grammar is not None:
         found.append((GuidedDecoding("grammar", body.grammar), "grammar"))
+    if isinstance(body, ChatCompletionRequest) and body._tool_grammar is not None:
+        found.append((body._tool_grammar, "tool_choice"))
     if len(found) > 1:
         names = ", ".join(param for _, param in found)
         raise _bad(found[1][1], f"only one output constraint per request ({names} given)")

@@ -1,0 +1,143 @@
+"""Tool calling over /v1/chat/completions against a live server over the real SmolLM2, with
+the official openai client: forced calls valid for their schema, streamed deltas that
+reassemble to the same call, a tool result sent back, and the 400s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server.live_model import LiveModel, live_model
+from vkrt.server.tools import parse_tool_calls
+
+UNITS = ["celsius", "fahrenheit"]
+TOOLS: list[Any] = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                       "properties": {"city": {"type": "string", "maxLength": 16},
+                                      "unit": {"type": "string", "enum": UNITS}}}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a timezone",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["offset_hours"],
+                       "properties": {"offset_hours": {"type": "integer", "minimum": -12, "maximum": 14}}}}},
+]
+MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _valid_arguments(name: str, arguments: str) -> bool:
+    """The arguments checked against the schemas above by hand."""
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return (set(args) == {"city", "unit"} and isinstance(args["city"], str) and len(args["city"]) <= 16
+                and args["unit"] in UNITS)
+    return set(args) == {"offset_hours"} and type(args["offset_hours"]) is int and -12 <= args["offset_hours"] <= 14
+
+
+@pytest.fixture(scope="module")
+def live(smollm2_path: Path) -> Iterator[LiveModel]:
+    with live_model(smollm2_path, max_model_len=1024, max_num_seqs=8) as server:
+        yield server
+
+
+def _client(live: LiveModel) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+
+
+def test_parsers_read_each_syntax() -> None:
+    """Each family's call syntax, as its model card writes it, parses to OpenAI's shape."""
+    hermes = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert parse_tool_calls(hermes, "hermes") == ("Let me look.", [_call("f", {"x": 1})])
+    mistral = '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
+    assert parse_tool_calls(mistral, "mistral") == ("", [_call("f", {"x": 1}), _call("g", {})])
+    llama = '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": "z"}}'
+    assert parse_tool_calls(llama, "llama3_json") == ("", [_call("f", {"x": 1}), _call("g", {"y": "z"})])
+    for text, parser in (("no call here", "hermes"), ("<tool_call>{oops</tool_call>", "hermes"),
+                         ("The answer is {1}", "llama3_json"), ("[TOOL_CALLS] nothing", "mistral")):
+        assert parse_tool_calls(text, parser) == (text, [])
+
+
+def _call(name: str, arguments: dict[str, Any]) -> Any:
+    from vkrt.server.tools import ToolCall
+
+    return ToolCall(name, json.dumps(arguments))
+
+
+def test_required_round_trip_streamed_and_named(live: LiveModel) -> None:
+    """tool_choice="required" gives a call valid for its schema; the same seed streamed
+    reassembles to the same call; a named choice forces that function; the tool's result
+    sent back gets an answer."""
+    client = _client(live)
+
+    async def call(**kwargs: Any) -> Any:
+        return (await client.chat.completions.create(model="smollm2", messages=MESSAGES, tools=TOOLS,
+                                                     max_tokens=80, temperature=0.8, **kwargs)).choices[0]
+
+    async def streamed(**kwargs: Any) -> tuple[dict[int, dict[str, str]], str | None, str]:
+        calls: dict[int, dict[str, str]] = {}
+        finish, content = None, ""
+        async for chunk in await client.chat.completions.create(
+                model="smollm2", messages=MESSAGES, tools=TOOLS, max_tokens=80, temperature=0.8, stream=True,
+                **kwargs):
+            choice = chunk.choices[0]
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+        return calls, finish, content
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            call(tool_choice="required", seed=11, parallel_tool_calls=False),
+            streamed(tool_choice="required", seed=11, parallel_tool_calls=False),
+            call(tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=12,
+                 parallel_tool_calls=False),
+            call(tool_choice="required", seed=13),
+        )
+
+    required, (stream_calls, stream_finish, stream_content), named, parallel = asyncio.run(run())
+    assert required.finish_reason == "tool_calls"
+    [tool_call] = required.message.tool_calls
+    assert tool_call.type == "function" and tool_call.id
+    assert _valid_arguments(tool_call.function.name, tool_call.function.arguments)
+    assert stream_finish == "tool_calls" and stream_content == ""
+    assert stream_calls == {0: {"name": tool_call.function.name, "arguments": tool_call.function.arguments}}
+    assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
+    assert _valid_arguments("get_time", named.message.tool_calls[0].function.arguments)
+    # Parallel calls: the grammar allows more after each; every complete one is valid.
+    assert parallel.message.tool_calls
+    assert all(_valid_arguments(c.function.name, c.function.arguments) for c in parallel.message.tool_calls)
+
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
+               {"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps({"result": "sunny, 21"})}]
+    answer = asyncio.run(_client(live).chat.completions.create(  # a client per event loop
+        model="smollm2", messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, seed=14))
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools.0"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "frobnicate"}}}}}]}, "tools.0.function.parameters"),
+])
+def test_bad_tools_are_400(live: LiveModel, body: dict[str, Any], param: str) -> None:
+    client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2, extra_body=body)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+    assert client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2).choices[0].message.content
