@@ -150,7 +150,10 @@ def _write_qwen3_moe_gguf(path: Path, tensors: dict[str, np.ndarray], **override
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     for name, value in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(value, np.float32))
+        if value.dtype == np.uint8:  # Q8_0 blocks
+            w.add_tensor(name, value, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(value, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -166,6 +169,27 @@ def test_qwen3_moe_gguf_reproduces_the_hf_golden(tmp_path: Path, ref: Backend) -
     assert [layer.moe for layer in loaded.config.layers] == [False, True]
     assert loaded.weights["layers.1.experts.up_proj"].shape == (8, 16, 64)
     _logits_within(build_model(loaded, ref), "tiny_qwen3_moe")
+
+
+def test_quantized_experts_stay_quantized(tmp_path: Path, ref: Backend) -> None:
+    """Q8_0 gate/up expert tensors load as Q8_0 [E, out, in] and compute what their values
+    (dequantized by the gguf package) compute as F32 experts. (down's rows of 16 values are
+    not whole Q8_0 blocks: it stays F32.)"""
+    from gguf.quants import dequantize, quantize
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tensors, dequantized = _qwen3_moe_gguf_tensors(), _qwen3_moe_gguf_tensors()
+    for name in [n for n in tensors if n.endswith(("gate_exps.weight", "up_exps.weight"))]:
+        tensors[name] = quantize(tensors[name], q8)
+        dequantized[name] = dequantize(tensors[name], q8)
+    _write_qwen3_moe_gguf(tmp_path / "q8.gguf", tensors)
+    _write_qwen3_moe_gguf(tmp_path / "f32.gguf", dequantized)
+    q8_model = load_model(tmp_path / "q8.gguf")
+    assert q8_model.weights["layers.1.experts.gate_proj"].fmt == "q8_0"
+    case = _golden("tiny_qwen3_moe")["cases"][-1]
+    logits = [Greedy(build_model(m, ref), max_len=MAX_LEN).step(case["input_ids"], 0, all_logits=True)
+              for m in (q8_model, load_model(tmp_path / "f32.gguf"))]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-5)
 
 
 # -- bad input: one line naming the tensor ----------------------------------------------------

@@ -342,7 +342,7 @@ _MIXTRAL = ArchSpec(
 # OLMoE: QK-norm over all of q and all of k (not per head), every MLP sparse.
 _OLMOE = ArchSpec(
     name="olmoe",
-    gguf_archs=("olmoe",),
+    gguf_archs=(),  # llama.cpp's olmoe GGUFs are not read yet (no fixture to check them by)
     hf_archs=("OlmoeForCausalLM",),
     gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
