@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from tests.server.conftest import Live
+from tests.server.fake_engine import FakeEngine
 from tests.server.live_model import MODEL_NAME, LiveModel, live_model
 
 PROMPTS = ["The capital of France is", "Water boils at", "My favourite colour is", "One, two, three,"]
@@ -156,3 +158,29 @@ def test_choice_seeds_follow_the_request_seed(fake: Live) -> None:
     seeds = sorted(params.seed for _, _, params, _ in fake.engine.requests)
     assert seeds == sorted([2**63 - 2, 2**63 - 1, 0, 1])  # (seed + candidate) mod 2**63
     assert all(params.n == 1 for _, _, params, _ in fake.engine.requests)
+
+
+def test_dropped_stream_aborts_every_choice(serve_fake: Any) -> None:
+    live = serve_fake(FakeEngine(step_delay=0.05), max_num_seqs=4, max_waiting_requests=0)
+    body = {"prompt": ["hi", "yo"], "n": 2, "max_tokens": 50, "stream": True}
+    with live.client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    # Closed after the first chunk: all four engine requests end and their places come back.
+    deadline = time.monotonic() + 10
+    while live.engine.active or len(live.engine.requests) < 4:
+        assert time.monotonic() < deadline, f"still running: {live.engine.active}"
+        time.sleep(0.05)
+    assert sorted(live.engine.aborted) == sorted(rid for rid, _, _, _ in live.engine.requests)
+    ok = live.client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+def test_a_failing_choice_fails_the_response(serve_fake: Any) -> None:
+    engine = FakeEngine()
+    engine.fail_with, engine.fail_after = RuntimeError("device lost"), 1
+    live = serve_fake(engine)
+    r = live.client.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 5})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert not engine.active

@@ -79,12 +79,12 @@ async def merged_updates(groups: list[list[Generation]]) -> AsyncIterator[tuple[
                     start(followers)
                     followers = []
                 queue.put_nowait((candidate, update))
-        except BaseException as exc:  # handed to the consumer, which raises it
+            start(followers)  # a leader that finished without an update still lets them run
+        except asyncio.CancelledError:  # the consumer stopped: followers never start
+            raise
+        except Exception as exc:  # handed to the consumer, which raises it and stops the rest
             queue.put_nowait((candidate, exc))
-        finally:
-            if followers:
-                start(followers)
-            queue.put_nowait((candidate, None))
+        queue.put_nowait((candidate, None))
 
     def start(members: list[tuple[int, Generation]], followers: list[tuple[int, Generation]] | None = None) -> None:
         for candidate, generation in members:
