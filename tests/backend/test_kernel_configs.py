@@ -11,9 +11,11 @@ paged_attention's subgroup split needs a subgroup of its lane count, which llvmp
 provides when its vector width is set (LP_NATIVE_VECTOR_WIDTH = 32 x lanes), in a child
 process since one process holds one device.
 
-Bounds (NMSE vs the float64 reference): matmul family 1e-11 (measured <= 7.5e-14 over
-the first 105 cases with >= 67 rows); norms, softmax and paged attention 1e-12; argmax and
-sample_top_k ids exact; f16 KV-cache rows 1e-6 (one f16 rounding).
+Bounds (NMSE vs the float64 reference), each ~10x the worst measured over every case here
+on llvmpipe: matmul family 1e-11 (measured 9.2e-13, rms_gated at K = 4192; plain matmul
+2.1e-13); f16 KV-cache rows 1e-7 (measured 1.1e-8: one f16 rounding of values whose f32
+inputs differ in the last bits); norms and softmax 3e-12 (measured 2.6e-13, rms_norm);
+paged attention 5e-13 (measured 5.4e-14); argmax and sample_top_k ids exact.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from vkrt.backend.vulkan.kernels import matmul as native
 
 REPO = Path(__file__).resolve().parents[2]
 MATMUL_NMSE = 1e-11
-ROW_NMSE = 1e-12
-ATTENTION_NMSE = 1e-12
+F16_CACHE_NMSE = 1e-7
+ROW_NMSE = 3e-12
+ATTENTION_NMSE = 5e-13
 EPS = 1e-5
 MATMUL_CASES = dc.matmul_cases()
 
@@ -135,7 +138,7 @@ def test_matmul_configuration(case: dc.MatmulCase, device_as: Any, rng: np.rando
         dispatches.seen.clear()
         drains = vk.counters.drains
         for what, got, want in _run_matmul_mode(vk, rng, case.mode, case.dtype, n, k, t):
-            bound = 1e-6 if case.mode == "qkv16" and what in ("k", "v") else MATMUL_NMSE
+            bound = F16_CACHE_NMSE if case.mode == "qkv16" and what in ("k", "v") else MATMUL_NMSE
             err = nmse(got, want)
             assert err <= bound, f"{case.id} N={n} K={k} T={t} {what}: NMSE {err:.3g}"
         assert vk.counters.drains == drains
