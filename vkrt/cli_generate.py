@@ -246,6 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser,
                        timeout_keep_alive=args.timeout_keep_alive,
                        timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
                        max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins)))
@@ -284,7 +285,7 @@ def register(sub: Any) -> None:
                    help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
     p.set_defaults(func=cmd_bench)
 
-    from vkrt.server.config import TOOL_CALL_PARSERS, ServerConfig
+    from vkrt.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(p, default_len="the model's")
@@ -311,6 +312,9 @@ def register(sub: Any) -> None:
                    help="time one chat-template rendering may take (then HTTP 400)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool-call syntax (default: picked from its chat template)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                   help="split <think>...</think> into reasoning_content: auto (when the chat template "
+                        "has the tags), think (always), none (never)")
     p.add_argument("--escape-special-tokens", action="store_true",
                    help="tokenise message content as text, so '<|im_end|>' typed by a user is not a control token")
     p.add_argument("--timeout-keep-alive", type=float, default=ServerConfig.timeout_keep_alive, metavar="SECONDS",

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from vkrt.server.generation import Generation, ServerState
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.protocol import ChatCompletionRequest
+from vkrt.server.reasoning import ReasoningSplitter, split_reasoning, starts_inside, template_thinks
 from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
 from vkrt.server.sampling import chat_prompt, check_request_text, check_unsupported
 from vkrt.server.tools import (
@@ -34,29 +35,36 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     # tool_choice "none": the model is not offered the tools at all, and nothing is parsed.
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     parser = None
+    template = engine.tokenizer.chat_template if engine.tokenizer else None
     if tools:
-        tokenizer = engine.tokenizer
-        parser = pick_parser(tokenizer.chat_template if tokenizer else None, state.config.tool_call_parser)
+        parser = pick_parser(template, state.config.tool_call_parser)
         if forced:
             body._tool_grammar = forcing_grammar(tools, forced, parser, body.parallel_tool_calls)
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
     generation = start_generation(state, raw, body, prompt_ids, prompt, "messages", "chatcmpl", arrival)
+    mode = state.config.reasoning_parser
+    thinks = mode == "think" or (mode == "auto" and template_thinks(template))
+    # None: no reasoning split; else whether the output starts inside an open thought.
+    inside = starts_inside(prompt) if thinks else None
     base: dict[str, Any] = {"id": generation.request_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base, parser), generation)
+        return event_stream(_stream(state, generation, body, base, parser, inside), generation)
 
     result = await generation.run(raw)
     logprobs = chat_logprobs(engine.tokenizer, result.logprobs) if result.logprobs is not None else None
-    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = result.finish_reason
-    calls = _tool_calls(result.text, parser, body.parallel_tool_calls)
+    calls = _tool_calls(text, parser, body.parallel_tool_calls)
     if calls is not None:
         message = {"role": "assistant", "content": calls[0] or None,
                    "tool_calls": [call.to_json() for call in calls[1]]}
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    if inside is not None:
+        message["reasoning_content"] = reasoning
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,
@@ -98,7 +106,7 @@ def _sendable(text: str, parser: str) -> int:
 
 
 async def _stream(state: ServerState, generation: Generation, body: ChatCompletionRequest,
-                  base: dict[str, Any], parser: str | None) -> AsyncIterator[bytes]:
+                  base: dict[str, Any], parser: str | None, inside: bool | None) -> AsyncIterator[bytes]:
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     continuous_usage = include_usage and options is not None and options.continuous_usage_stats
@@ -115,13 +123,21 @@ async def _stream(state: ServerState, generation: Generation, body: ChatCompleti
     # OpenAI sends the role first, alone, before any content.
     yield chunk({"role": "assistant", "content": ""}, None, None)
     text, sent = "", 0  # with tools: the output so far, and how much of it went out as content
+    splitter = ReasoningSplitter(inside) if inside is not None else None
     async for update in generation.updates():
         logprobs = chat_logprobs(tokenizer, update.logprobs) if update.logprobs is not None else None
+        piece = update.text
+        if splitter is not None:
+            reasoning, piece = splitter.feed(piece, final=update.finish_reason is not None)
+            if reasoning:
+                yield chunk({"reasoning_content": reasoning}, logprobs, None)
+                logprobs = None
         if parser is None:
-            delta = {"content": update.text} if update.text or update.finish_reason is None else {}
-            yield chunk(delta, logprobs, update.finish_reason)
+            delta = {"content": piece} if piece or (update.finish_reason is None and splitter is None) else {}
+            if delta or update.finish_reason is not None or logprobs is not None:
+                yield chunk(delta, logprobs, update.finish_reason)
             continue
-        text += update.text
+        text += piece
         if update.finish_reason is None:
             safe = max(sent, _sendable(text, parser))
             yield chunk({"content": text[sent:safe]}, logprobs, None)

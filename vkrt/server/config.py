@@ -16,6 +16,7 @@ PUBLIC_PATHS = frozenset({"/health", "/version"})
 
 # The syntaxes vkrt/server/tools.py parses (named here so the config does not import the server).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("auto", "think", "none")
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ServerConfig:
     chat_template_timeout: float = 2.0  # seconds one chat-template rendering may take
     escape_special_tokens: bool = False  # message content tokenised as text, never as control tokens
     tool_call_parser: str | None = None  # None: picked from the chat template (server/tools.py)
+    reasoning_parser: str = "auto"  # <think> split into reasoning_content: auto (by template), think, none
     cpu_workers: int = 2  # threads that tokenise and render templates off the event loop (niced)
     # Connection limits (uvicorn/h11 underneath).
     timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this
@@ -77,6 +79,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise VkrtError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise VkrtError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                            f"got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise VkrtError("the API key is empty; give a non-empty key or none")
         check_model_path(self.model)
