@@ -82,9 +82,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the message is only tool calls
+    tool_calls: list[ToolCall] | None = None  # when tools were offered and the model called
+    reasoning_content: str | None = None  # when the reasoning parser is on (null: no thought)
 
 
 class ChatChoice(BaseModel):
