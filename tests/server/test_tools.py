@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from tests.server.live_model import LiveModel, live_model
-from vkrt.server.tools import parse_tool_calls
+from vkrt.chat_template import ChatTemplate
+from vkrt.server.tools import ToolCall, parse_tool_calls, pick_parser, template_messages
 
 UNITS = ["celsius", "fahrenheit"]
 TOOLS: list[Any] = [
@@ -64,9 +65,7 @@ def test_parsers_read_each_syntax() -> None:
         assert parse_tool_calls(text, parser) == (text, [])
 
 
-def _call(name: str, arguments: dict[str, Any]) -> Any:
-    from vkrt.server.tools import ToolCall
-
+def _call(name: str, arguments: dict[str, Any]) -> ToolCall:
     return ToolCall(name, json.dumps(arguments))
 
 
@@ -141,3 +140,43 @@ def test_bad_tools_are_400(live: LiveModel, body: dict[str, Any], param: str) ->
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param, error
     assert client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2).choices[0].message.content
+
+
+# Qwen 2.5's handling of tools and tool calls, cut down to the parts under test.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% for tool_call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ tool_call.function.name }}\", "
+    "\"arguments\": {{ tool_call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+)
+
+
+def test_tools_and_history_reach_the_template() -> None:
+    """The template sees the tools, and a call's JSON-text arguments as an object, so the
+    rendered call is the syntax the model was trained on (not a quoted string)."""
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+    ]
+    text = ChatTemplate(QWEN_TOOLS_TEMPLATE).render(template_messages(history), tools=TOOLS,
+                                                    add_generation_prompt=False)
+    assert '"name": "get_weather", "description": "The current weather in a city"' in text
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+            '</tool_call>') in text
+    assert "<tool_response>\n21\n</tool_response>" in text
+
+
+def test_parser_picked_by_template_or_flag() -> None:
+    assert pick_parser(QWEN_TOOLS_TEMPLATE, None) == "hermes"
+    assert pick_parser("{{ '[TOOL_CALLS]' }}", None) == "mistral"
+    assert pick_parser("{{ '<|python_tag|>' }}{% if m.role == 'ipython' %}{% endif %}", None) == "llama3_json"
+    assert pick_parser("{{ messages }}", None) == "hermes"
+    assert pick_parser(QWEN_TOOLS_TEMPLATE, "mistral") == "mistral"
