@@ -16,12 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from vkrt.engine.guided import GuidedDecoding
+from vkrt.engine.guided import JSON_WHITESPACE, GuidedDecoding
 from vkrt.server.errors import APIError, shown
-
-# Whitespace between JSON tokens in a forced call: llama.cpp's json-schema-to-grammar `space`
-# rule. llguidance's default (any run) lets a small model fill max_tokens with newlines.
-JSON_WHITESPACE = r"(?:\x20|\n{1,2}[\x20\t]{0,20})?"
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -93,6 +89,7 @@ def _call_schema(tools: list[dict[str, Any]], forced: str, arguments_key: str) -
                          "properties": {"name": {"const": function["name"]},
                                         arguments_key: function.get("parameters", {"type": "object"})}})
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    # %json inside Lark takes llguidance's any-run whitespace unless told the engine's.
     return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
