@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate vkrt's golden fixtures with Hugging Face transformers (torch, CPU).
 
-This is the *independent reference* of the correctness ladder (DESIGN.md, rung 3):
+This is the *independent reference* of the correctness ladder (docs/ARCHITECTURE.md, rung 3):
 transformers computes logits and greedy continuations, the results are committed as
 small JSON / safetensors files under tests/fixtures/, and vkrt's tests compare against
 them without importing torch.

@@ -1,6 +1,6 @@
 // Memory-access paths, chosen per device at pipeline build (the ACCESS_* define).
 //   ACCESS_TEXEL: read-only operands are uniform texel buffers. On llvmpipe texelFetch
-//                 measured ~20x faster than storage-buffer loads (shared/LLVMPIPE_NOTES.md).
+//                 measured ~20x faster than storage-buffer loads (docs/ARCHITECTURE.md).
 //   ACCESS_SSBO:  read-only operands are storage buffers, which GPUs prefer.
 // Outputs are always storage buffers. IN_* declares a binding, LD_* loads element i.
 #ifdef ACCESS_TEXEL

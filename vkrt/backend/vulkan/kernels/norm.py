@@ -14,7 +14,7 @@ def row_workgroup(caps: Any) -> int:
 
     Must be a power of two (include/reduce.glsl's tree). On llvmpipe, whose workgroups each
     run on one CPU thread, 8 lanes (its SIMD width) measured fastest: 1 lane leaves the
-    vector unit idle, wider groups pay for barriers and shared memory (LLVMPIPE_NOTES.md).
+    vector unit idle, wider groups pay for barriers and shared memory (docs/ARCHITECTURE.md).
     GPUs take 256 lanes so one row fills several warps and the loads coalesce.
     """
     if caps.device_type == "cpu":
