@@ -13,6 +13,7 @@ import pytest
 from vkrt.backend import get_backend, vulkan_unavailable_reason
 from vkrt.backend.base import Backend
 from vkrt.errors import VkrtError
+from vkrt.ops import fusion
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -109,3 +110,22 @@ def gemma3_path() -> Path:
         return find_model("gemma-3-270m") or pull("gemma-3-270m", progress=False)
     except VkrtError as exc:
         missing("gemma-3-270m", exc)
+
+
+# Kernel-level tests call exactly the ops they name: the fusion layer's deferral and folding
+# are off in tests/ops and tests/backend unless a test is marked `fusion`, so a composition of
+# primitives really runs unfused and can be compared with the fused kernel it stands for.
+UNFUSED_TEST_DIRS = ("ops", "backend")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fusion: run with the fusion layer on (vkrt.ops.fusion)")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_tests_run_unfused(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.path.parent.name not in UNFUSED_TEST_DIRS or request.node.get_closest_marker("fusion"):
+        yield
+        return
+    with fusion.disabled():
+        yield

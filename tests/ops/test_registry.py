@@ -144,3 +144,12 @@ def test_native_kernels_are_counted_on_vulkan(vk_default: Backend) -> None:
     x = vk_default.upload(np.ones(5, np.float32))
     ops.add(x, x).numpy()
     assert vk_default.selections[key] == before + 1
+
+
+def test_kernel_tests_run_with_fusion_off() -> None:
+    """tests/conftest.py turns the fusion layer off here, so compositions of primitives in
+    these tests run unfused (a fused-vs-unfused comparison would otherwise compare a kernel
+    with itself)."""
+    from vkrt.ops import fusion
+
+    assert not fusion.enabled()
