@@ -25,6 +25,8 @@ from typing import Any
 from vkrt.backend.vulkan.device import DeviceCaps
 from vkrt.backend.vulkan.kernels import attention, norm, sample
 from vkrt.backend.vulkan.kernels import matmul as mm
+from vkrt.ops.formats import FLOAT_FORMATS
+from vkrt.ops.formats import FORMATS as WEIGHT_FORMATS
 
 DEVICE_TYPES = ("cpu", "discrete", "integrated", "virtual", "other")
 VENDORS = (0x10DE, 0x1002, 0x8086, 0x106B, 0x13B5, 0x5143, 0x10005)  # NVIDIA AMD Intel Apple ARM Qualcomm Mesa
@@ -88,8 +90,9 @@ def device_fields(caps: DeviceCaps, names: tuple[str, ...]) -> dict[str, Any]:
 MODES = ("matmul", "gated", "rms", "rms_gated", "add", "qkv", "qkv16")
 QKV_HEADS = (4, 2, 32)  # num_heads, num_kv_heads, head_dim: 256 stacked rows
 QKV_ROWS = (QKV_HEADS[0] + 2 * QKV_HEADS[1]) * QKV_HEADS[2]
-FLOATS = ("f32", "f16", "bf16")
-K_QUANTS = ("q4_k", "q6_k")
+FLOATS = FLOAT_FORMATS
+# Formats whose blocks are 256-value super-blocks (K-quants, IQ4_XS), from the registry.
+K_QUANTS = tuple(name for name, f in WEIGHT_FORMATS.items() if f.is_block and f.block_values == 256)
 # Shapes: rows around every power of two (the selection's row thresholds), K of 1..131
 # blocks (split-K's lanes are a power of two <= the blocks), token counts below, at and above
 # each token tile.
@@ -108,9 +111,8 @@ def grid_k(dtype: str) -> tuple[int, ...]:
 
 
 def weight_bytes(dtype: str, n: int, k: int) -> int:
-    per_value = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                 "q4_k": 144 / 256, "q6_k": 210 / 256}
-    return int(n * k * per_value.get(dtype, 4.0))
+    f = WEIGHT_FORMATS[dtype]
+    return int(n * k * f.block_bytes / f.block_values)
 
 
 def matmul_config(caps: Any, mode: str, dtype: str, n: int, k: int, t: int) -> mm.MatmulConfig:
