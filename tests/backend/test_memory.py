@@ -194,3 +194,24 @@ def test_reserved_bytes_return_to_zero_when_the_driver_rounds_up(vk_default: Any
     manager.free(small)
     manager.close()
     assert manager.reserved == 0
+
+
+def test_a_models_reserved_block_goes_back_when_its_tensors_do(vk_default: Any) -> None:
+    """Loading and dropping a model again and again must not grow the memory held: the
+    weights' exact-size block is destroyed once its last tensor is freed."""
+    from vkrt.backend.vulkan.memory import MemoryManager
+
+    physical, _ = vk_default.devices[vk_default.caps.index]
+    manager = MemoryManager(vk_default.vk, vk_default.device, physical, vk_default.caps, force_staging=False)
+    for _ in range(3):
+        manager.reserve("weights", 3 << 20)
+        held = manager.reserved
+        tensors = [manager.alloc(1 << 20, "weights") for _ in range(3)]
+        assert manager.reserved == held  # they packed into the reservation
+        for a in tensors:
+            manager.free(a)
+        assert manager.reserved == 0
+    scratch = manager.alloc(100, "activations")
+    manager.free(scratch)
+    assert manager.reserved > 0  # short-lived memory keeps its block for the next step
+    manager.close()

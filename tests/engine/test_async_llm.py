@@ -107,3 +107,21 @@ def test_background_load_reports_readiness() -> None:
         assert asyncio.run(collect(llm, "hi", GREEDY))[-1].finished
     finally:
         llm.shutdown()
+
+
+def test_shutdown_lets_the_model_go_while_the_caller_keeps_the_engine() -> None:
+    """A server's routes (and a web framework's caches of them) may outlive the server; the
+    weights and KV cache must not, or every reload in one process leaks device memory."""
+    import gc
+    import weakref
+
+    model = FakeLM()
+    gone = weakref.ref(model)
+    llm = AsyncLLM(model=model, tokenizer=byte_tokenizer(), max_model_len=64)
+    del model
+    assert asyncio.run(collect(llm, "hi", GREEDY))[-1].finished
+    llm.shutdown()
+    gc.collect()
+    assert gone() is None
+    with pytest.raises(Exception, match="shut down"):
+        llm.engine  # noqa: B018

@@ -69,6 +69,7 @@ class AsyncLLM:
         self.config = make_config(config, **kwargs)
         self.load_error: BaseException | None = None
         self._engine: EngineCore | None = None
+        self._shut_down = False
         self._streams: dict[str, _Stream] = {}
         self._adds: list[tuple[str, str | None, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
@@ -100,6 +101,8 @@ class AsyncLLM:
     @property
     def engine(self) -> EngineCore:
         if self._engine is None:
+            if self._shut_down:
+                raise VkrtError("the engine was shut down")
             raise VkrtError("the model is still loading" if self.load_error is None
                             else f"the model failed to load: {self.load_error}")
         return self._engine
@@ -239,6 +242,12 @@ class AsyncLLM:
                 if stream is not None:
                     stream.put(output)
         self._fail_all(VkrtError("the engine was shut down"))
+        # Drop the engine (and with it the model's weights and KV cache) now rather than when
+        # the last reference to this object goes: a web framework's caches may hold the routes
+        # that hold us long after the server has stopped.
+        with self._cond:
+            self._engine = None
+            self._shut_down = True
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._cond:

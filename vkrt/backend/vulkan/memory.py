@@ -216,6 +216,13 @@ class MemoryManager:
             else:
                 merged.append((offset, size))
         block.free = merged
+        if merged == [(0, block.size)] and a.purpose in ("weights", "kv"):
+            # A model or KV cache went away: give its memory back rather than keep an empty
+            # block that the next model's exact-size reservation would sit beside.
+            for pool in self._pools.values():
+                if block in pool:
+                    pool.remove(block)
+            self._destroy(block)
 
     def _destroy(self, block: Block) -> None:
         vk = self.vk
