@@ -191,6 +191,16 @@ def default_model(python: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def named_model(python: str, name: str) -> str:
+    """The GGUF of a model `vkrt pull` knows by name, resolved as `vkrt generate --model NAME` does."""
+    code = f"from vkrt.loader.pull import resolve_model; print(resolve_model({name!r})[0])"
+    proc = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"--model {name}: not a file and not a model vkrt can pull "
+                         f"(see `vkrt pull --list`)\n{proc.stderr.strip()[-800:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def check_peer_python(path: str) -> str:
     p = Path(path)
     if not p.is_absolute():
@@ -326,7 +336,8 @@ def markdown(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", help="GGUF file (default: vkrt's default model, SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--model", help="GGUF file or a pulled model name such as gemma-3-270m "
+                                    "(default: vkrt's default model, SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
@@ -349,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         peer_python = check_peer_python(args.peer_python) if want_peer else None
         model = args.model or default_model(args.vkrt_python)
+        if not Path(model).is_file() and not model.endswith(".gguf"):
+            model = named_model(args.vkrt_python, model)
         if not Path(model).is_file():
             raise BenchError(f"model file not found: {model}")
         model = str(Path(model).resolve())

@@ -1,0 +1,43 @@
+"""tools/kv_memory.py's table must say what the engine really allocates for a sequence."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from vkrt.engine.config import EngineConfig
+from vkrt.engine.kv_groups import size_kv_pools
+from vkrt.loader import load_model
+from vkrt.models.base import kv_groups
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kv_memory", REPO / "tools" / "kv_memory.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kv_memory"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma3", "tiny_llama"])
+@pytest.mark.parametrize("context", [16, 100, 512])
+def test_sequence_bytes_equal_the_engines_pools(fixture: str, context: int) -> None:
+    tool = _tool()
+    shape = tool.shape_of(str(REPO / "tests" / "fixtures" / fixture))
+    config = load_model(REPO / "tests" / "fixtures" / fixture).config
+    engine = EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, block_size=16)
+    kv = kv_groups(config)
+    per_block = [2 * len(g.layers) * engine.block_size * config.num_kv_heads * config.head_dim * 2 for g in kv]
+    pools = size_kv_pools(engine, kv, per_block, context)
+    want = sum(n * b for n, b in zip(pools, per_block, strict=True))
+    assert tool.sequence_bytes(shape, context, 2, engine) == want
+    if fixture == "tiny_gemma3" and context == 512:
+        assert want < tool.sequence_bytes(tool.KVShape("", shape.kv_heads, shape.head_dim,
+                                                       (0,) * len(shape.windows)), context, 2, engine)
