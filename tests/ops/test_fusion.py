@@ -69,6 +69,22 @@ def test_residual_add_joins_the_projection(vk_default: Backend, tensors: dict[st
     assert got.tobytes() == unfused(lambda: ops.add(ops.matmul(x, w), r).numpy()).tobytes()
 
 
+@pytest.mark.parametrize("branch_first", [True, False])
+def test_post_norm_joins_the_residual_add(vk_default: Backend, rng: np.random.Generator, branch_first: bool) -> None:
+    """Gemma's sandwich norms: add(rms_norm(out), h) is one rms_norm_add dispatch."""
+    out = vk_default.upload(rng.standard_normal((T, K)).astype(np.float32))
+    g = vk_default.upload((1 + 0.3 * rng.standard_normal(K)).astype(np.float32))
+    h = vk_default.upload(rng.standard_normal((T, K)).astype(np.float32))
+
+    def fn() -> np.ndarray:
+        y = ops.rms_norm(out, g, EPS)
+        return (ops.add(y, h) if branch_first else ops.add(h, y)).numpy()
+
+    got, ran, delta = ran_ops(vk_default, fn)
+    assert ran == {"rms_norm_add"} and delta["dispatches"] == 1
+    assert got.tobytes() == unfused(lambda: ops.add(ops.rms_norm(out, g, EPS), h).numpy()).tobytes()
+
+
 def test_gated_mlp_input_folds_norm_matmul_and_gate(vk_default: Backend, tensors: dict[str, Tensor]) -> None:
     x, g, w2 = tensors["x"], tensors["g"], tensors["w2"]
     got, ran, delta = ran_ops(vk_default, lambda: ops.silu_and_mul(ops.matmul(ops.rms_norm(x, g, EPS), w2)).numpy())

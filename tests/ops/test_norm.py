@@ -1,7 +1,8 @@
-"""Native rms_norm, add_rms_norm and layer_norm vs their numpy references, on both access paths.
+"""Native rms_norm, add_rms_norm, rms_norm_add and layer_norm vs their numpy references, on both access paths.
 
 Bound: NMSE <= 1e-10 (measured ~5e-15 on llvmpipe: f32 accumulation against a float64
-reference). The residual sum h of add_rms_norm is a plain f32 add, so it is bit-exact.
+reference). The residual sum h of add_rms_norm is a plain f32 add, so it is bit-exact, and
+rms_norm_add equals rms_norm then add bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _run(vk, op: str, a: dict[str, np.ndarray]):
     if op == "add_rms_norm":
         y, h = ops.add_rms_norm(up["x"], up["r"], up["w"], EPS)
         return y.numpy(), h.numpy()
+    if op == "rms_norm_add":
+        return ops.rms_norm_add(up["x"], up["w"], up["r"], EPS).numpy()
     return ops.layer_norm(up["x"], up["w"], up["b"], EPS).numpy()
 
 
@@ -40,11 +43,13 @@ def _reference(op: str, a: dict[str, np.ndarray]):
         return ops.OPS[op].reference(a["x"], a["w"], EPS)
     if op == "add_rms_norm":
         return ops.OPS[op].reference(a["x"], a["r"], a["w"], EPS)
+    if op == "rms_norm_add":
+        return ops.OPS[op].reference(a["x"], a["w"], a["r"], EPS)
     return ops.OPS[op].reference(a["x"], a["w"], a["b"], EPS)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "layer_norm"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "rms_norm_add", "layer_norm"])
 def test_norm_matches_reference(vk, rng, op: str, shape: tuple[int, int]) -> None:
     a = _inputs(rng, *shape)
     drains = vk.counters.drains
@@ -58,7 +63,7 @@ def test_norm_matches_reference(vk, rng, op: str, shape: tuple[int, int]) -> Non
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
-@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "layer_norm"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "rms_norm_add", "layer_norm"])
 def test_norm_is_batch_invariant(vk, rng, op: str, rows: int) -> None:
     """Row t of a T-row call is bit-identical to a 1-row call of that row (invariant 9)."""
     a = _inputs(rng, rows, 576)
@@ -81,3 +86,12 @@ def test_norm_rejects_bad_shapes(vk) -> None:
     with pytest.raises(VkrtError, match="layer_norm"):
         ops.layer_norm(vk.upload(np.zeros((2, 8), np.float16)), vk.upload(np.zeros(8, np.float32)),
                        vk.upload(np.zeros(8, np.float32)), EPS)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_rms_norm_add_is_rms_norm_then_add_bit_for_bit(vk, rng, shape: tuple[int, int]) -> None:
+    """The fusion of add(rms_norm(x), r) may replace the pair only if it changes no bit."""
+    a = _inputs(rng, *shape)
+    up = {k: vk.upload(v) for k, v in a.items()}
+    composed = ops.add(ops.rms_norm(up["x"], up["w"], EPS), up["r"]).numpy()
+    np.testing.assert_array_equal(_run(vk, "rms_norm_add", a), composed)

@@ -49,6 +49,11 @@ def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Te
     return dispatch("add_rms_norm", x, residual, w, eps=float(eps))
 
 
+def rms_norm_add(x: Tensor, w: Tensor, residual: Tensor, eps: float) -> Tensor:
+    """residual + rms_norm(x, w) in one dispatch (what add(rms_norm(x, w), residual) fuses to)."""
+    return dispatch("rms_norm_add", x, w, residual, eps=float(eps))
+
+
 def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
     return dispatch("layer_norm", x, w, b, eps=float(eps))
 
@@ -189,6 +194,6 @@ __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
     "layer_norm", "matmul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_router", "mul", "op_names", "paged_attention",
-    "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rope",
+    "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rope",
     "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
 ]

@@ -8,6 +8,7 @@ one fused op, if the backend has a kernel for that call:
     silu_and_mul(matmul(x, w))                -> matmul_silu_and_mul(x, w)
     silu_and_mul(rms_norm_matmul(x, g, w))    -> rms_norm_matmul(x, g, w, gated=True)
     add(matmul(x, w), r)  (either order)      -> matmul_add(x, w, r)
+    add(rms_norm(x, g), r)  (either order)    -> rms_norm_add(x, g, r)
     qkv_rope_kv_write(rms_norm_matmul(...))   -> rms_norm_qkv_rope_kv_write(...)
 
 Anything else that touches a pending tensor's storage (another op, a read, a write) runs
@@ -125,6 +126,10 @@ def _fold_add(a: Tensor, b: Tensor) -> Call | None:
         mm = _producer(branch, "matmul")
         if mm is not None and residual.shape == branch.shape and residual.dtype == "f32":
             return "matmul_add", (*mm.inputs, residual), {}
+    for branch, residual in ((a, b), (b, a)):
+        norm = _producer(branch, "rms_norm")
+        if norm is not None and residual.shape == branch.shape and residual.dtype == "f32":
+            return "rms_norm_add", (*norm.inputs, residual), dict(norm.params)
     return None
 
 

@@ -45,6 +45,21 @@ def add_rms_norm(
     return rms_norm(h, w, eps), h
 
 
+def _rms_norm_add_infer(
+    x: TensorSpec, w: TensorSpec, residual: TensorSpec, eps: float
+) -> tuple[TensorSpec, ...]:
+    _check_rows("rms_norm_add", x, w)
+    require(residual == x, "rms_norm_add", (x, w, residual), "residual must match x")
+    return (x,)
+
+
+@register_op("rms_norm_add", _rms_norm_add_infer)
+def rms_norm_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray, eps: float) -> np.ndarray:
+    """residual + rms_norm(x) * w: a post-norm block's residual step (Gemma's sandwich norms),
+    the fusion of add(rms_norm(x, w), residual); equal to that composition bit for bit."""
+    return (residual + rms_norm(x, w, eps)).astype(np.float32)
+
+
 def _layer_norm_infer(
     x: TensorSpec, w: TensorSpec, b: TensorSpec, eps: float
 ) -> tuple[TensorSpec, ...]:

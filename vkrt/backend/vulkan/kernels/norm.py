@@ -1,4 +1,4 @@
-"""rms_norm, add_rms_norm, layer_norm: shaders/norm.comp, one row per workgroup."""
+"""rms_norm, add_rms_norm, rms_norm_add, layer_norm: shaders/norm.comp, one row per workgroup."""
 
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def _add_rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, An
     return (y, h)
 
 
+def _rms_norm_add(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, w, residual = inputs
+    rows, dim = x.shape
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "norm", "rms_add"),
+                       [(x, "f32", False), (w, "f32", False), (residual, "f32", False), (y, "f32", True)],
+                       _row_grid(rows), ("<IIf", (rows, dim, params["eps"])),
+                       {0: row_workgroup(backend.caps)})
+    return (y,)
+
+
 def _layer_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                 out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, b = inputs
@@ -68,4 +80,5 @@ def _layer_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
 def register(backend: Any) -> None:
     backend.register_kernel(Kernel("rms_norm", "norm.rms", _rms_norm))
     backend.register_kernel(Kernel("add_rms_norm", "norm.add_rms", _add_rms_norm))
+    backend.register_kernel(Kernel("rms_norm_add", "norm.rms_add", _rms_norm_add))
     backend.register_kernel(Kernel("layer_norm", "norm.layer", _layer_norm))
