@@ -27,6 +27,12 @@ MAX_HEAD_DIM = 256
 
 
 NVIDIA = 0x10DE
+# The widest subgroup a CPU device's compute shader really has. llvmpipe reports
+# subgroupSize = vector width / 32 (32 at LP_NATIVE_VECTOR_WIDTH=1024) but compiles compute
+# shaders min(vector width / 32, 16) lanes wide, so a 32-invocation workgroup there is two
+# 16-lane subgroups (gl_NumSubgroups 2, subgroupAdd(1.0) = 16) and a subgroup merge over 32
+# lanes silently drops half of them.
+CPU_MAX_LANES = 16
 
 
 def paged_split(caps: Any) -> tuple[str, int]:
@@ -34,12 +40,13 @@ def paged_split(caps: Any) -> tuple[str, int]:
 
     ("sub", subgroup size) where compute shaders have subgroup arithmetic and a workgroup of
     `subgroup_size` invocations is sure to be one subgroup: CPU devices (llvmpipe: 8 lanes,
-    its SIMD width; a decode step's heads become many small tasks for the CPU threads) and
-    NVIDIA (always 32). Drivers that pick a subgroup size per shader (Intel, AMD wave32/64)
-    could split such a workgroup, so they get ("seq", 8): one invocation per (token, head).
+    its SIMD width; a decode step's heads become many small tasks for the CPU threads; at
+    most CPU_MAX_LANES) and NVIDIA (always 32). Drivers that pick a subgroup size per shader
+    (Intel, AMD wave32/64) could split such a workgroup, so they get ("seq", 8): one
+    invocation per (token, head).
     """
-    size = caps.subgroup_size
     fixed = caps.device_type == "cpu" or caps.vendor_id == NVIDIA
+    size = min(caps.subgroup_size, CPU_MAX_LANES) if caps.device_type == "cpu" else caps.subgroup_size
     if fixed and "arithmetic" in caps.subgroup_ops and 4 <= size <= 128 and size & (size - 1) == 0:
         return "sub", size
     return "seq", ATTENTION_WORKGROUP
