@@ -251,3 +251,60 @@ def test_host_sampler_draws_only_allowed_tokens(rng: np.random.Generator) -> Non
         out = Sampler().sample(logits, requests, masks)
         assert all(allowed[i, t] for i, t in enumerate(out.token_ids))
         assert out.token_ids[0] == [5, 300, 999][int(np.argmax(logits[0, [5, 300, 999]]))]
+
+
+def test_compiled_grammars_are_cached_per_spec(smollm2_path: Path) -> None:
+    """A spec seen before is not compiled again (key order of a schema does not matter), each
+    request still gets its own matcher state, and a bad spec fails the same way every time."""
+    from vkrt.engine.guided import GrammarCompiler
+    from vkrt.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_path)
+    compiler = GrammarCompiler(tokenizer, 49152, tokenizer.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    first = compiler.compile(GuidedDecoding("json", schema))
+    reordered = {"properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "type": "object"}
+    second = compiler.compile(GuidedDecoding("json", reordered))
+    assert compiler.num_compiled == 1
+    compiler.check(GuidedDecoding("json", schema, strict=False))
+    assert compiler.num_compiled == 2  # strictness changes the grammar
+    # Independent states: advancing one guide leaves the other at the start.
+    [brace] = tokenizer.encode("{", add_special_tokens=False)
+    assert first.advance(brace)
+    fresh, advanced = np.zeros(compiler.words, np.uint32), np.zeros(compiler.words, np.uint32)
+    second.fill_mask(fresh)
+    first.fill_mask(advanced)
+    assert not np.array_equal(fresh, advanced)
+    assert fresh[brace // 32] >> (brace % 32) & 1
+    bad = GuidedDecoding("json", {"type": "string", "minLength": 5, "maxLength": 2})
+    messages = []
+    for _ in range(2):
+        with pytest.raises(RequestError) as caught:
+            compiler.compile(bad)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1] and "minLength" in messages[0]
+    assert compiler.num_compiled == 3
+
+
+def test_structural_tag_constrains_only_what_follows_a_trigger(smollm2_path: Path) -> None:
+    """vLLM's structural tag: free text, but once a structure's begin is written its JSON must
+    be valid for the schema and end with the structure's end."""
+    from vkrt.engine.guided import GrammarCompiler
+    from vkrt.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_path)
+    compiler = GrammarCompiler(tokenizer, 49152, tokenizer.eos_token_ids)
+    tag = {"triggers": ["<function="], "structures": [{
+        "begin": "<function=get_weather>", "end": "</function>",
+        "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]}
+
+    def accepts(text: str) -> bool:
+        guide = compiler.compile(GuidedDecoding("structural_tag", tag))
+        return all(guide.advance(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts("Any text at all, even {braces}.")
+    assert accepts('Sure. <function=get_weather>{"city": "Paris"}</function> Done.')
+    assert not accepts('Sure. <function=get_weather>{"town": 1}')
+    assert not accepts("<function=get_time>{}")
+    with pytest.raises(RequestError, match="starts with none of the triggers"):
+        compiler.check(GuidedDecoding("structural_tag", {**tag, "triggers": ["<tool"]}))

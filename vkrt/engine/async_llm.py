@@ -142,9 +142,9 @@ class AsyncLLM:
         self.engine.validate_prompt(prompt_token_ids)
         params.validate(self.engine.vocab_size, self.engine.max_model_len)
         if params.guided_decoding is not None:
-            # Compiled here too so that a bad grammar fails the request before a stream starts;
-            # add_request compiles its own matcher (milliseconds for a schema).
-            self.engine.grammars.compile(params.guided_decoding)
+            # Compiled here so that a bad grammar fails the request before a stream starts (call
+            # this off the event loop for a new schema); add_request then copies the cached matcher.
+            self.engine.grammars.check(params.guided_decoding)
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                        *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
