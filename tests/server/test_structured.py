@@ -185,6 +185,9 @@ def test_regex_choice_grammar_over_seeds(live: LiveModel) -> None:
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": {"type": "x"}}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": '{"structures": [{"begin": "<f>", "end": "</f>"}], '
+                                               '"triggers": ["<g"]}'}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "response_format"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"grammar": "root ::= undefined_rule"}, "grammar"),
     ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "grammar"),

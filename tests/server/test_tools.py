@@ -80,19 +80,8 @@ def test_required_round_trip_streamed_and_named(live: LiveModel) -> None:
                                                      max_tokens=80, temperature=0.8, **kwargs)).choices[0]
 
     async def streamed(**kwargs: Any) -> tuple[dict[int, dict[str, str]], str | None, str]:
-        calls: dict[int, dict[str, str]] = {}
-        finish, content = None, ""
-        async for chunk in await client.chat.completions.create(
-                model="smollm2", messages=MESSAGES, tools=TOOLS, max_tokens=80, temperature=0.8, stream=True,
-                **kwargs):
-            choice = chunk.choices[0]
-            content += choice.delta.content or ""
-            for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
-        return calls, finish, content
+        calls, finish, content = await _streamed_calls(client, max_tokens=80, temperature=0.8, **kwargs)
+        return calls[0], finish[0], content[0]
 
     async def run() -> list[Any]:
         return await asyncio.gather(
@@ -109,7 +98,10 @@ def test_required_round_trip_streamed_and_named(live: LiveModel) -> None:
     assert tool_call.type == "function" and tool_call.id
     assert _valid_arguments(tool_call.function.name, tool_call.function.arguments)
     assert stream_finish == "tool_calls" and stream_content == ""
-    assert stream_calls == {0: {"name": tool_call.function.name, "arguments": tool_call.function.arguments}}
+    assert stream_calls == {0: {"name": tool_call.function.name, "arguments": tool_call.function.arguments,
+                                "fragments": stream_calls[0]["fragments"]}}
+    # The arguments came as they were generated, not in one piece at the end.
+    assert int(stream_calls[0]["fragments"]) > 1
     assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
     assert _valid_arguments("get_time", named.message.tool_calls[0].function.arguments)
     # Parallel calls: the grammar allows more after each; every complete one is valid.
@@ -122,6 +114,74 @@ def test_required_round_trip_streamed_and_named(live: LiveModel) -> None:
         model="smollm2", messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, seed=14))
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+async def _streamed_calls(client: openai.AsyncOpenAI, **kwargs: Any) -> tuple[
+        dict[int, dict[int, dict[str, str]]], dict[int, str | None], dict[int, str]]:
+    """Per choice index: the tool calls reassembled from the deltas (with how many argument
+    fragments each came in), the finish reason and the content."""
+    calls: dict[int, dict[int, dict[str, str]]] = {}
+    finish: dict[int, str | None] = {}
+    content: dict[int, str] = {}
+    async for chunk in await client.chat.completions.create(model="smollm2", messages=MESSAGES, tools=TOOLS,
+                                                            stream=True, **kwargs):
+        for choice in chunk.choices:
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(choice.index, {}).setdefault(
+                    delta.index, {"name": "", "arguments": "", "fragments": "0"})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+                if delta.function.arguments:
+                    entry["fragments"] = str(int(entry["fragments"]) + 1)
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    return calls, finish, content
+
+
+def test_chat_n_choices_reproducible_streamed_and_each_called(live: LiveModel) -> None:
+    """n=3 gives three choices, the same again for the same seed, choice k sampling with seed + k,
+    streamed as non-streamed; with a forced tool call each choice holds its own valid call."""
+    client = _client(live)
+    sampled: dict[str, Any] = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 10, "temperature": 1.0}
+
+    async def stream_texts(**kwargs: Any) -> dict[int, str]:
+        texts: dict[int, str] = {}
+        async for chunk in await client.chat.completions.create(stream=True, **sampled, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        return texts
+
+    forced: dict[str, Any] = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80,
+                              "temperature": 0.8, "n": 2, "seed": 23}
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            client.chat.completions.create(n=3, seed=21, logprobs=True, **sampled),
+            client.chat.completions.create(n=3, seed=21, logprobs=True, **sampled),
+            client.chat.completions.create(seed=22, **sampled),
+            stream_texts(n=3, seed=21),
+            client.chat.completions.create(model="smollm2", messages=MESSAGES, tools=TOOLS, **forced),
+            _streamed_calls(client, **forced),
+        )
+
+    n3, n3_again, seed22, streamed, called, (stream_calls, stream_finish, _) = asyncio.run(run())
+    texts = [c.message.content for c in n3.choices]
+    assert [c.index for c in n3.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in n3_again.choices]
+    assert texts[1] == seed22.choices[0].message.content
+    assert len(set(texts)) > 1  # the seeds differ, so do the samples
+    assert streamed == dict(enumerate(texts))
+    assert n3.usage.prompt_tokens == seed22.usage.prompt_tokens  # the prompt counts once
+    assert n3.usage.completion_tokens == sum(len(c.logprobs.content) for c in n3.choices)
+
+    assert [c.index for c in called.choices] == [0, 1]
+    for choice in called.choices:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        assert _valid_arguments(call.function.name, call.function.arguments)
+        assert stream_finish[choice.index] == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in stream_calls[choice.index].values()] == [
+            (call.function.name, call.function.arguments)]
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -1,28 +1,44 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, then generated."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, then generated.
+
+With `n` > 1 every choice is its own engine request (vkrt/server/choices.py: per-choice
+seeds, the prompt's KV blocks shared through the prefix cache); each choice's output is split
+into reasoning, content and tool calls on its own, streamed or not.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vkrt.server.generation import Generation, ServerState
+from vkrt.server.choices import CandidateSet, merged_updates, run_all, start_candidates
+from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
+from vkrt.server.middleware import request_id_of
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.reasoning import ReasoningSplitter, split_reasoning, starts_inside, template_thinks
-from vkrt.server.responses import check_model, event_stream, now_s, sse, start_generation, usage
-from vkrt.server.sampling import chat_prompt, check_request_text, check_unsupported
+from vkrt.server.responses import (
+    check_model,
+    combined_usage,
+    event_stream,
+    log_request,
+    new_response_id,
+    now_s,
+    sse,
+)
+from vkrt.server.sampling import chat_prompt, check_request_text, check_unsupported, sampling_params
 from vkrt.server.tools import (
     ToolCall,
-    call_opener,
+    ToolCallStream,
     check_tools,
     forcing_grammar,
     parse_tool_calls,
     pick_parser,
 )
+from vkrt.tokenizer import Tokenizer
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -43,18 +59,32 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
-    generation = start_generation(state, raw, body, prompt_ids, prompt, "messages", "chatcmpl", arrival)
+    # Off the loop too: a constrained request compiles its grammar here (a big schema takes long).
+    params = await state.run_cpu(sampling_params, engine, body, prompt_ids, "messages")
+    response_id = new_response_id("chatcmpl")
+    candidates = start_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n, arrival)
+    log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
     mode = state.config.reasoning_parser
     thinks = mode == "think" or (mode == "auto" and template_thinks(template))
     # None: no reasoning split; else whether the output starts inside an open thought.
     inside = starts_inside(prompt) if thinks else None
-    base: dict[str, Any] = {"id": generation.request_id, "created": now_s(), "model": state.model_name}
+    base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, generation, body, base, parser, inside), generation)
+        return event_stream(_stream(state, candidates, body, base, parser, inside), candidates)
 
-    result = await generation.run(raw)
-    logprobs = chat_logprobs(engine.tokenizer, result.logprobs) if result.logprobs is not None else None
+    [results] = await run_all(candidates.groups, raw)
+    choices = [_choice(engine.tokenizer, body, index, result, parser, inside) for index, result in enumerate(results)]
+    response: dict[str, Any] = {**base, "object": "chat.completion", "choices": choices,
+                                "usage": combined_usage([results]), "system_fingerprint": None}
+    if results[0].prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, results[0].prompt_logprobs)
+    return JSONResponse(response)
+
+
+def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
+            parser: str | None, inside: bool | None) -> dict[str, Any]:
+    logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
     reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = result.finish_reason
@@ -65,18 +95,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     if inside is not None:
         message["reasoning_content"] = reasoning
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": message,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": result.stop_reason,
-    }
-    response: dict[str, Any] = {**base, "object": "chat.completion", "choices": [choice],
-                                "usage": usage(result), "system_fingerprint": None}
-    if result.prompt_logprobs is not None:
-        response["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, result.prompt_logprobs)
-    return JSONResponse(response)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": result.stop_reason}
 
 
 def _tool_calls(text: str, parser: str | None, parallel: bool) -> tuple[str, list[ToolCall]] | None:
@@ -89,71 +109,69 @@ def _tool_calls(text: str, parser: str | None, parallel: bool) -> tuple[str, lis
     return content, calls if parallel else calls[:1]
 
 
-def _sendable(text: str, parser: str) -> int:
-    """How much of the output so far is surely content: everything before a tool call's
-    opener, less any tail that may be the opener's beginning."""
-    if parser == "llama3_json":  # a call is the whole output, a JSON object
-        stripped = text.lstrip()
-        return len(text) if stripped and not stripped.startswith("{") else 0
-    opener = call_opener(parser)
-    cut = text.find(opener)
-    if cut >= 0:
-        return cut
-    for k in range(min(len(opener) - 1, len(text)), 0, -1):
-        if text.endswith(opener[:k]):
-            return len(text) - k
-    return len(text)
+Delta = tuple[dict[str, Any], Any, str | None]  # (delta, logprobs, finish_reason) of one chunk
 
 
-async def _stream(state: ServerState, generation: Generation, body: ChatCompletionRequest,
+class _ChoiceStream:
+    """One choice's stream: its updates turned into deltas of reasoning, content and tool calls."""
+
+    def __init__(self, tokenizer: Tokenizer | None, parser: str | None, parallel: bool,
+                 inside: bool | None) -> None:
+        self.tokenizer = tokenizer
+        self.splitter = ReasoningSplitter(inside) if inside is not None else None
+        self.calls = ToolCallStream(parser, parallel) if parser is not None else None
+
+    def deltas(self, update: Update) -> Iterator[Delta]:
+        logprobs = chat_logprobs(self.tokenizer, update.logprobs) if update.logprobs is not None else None
+        final = update.finish_reason is not None
+        piece = update.text
+        if self.splitter is not None:
+            reasoning, piece = self.splitter.feed(piece, final=final)
+            if reasoning:
+                yield {"reasoning_content": reasoning}, logprobs, None
+                logprobs = None
+        if self.calls is None:
+            delta = {"content": piece} if piece or (not final and self.splitter is None) else {}
+            if delta or final or logprobs is not None:
+                yield delta, logprobs, update.finish_reason
+            return
+        content, call_deltas = self.calls.feed(piece, final)
+        if content or (logprobs is not None and not call_deltas):
+            yield {"content": content}, logprobs, None
+            logprobs = None
+        if call_deltas:
+            yield {"tool_calls": call_deltas}, logprobs, None
+        if final:
+            called = self.calls.found_calls and update.finish_reason == "stop"
+            yield {}, None, "tool_calls" if called else update.finish_reason
+
+
+async def _stream(state: ServerState, candidates: CandidateSet, body: ChatCompletionRequest,
                   base: dict[str, Any], parser: str | None, inside: bool | None) -> AsyncIterator[bytes]:
+    """Chunks of every choice as they come, each with its index."""
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     continuous_usage = include_usage and options is not None and options.continuous_usage_stats
     tokenizer = state.require_engine().tokenizer
     chunk_base = {**base, "object": "chat.completion.chunk"}
+    [generations] = candidates.groups
 
-    def chunk(delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> bytes:
-        payload = {**chunk_base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+    def current_usage() -> dict[str, Any]:
+        return combined_usage([[generation.result for generation in generations]])
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> bytes:
+        payload = {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                               "finish_reason": finish_reason}]}
         if include_usage:
-            payload["usage"] = usage(generation.result) if continuous_usage else None
+            payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    # OpenAI sends the role first, alone, before any content.
-    yield chunk({"role": "assistant", "content": ""}, None, None)
-    text, sent = "", 0  # with tools: the output so far, and how much of it went out as content
-    splitter = ReasoningSplitter(inside) if inside is not None else None
-    async for update in generation.updates():
-        logprobs = chat_logprobs(tokenizer, update.logprobs) if update.logprobs is not None else None
-        piece = update.text
-        if splitter is not None:
-            reasoning, piece = splitter.feed(piece, final=update.finish_reason is not None)
-            if reasoning:
-                yield chunk({"reasoning_content": reasoning}, logprobs, None)
-                logprobs = None
-        if parser is None:
-            delta = {"content": piece} if piece or (update.finish_reason is None and splitter is None) else {}
-            if delta or update.finish_reason is not None or logprobs is not None:
-                yield chunk(delta, logprobs, update.finish_reason)
-            continue
-        text += piece
-        if update.finish_reason is None:
-            safe = max(sent, _sendable(text, parser))
-            yield chunk({"content": text[sent:safe]}, logprobs, None)
-            sent = safe
-            continue
-        calls = _tool_calls(text, parser, body.parallel_tool_calls)
-        if calls is None:
-            yield chunk({"content": text[sent:]} if text[sent:] else {}, logprobs, update.finish_reason)
-            continue
-        content, found = calls
-        if content[sent:]:
-            yield chunk({"content": content[sent:]}, logprobs, None)
-            logprobs = None
-        for i, call in enumerate(found):
-            yield chunk({"tool_calls": [call.to_json(i)]}, logprobs, None)
-            logprobs = None
-        yield chunk({}, None, "tool_calls" if update.finish_reason == "stop" else update.finish_reason)
+    streams = [_ChoiceStream(tokenizer, parser, body.parallel_tool_calls, inside) for _ in generations]
+    # OpenAI sends each choice's role first, alone, before any content.
+    for index in range(len(streams)):
+        yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+    async for index, update in merged_updates(candidates.groups):
+        for delta, logprobs, finish_reason in streams[index].deltas(update):
+            yield chunk(index, delta, logprobs, finish_reason)
     if include_usage:
-        yield sse({**chunk_base, "choices": [], "usage": usage(generation.result)})
+        yield sse({**chunk_base, "choices": [], "usage": current_usage()})

@@ -54,7 +54,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_unsupported(body)
     check_request_text(body, state.config.max_prompt_chars)
     prompts = await state.run_cpu(completion_prompts, engine, body, state.config.max_prompt_chars)
-    params = [_candidate_params(engine, body, ids) for ids, _ in prompts]
+    # Off the loop: a constrained request compiles its grammar here (a big schema takes long).
+    params = await state.run_cpu(lambda: [_candidate_params(engine, body, ids) for ids, _ in prompts])
     echo_texts = [_echo_text(engine, ids, text) if body.echo else "" for ids, text in prompts]
     response_id = new_response_id("cmpl")
     per_prompt = body.best_of or body.n

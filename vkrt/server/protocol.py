@@ -33,6 +33,10 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's type "structural_tag"
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: Any = None  # xgrammar's newer structural tag form, refused with a 400
 
 
 class StructuredOutputs(_Body):
@@ -43,7 +47,7 @@ class StructuredOutputs(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: Any = None
+    structural_tag: dict[str, Any] | str | None = None  # vLLM sends its JSON text
 
 
 class SamplingFields(_Body):

@@ -10,15 +10,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
-from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from vkrt.engine.config import SamplingParams
 from vkrt.server.errors import APIError, error_body, shown
-from vkrt.server.generation import Generation, Result, ServerState
-from vkrt.server.middleware import request_id_of
-from vkrt.server.protocol import SamplingFields
-from vkrt.server.sampling import sampling_params
+from vkrt.server.generation import Result, ServerState
 
 log = logging.getLogger("vkrt.server")
 
@@ -31,10 +27,6 @@ def new_response_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
-
-
-def usage(result: Result) -> dict[str, Any]:
-    return combined_usage([[result]])
 
 
 def combined_usage(groups: list[list[Result]]) -> dict[str, Any]:
@@ -107,13 +99,3 @@ def log_request(state: ServerState, response_id: str, header_id: str, prompt: st
     shown_ids = prompt_ids if limit is None else prompt_ids[:limit]
     log.info("request %s (x-request-id %s): prompt=%r, prompt_token_ids=%s (%d), params=%s",
              response_id, header_id, shown_prompt, shown_ids, len(prompt_ids), params)
-
-
-def start_generation(state: ServerState, raw: Request, body: SamplingFields, prompt_ids: list[int],
-                     prompt_text: str | None, prompt_param: str, id_prefix: str, arrival: float) -> Generation:
-    """Map the sampling fields, admit the request (429 when full), log, and set up the engine request."""
-    params = sampling_params(state.require_engine(), body, prompt_ids, prompt_param)
-    response_id = new_response_id(id_prefix)
-    generation = Generation(state, response_id, prompt_ids, params, arrival, prompt_text)
-    log_request(state, response_id, request_id_of(raw.state), prompt_text, prompt_ids, params)
-    return generation

@@ -42,9 +42,9 @@ def check_unsupported(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options", "only allowed when stream=true")
     fmt = body.response_format
-    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
-        raise _bad("response_format", f"unknown type {shown(fmt.type)}; use 'text', 'json_object' or "
-                   "'json_schema'")
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise _bad("response_format", f"unknown type {shown(fmt.type)}; use 'text', 'json_object', "
+                   "'json_schema' or 'structural_tag'")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise _bad("suffix", "not supported: vkrt has no fill-in-the-middle; put the text in the prompt")
@@ -53,8 +53,6 @@ def check_unsupported(body: SamplingFields) -> None:
         if body.stream and body.best_of is not None and body.best_of > body.n:
             raise _bad("best_of", "cannot stream when best_of > n: the best are known only at the end")
     if isinstance(body, ChatCompletionRequest):
-        if body.n != 1:
-            raise _bad("n", f"only n=1 is supported on chat completions, got {body.n}; /v1/completions takes n")
         if body.top_logprobs is not None and not body.logprobs:
             raise _bad("top_logprobs", "requires logprobs=true")
 
@@ -276,9 +274,9 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
 
 
 def _structured_outputs(options: StructuredOutputs) -> GuidedDecoding:
-    if options.structural_tag is not None:
-        raise _bad("structured_outputs", "structural_tag is not supported; use json, regex, choice or grammar")
     given: list[GuidedDecoding] = []
+    if options.structural_tag is not None:
+        given.append(GuidedDecoding("structural_tag", options.structural_tag))
     if options.json_ is not None:
         given.append(GuidedDecoding("json", options.json_))
     if options.regex is not None:
@@ -290,8 +288,8 @@ def _structured_outputs(options: StructuredOutputs) -> GuidedDecoding:
     if options.json_object:
         given.append(GuidedDecoding("json_object"))
     if len(given) != 1:
-        raise _bad("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object "
-                   f"({len(given)} given)")
+        raise _bad("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object, "
+                   f"structural_tag ({len(given)} given)")
     return given[0]
 
 
@@ -307,6 +305,10 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
         # OpenAI's strict=false asks for best effort; vkrt then ignores schema keywords llguidance
         # does not implement instead of refusing them. The output always follows the rest.
         found.append((GuidedDecoding("json", fmt.json_schema.schema_, strict=fmt.json_schema.strict is not False),
+                      "response_format"))
+    elif fmt is not None and fmt.type == "structural_tag":
+        tag: dict[str, Any] = {"structures": fmt.structures, "triggers": fmt.triggers}
+        found.append((GuidedDecoding("structural_tag", tag if fmt.format is None else {"format": fmt.format}),
                       "response_format"))
     if body.structured_outputs is not None:
         found.append((_structured_outputs(body.structured_outputs), "structured_outputs"))

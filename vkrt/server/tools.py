@@ -6,6 +6,8 @@ Each parser knows one model family's call syntax: "hermes" (Hermes, Qwen 2.5/3:
 a bare `{"name": ..., "parameters": {...}}`), "mistral" (`[TOOL_CALLS][{"name": ...,
 "arguments": {...}}]`). The forcing grammar writes the same syntax, so a forced call always
 parses.
+A call's `arguments` is the model's own JSON text of the arguments value (not re-encoded), so
+the argument fragments streamed as they are generated join to exactly the non-streamed text.
 """
 
 from __future__ import annotations
@@ -127,11 +129,14 @@ def call_opener(parser: str) -> str:
     return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
 
 
-def _call(obj: Any, arguments_key: str) -> ToolCall | None:
+def _call(obj: Any, raw: str, arguments_key: str) -> ToolCall | None:
+    """The call in `obj` (the JSON object decoded from `raw`), its arguments as `raw` writes them."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    span = scan_call(raw, 0, arguments_key)
+    if span is None or span.arguments_start is None or span.arguments_end is None:
+        return ToolCall(obj["name"], "{}")
+    return ToolCall(obj["name"], raw[span.arguments_start:span.arguments_end])
 
 
 def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
@@ -141,7 +146,7 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
         calls = []
         for match in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
             try:
-                call = _call(json.loads(match.group(1)), "arguments")
+                call = _call(json.loads(match.group(1)), match.group(1), "arguments")
             except json.JSONDecodeError:
                 call = None
             if call is not None:
@@ -152,12 +157,18 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
         cut = text.find("[TOOL_CALLS]")
         if cut < 0:
             return text, []
+        rest = text[cut + len("[TOOL_CALLS]"):].lstrip()
         try:
-            items, _ = decoder.raw_decode(text[cut + len("[TOOL_CALLS]"):].lstrip())
+            items, _ = decoder.raw_decode(rest)
         except json.JSONDecodeError:
             return text, []
-        found = [_call(item, "arguments") for item in (items if isinstance(items, list) else [items])]
-        return (text[:cut].rstrip(), [c for c in found if c]) if all(found) else (text, [])
+        if not isinstance(items, list):
+            items, raws = [items], [rest]
+        else:
+            raws = [rest[start:] for start in _list_item_starts(rest)]
+        found = [_call(item, raw, "arguments") for item, raw in zip(items, raws, strict=False)]
+        ok = len(found) == len(items) and all(found)
+        return (text[:cut].rstrip(), [c for c in found if c]) if ok else (text, [])
     # llama3_json: the whole output is one or more JSON objects separated by ";".
     calls, rest = [], text.strip()
     while rest:
@@ -165,12 +176,254 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
             obj, end = decoder.raw_decode(rest)
         except json.JSONDecodeError:
             return text, []
-        call = _call(obj, "parameters")
+        call = _call(obj, rest[:end], "parameters")
         if call is None:
             return text, []
         calls.append(call)
         rest = rest[end:].lstrip().removeprefix(";").lstrip()
     return "", calls
+
+
+# ---- reading calls as they are written --------------------------------------------------
+
+_WHITESPACE = " \t\n\r"
+
+
+@dataclass
+class CallSpan:
+    """What a call object written so far shows: its name once complete, and where its arguments
+    value lies (`arguments_end` None while it is still being written; `end` None while open)."""
+
+    name: str | None = None
+    arguments_start: int | None = None
+    arguments_end: int | None = None
+    end: int | None = None
+
+
+def _skip_whitespace(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WHITESPACE:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index after the JSON string opening at text[i], None if the text ends inside it."""
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The index after the JSON value starting at text[i], None if the text ends inside it (a
+    number or literal ends at a delimiter, so one at the very end may still grow)."""
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] in "{[":
+        depth, j = 0, i
+        while j < len(text):
+            c = text[j]
+            if c == '"':
+                end = _string_end(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in _WHITESPACE + ",}]":
+        j += 1
+    return j if j < len(text) else None
+
+
+def scan_call(text: str, start: int, arguments_key: str) -> CallSpan | None:
+    """Read the call object that starts at text[start] (after whitespace) as far as the text
+    goes; None once it is clearly not a JSON object."""
+    span = CallSpan()
+    i = _skip_whitespace(text, start)
+    if i == len(text):
+        return span
+    if text[i] != "{":
+        return None
+    i += 1
+    while True:
+        i = _skip_whitespace(text, i)
+        if i == len(text):
+            return span
+        if text[i] == "}":
+            span.end = i + 1
+            return span
+        if text[i] == ",":
+            i += 1
+            continue
+        if text[i] != '"':
+            return None
+        key_end = _string_end(text, i)
+        if key_end is None:
+            return span
+        key = json.loads(text[i:key_end])
+        i = _skip_whitespace(text, key_end)
+        if i == len(text):
+            return span
+        if text[i] != ":":
+            return None
+        i = _skip_whitespace(text, i + 1)
+        if i == len(text):
+            return span
+        end = _value_end(text, i)
+        if key == "name":
+            if end is None:
+                return span
+            name = json.loads(text[i:end])
+            if not isinstance(name, str):
+                return None
+            span.name = name
+        elif key in (arguments_key, "arguments") and span.arguments_start is None:
+            span.arguments_start, span.arguments_end = i, end
+        if end is None:
+            return span
+        i = end
+
+
+def _list_item_starts(text: str) -> list[int]:
+    """Where each item of the JSON list at the start of `text` begins."""
+    starts: list[int] = []
+    i = 1
+    while True:
+        i = _skip_whitespace(text, i)
+        if i >= len(text) or text[i] == "]":
+            return starts
+        starts.append(i)
+        end = _value_end(text, i)
+        if end is None:
+            return starts
+        i = _skip_whitespace(text, end)
+        if i < len(text) and text[i] == ",":
+            i += 1
+
+
+def call_spans(text: str, parser: str) -> list[CallSpan]:
+    """The calls written so far in `parser`'s syntax, the last one possibly unfinished."""
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    starts: list[int] = []
+    if parser == "hermes":
+        opener = call_opener(parser)
+        starts = [m.end() for m in re.finditer(re.escape(opener), text)]
+    elif parser == "mistral":
+        cut = text.find("[TOOL_CALLS]")
+        if cut < 0:
+            return []
+        i = _skip_whitespace(text, cut + len("[TOOL_CALLS]"))
+        if i == len(text) or text[i] != "[":
+            return []
+        starts = [i + s for s in _list_item_starts(text[i:])]
+    else:
+        i = _skip_whitespace(text, 0)
+        while i < len(text) and text[i] == "{":
+            starts.append(i)
+            span = scan_call(text, i, key)
+            if span is None or span.end is None:
+                break
+            i = _skip_whitespace(text, span.end)
+            if i < len(text) and text[i] == ";":
+                i = _skip_whitespace(text, i + 1)
+    spans = []
+    for start in starts:
+        span = scan_call(text, start, key)
+        if span is None:
+            break
+        spans.append(span)
+    return spans
+
+
+def sendable_content(text: str, parser: str) -> int:
+    """How much of the output so far is surely content: everything before a tool call's
+    opener, less any tail that may be the opener's beginning."""
+    if parser == "llama3_json":  # a call is the whole output, a JSON object
+        stripped = text.lstrip()
+        return len(text) if stripped and not stripped.startswith("{") else 0
+    opener = call_opener(parser)
+    cut = text.find(opener)
+    if cut >= 0:
+        return cut
+    for k in range(min(len(opener) - 1, len(text)), 0, -1):
+        if text.endswith(opener[:k]):
+            return len(text) - k
+    return len(text)
+
+
+class ToolCallStream:
+    """Streamed output with tools offered: content until a call's opener, then each call as
+    OpenAI deltas: `{index, id, type, function: {name, arguments: ""}}` once its name is
+    written, then `{index, function: {arguments}}` fragments as its arguments are generated."""
+
+    def __init__(self, parser: str, parallel: bool) -> None:
+        self.parser = parser
+        self.parallel = parallel
+        self.text = ""
+        self.content_sent = 0
+        self.ids: list[str] = []  # the calls announced so far
+        self.arguments_sent: list[str] = []
+        self.found_calls = False  # set by the final feed: the whole output holds calls
+
+    def feed(self, piece: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send, tool_calls delta entries) once `piece` is appended to the output."""
+        self.text += piece
+        if final:
+            return self._finish()
+        safe = max(self.content_sent, sendable_content(self.text, self.parser))
+        content = self.text[self.content_sent:safe]
+        self.content_sent = safe
+        deltas = []
+        for index, span in enumerate(call_spans(self.text, self.parser)[:None if self.parallel else 1]):
+            if span.name is None and index >= len(self.ids):
+                break  # calls are announced in order, each once its name is known
+            written = "" if span.arguments_start is None else self.text[span.arguments_start:span.arguments_end]
+            delta = self._delta(index, span.name, written)
+            if delta is not None:
+                deltas.append(delta)
+        return content, deltas
+
+    def _delta(self, index: int, name: str | None, arguments: str) -> dict[str, Any] | None:
+        """The delta that brings call `index` up to `arguments`, None if nothing is new."""
+        if index == len(self.ids):
+            assert name is not None
+            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            self.arguments_sent.append(arguments)
+            return {"index": index, "id": self.ids[index], "type": "function",
+                    "function": {"name": name, "arguments": arguments}}
+        sent = self.arguments_sent[index]
+        if len(arguments) <= len(sent) or not arguments.startswith(sent):
+            return None
+        self.arguments_sent[index] = arguments
+        return {"index": index, "function": {"arguments": arguments[len(sent):]}}
+
+    def _finish(self) -> tuple[str, list[dict[str, Any]]]:
+        content, calls = parse_tool_calls(self.text, self.parser)
+        if not calls:
+            rest = "" if self.ids else self.text[self.content_sent:]
+            self.content_sent = len(self.text)
+            return rest, []
+        self.found_calls = True
+        rest = content[self.content_sent:]
+        deltas = []
+        for index, call in enumerate(calls[:None if self.parallel else 1]):
+            delta = self._delta(index, call.name, call.arguments)
+            if delta is not None:
+                deltas.append(delta)
+        return rest, deltas
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,141 @@
+"""Chat completions with n > 1, tool calls streamed as argument fragments, and grammar
+compilation off the event loop, over the fake engine (no model)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.fake_engine import FakeEngine
+from tests.server.test_api import sse_events
+from vkrt.engine.config import SamplingParams
+from vkrt.server.tools import ToolCallStream, parse_tool_calls
+
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+
+
+def test_chat_n_gives_n_choices_with_derived_seeds(serve_fake: Any) -> None:
+    live = serve_fake()
+    r = live.client.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 40})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "abc" and c["finish_reason"] == "length" for c in body["choices"])
+    prompt_tokens = len(live.engine.requests[0][1])
+    # The prompt counts once, every choice's tokens count.
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 9,
+                             "total_tokens": prompt_tokens + 9, "prompt_tokens_details": {"cached_tokens": 0}}
+    seeds = sorted(params.seed for _, _, params, _ in live.engine.requests)
+    assert seeds == [40, 41, 42]
+    assert len({rid for rid, _, _, _ in live.engine.requests}) == 3
+
+
+def test_chat_n_streams_every_choice_with_its_index(serve_fake: Any) -> None:
+    live = serve_fake()
+    r = live.client.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    events = sse_events(r)
+    *chunks, usage_chunk = events
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for event in chunks:
+        [choice] = event["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "abc", 1: "abc"} and finishes == {0: "length", 1: "length"}
+    roles = [e["choices"][0]["index"] for e in chunks if e["choices"][0]["delta"].get("role") == "assistant"]
+    assert sorted(roles) == [0, 1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+
+
+class SlowCompileEngine(FakeEngine):
+    """A fake whose grammar check blocks until released, as a big schema's compile would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        super().check_request(prompt_token_ids, params)
+        if params.guided_decoding is not None and not self.release.is_set():
+            self.entered.set()
+            self.release.wait(30)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_grammar_compile_does_not_stall_health(serve_fake: Any, route: str) -> None:
+    engine = SlowCompileEngine()
+    live = serve_fake(engine)
+    body: dict[str, Any] = {"max_tokens": 2, "response_format": {"type": "json_object"}}
+    body |= {"prompt": "x"} if route == "/v1/completions" else {"messages": CHAT["messages"]}
+    result: list[httpx.Response] = []
+    slow = threading.Thread(target=lambda: result.append(live.client.post(route, json=body)))
+    slow.start()
+    try:
+        assert engine.entered.wait(10), "the constrained request never reached the grammar check"
+        # The compile is still running; the loop answers others meanwhile.
+        assert live.client.get("/health", timeout=5).status_code == 200
+        assert not result
+    finally:
+        engine.release.set()
+        slow.join(30)
+    assert result and result[0].status_code == 200, result[0].text if result else "no response"
+
+
+CALLS = {
+    "hermes": 'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "a}b\\"c"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"x": [1, 2]}}, {"name": "g", "arguments": {"y": -3}}]',
+    "llama3_json": '{"name": "f", "parameters": {"x": 12}}; {"name": "g", "parameters": {"y": "z"}}',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CALLS))
+@pytest.mark.parametrize("piece_chars", [1, 3, 8])
+def test_streamed_call_deltas_reassemble_to_the_parsed_calls(parser: str, piece_chars: int) -> None:
+    """Fed a few characters at a time, the stream announces each call (index, id, type, name)
+    once, then sends its arguments in several fragments, joining to the whole-output parse."""
+    text = CALLS[parser]
+    pieces = [text[i:i + piece_chars] for i in range(0, len(text), piece_chars)]
+    stream = ToolCallStream(parser, parallel=True)
+    content, calls, fragments = "", {}, 0
+    for k, piece in enumerate([*pieces, ""]):
+        sent, deltas = stream.feed(piece, final=k == len(pieces))
+        content += sent
+        for delta in deltas:
+            if delta["index"] not in calls:
+                assert delta["type"] == "function" and delta["id"].startswith("call_")
+                calls[delta["index"]] = {"name": delta["function"]["name"], "arguments": ""}
+            else:
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+            fragments += 1
+    want_content, want_calls = parse_tool_calls(text, parser)
+    assert stream.found_calls
+    assert content.rstrip() == want_content
+    assert [calls[i] for i in sorted(calls)] == [{"name": c.name, "arguments": c.arguments} for c in want_calls]
+    assert fragments > len(want_calls)  # arguments came in pieces, not once per call at the end
+
+
+def test_a_call_parsed_whole_keeps_the_models_argument_text() -> None:
+    text = '<tool_call>\n{"name": "f", "arguments": {"x":1,\n  "y": [true]}}\n</tool_call>'
+    [call] = parse_tool_calls(text, "hermes")[1]
+    assert call.arguments == '{"x":1,\n  "y": [true]}'
+
+
+def test_without_calls_the_stream_is_all_content() -> None:
+    stream = ToolCallStream("hermes", parallel=True)
+    sent = [stream.feed(p, final=False) for p in ("Hi <tool", "_ca", "t> there")]
+    last = stream.feed("", final=True)
+    assert "".join(content for content, _ in [*sent, last]) == "Hi <tool_cat> there"
+    assert all(not deltas for _, deltas in [*sent, last]) and not stream.found_calls
+
+
+def test_only_the_first_call_without_parallel_calls() -> None:
+    stream = ToolCallStream("mistral", parallel=False)
+    deltas = stream.feed(CALLS["mistral"], final=False)[1] + stream.feed("", final=True)[1]
+    assert {d["index"] for d in deltas} == {0}
