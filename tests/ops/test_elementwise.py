@@ -125,3 +125,19 @@ def test_scale_and_softcap_reject_bad_input(vk) -> None:
         ops.scale(x, float("nan"))
     with pytest.raises(VkrtError, match="scale"):
         ops.scale(vk.upload(np.zeros(3, np.int32)), 2.0)
+
+
+@pytest.mark.parametrize("widths", [(1, 1), (64, 16), (7, 3, 5), (576, 192, 192)], ids=str)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_concat_columns_is_bit_exact(vk, rng, rows: int, widths: tuple[int, ...]) -> None:
+    parts = [rng.standard_normal((rows, w)).astype(np.float32) for w in widths]
+    got = _no_drain(vk, ops.concat_columns, *(vk.upload(p) for p in parts))
+    np.testing.assert_array_equal(got, np.concatenate(parts, axis=1))
+
+
+def test_concat_columns_rejects_bad_input(vk) -> None:
+    a, b = vk.upload(np.zeros((2, 3), np.float32)), vk.upload(np.zeros((3, 3), np.float32))
+    with pytest.raises(VkrtError, match="same rows"):
+        ops.concat_columns(a, b)
+    with pytest.raises(VkrtError, match="two or three"):
+        ops.concat_columns(a)

@@ -29,9 +29,7 @@ GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mu
 def stack_rows(parts: list[WeightData], name: str) -> WeightData:
     """Weights stacked along output rows in their shared storage format (q/k/v, gate/up)."""
     rows = sum(p.shape[0] for p in parts)
-    if len({p.fmt for p in parts}) != 1:  # only gate/up get here: q/k/v then stay three matmuls
-        data = np.concatenate([dequantize(p.data, p.fmt).reshape(p.shape) for p in parts])
-        return WeightData(name, "f32", (rows, parts[0].shape[1]), data)
+    assert len({p.fmt for p in parts}) == 1, f"{name}: parts in different formats stay apart"
     data = np.concatenate([np.asarray(p.data) for p in parts], axis=0)
     return WeightData(name, parts[0].fmt, (rows, parts[0].shape[1]), data)
 
@@ -68,30 +66,38 @@ class Block:
         self.q_norm = model.norm(p + "q_norm") if c.qk_norm else None
         self.k_norm = model.norm(p + "k_norm") if c.qk_norm else None
         # q, k and v are one matmul when they share a storage format (a fused checkpoint
-        # already is one); a GGUF mix such as Q5_0 q/k with Q8_0 v keeps three matmuls.
+        # already is one). A GGUF mix such as Q5_0 q/k with Q8_0 v keeps three matmuls in
+        # their own formats (nothing is dequantized to stack them), whose outputs are
+        # concatenated into the stacked layout (`qkv_parts`). A norm over all of q and of k
+        # (OLMoE) needs them apart; per-head QK-norm does not.
         self.qkv: Tensor | None = None
+        self.qkv_parts: tuple[Tensor, Tensor, Tensor] | None = None
         self.q_proj = self.k_proj = self.v_proj = None
         self.qkv_bias: Tensor | None = None
         self.q_bias = self.k_bias = self.v_bias = None
+        apart = c.qk_norm and not c.qk_norm_per_head
         if has(p + "qkv_proj"):
             self.qkv = model.matrix(model.raw(p + "qkv_proj"))
         else:
             parts = [model.raw(p + n) for n in ("q_proj", "k_proj", "v_proj")]
-            # A norm over all of q and of k (OLMoE) needs them apart; per-head QK-norm does not.
-            if len({w.fmt for w in parts}) == 1 and not (c.qk_norm and not c.qk_norm_per_head):
+            if apart:
+                self.q_proj, self.k_proj, self.v_proj = (model.matrix(w) for w in parts)
+            elif len({w.fmt for w in parts}) == 1:
                 self.qkv = model.matrix(stack_rows(parts, p + "qkv_proj"))
             else:
-                self.q_proj, self.k_proj, self.v_proj = (model.matrix(w) for w in parts)
+                q_proj, k_proj, v_proj = (model.matrix(w) for w in parts)
+                self.qkv_parts = (q_proj, k_proj, v_proj)
         if c.qkv_bias:
             biases = [model.vector(p + n) for n in ("q_bias", "k_bias", "v_bias")]
-            if self.qkv is not None:
-                self.qkv_bias = model.upload_f32(np.concatenate(biases))
-            else:
+            if apart:
                 self.q_bias, self.k_bias, self.v_bias = (model.upload_f32(b) for b in biases)
+            else:
+                self.qkv_bias = model.upload_f32(np.concatenate(biases))
         self.o_proj = model.matrix(model.raw(p + "o_proj"))
         # The MLP is dense (gate|up stacked, down) or sparse: the router and each expert's
         # stacked gate|up and down, [E, out, in].
         self.gate_up = self.down_proj = None
+        self.gate_up_parts: tuple[Tensor, Tensor] | None = None  # gate and up in different formats
         self.router = self.experts_gate_up = self.experts_down = None
         if c.layer(i).moe:
             self.router = model.matrix(model.raw(p + "router"))
@@ -102,8 +108,11 @@ class Block:
             self.gate_up = model.matrix(model.raw(p + "gate_up_proj"))
             self.down_proj = model.matrix(model.raw(p + "down_proj"))
         else:
-            self.gate_up = model.matrix(stack_rows([model.raw(p + "gate_proj"), model.raw(p + "up_proj")],
-                                                   p + "gate_up_proj"))
+            gate, up = model.raw(p + "gate_proj"), model.raw(p + "up_proj")
+            if gate.fmt == up.fmt:
+                self.gate_up = model.matrix(stack_rows([gate, up], p + "gate_up_proj"))
+            else:
+                self.gate_up_parts = (model.matrix(gate), model.matrix(up))
             self.down_proj = model.matrix(model.raw(p + "down_proj"))
 
 
@@ -218,6 +227,9 @@ class DecoderModel(CausalLM):
         x = ops.rms_norm(h, b.ffn_norm, c.rms_norm_eps)
         if b.gate_up is not None and b.down_proj is not None:
             out = ops.matmul(self.activation(ops.matmul(x, b.gate_up)), b.down_proj)
+        elif b.gate_up_parts is not None and b.down_proj is not None:
+            gate_up = ops.concat_columns(*(ops.matmul(x, w) for w in b.gate_up_parts))
+            out = ops.matmul(self.activation(gate_up), b.down_proj)
         else:
             out = self.sparse_mlp(b, x)
         if b.post_ffn_norm is not None:
@@ -245,8 +257,12 @@ class DecoderModel(CausalLM):
         cos_sin = self.cos_sin(i)
         slots = step.slots_of(kv.group_of(i))
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
-        if b.qkv is not None:
-            qkv = ops.matmul(x, b.qkv)
+        if b.qkv is not None or b.qkv_parts is not None:
+            if b.qkv is not None:
+                qkv = ops.matmul(x, b.qkv)
+            else:
+                assert b.qkv_parts is not None
+                qkv = ops.concat_columns(*(ops.matmul(x, w) for w in b.qkv_parts))
             if b.qkv_bias is not None:
                 qkv = ops.add(qkv, b.qkv_bias)
             if b.q_norm is not None and b.k_norm is not None:

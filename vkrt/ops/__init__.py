@@ -146,6 +146,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
                     window=int(window), softcap=float(softcap))
 
 
+def concat_columns(*parts: Tensor) -> Tensor:
+    """[T, a] + [T, b] (+ [T, c]) -> [T, a + b + c]."""
+    return dispatch("concat_columns", *parts)
+
+
 def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return dispatch("gather_rows", x, index)
 
@@ -192,7 +197,7 @@ def op_names() -> list[str]:
 
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
-    "attention", "cast", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
+    "attention", "cast", "concat_columns", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
     "layer_norm", "matmul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_router", "mul", "op_names", "paged_attention",
     "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rope",
     "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",

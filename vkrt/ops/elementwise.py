@@ -84,6 +84,21 @@ def gelu_tanh_and_mul(x: np.ndarray) -> np.ndarray:
     return (gelu * up).astype(np.float32)
 
 
+def _concat_infer(*parts: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(len(parts) in (2, 3), "concat_columns", parts, "takes two or three parts")
+    require(all(p.dtype == "f32" and len(p.shape) == 2 for p in parts), "concat_columns", parts,
+            "parts must be f32 [T, width]")
+    require(len({p.shape[0] for p in parts}) == 1, "concat_columns", parts, "parts must have the same rows")
+    return (TensorSpec((parts[0].shape[0], sum(p.shape[1] for p in parts)), "f32"),)
+
+
+@register_op("concat_columns", _concat_infer)
+def concat_columns(*parts: np.ndarray) -> np.ndarray:
+    """[a | b | c] along columns: the q, k, v (or gate, up) of projections kept apart
+    because their weights are stored in different formats, stacked for the op that follows."""
+    return np.concatenate(parts, axis=1)
+
+
 def _cast_infer(x: TensorSpec, dtype: str) -> tuple[TensorSpec, ...]:
     require(x.dtype in CAST_DTYPES, "cast", (x,), f"input dtype must be one of {CAST_DTYPES}")
     require(dtype in CAST_DTYPES, "cast", (x,), f"target dtype must be one of {CAST_DTYPES}, not {dtype!r}")
