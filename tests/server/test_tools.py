@@ -184,6 +184,23 @@ def test_chat_n_choices_reproducible_streamed_and_each_called(live: LiveModel) -
             (call.function.name, call.function.arguments)]
 
 
+def test_chat_choices_share_the_prompt_blocks(live: LiveModel) -> None:
+    """The n choices of a chat request compute its prompt once: the siblings find every full
+    block before their last prompt token in the prefix cache."""
+    messages = [{"role": "user", "content": "Lyon lies where the Rhone meets the Saone; list, one per line, "
+                 "five things a visitor should see there, and say why each is worth the time it takes."}]
+    client = openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+    hits_before = live.engine.metrics().prefix_cache_hits
+    response = client.chat.completions.create(model="smollm2", messages=messages, n=3, max_tokens=2, seed=1)
+    hits = live.engine.metrics().prefix_cache_hits - hits_before
+    assert response.usage is not None and response.usage.prompt_tokens_details is not None
+    num_prompt = response.usage.prompt_tokens
+    full_blocks = (num_prompt - 1) // 16 * 16  # EngineConfig's block size, which live_model keeps
+    # The first choice may reuse blocks earlier requests left (the template's system prompt).
+    assert hits == response.usage.prompt_tokens_details.cached_tokens + 2 * full_blocks
+    assert full_blocks > 2 * 16
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
