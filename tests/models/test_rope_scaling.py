@@ -1,4 +1,4 @@
-"""RoPE tables under linear scaling and GGUF `rope_freqs`, against arithmetic done here.
+"""RoPE tables under linear scaling, longrope and GGUF `rope_freqs`, against arithmetic done here.
 
 - linear (transformers' `_compute_linear_scaling_rope_parameters`: inv_freq / factor):
   position p of the scaled table is position p / factor of the plain one.
@@ -73,3 +73,24 @@ def test_rope_freqs_reproduce_llama3_scaling(dim: int, old_len: int) -> None:
     np.testing.assert_allclose(from_gguf, from_config, rtol=1e-7)  # the factors are f32
     table = rope_table(200, dim, 500000.0, None, freq_factors=freqs)
     np.testing.assert_allclose(table, rope_table(200, dim, 500000.0, scaling), atol=1e-5)
+
+
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 128, "attention_factor": 1.19,
+            "short_factor": [1.0 + 0.05 * i for i in range(DIM // 2)],
+            "long_factor": [1.0 + 0.5 * i for i in range(DIM // 2)]}
+
+
+@pytest.mark.parametrize("positions", [128, 300])
+def test_longrope_table_divides_by_the_factors_of_its_length(positions: int) -> None:
+    """transformers' longrope: inv_freq / ext_factors with the long factors beyond the
+    original context, the short ones within it; cos and sin times the attention factor.
+    A 300-position table (beyond the original 128) must take the long factors."""
+    kind = "long_factor" if positions > LONGROPE["original_max_position_embeddings"] else "short_factor"
+    inv = plain_inv() / np.array(LONGROPE[kind], dtype=np.float64)
+    angles = np.outer(np.arange(positions), inv)
+    want = np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * 1.19
+    table = rope_table(positions, DIM, THETA, LONGROPE)
+    np.testing.assert_allclose(table, want, rtol=0, atol=4e-7)
+    other = "short_factor" if kind == "long_factor" else "long_factor"
+    wrong = np.outer(np.arange(positions), plain_inv() / np.array(LONGROPE[other]))
+    assert np.abs(table[:, : DIM // 2] - np.cos(wrong) * 1.19).max() > 1e-2  # the choice matters here
