@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q4_k,q5_k,q6_k,iq4_xs ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs ACCESS=texel,ssbo
 // Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
 // reading the weight device layout (layouts.py) through one 32-bit view of the table.
 // Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
@@ -17,11 +17,11 @@ IN_I32(1, ids);
 OUT_F32(2, y);
 
 // blocks: 32-value blocks per row (a float row's last one padded); s_base: first scales
-// word; d_base: q6_k's first d word (layouts.py).
+// word; d_base: q6_k's first d word, q2_k's first d|dmin word (layouts.py).
 layout(push_constant) uniform Push { uint n; uint D; uint blocks; uint s_base; uint d_base; } pc;
 
 #include "tiles.glsl"  // the table is row-tiled; offsets below are in 32-bit words
-#include "quant.glsl"  // IQ4_LEVELS
+#include "quant.glsl"  // IQ4_LEVELS, q3_k_sc
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -37,6 +37,30 @@ void main() {
     v = unpackHalf2x16(w)[d & 1u];
 #else
     v = uintBitsToFloat((d & 1u) == 0u ? w << 16 : w & 0xFFFF0000u);
+#endif
+#elif defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
+    // Element e of sub-block s: the crumb at bits 8c + 2i of word 16h.. (e = 16h + 4i + c),
+    // q3_k's high bit at 8c + 4h + i of the sub-block's high word; 16-value group g = 2s + h.
+    // value = (d * sc) * q - dmin * m (q2_k) or (d * (sc - 32)) * (q - 4) (q3_k).
+    uint blk = d / 32u, e = d % 32u, s = blk % 8u, supers = pc.blocks / 8u, sup = blk / 8u;
+    uint h = e / 16u, i4 = (e / 4u) % 4u, c = e % 4u, g = 2u * s + h;
+#ifdef WFMT_Q2_K
+    uint base = tiled(row, supers, sup, 16u);  // 4 crumb texels per super-block
+    float q = float((LD_U32(table, base + 2u * s + h) >> (8u * c + 2u * i4)) & 3u);
+    uint sm = (LD_U32(table, pc.s_base + tiled(row, supers, sup, 4u) + g / 4u) >> (8u * (g % 4u))) & 0xFFu;
+    vec2 dm = unpackHalf2x16(LD_U32(table, pc.d_base + tiled(row, supers, sup, 1u)));
+    precise float ds = dm.x * float(sm & 0xFu);
+    precise float dmn = dm.y * float(sm >> 4);
+    v = ds * q - dmn;
+#else
+    uint base = tiled(row, supers, sup, 24u);  // 4 crumb texels, 2 of high bits per super-block
+    uint crumb = (LD_U32(table, base + 2u * s + h) >> (8u * c + 2u * i4)) & 3u;
+    uint high = (LD_U32(table, base + 16u + s) >> (8u * c + 4u * h + i4)) & 1u;
+    uint header = pc.s_base + tiled(row, supers, sup, 4u);  // 12 scale bytes, f16 d
+    uvec4 hd = uvec4(LD_U32(table, header), LD_U32(table, header + 1u), LD_U32(table, header + 2u),
+                     LD_U32(table, header + 3u));
+    precise float ds = unpackHalf2x16(hd.w).x * float(q3_k_sc(hd, g));
+    v = ds * float(int(crumb | (high << 2)) - 4);
 #endif
 #elif defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K) || defined(WFMT_IQ4_XS)
     // Sub-block blk of super-block blk / 8: low nibbles in q4 order (byte e % 16, high

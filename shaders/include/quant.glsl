@@ -11,7 +11,9 @@
 // them after the super-block's 8 nibble texels); iq4_xs one texel of level indices and its
 // super-block's uvec2 scales entry (f16 d | 2-bit scale highs, 4-bit scale lows);
 // super-block's 16-byte header texel; q6_k a texel of low nibbles, half a texel of 2-bit
-// highs, its super-block's int8 scales texel and f16 d word (layouts.py).
+// highs, its super-block's int8 scales texel and f16 d word (layouts.py); q2_k half a texel
+// of 2-bit "crumbs" (crumbs()) plus its super-block's scale|min texel and f16 d|dmin word;
+// q3_k the same crumbs, a word of high bits and its super-block's scales|d texel.
 //
 // Reduction contract (batch invariance, DESIGN invariant 9): every matmul kernel reduces one
 // output as  acc = 0; for each block b in order: p = block_part(w_b, x_b); acc = combine(...)
@@ -36,6 +38,9 @@ vec4 q4_hi(uint w) { return vec4((uvec4(w) >> uvec4(4u, 12u, 20u, 28u)) & 0xFu);
 // q8: four signed bytes, element order = byte order (little endian).
 vec4 q8_vals(uint w) { return vec4(ivec4(uvec4(w) << uvec4(24u, 16u, 8u, 0u)) >> 24); }
 vec4 u8_vals(uint w) { return vec4((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFFu); }
+// crumbs (q2_k, q3_k): word h of a sub-block holds element 16h + 4i + c at bits 8c + 2i, so
+// shift i gives elements 16h + 4i .. +3 in the four byte lanes.
+uint crumbs(uint w, uint i) { return (w >> (2u * i)) & 0x03030303u; }
 // Bits 0..3 of `bits` to bit 0 of bytes 0..3 (the four shifted copies do not overlap).
 uint spread4(uint bits) { return ((bits & 0xFu) * 0x00204081u) & 0x01010101u; }
 vec4 f16_vals(uint a, uint b) { return vec4(unpackHalf2x16(a), unpackHalf2x16(b)); }
@@ -84,6 +89,22 @@ void bf16_block(uvec4 a, uvec4 b, uvec4 c, uvec4 d, out vec4 w[8]) {
     w[4] = bf16_vals(c.x, c.y); w[5] = bf16_vals(c.z, c.w); w[6] = bf16_vals(d.x, d.y); w[7] = bf16_vals(d.z, d.w);
 }
 
+// q2_k: 2-bit values 0..3 (the scale and min are applied by combine()).
+void q2_block(uvec2 c, out vec4 w[8]) {
+    w[0] = u8_vals(crumbs(c.x, 0u)); w[1] = u8_vals(crumbs(c.x, 1u));
+    w[2] = u8_vals(crumbs(c.x, 2u)); w[3] = u8_vals(crumbs(c.x, 3u));
+    w[4] = u8_vals(crumbs(c.y, 0u)); w[5] = u8_vals(crumbs(c.y, 1u));
+    w[6] = u8_vals(crumbs(c.y, 2u)); w[7] = u8_vals(crumbs(c.y, 3u));
+}
+// q3_k: the crumbs plus a high bit (element 16h + 4i + c's at bit 8c + 4h + i of hw):
+// 3-bit values 0..7, so GGUF's "a clear bit subtracts 4" is q - 4, folded in by combine().
+vec4 q3_vals(uint c, uint hw, uint i) { return u8_vals(crumbs(c, i) | (((hw >> i) & 0x01010101u) << 2)); }
+void q3_block(uvec2 c, uint hw, out vec4 w[8]) {
+    w[0] = q3_vals(c.x, hw, 0u); w[1] = q3_vals(c.x, hw, 1u); w[2] = q3_vals(c.x, hw, 2u); w[3] = q3_vals(c.x, hw, 3u);
+    w[4] = q3_vals(c.y, hw >> 4, 0u); w[5] = q3_vals(c.y, hw >> 4, 1u);
+    w[6] = q3_vals(c.y, hw >> 4, 2u); w[7] = q3_vals(c.y, hw >> 4, 3u);
+}
+
 // The fixed in-block order: 8 four-wide dots added left to right.
 float block_dot(vec4 w[8], vec4 x[8]) {
     precise float p = dot(w[0], x[0]);
@@ -119,10 +140,11 @@ vec2 block_sum2(vec4 x[8]) {
     return vec2(a, b);
 }
 
-// Per-format types: PART_T is a block's partial dot / activation sum (vec2 halves for q6_k);
-// SCALE_T what combine() needs of the block's scales (the raw word, or for K-quants the
-// f32 pair (d*sc, -dmin*m) / (d*sc_lo, d*sc_hi), products that are exact in f32).
-#if defined(WFMT_Q6_K)
+// Per-format types: PART_T is a block's partial dot / activation sum (vec2 halves for the
+// formats whose scales cover 16 values: q2_k, q3_k, q6_k); SCALE_T what combine() needs of
+// the block's scales (the raw word, or for K-quants the f32 products (d*sc, -dmin*m),
+// (d*sc_lo, d*sc_hi) or for q2_k (d*sc_lo, d*sc_hi, -dmin*m_lo, -dmin*m_hi)).
+#if defined(WFMT_Q6_K) || defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
 #define PART_T vec2
 #define block_part block_dot2
 #define block_xsum block_sum2
@@ -131,7 +153,9 @@ vec2 block_sum2(vec4 x[8]) {
 #define block_part block_dot
 #define block_xsum block_sum
 #endif
-#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K)
+#if defined(WFMT_Q2_K)
+#define SCALE_T vec4
+#elif defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K) || defined(WFMT_Q3_K)
 #define SCALE_T vec2
 #elif defined(WFMT_Q5_0) || defined(WFMT_Q5_1)
 #define SCALE_T uvec2
@@ -152,6 +176,12 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
 #elif defined(WFMT_Q6_K)
     precise float lo = fma(scale.x, fma(xsum.x, -32.0, p.x), acc);
     r = fma(scale.y, fma(xsum.y, -32.0, p.y), lo);
+#elif defined(WFMT_Q3_K)
+    precise float lo = fma(scale.x, fma(xsum.x, -4.0, p.x), acc);
+    r = fma(scale.y, fma(xsum.y, -4.0, p.y), lo);
+#elif defined(WFMT_Q2_K)
+    precise float lo = fma(scale.z, xsum.x, fma(scale.x, p.x, acc));
+    r = fma(scale.w, xsum.y, fma(scale.y, p.y, lo));
 #elif defined(WFMT_Q8_0) || defined(WFMT_IQ4_NL)
     r = fma(unpackHalf2x16(scale).x, p, acc);
 #elif defined(WFMT_Q4_0)
@@ -171,7 +201,7 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
 }
 
 #if defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_Q5_0) || defined(WFMT_Q5_1) || \
-    defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K)
+    defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K) || defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
 #define NEEDS_XSUM 1
 #endif
 #if !defined(WFMT_F32) && !defined(WFMT_F16) && !defined(WFMT_BF16)
@@ -204,6 +234,29 @@ vec2 q6_k_scale(uvec4 scales, uint s, float d) {
     uint w = scales[s >> 1];
     uint sh = 16u * (s & 1u);
     precise vec2 r = vec2(d * float(int(w << (24u - sh)) >> 24), d * float(int(w << (16u - sh)) >> 24));
+    return r;
+}
+
+// q2_k: sub-block s's (d*sc, d*sc', -dmin*m, -dmin*m') for its two 16-value groups 2s and
+// 2s + 1, from the super-block's 16 scale|min bytes (scale low nibble, min high) and dm =
+// (d, dmin).
+vec4 q2_k_scale(uvec4 sm, uint s, vec2 dm) {
+    uint w = sm[s >> 1] >> (16u * (s & 1u));
+    uvec4 v = (uvec4(w) >> uvec4(0u, 8u, 4u, 12u)) & 0xFu;  // sc, sc', m, m'
+    precise vec4 r = vec4(dm.x * float(v.x), dm.x * float(v.y), -(dm.y * float(v.z)), -(dm.y * float(v.w)));
+    return r;
+}
+// q3_k: scale j of the super-block's texel h (GGUF's 12 bytes of 6-bit scales, then f16 d):
+// low 4 bits in byte j % 8 (high nibble for j >= 8), top 2 at bit 2 (j / 4) of byte 8 + j % 4.
+int q3_k_sc(uvec4 h, uint j) {
+    uint lo = (h[(j >> 2) & 1u] >> (8u * (j & 3u) + 4u * (j >> 3))) & 0xFu;
+    uint hi = (h.z >> (8u * (j & 3u) + 2u * (j >> 2))) & 3u;
+    return int(lo | (hi << 4)) - 32;
+}
+// q3_k: sub-block s's (d*sc_lo, d*sc_hi) (groups 2s, 2s + 1).
+vec2 q3_k_scale(uvec4 h, uint s) {
+    float d = unpackHalf2x16(h.w).x;
+    precise vec2 r = vec2(d * float(q3_k_sc(h, 2u * s)), d * float(q3_k_sc(h, 2u * s + 1u)));
     return r;
 }
 
@@ -246,6 +299,8 @@ void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {
 #elif defined(WFMT_IQ4_XS)
 #define BLOCK_TEXELS 1u
 void load_block(uint i, out vec4 w[8]) { iq4_block(LD_U32X4(wq, i), w); }
+#elif defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
+// load_wblock reads them per super-block
 #else
 #define BLOCK_TEXELS 1u
 void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
@@ -254,6 +309,10 @@ void load_block(uint i, out vec4 w[8]) { q4_block(LD_U32X4(wq, i), w); }
 #include "tiles.glsl"
 #ifdef WFMT_Q6_K
 #define UNIT_TEXELS 12u  // quants texels per q6_k super-block
+#elif defined(WFMT_Q2_K)
+#define UNIT_TEXELS 4u  // crumb texels per q2_k super-block
+#elif defined(WFMT_Q3_K)
+#define UNIT_TEXELS 6u  // 4 crumb texels and 2 of high bits per q3_k super-block
 #elif defined(WFMT_Q5_K)
 #define UNIT_TEXELS 10u  // 8 nibble texels and 2 of fifth bits per q5_k super-block
 #else
@@ -265,11 +324,12 @@ uint row_base(uint n, uint w_row) {
     return tiled(n, w_row / UNIT_TEXELS, 0u, UNIT_TEXELS);
 }
 
-// Where row n's scales start: .x for the scales words / header texels, .y q6_k's d words.
+// Where row n's scales start: .x for the scales words / header texels, .y q6_k's d words
+// (q2_k's d|dmin words).
 // s_base: first scales word (u32 units, 16-byte aligned); blocks: 32-value blocks per row;
 // N: the weight's rows (its scales regions hold them padded to whole tiles).
 uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
-#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K)
+#if defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K) || defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
     uint supers = blocks >> 3;
     uint first = tiled(n, supers, 0u, 1u);  // (n, super-block 0), in units
     uint padded = (N + TILE - 1u) / TILE * TILE;
@@ -287,6 +347,11 @@ uvec2 row_scales(uint n, uint s_base, uint blocks, uint N) {
 SCALE_T load_scale(uvec2 rs, uint b) {
 #if defined(WFMT_Q4_K) || defined(WFMT_Q5_K)
     return q4_k_scale(LD_U32X4(wq, rs.x + (b >> 3) * TILE), b & 7u);
+#elif defined(WFMT_Q3_K)
+    return q3_k_scale(LD_U32X4(wq, rs.x + (b >> 3) * TILE), b & 7u);
+#elif defined(WFMT_Q2_K)
+    uint sup = (b >> 3) * TILE;
+    return q2_k_scale(LD_U32X4(wq, rs.x + sup), b & 7u, unpackHalf2x16(LD_U32(ws, rs.y + sup)));
 #elif defined(WFMT_IQ4_XS)
     return iq4_xs_scale(LD_U32X2(ws, rs.x + (b >> 3) * TILE), b & 7u);
 #elif defined(WFMT_Q6_K)
@@ -313,6 +378,14 @@ void load_wblock(uint wbase, uint b, SCALE_T scale, out vec4 w[8]) {
     uint sb = wbase + (b >> 3) * (TILE * 12u), s = b & 7u;
     uvec4 hi = LD_U32X4(wq, sb + 8u + (s >> 1));
     q6_block(LD_U32X4(wq, sb + s), (s & 1u) == 0u ? hi.xy : hi.zw, w);
+#elif defined(WFMT_Q2_K)
+    uint s = b & 7u;
+    uvec4 c = LD_U32X4(wq, wbase + (b >> 3) * (TILE * 4u) + (s >> 1));
+    q2_block((s & 1u) == 0u ? c.xy : c.zw, w);
+#elif defined(WFMT_Q3_K)
+    uint sb = wbase + (b >> 3) * (TILE * 6u), s = b & 7u;
+    uvec4 c = LD_U32X4(wq, sb + (s >> 1));
+    q3_block((s & 1u) == 0u ? c.xy : c.zw, LD_U32X4(wq, sb + 4u + (s >> 2))[s & 3u], w);
 #else
     load_block(wbase + b * (TILE * BLOCK_TEXELS), w);
 #endif

@@ -7,7 +7,8 @@ shapes, both paths and kernels (llvmpipe), median / worst: f32 7e-15 / 8e-14, f1
 q4 offsets, -8 and m, are folded into a per-block activation sum), q4_k 2e-14 / 4e-14,
 q6_k 4e-14 / 3e-13 (random blocks; -dmin*m and -32 folded the same way), q5_0 4e-14 /
 1e-12, q5_1 9e-15 / 3e-14 (random blocks; -16 / m folded the same way), iq4_nl 8e-15 /
-6e-14 (random blocks). Bound: 1e-9 for all.
+6e-14 (random blocks), q2_k 3e-14 / 4e-13 and q3_k 4e-14 / 2e-13 (random blocks; -dmin*m
+and -4 folded into the activation sums). Bound: 1e-9 for all.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from vkrt.ops.formats import FORMATS as REGISTRY
 from vkrt.ops.quant import dequantize, f32_to_bf16, quantize
 from vkrt.ops.tensor import Tensor, TensorSpec
 
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k",
-           "iq4_xs")
+FORMATS = tuple(REGISTRY)  # every registered format runs natively
 K_QUANTS = tuple(f for f in FORMATS if REGISTRY[f].block_values == 256)  # 256-value super-blocks
 # Random blocks (tests.ops.test_formats.random_blocks): quantize() has no encoder for them.
-RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl", "q5_k", "iq4_xs")
+RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q5_k", "iq4_xs")
 NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
 BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96), (1, 129, 576),
@@ -36,9 +36,9 @@ BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96
 # texels, partial last block).
 FLOAT_SHAPES = [(1, 1, 37), (2, 7, 64), (5, 64, 100), (33, 129, 37), (130, 7, 100), (1, 129, 64),
                 (130, 64, 37)]
-# K-quants: whole 256-value super-blocks (1, 2 and 3 per row).
+# K-quants: whole 256-value super-blocks (1, 2, 3 and 17 per row).
 K_SHAPES = [(1, 1, 256), (2, 7, 512), (5, 64, 768), (33, 129, 256), (130, 7, 512), (1, 129, 768),
-            (130, 64, 256)]
+            (130, 64, 256), (3, 67, 4352)]
 
 
 def is_block(fmt: str) -> bool:
@@ -142,7 +142,8 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
                 assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                                 "iq4_xs"])
 def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, fmt: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every specialisation the device config may pick (rows, token tile, workgroup) gives
@@ -182,12 +183,17 @@ def test_oversized_weight_falls_back_to_reference(vk: Backend, rng: np.random.Ge
     assert np.allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["q2_k", "q3_k"])
 def test_format_without_kernel_runs_on_the_reference(vk_default: Backend, rng: np.random.Generator,
-                                                     fmt: str) -> None:
-    """A registered format with no device layout is uploaded as its raw blocks, no kernel
-    claims it, and the reference tier computes the matmul after exactly one drain."""
-    n, k = 5, 512
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered format with no device layout (every format has one today: q2_k's is taken
+    away here) is uploaded as its raw blocks, no kernel claims it, and the reference tier
+    computes the matmul after exactly one drain."""
+    from vkrt.backend.vulkan.kernels import layouts
+    from vkrt.backend.vulkan.kernels import matmul as native
+
+    fmt, n, k = "q2_k", 5, 512
+    monkeypatch.delitem(layouts.LAYOUTS, fmt)
+    monkeypatch.setattr(native, "FORMATS", tuple(layouts.LAYOUTS))
     raw = random_blocks(rng, fmt, n, k // 256)
     w = vk_default.upload_weight(raw, fmt, (n, k))
     x = rng.standard_normal((2, k)).astype(np.float32)

@@ -32,7 +32,8 @@ def _run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     if n == 0:
         return (y,)
     s_base = quants_bytes(table.dtype, v, d) // 4
-    d_base = s_base + padded_rows(v) * (d // 256) * 4 if table.dtype == "q6_k" else 0  # after the int8 scales
+    # q6_k's d words after its int8 scales, q2_k's d|dmin words after its scale|min bytes
+    d_base = s_base + padded_rows(v) * (d // 256) * 4 if table.dtype in ("q6_k", "q2_k") else 0
     push = (n, d, -(-d // 32), s_base, d_base)
     backend.run_shader(module(backend, "embedding", table.dtype),
                        [(table, "f32" if table.dtype == "f32" else "u32", False), (ids, "i32", False),

@@ -41,6 +41,15 @@ K-quants are repacked per 32-value sub-block, with the same nibble order as q4_0
 - iq4_xs (136 bytes / 256 values): GGUF's 16 bytes of level indices per sub-block are
   already in q4 order (one texel each); the scales region holds its first 8 bytes (f16 d,
   the 2-bit scale highs, the 4-bit scale lows) as one uvec2 per super-block. Same size.
+The 2-bit planes of q2_k and q3_k are regrouped per 32-value sub-block into two "crumb"
+words (word h: element 16h + 4i + c at bits 8c + 2i), so four shifts and one mask of a
+word give four byte lanes of consecutive elements (quant.glsl's crumb_vals):
+- q2_k (84 bytes / 256 values): quants 4 texels per super-block (sub-block s: texel s/2,
+  words 2(s%2)..+1); scales region one texel of GGUF's 16 scale|min bytes per super-block,
+  then a region of one u32 (f16 d | f16 dmin) per super-block. Same size.
+- q3_k (110 bytes / 256 values): q2_k's 4 crumb texels then 2 texels of high bits (word s:
+  element 16h + 4i + c's bit at 8c + 4h + i) per super-block; scales region one texel per
+  super-block = GGUF's 12 bytes of 6-bit scales and its f16 d. 112 bytes per super-block.
 """
 
 from __future__ import annotations
@@ -113,6 +122,8 @@ LAYOUTS: dict[str, DeviceLayout] = {
     "q5_k": DeviceLayout(256, 10, 256, 16),  # likewise
     "q6_k": DeviceLayout(256, 12, 256, 20, "u32"),
     "iq4_xs": DeviceLayout(32, 1, 256, 8, "u32x2"),
+    "q2_k": DeviceLayout(256, 4, 256, 20, "u32"),  # the scales texel through the quants view, d|dmin words
+    "q3_k": DeviceLayout(256, 6, 256, 16),  # the scales texel through the quants view
 }
 
 
@@ -165,6 +176,12 @@ def device_layout(raw: np.ndarray, dtype: str, tiled: bool = True) -> np.ndarray
                        blocks[..., 0:16])
     if dtype == "iq4_xs":  # 16 bytes of indices per sub-block (already q4 order); 8 bytes of scales
         return regions(blocks[..., 8:136].reshape(rows, -1, 16), blocks[..., 0:8])
+    if dtype == "q2_k":  # 64 crumb bytes; the 16 scale|min bytes; f16 d | f16 dmin
+        return regions(_crumb_words(_q2_k_planes(blocks[..., 16:80])), blocks[..., 0:16], blocks[..., 80:84])
+    if dtype == "q3_k":  # 64 crumb bytes and 32 of high bits; the 12 scale bytes, f16 d (padded)
+        high = _q3_k_high_words(np.unpackbits(blocks[..., 0:32][..., None, :], axis=-2, count=8, bitorder="little"))
+        quants = np.concatenate([_crumb_words(_q2_k_planes(blocks[..., 32:96])), high.view(np.uint8)], -1)
+        return regions(quants, np.pad(blocks[..., 96:110], ((0, 0), (0, 0), (0, 2))))
     if dtype == "q6_k":  # 192 quant bytes, the 16 int8 scales and the f16 d per super-block
         return regions(_q6_k_quants(blocks), blocks[..., 192:208], np.pad(blocks[..., 208:210], ((0, 0), (0, 0), (0, 2))))
     side = np.zeros(blocks.shape[:2] + (LAYOUTS[dtype].side_bytes,), np.uint8)
@@ -192,6 +209,33 @@ def _k_fifth_bits(qh: np.ndarray) -> np.ndarray:
     [rows, super-blocks, 8] u32 words, bit i of word s the fifth bit of element i."""
     bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., s, i]
     return np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0]
+
+
+def _q2_k_planes(qs: np.ndarray) -> np.ndarray:
+    """GGUF q2_k / q3_k 2-bit planes [rows, super-blocks, 64] -> [..., 8 sub-blocks, 32] values
+    (each 128-value half reads 32 bytes at shifts 0, 2, 4, 6: vkrt.ops.formats._crumbs)."""
+    q = qs.reshape(qs.shape[:2] + (2, 1, 32)) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    return (q & 3).reshape(qs.shape[:2] + (8, 32))
+
+
+def _lane_shifts(bits_per_step: int, half_shift: int) -> np.ndarray:
+    """Bit position of element e = 16h + 4i + c of a sub-block: 8c + half_shift * h + bits_per_step * i."""
+    e = np.arange(32)
+    return (8 * (e & 3) + half_shift * (e >> 4) + bits_per_step * ((e >> 2) & 3)).astype(np.uint32)
+
+
+def _crumb_words(v: np.ndarray) -> np.ndarray:
+    """[..., 8, 32] 2-bit values -> [..., 64] bytes: per sub-block word h (0, 1) holds elements
+    16h..16h+15, element 16h + 4i + c at bits 8c + 2i."""
+    shifted = v.astype(np.uint32) << _lane_shifts(2, 0)
+    words = np.stack([shifted[..., :16].sum(-1, dtype=np.uint32), shifted[..., 16:].sum(-1, dtype=np.uint32)], -1)
+    return np.ascontiguousarray(words).view(np.uint8).reshape(v.shape[:2] + (64,))
+
+
+def _q3_k_high_words(bits: np.ndarray) -> np.ndarray:
+    """GGUF q3_k's high bits as [..., 8 bits j, 32 bytes i] (element 32j + i) -> [..., 8] u32
+    words, one per sub-block j: element 16h + 4i + c's bit at 8c + 4h + i."""
+    return (bits.astype(np.uint32) << _lane_shifts(1, 4)).sum(-1, dtype=np.uint32)
 
 
 def _q6_k_quants(blocks: np.ndarray) -> np.ndarray:
