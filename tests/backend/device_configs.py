@@ -240,3 +240,33 @@ def fields_of(family: str) -> tuple[str, ...]:
     select: Callable[[Any], Any] = {"row": norm.row_workgroup, "sample": sample.sample_workgroup,
                                     "paged": attention.paged_split}[family]
     return representatives(_probe(select))[0]
+
+
+# -------------------------------------------------------------------- MoE expert matmul
+
+# (tokens, k, experts): a decode step's few pairs and a prefill's many, odd expert counts.
+MOE_GRID = ((1, 1, 5), (1, 8, 9), (3, 2, 5), (8, 4, 32), (32, 2, 5), (130, 8, 9))
+
+
+def _probe_moe(caps: Any) -> Iterable[Any]:
+    from vkrt.backend.vulkan.kernels import moe
+
+    for tokens, k, experts in MOE_GRID:
+        yield moe.expert_config(caps, tokens * k, experts)
+
+
+@cache
+def moe_reachable() -> dict[Any, tuple[DeviceCaps, tuple[int, int, int]]]:
+    """Expert-matmul configuration -> a device and a (tokens, k, experts) that select it."""
+    from vkrt.backend.vulkan.kernels import moe
+
+    _, devices = representatives(_probe_moe)
+    out: dict[Any, tuple[DeviceCaps, tuple[int, int, int]]] = {}
+    for caps in devices:
+        for tokens, k, experts in MOE_GRID:
+            out.setdefault(moe.expert_config(caps, tokens * k, experts), (caps, (tokens, k, experts)))
+    return out
+
+
+def moe_fields() -> tuple[str, ...]:
+    return representatives(_probe_moe)[0]

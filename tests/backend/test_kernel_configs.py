@@ -306,3 +306,48 @@ def test_paged_attention_on_wide_llvmpipe(vk_default: Backend) -> None:
         pytest.skip("needs llvmpipe")
     out = _paged_child(1024)
     assert f"paged_attention ran sub{attention_kernels.CPU_MAX_LANES} (subgroup size 32)" in out, out[-2000:]
+
+
+# ------------------------------------------------------------------- MoE expert matmul
+
+MOE_CASES = sorted(dc.moe_reachable(), key=lambda c: (c.workgroup, c.rows, c.tokens, c.by_expert))
+
+
+@pytest.mark.parametrize("cfg", MOE_CASES, ids=[f"wg{c.workgroup}-r{c.rows}-t{c.tokens}-e{int(c.by_expert)}"
+                                                for c in MOE_CASES])
+def test_moe_matmul_configuration(cfg: Any, device_as: Any, rng: np.random.Generator,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each expert-matmul split a device selects, in a float and a super-block format, against
+    the reference (the matmul family's bound: the same decode and reduction)."""
+    caps, (tokens, top_k, experts) = dc.moe_reachable()[cfg]
+    vk = device_as(dc.device_fields(caps, dc.moe_fields()))
+    dispatches = Dispatches(vk, monkeypatch)
+    n = 67
+    for dtype, k in (("f32", 100), ("q4_k", 512)):
+        parts = [make_weight(rng, dtype, n, k) for _ in range(experts)]
+        raw = np.concatenate([np.asarray(p[0]) for p in parts])
+        w = vk.upload_weight(raw, dtype, (experts, n, k))
+        ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+        x = rng.standard_normal((tokens, k)).astype(np.float32)
+        drains = vk.counters.drains
+        got = ops.moe_matmul(vk.upload(x), w, vk.upload(ids)).numpy()
+        assert vk.counters.drains == drains
+        err = nmse(got, ops.OPS["moe_matmul"].reference(x, np.stack([p[1] for p in parts]), ids))
+        assert err <= MATMUL_NMSE, f"{cfg} {dtype}: NMSE {err:.3g}"
+    specs = dispatches.of("matmul_id")
+    assert specs and all((s[0], s[1], s[3], s[5]) == (cfg.workgroup, cfg.rows, cfg.tokens, int(cfg.by_expert))
+                         for s in specs)
+
+
+def test_moe_grid_misses_no_configuration() -> None:
+    """Random (tokens, k, experts) beyond the grid select nothing the grid did not."""
+    from vkrt.backend.vulkan.kernels import moe
+
+    rng = np.random.default_rng(11)
+    known = set(dc.moe_reachable())
+    _, devices = dc.representatives(dc._probe_moe)
+    for caps in devices:
+        for _ in range(300):
+            experts = int(rng.integers(1, 257))
+            k, tokens = int(rng.integers(1, experts + 1)), int(rng.integers(1, 600))
+            assert moe.expert_config(caps, tokens * k, experts) in known, (tokens, k, experts)

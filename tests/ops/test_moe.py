@@ -14,9 +14,11 @@ import math
 import numpy as np
 import pytest
 
+from tests.conftest import nmse
 from tests.ops.test_matmul import FORMATS, make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend
+from vkrt.backend.vulkan.kernels.moe import FORMATS as EXPERT_FORMATS
 from vkrt.ops import OpError
 
 
@@ -136,18 +138,102 @@ def test_bad_calls_are_op_errors(ref: Backend) -> None:
         ops.moe_combine(ref.upload(np.zeros((2, 2, 4), np.float32)), ref.upload(np.zeros((2, 3), np.float32)))
 
 
-def test_vulkan_runs_the_reference_after_a_counted_drain(vk: Backend, ref: Backend, rng: np.random.Generator) -> None:
-    """No native MoE kernel yet: on Vulkan each op drains and gives the reference's result."""
-    w = rng.standard_normal((5, 8, 64)).astype(np.float32)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
-    logits = rng.standard_normal((3, 5)).astype(np.float32)
-    results = []
-    for backend in (ref, vk):
-        before = backend.counters.snapshot()
-        ids, weights = ops.moe_router(backend.upload(logits), 2, True)
-        y = ops.moe_combine(ops.moe_matmul(backend.upload(x), backend.upload_weight(w, "f32", w.shape), ids), weights)
-        results.append((ids.numpy(), y.numpy()))
-        drains = backend.counters.since(before).get("drains", 0)
-    assert drains == 3
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    np.testing.assert_array_equal(results[0][1], results[1][1])
+# -- native kernels (shaders/moe.comp, shaders/matmul_id.comp) vs the references ---------------
+# Bounds: router ids exact; router weights rtol 1e-5 (f32 exp and sums against float64;
+# measured <= 1.1e-7 relative); expert matmul NMSE <= the dense matmul's 1e-9 per format
+# (the same decode and reduction); combine 1e-6 relative (an f32 fma chain against a float64
+# sum rounded once; measured <= 5e-7 absolute on values of order 1).
+
+ROUTER_CASES = [(5, 1), (5, 2), (9, 2), (11, 8), (8, 8), (3, 1), (32, 4)]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize(("experts", "k"), ROUTER_CASES)
+def test_native_router_matches_reference(vk: Backend, rng: np.random.Generator, experts: int, k: int,
+                                         normalize: bool) -> None:
+    """Exact ties (integer logits, a row of all-equal logits) and random logits."""
+    tied = rng.integers(-2, 3, size=(13, experts)).astype(np.float32)
+    tied[0] = 1.0
+    spread = rng.standard_normal((70, experts)).astype(np.float32) * 3
+    for logits in (tied, spread):
+        before = vk.counters.snapshot()
+        ids, weights = ops.moe_router(vk.upload(logits), k, normalize)
+        got_ids, got_w = ids.numpy(), weights.numpy()
+        assert vk.counters.since(before)["drains"] == 0
+        want_ids, want_w = ops.OPS["moe_router"].reference(logits, k, normalize)
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+    assert got_ids.dtype == np.int32
+
+
+def _pairs_case(rng: np.random.Generator, tokens: int, experts: int, k: int) -> np.ndarray:
+    """ids [T, k]: each token k distinct experts, as the router gives."""
+    return np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+
+
+# (E, k, T): odd expert counts, k = 1, 2, 8; few tokens (one workgroup row per pair) and many
+# (one per expert, pairs gathered TOKENS at a time).
+MATMUL_CASES = [(5, 1, 1), (5, 2, 3), (9, 8, 2), (3, 2, 13), (7, 1, 40), (9, 8, 5)]
+
+
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS)
+def test_native_moe_matmul_matches_reference(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
+    from tests.ops.test_matmul import NMSE_BOUND, block_k, is_block
+
+    n = 37
+    k = block_k(fmt, 96) if is_block(fmt) else 37
+    for experts, top_k, tokens in MATMUL_CASES:
+        raw, dense = _stacked_experts(rng, fmt, experts, n, k)
+        w = vk.upload_weight(raw, fmt, (experts, n, k))
+        ids = _pairs_case(rng, tokens, experts, top_k)
+        for x in (rng.standard_normal((tokens, k)), rng.standard_normal((tokens, top_k, k))):
+            x = x.astype(np.float32)
+            before = vk.counters.snapshot()
+            got = ops.moe_matmul(vk.upload(x), w, vk.upload(ids)).numpy()
+            assert vk.counters.since(before)["drains"] == 0, f"{fmt}: the op fell back to the reference"
+            want = ops.OPS["moe_matmul"].reference(x, np.stack(dense), ids)
+            err = nmse(got, want)
+            assert err <= NMSE_BOUND[fmt], f"{fmt} E={experts} k={top_k} T={tokens} x{list(x.shape)}: NMSE {err:.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4_1", "q4_k"])
+def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
+    """A pair's row is bit-identical alone (per-pair split) and among 64 tokens routed to the
+    same experts (per-expert split, pairs reduced together), and equals the dense matmul of
+    its expert's matrix bit for bit (the same decode and block order)."""
+    from tests.ops.test_matmul import block_k, is_block
+
+    experts, n = 5, 40
+    k = block_k(fmt, 64) if is_block(fmt) else 64
+    raw, _ = _stacked_experts(rng, fmt, experts, n, k)
+    w = vk.upload_weight(raw, fmt, (experts, n, k))
+    x = rng.standard_normal((64, k)).astype(np.float32)
+    ids = np.array([[1, 3]] * 60 + [[3, 0]] * 4, np.int32)
+    batch = ops.moe_matmul(vk.upload(x), w, vk.upload(ids)).numpy()
+    for t in (0, 17, 63):
+        alone = ops.moe_matmul(vk.upload(x[t : t + 1]), w, vk.upload(ids[t : t + 1])).numpy()
+        assert alone.tobytes() == batch[t : t + 1].tobytes(), f"{fmt} token {t}"
+    expert3 = vk.upload_weight(raw.reshape(experts, -1)[3], fmt, (n, k))
+    dense = ops.matmul(vk.upload(x), expert3).numpy()
+    assert dense[:60].tobytes() == batch[:60, 1].tobytes()
+
+
+def test_native_combine_matches_reference(vk: Backend, rng: np.random.Generator) -> None:
+    for tokens, k, n in ((1, 1, 5), (3, 2, 64), (17, 8, 33)):
+        y = rng.standard_normal((tokens, k, n)).astype(np.float32)
+        weights = rng.random((tokens, k)).astype(np.float32)
+        before = vk.counters.snapshot()
+        got = ops.moe_combine(vk.upload(y), vk.upload(weights)).numpy()
+        assert vk.counters.since(before)["drains"] == 0
+        np.testing.assert_allclose(got, ops.OPS["moe_combine"].reference(y, weights), rtol=1e-6, atol=1e-6)
+
+
+def test_expert_formats_are_the_shader_variants() -> None:
+    """The formats the kernel claims are exactly those matmul_id.comp is compiled for."""
+    from pathlib import Path
+
+    from vkrt.backend.vulkan.kernels import moe
+
+    source = (Path(__file__).resolve().parents[2] / "shaders" / "matmul_id.comp").read_text()
+    line = next(s for s in source.splitlines() if s.startswith("//! variants:"))
+    assert line.split("WFMT=")[1].split()[0].split(",") == list(moe.FORMATS)

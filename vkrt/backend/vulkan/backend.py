@@ -147,7 +147,10 @@ class VulkanBackend(Backend):
         if raw.nbytes != storage_nbytes(shape, dtype):
             raise VkrtError(f"weight {dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
         matrix = len(shape) == 2  # matrices are row-tiled for the matmul kernels, 1-D weights not
-        packed = device_layout(raw.reshape(shape[0], -1) if matrix else raw.reshape(1, -1), dtype, tiled=matrix)
+        if len(shape) == 3:  # stacked experts [E, out, in]: E matrices one after another, each tiled
+            packed = np.concatenate([device_layout(m, dtype) for m in raw.reshape(shape[0], shape[1], -1)])
+        else:
+            packed = device_layout(raw.reshape(shape[0], -1) if matrix else raw.reshape(1, -1), dtype, tiled=matrix)
         self._host_safe()
         tensor = self._new_tensor(tuple(shape), dtype, "weights", nbytes=packed.nbytes)
         self._write_bytes(tensor.handle, packed)
@@ -163,6 +166,8 @@ class VulkanBackend(Backend):
 
         if len(shape) == 2:
             return device_nbytes(dtype, shape[0], shape[1]) + self.memory.alignment
+        if len(shape) == 3:
+            return shape[0] * device_nbytes(dtype, shape[1], shape[2]) + self.memory.alignment
         row = np.zeros((1, storage_nbytes(tuple(shape), dtype)), np.uint8)
         sample = row if is_block_format(dtype) else row.view(NUMPY_DTYPES[dtype])
         return device_layout(sample, dtype, tiled=False).nbytes + self.memory.alignment

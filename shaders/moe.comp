@@ -1,0 +1,72 @@
+#version 450
+#extension GL_GOOGLE_include_directive : require
+//! variants: OP=router,combine ACCESS=texel,ssbo
+// Mixture-of-experts routing and combine (vkrt/ops/moe.py has the references).
+// OP_ROUTER: one invocation per token of logits [T, E]. The k picks are made in order, each
+// the largest logit ranked after the previous pick in the order (logit descending, expert
+// index ascending), so equal logits go to the lower index, as the reference's stable sort
+// does, and no per-token mask is needed (k passes over E logits). Weights are the picks'
+// softmax probabilities over all E (max subtracted, exps summed in index order), divided by
+// their sum when NORMALIZE (norm_topk_prob). ids and weights are written as [T, k].
+// OP_COMBINE: one invocation per output element of [T, N]: sum over slots j = 0..k-1 of
+// weights[t, j] * y[t, j, n], in slot order (a fixed order per element: batch invariant).
+#include "access.glsl"
+DECLARE_LOCAL_SIZE;
+
+#ifdef OP_ROUTER
+IN_F32(0, logits);
+OUT_I32(1, ids);
+RW_F32(2, weights);
+layout(push_constant) uniform Push { uint T; uint E; uint k; uint normalize; } pc;
+
+void main() {
+    uint t = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    if (t >= pc.T) return;
+    uint base = t * pc.E;
+    float m = -1.0 / 0.0;
+    for (uint e = 0u; e < pc.E; e++) m = max(m, LD_F32(logits, base + e));
+    precise float total = 0.0;
+    for (uint e = 0u; e < pc.E; e++) total += exp(LD_F32(logits, base + e) - m);
+    float prev = 1.0 / 0.0;
+    int prev_id = -1;
+    precise float chosen = 0.0;
+    for (uint j = 0u; j < pc.k; j++) {
+        int best = -1;
+        float best_v = -1.0 / 0.0;
+        for (uint e = 0u; e < pc.E; e++) {
+            float v = LD_F32(logits, base + e);
+            bool after = v < prev || (v == prev && int(e) > prev_id);  // ranked after the last pick
+            if (after && (best < 0 || v > best_v)) {
+                best = int(e);
+                best_v = v;
+            }
+        }
+        best = max(best, 0);  // only NaN logits leave no pick; keep the id in range
+        precise float p = exp(best_v - m) / total;
+        ids[t * pc.k + j] = best;
+        weights[t * pc.k + j] = p;
+        chosen += p;
+        prev = best_v;
+        prev_id = best;
+    }
+    if (pc.normalize != 0u) {
+        for (uint j = 0u; j < pc.k; j++) weights[t * pc.k + j] = weights[t * pc.k + j] / chosen;
+    }
+}
+#endif
+
+#ifdef OP_COMBINE
+IN_F32(0, y);        // [T, k, N]
+IN_F32(1, weights);  // [T, k]
+OUT_F32(2, mixed);   // [T, N]
+layout(push_constant) uniform Push { uint T; uint N; uint k; } pc;
+
+void main() {
+    uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    if (i >= pc.T * pc.N) return;
+    uint t = i / pc.N, n = i % pc.N;
+    precise float acc = 0.0;
+    for (uint j = 0u; j < pc.k; j++) acc = fma(LD_F32(weights, t * pc.k + j), LD_F32(y, (t * pc.k + j) * pc.N + n), acc);
+    mixed[i] = acc;
+}
+#endif

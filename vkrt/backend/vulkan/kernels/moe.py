@@ -1,0 +1,135 @@
+"""Mixture-of-experts kernels: moe_router and moe_combine (shaders/moe.comp), moe_matmul
+(shaders/matmul_id.comp, the id-indexed expert matmul).
+
+Routing ids and weights stay in device tensors: the expert matmul reads each pair's
+expert from `ids` on the device, so a sparse layer records with no readback and a MoE
+decode step replays as one submit like a dense one.
+
+The expert weight [E, N, K] is E matrices one after another, each in matmul_vec's
+row-tiled device layout (VulkanBackend.upload_weight), and the shader reduces every
+output with the same quant.glsl helpers in the same block order, so a pair's row equals
+the dense matmul of its expert's matrix bit for bit whichever work split ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.kernels.common import MAX_GROUPS_X, grid_1d, local_size, module
+from vkrt.backend.vulkan.kernels.layouts import (
+    LAYOUTS,
+    TILE_ROWS,
+    device_nbytes,
+    quants_bytes,
+    row_texels,
+)
+from vkrt.backend.vulkan.kernels.matmul import max_tokens
+from vkrt.ops.tensor import Tensor, TensorSpec
+
+# The formats shaders/matmul_id.comp's variants line lists (a test keeps the two equal).
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k",
+           "q6_k", "iq4_xs")
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """Specialisation constants of one expert-matmul dispatch."""
+
+    workgroup: int
+    rows: int  # weight rows per invocation
+    tokens: int  # pairs reduced together per pass (by_expert), else 1
+    by_expert: bool  # workgroup y = expert (gather its pairs), else y = pair
+
+
+def expert_config(caps: Any, pairs: int, experts: int) -> ExpertConfig:
+    """The work split for `pairs` (token, chosen expert) pairs over `experts` experts.
+
+    Per pair while pairs are few (a decode step: each pair is one matvec, nothing to share);
+    by expert once there are at least two pairs per expert on average (prefill), so each
+    decoded weight block serves up to `tokens` pairs, as matmul_vec's token tiles do.
+    Both reduce every output in the same order (the results are bit-identical)."""
+    by_expert = pairs >= 2 * experts
+    if caps.device_type == "cpu":
+        # llvmpipe: 8 lanes (one AVX2 register), 8 rows as matmul_vec's default for
+        # matrices of an expert's size (<= 1280 rows); not tuned separately yet.
+        return ExpertConfig(8, 8, max_tokens(caps) if by_expert else 1, by_expert)
+    # GPUs (unmeasured): one invocation per 2 rows, 64 lanes per workgroup.
+    return ExpertConfig(64, 2, max_tokens(caps) if by_expert else 1, by_expert)
+
+
+def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
+    caps = backend.caps
+    if caps.access_path == "texel":
+        return w.handle.size // 4 <= caps.max_texel_elements and x.numel <= caps.max_texel_elements
+    return w.handle.size <= caps.max_storage_range and x.numel * 4 <= caps.max_storage_range
+
+
+def _matmul_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    x, w, _ = inputs
+    return w.dtype in FORMATS and _fits(w.backend, w, x)
+
+
+def _run_matmul(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, w, ids = inputs
+    experts, n, k = w.shape
+    tokens, top_k = ids.shape
+    y = backend.empty(out[0].shape, "f32")
+    pairs = tokens * top_k
+    if pairs == 0 or n == 0:
+        return (y,)
+    cfg = expert_config(backend.caps, pairs, experts)
+    texel = backend.caps.access_path == "texel"
+    x_vec4 = texel and k % 4 == 0
+    bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False), (x, "f32x4" if x_vec4 else "f32", False),
+                (y, "f32", True), (ids, "i32", False)]
+    side_view = LAYOUTS[w.dtype].side_view
+    if side_view:
+        bindings.append((w, side_view, False))
+    expert_bytes = device_nbytes(w.dtype, n, k)
+    push = ("<11I", (tokens, top_k, experts, n, k, -(-k // 32), row_texels(w.dtype, k),
+                     quants_bytes(w.dtype, n, k) // 4, expert_bytes // 16, expert_bytes // 4, int(len(x.shape) == 3)))
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 5: int(cfg.by_expert), 7: TILE_ROWS}
+    if texel:
+        spec[2] = int(x_vec4)
+    y_groups = experts if cfg.by_expert else pairs
+    if y_groups > MAX_GROUPS_X:
+        raise ValueError(f"moe_matmul: {y_groups} workgroup rows exceed the dispatch limit")
+    row_sets = -(-n // cfg.rows)  # invocations
+    groups = (-(-row_sets // cfg.workgroup), y_groups, 1)
+    backend.run_shader(module(backend, "matmul_id", w.dtype), bindings, groups, push, spec)
+    return (y,)
+
+
+def _run_router(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    (logits,) = inputs
+    tokens, experts = logits.shape
+    top_k = params["top_k"]
+    ids, weights = backend.empty(out[0].shape, "i32"), backend.empty(out[1].shape, "f32")
+    if tokens:
+        backend.run_shader(module(backend, "moe", "router"),
+                           [(logits, "f32", False), (ids, "i32", True), (weights, "f32", True)],
+                           grid_1d(tokens), ("<4I", (tokens, experts, top_k, int(params["normalize"]))),
+                           local_size())
+    return ids, weights
+
+
+def _run_combine(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                 out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    y, weights = inputs
+    tokens, top_k, n = y.shape
+    mixed = backend.empty(out[0].shape, "f32")
+    if tokens * n:
+        backend.run_shader(module(backend, "moe", "combine"),
+                           [(y, "f32", False), (weights, "f32", False), (mixed, "f32", True)],
+                           grid_1d(tokens * n), ("<3I", (tokens, n, top_k)), local_size())
+    return (mixed,)
+
+
+def register(backend: Any) -> None:
+    backend.register_kernel(Kernel("moe_router", "moe.router", _run_router))
+    backend.register_kernel(Kernel("moe_matmul", "matmul_id", _run_matmul, supports=_matmul_supports))
+    backend.register_kernel(Kernel("moe_combine", "moe.combine", _run_combine))
