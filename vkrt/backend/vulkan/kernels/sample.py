@@ -18,10 +18,20 @@ def shared_bytes(lanes: int) -> int:
     return 4 * (2 * MAX_TOP_K * lanes + CHUNK * lanes + 2 * MAX_TOP_K + 2 * lanes)
 
 
+# llvmpipe ends every loop of an invocation once the invocation's loops have made 65535
+# back-edges in all (LP_MAX_TGSI_LOOP_ITERATIONS, shared by all loops of a shader), with no
+# error. A lane here loops over n / W columns twice plus its list insertions, so a row
+# with fewer than 8 lanes (a CPU with 1- or 4-lane subgroups) ran out at vocab >= 4096 and
+# drew from a truncated candidate list (docs/TESTING.md). 8 lanes keep a 152k-token vocab
+# under the limit; the shader needs no subgroup of that size, only barriers.
+MIN_LANES = 8
+
+
 def sample_workgroup(caps: Any) -> int:
-    """The row workgroup (spec constant 0), halved until the per-lane lists fit in shared
-    memory (a 256-lane GPU row would need 165 KiB). The ids do not depend on it."""
-    lanes = row_workgroup(caps)
+    """The row workgroup (spec constant 0): the row kernels' lanes but at least MIN_LANES,
+    halved until the per-lane lists fit in shared memory (a 256-lane GPU row would need
+    165 KiB; 16 lanes fit the Vulkan minimum of 16 KiB). The ids do not depend on it."""
+    lanes = max(MIN_LANES, row_workgroup(caps))
     while lanes > 1 and shared_bytes(lanes) > caps.max_shared_memory:
         lanes //= 2
     return lanes
