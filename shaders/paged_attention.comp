@@ -20,10 +20,20 @@
 //     softmax and the lanes' states merge with subgroup max / add. On llvmpipe (LANES = 8,
 //     its SIMD width) a 9-head decode step becomes 9 tasks of 1/8 of the context each for
 //     the CPU threads instead of 2 walking all of it.
+// Split over the context (flash-decoding, CHUNK > 0, specialisation constant 3): the grid
+// has pc.chunks workgroups (SUB) or invocations (SEQ) per (token, head), chunk c walking the
+// positions [c * CHUNK, (c + 1) * CHUNK) of the window in the order above, and o receives per
+// (token, head, chunk) the partial softmax state: a vec4 (max, sum, 0, 0), then HD4 vec4s of
+// the weighted values, unnormalised. A chunk that holds no position of the window writes the
+// neutral state (max -inf, sum 0, values 0). paged_attention_merge.comp folds the chunks in
+// order. Chunk boundaries are absolute positions, so a token's partials depend only on its
+// own sequence; the grid is sized for the block table's width (fixed at record time) and
+// positions are still read from buffers. Tokens pc.token0.. of the batch are handled.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint HD4 = 16;  // head_dim / 4
 layout(constant_id = 2) const float SOFTCAP = 0.0;
+layout(constant_id = 3) const uint CHUNK = 0u;  // positions per chunk; 0: one walk per (token, head)
 #define SCORE_SOFTCAP SOFTCAP
 
 IN_F32X4(0, q);
@@ -49,6 +59,7 @@ OUT_F32X4(6, o);
 layout(push_constant) uniform Push {
     uint tokens; uint num_heads; uint group; uint kv_dim4;
     uint block_size; uint max_blocks; float scale; uint window;
+    uint chunks; uint token0;  // chunks per (token, head) (1 unless CHUNK > 0); first token handled
 } pc;
 
 #include "softcap.glsl"
@@ -58,33 +69,49 @@ layout(push_constant) uniform Push {
 uint first_position(uint n) { return pc.window > 0u && n > pc.window ? n - pc.window : 0u; }
 // q's pre-scale: into the exp2 domain at once unless scores are capped first.
 float q_prescale() { return SOFTCAP > 0.0 ? pc.scale : pc.scale * LOG2E; }
+// The positions [lo, hi) chunk c of a token with window start `first` and n positions walks.
+uvec2 chunk_range(uint first, uint n, uint c) {
+    return CHUNK > 0u ? uvec2(max(first, c * CHUNK), min(n, (c + 1u) * CHUNK)) : uvec2(first, n);
+}
+// Partial state of chunk (work item) i: (max, sum, 0, 0), then the weighted values.
+uint partial_row(uint i) { return i * (HD4 + 1u); }
+void write_neutral(uint i) {
+    o[partial_row(i)] = vec4(uintBitsToFloat(0xFF800000u), 0.0, 0.0, 0.0);
+    for (uint d = 0u; d < HD4; ++d) o[partial_row(i) + 1u + d] = vec4(0.0);
+}
 
 #ifdef SPLIT_SUB
 layout(constant_id = 0) const uint LANES = 8u;  // = the workgroup size = the subgroup size
 
 void main() {
     uint i = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
-    if (i >= pc.tokens * pc.num_heads) return;  // the whole subgroup leaves together
+    if (i >= pc.tokens * pc.num_heads * pc.chunks) return;  // the whole subgroup leaves together
     uint lane = gl_LocalInvocationID.x;
-    uint t = i / pc.num_heads, h = i % pc.num_heads;
-    uint out_row = i * HD4;
+    uint row = pc.token0 * pc.num_heads + i / pc.chunks;  // (token, head) of the batch
+    uint t = row / pc.num_heads, h = row % pc.num_heads;
+    uint out_row = row * HD4;
     int seq = LD_I32(seq_index, t);
-    if (seq < 0) {
-        if (lane == 0u)
+    if (seq < 0) {  // split: the merge writes the zeros
+        if (lane == 0u && CHUNK == 0u)
             for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
         return;
     }
     // Never read past the block table, whatever positions[t] says.
     uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
+    uvec2 range = chunk_range(first_position(n), n, i % pc.chunks);
+    if (range.x >= range.y) {  // only a chunk outside the window; uniform over the subgroup
+        if (lane == 0u) write_neutral(i);
+        return;
+    }
     float q_scale = q_prescale();
     for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
     attend_begin();
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     // Position p = b * block_size + off, advanced by LANES without a division per step.
-    uint start = first_position(n) + lane;
+    uint start = range.x + lane;
     uint b = start / pc.block_size, off = start % pc.block_size;
-    for (uint p = start; p < n; p += LANES) {
+    for (uint p = start; p < range.y; p += LANES) {
         uint block = uint(LD_I32(block_table, table_row + b));
         attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
         off += LANES;
@@ -94,7 +121,16 @@ void main() {
     // -inf) weighs 0.
     float m = subgroupMax(run_max);
     float f = run_max == uintBitsToFloat(0xFF800000u) ? 0.0 : exp2(run_max - m);
-    float inv_sum = 1.0 / subgroupAdd(run_sum * f);
+    float sum = subgroupAdd(run_sum * f);
+    if (CHUNK > 0u) {
+        if (lane == 0u) o[partial_row(i)] = vec4(m, sum, 0.0, 0.0);
+        for (uint d = 0u; d < HD4; ++d) {
+            vec4 total = subgroupAdd(acc[d] * f);
+            if (lane == 0u) o[partial_row(i) + 1u + d] = total;
+        }
+        return;
+    }
+    float inv_sum = 1.0 / sum;
     for (uint d = 0u; d < HD4; ++d) {
         vec4 total = subgroupAdd(acc[d] * f);
         if (lane == 0u) o[out_row + d] = total * inv_sum;
@@ -103,28 +139,40 @@ void main() {
 #else
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-    if (i >= pc.tokens * pc.num_heads) return;
-    uint t = i / pc.num_heads, h = i % pc.num_heads;
-    uint out_row = i * HD4;
+    if (i >= pc.tokens * pc.num_heads * pc.chunks) return;
+    uint row = pc.token0 * pc.num_heads + i / pc.chunks;  // (token, head) of the batch
+    uint t = row / pc.num_heads, h = row % pc.num_heads;
+    uint out_row = row * HD4;
     int seq = LD_I32(seq_index, t);
-    if (seq < 0) {
-        for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
+    if (seq < 0) {  // split: the merge writes the zeros
+        if (CHUNK == 0u)
+            for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
         return;
     }
     // Never read past the block table, whatever positions[t] says.
     uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
+    uvec2 range = chunk_range(first_position(n), n, i % pc.chunks);
+    if (range.x >= range.y) {  // only a chunk outside the window
+        write_neutral(i);
+        return;
+    }
     float q_scale = q_prescale();
     for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
     attend_begin();
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
-    uint first = first_position(n);
-    for (uint b = first / pc.block_size, start = b * pc.block_size; start < n; start += pc.block_size, ++b) {
+    uint first = range.x;
+    for (uint b = first / pc.block_size, start = b * pc.block_size; start < range.y; start += pc.block_size, ++b) {
         uint block = uint(LD_I32(block_table, table_row + b));
-        uint j = first > start ? first - start : 0u;  // only the window's first block starts inside
-        uint row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
-        uint count = min(pc.block_size, n - start);
-        for (; j < count; ++j, row += pc.kv_dim4) attend_position(row);
+        uint j = first > start ? first - start : 0u;  // only the range's first block starts inside
+        uint kv_row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
+        uint count = min(pc.block_size, range.y - start);
+        for (; j < count; ++j, kv_row += pc.kv_dim4) attend_position(kv_row);
+    }
+    if (CHUNK > 0u) {
+        o[partial_row(i)] = vec4(run_max, run_sum, 0.0, 0.0);
+        for (uint d = 0u; d < HD4; ++d) o[partial_row(i) + 1u + d] = acc[d];
+        return;
     }
     float inv_sum = 1.0 / run_sum;
     for (uint d = 0u; d < HD4; ++d) o[out_row + d] = acc[d] * inv_sum;

@@ -5,8 +5,11 @@ specialisation constant 1) and runs an online softmax over the context. `attenti
 invocation per (token, head) in position order. `paged_attention` (every model step) is one
 subgroup per (token, head) whose lanes split the positions round-robin and merge with
 subgroup max / add where the device has subgroup arithmetic (`paged_split`), else that same
-one-invocation walk. A sliding window is a push constant (the walk starts at the window's
-first position); a logit softcap is specialisation constant 2, so layers without one run
+one-invocation walk; where `paged_chunk` allows (GPUs), a block table wider than PAGED_CHUNK
+positions also splits the context into fixed chunks whose partial states
+paged_attention_merge.comp folds (flash-decoding).
+A sliding window is a push constant (the walk starts at the window's first position); a
+logit softcap is specialisation constant 2, so layers without one run
 the same code as before. Either way the order depends only on per-device constants, so a
 token's result never depends on the rest of the batch.
 """
@@ -33,6 +36,25 @@ NVIDIA = 0x10DE
 # 16-lane subgroups (gl_NumSubgroups 2, subgroupAdd(1.0) = 16) and a subgroup merge over 32
 # lanes silently drops half of them.
 CPU_MAX_LANES = 16
+# Flash-decoding: where paged_chunk says so, a block table wider than PAGED_CHUNK positions
+# splits each (token, head) over chunks of this many positions (a fixed size, so a token's
+# chunks and their merge order never depend on the batch) and paged_attention_merge folds
+# them. A token whose positions fit one chunk gets the same bits either way. Scratch for the
+# partial states is taken PAGED_SCRATCH_BYTES at most at a time (token slabs), so a long
+# prefill stays bounded.
+PAGED_CHUNK = 256
+PAGED_SCRATCH_BYTES = 16 << 20
+
+
+def paged_chunk(caps: Any) -> int:
+    """Positions per chunk where paged_attention splits the context, 0 where it never does.
+
+    GPUs split: a decode step's few (token, head) workgroups would leave most compute units
+    idle. CPU devices do not: llvmpipe's threads (one per core) are already all busy with
+    the (token, head) workgroups, and the split's extra workgroups, partial-state stores and
+    merge dispatch measured slower there (docs/BENCHMARKS.md).
+    """
+    return 0 if caps.device_type == "cpu" else PAGED_CHUNK
 
 
 def paged_split(caps: Any) -> tuple[str, int]:
@@ -91,15 +113,28 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     kind = "u32x2" if k_cache.dtype == "f16" else "f32x4"
     y = backend.empty(out[0].shape, "f32")
     split, lanes = paged_split(backend.caps)
-    groups = grid_1d(tokens * num_heads, 1 if split == "sub" else lanes)
-    backend.run_shader(module(backend, "paged_attention", k_cache.dtype, split),
-                       [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
-                        (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
-                        (y, "f32x4", True)],
-                       groups,
-                       ("<IIIIIIfI", (tokens, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
-                                      block_table.shape[1], params["scale"], params.get("window", 0))),
-                       {0: lanes, 1: head_dim // 4, 2: float_bits(params.get("softcap", 0.0))})
+    chunk = paged_chunk(backend.caps)
+    chunks = -(-block_table.shape[1] * block_size // chunk) if chunk else 1
+    hd4 = head_dim // 4
+    slab = tokens if chunks == 1 else max(1, PAGED_SCRATCH_BYTES // (num_heads * chunks * (hd4 + 1) * 16))
+    for token0 in range(0, tokens, slab):
+        count = min(slab, tokens - token0)
+        partials = y if chunks == 1 else backend.empty((count * num_heads * chunks, 4 * (hd4 + 1)), "f32")
+        backend.run_shader(module(backend, "paged_attention", k_cache.dtype, split),
+                           [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
+                            (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
+                            (partials, "f32x4", True)],
+                           grid_1d(count * num_heads * chunks, 1 if split == "sub" else lanes),
+                           ("<IIIIIIfIII", (count, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
+                                            block_table.shape[1], params["scale"], params.get("window", 0),
+                                            chunks, token0)),
+                           {0: lanes, 1: hd4, 2: float_bits(params.get("softcap", 0.0)),
+                            3: chunk if chunks > 1 else 0})
+        if chunks > 1:
+            backend.run_shader(module(backend, "paged_attention_merge"),
+                               [(partials, "f32x4", False), (seq_index, "i32", False), (y, "f32x4", True)],
+                               grid_1d(count * num_heads * hd4),
+                               ("<IIIII", (count, num_heads, hd4, chunks, token0)), local_size())
     return (y,)
 
 
