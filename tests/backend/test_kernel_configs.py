@@ -229,7 +229,9 @@ def test_sample_top_k_at_every_lane_count(lanes: int, device_as: Any, rng: np.ra
 # ------------------------------------------------------------------------- paged attention
 
 def _paged_checks(vk: Backend, rng: np.random.Generator) -> int:
-    """paged_attention vs its reference on a few shapes (contexts 1..300, GQA); returns cases."""
+    """paged_attention vs its reference on a few shapes (contexts 1..300, GQA); returns cases.
+    The 300-position table spans two PAGED_CHUNKs: where the configuration splits the
+    context, that call runs split."""
     from tests.ops.test_attention import _paged_case
 
     count = 0
@@ -251,50 +253,70 @@ def _paged_checks(vk: Backend, rng: np.random.Generator) -> int:
 # llvmpipe reports subgroupSize = vector width / 32 but compiles compute shaders at most 16
 # lanes wide (CPU_MAX_LANES), so no llvmpipe has a subgroup for the 32-lane and wider splits
 # (NVIDIA's 32): there a 32-invocation workgroup is two subgroups and the merge drops one.
-PAGED_CASES = sorted(dc.reachable("paged"))
 
 
-def _paged_child(width: int) -> str:
+def _paged_config(caps: Any) -> tuple[str, int, int]:
+    """paged_attention's (variant, lanes, chunk): the split over lanes and over the context."""
+    return (*attention_kernels.paged_split(caps), attention_kernels.paged_chunk(caps))
+
+
+PAGED_FIELDS, _PAGED_DEVICES = dc.representatives(dc._probe(_paged_config))
+PAGED_REACHABLE: dict[tuple[str, int, int], Any] = {}
+for _caps in _PAGED_DEVICES:
+    PAGED_REACHABLE.setdefault(_paged_config(_caps), _caps)
+PAGED_CASES = sorted(PAGED_REACHABLE)
+
+
+def _paged_spec_chunks(dispatches: Dispatches, chunk: int) -> None:
+    """Both the unsplit walk and, where the configuration splits, the chunked one ran."""
+    assert {spec[3] for spec in dispatches.of("paged_attention")} == ({0, chunk} if chunk else {0})
+
+
+def _paged_child(width: int, chunk: int) -> str:
     """test_paged_attention_on_this_device in a child process whose llvmpipe has `width`-bit vectors."""
     env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": str(width)}
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            f"{Path(__file__).relative_to(REPO)}::test_paged_attention_on_this_device"],
+                            f"{Path(__file__).relative_to(REPO)}::test_paged_attention_on_this_device[{chunk}]"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
     return child.stdout
 
 
-@pytest.mark.parametrize("split", PAGED_CASES, ids=[f"{v}{n}" for v, n in PAGED_CASES])
-def test_paged_attention_configuration(split: tuple[str, int], device_as: Any, vk_default: Backend,
+@pytest.mark.parametrize("config", PAGED_CASES, ids=[f"{v}{n}-chunk{c}" for v, n, c in PAGED_CASES])
+def test_paged_attention_configuration(config: tuple[str, int, int], device_as: Any, vk_default: Backend,
                                        rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each (variant, lanes): here when this device has that subgroup size, else in a child
-    process whose llvmpipe is set to that vector width."""
-    variant, lanes = split
+    """Each (variant, lanes, chunk): here when this device has that subgroup size, else in a
+    child process whose llvmpipe is set to that vector width."""
+    variant, lanes, chunk = config
     here = vk_default.caps  # type: ignore[attr-defined]
     if variant == "sub" and lanes != here.subgroup_size:
         if "llvmpipe" not in here.name or lanes > attention_kernels.CPU_MAX_LANES:
             pytest.skip(f"subgroup size {lanes} needs a device that has it ({here.name} has {here.subgroup_size}"
                         f"; llvmpipe at most {attention_kernels.CPU_MAX_LANES})")
-        out = _paged_child(32 * lanes)
-        assert f"paged_attention ran sub{lanes} " in out, out[-2000:]
+        out = _paged_child(32 * lanes, chunk)
+        assert f"paged_attention ran sub{lanes} chunk {chunk} " in out, out[-2000:]
         return
-    caps = dc.reachable("paged")[split]
-    vk = device_as(dc.device_fields(caps, dc.fields_of("paged")))
+    vk = device_as(dc.device_fields(PAGED_REACHABLE[config], PAGED_FIELDS))
     dispatches = Dispatches(vk, monkeypatch)
     assert _paged_checks(vk, rng) == 3
-    names = [name for name, _ in dispatches.seen if name.startswith("paged_attention")]
+    names = [name for name, _ in dispatches.seen if name.split(".")[0] == "paged_attention"]
     assert names and all(f".{variant}." in name for name in names)
     assert {spec[0] for spec in dispatches.of("paged_attention")} == {lanes}
+    _paged_spec_chunks(dispatches, chunk)
 
 
-def test_paged_attention_on_this_device(vk_default: Backend, rng: np.random.Generator,
+@pytest.mark.parametrize("chunk", sorted({c for _, _, c in PAGED_CASES}))
+def test_paged_attention_on_this_device(chunk: int, vk_default: Backend, rng: np.random.Generator,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """paged_attention with the split this device selects (the child process of the test above)."""
+    """paged_attention with the split this device selects and `chunk` (the child process above)."""
     variant, lanes = attention_kernels.paged_split(vk_default.caps)  # type: ignore[attr-defined]
+    monkeypatch.setattr(attention_kernels, "paged_chunk", lambda caps: chunk)
     dispatches = Dispatches(vk_default, monkeypatch)
     assert _paged_checks(vk_default, rng) == 3
     assert {spec[0] for spec in dispatches.of("paged_attention")} == {lanes}
-    print(f"paged_attention ran {variant}{lanes} (subgroup size {vk_default.caps.subgroup_size})")  # type: ignore[attr-defined]
+    _paged_spec_chunks(dispatches, chunk)
+    size = vk_default.caps.subgroup_size  # type: ignore[attr-defined]
+    print(f"paged_attention ran {variant}{lanes} chunk {chunk} (subgroup size {size})")
 
 
 def test_paged_attention_on_wide_llvmpipe(vk_default: Backend) -> None:
@@ -302,8 +324,8 @@ def test_paged_attention_on_wide_llvmpipe(vk_default: Backend) -> None:
     takes 16 lanes there, and the result matches the reference."""
     if "llvmpipe" not in vk_default.caps.name:  # type: ignore[attr-defined]
         pytest.skip("needs llvmpipe")
-    out = _paged_child(1024)
-    assert f"paged_attention ran sub{attention_kernels.CPU_MAX_LANES} (subgroup size 32)" in out, out[-2000:]
+    out = _paged_child(1024, 0)
+    assert f"paged_attention ran sub{attention_kernels.CPU_MAX_LANES} chunk 0 (subgroup size 32)" in out, out[-2000:]
 
 
 # ------------------------------------------------------------------- MoE expert matmul
