@@ -21,7 +21,7 @@ OUT_F32(2, y);
 layout(push_constant) uniform Push { uint n; uint D; uint blocks; uint s_base; uint d_base; } pc;
 
 #include "tiles.glsl"  // the table is row-tiled; offsets below are in 32-bit words
-#include "quant.glsl"  // IQ4_LEVELS, q3_k_sc
+#include "quant.glsl"  // iq4_level, q3_k_sc
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -75,7 +75,7 @@ void main() {
     uint e0 = LD_U32(table, entry), e1 = LD_U32(table, entry + 1u);
     int sc = int(((e1 >> (4u * s)) & 0xFu) | (((e0 >> (16u + 2u * s)) & 3u) << 4)) - 32;
     precise float dl = unpackHalf2x16(e0).x * float(sc);
-    v = dl * IQ4_LEVELS[nibble];
+    v = dl * iq4_level(nibble);
 #elif defined(WFMT_Q4_K) || defined(WFMT_Q5_K)
 #ifdef WFMT_Q4_K
     uint w = LD_U32(table, tiled(row, pc.blocks, blk, 4u) + j / 4u);
@@ -137,7 +137,7 @@ void main() {
 #elif defined(WFMT_Q5_0)
     v = dm.x * (q - 16.0);
 #elif defined(WFMT_IQ4_NL)
-    v = dm.x * IQ4_LEVELS[nibble];
+    v = dm.x * iq4_level(nibble);
 #else
     v = dm.x * q + dm.y;
 #endif

@@ -65,12 +65,22 @@ void q5_block(uvec4 t, uint qh, out vec4 w[8]) {
     w[4] = q5_vals(t.x >> 4, qh, 16u); w[5] = q5_vals(t.y >> 4, qh, 20u);
     w[6] = q5_vals(t.z >> 4, qh, 24u); w[7] = q5_vals(t.w >> 4, qh, 28u);
 }
-// iq4_nl: q4's nibbles index the 16 non-linear levels of vkrt.ops.formats.IQ4_LEVELS.
-const float IQ4_LEVELS[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
-                                       1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+// iq4_nl / iq4_xs: q4's nibbles index the 16 non-linear levels of vkrt.ops.formats.IQ4_LEVELS
+// (-127 ... 113), computed, not looked up: the degree-4 minimax polynomial through them
+// (IQ4_POLY, highest power first) is within 0.433 of every level, so rounding it gives each
+// level exactly (tests/ops/test_formats.py checks all 16, with and without fma). Measured on
+// llvmpipe (docs/BENCHMARKS.md): indexing a const float[16] per value made the iq4_nl
+// matvec ~10x slower than q4_0's; computed, it is ~2x (the polynomial is 4 multiply-adds
+// and a round per value where q4_0 decodes with a shift and a mask).
+const float IQ4_POLY[5] = float[5](0.0015860428, 0.03108644, -1.371927, 24.17383, -126.56701);
+vec4 iq4_levels(vec4 q) {
+    precise vec4 p = fma(fma(fma(fma(vec4(IQ4_POLY[0]), q, vec4(IQ4_POLY[1])), q, vec4(IQ4_POLY[2])), q,
+                             vec4(IQ4_POLY[3])), q, vec4(IQ4_POLY[4]));
+    return roundEven(p);
+}
+float iq4_level(uint i) { return iq4_levels(vec4(float(i))).x; }
 vec4 iq4_vals(uint w, uint shift) {
-    uvec4 i = (uvec4(w) >> (uvec4(0u, 8u, 16u, 24u) + shift)) & 0xFu;
-    return vec4(IQ4_LEVELS[i.x], IQ4_LEVELS[i.y], IQ4_LEVELS[i.z], IQ4_LEVELS[i.w]);
+    return iq4_levels(vec4((uvec4(w) >> (uvec4(0u, 8u, 16u, 24u) + shift)) & 0xFu));
 }
 void iq4_block(uvec4 t, out vec4 w[8]) {
     w[0] = iq4_vals(t.x, 0u); w[1] = iq4_vals(t.y, 0u); w[2] = iq4_vals(t.z, 0u); w[3] = iq4_vals(t.w, 0u);

@@ -4,12 +4,15 @@ package (type id, block size and bytes), and each numpy decoder equals
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
-from vkrt.ops.formats import BLOCK_FORMATS, FORMATS, by_gguf_type, weight_format
+from vkrt.ops.formats import BLOCK_FORMATS, FORMATS, IQ4_LEVELS, by_gguf_type, weight_format
 from vkrt.ops.quant import dequantize
 from vkrt.ops.tensor import storage_nbytes
 
@@ -49,6 +52,24 @@ def test_decoder_is_bit_exact_with_gguf(rng: np.random.Generator, name: str) -> 
     assert got.dtype == np.float32 and got.shape == (7, 3 * fmt.block_values)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), name
     assert storage_nbytes((7, 3 * fmt.block_values), name) == raw.nbytes
+
+
+def test_iq4_polynomial_gives_every_level() -> None:
+    """shaders/include/quant.glsl computes IQ4_LEVELS as round(IQ4_POLY(q)) instead of
+    indexing a table: exact for all 16 indices, whether a device fuses the multiply-adds
+    (one rounding each) or not (two), with room to spare."""
+    source = (Path(__file__).resolve().parents[2] / "shaders" / "include" / "quant.glsl").read_text()
+    found = re.search(r"IQ4_POLY\[5\] = float\[5\]\(([^)]*)\)", source)
+    assert found, "IQ4_POLY not found in quant.glsl"
+    coeffs = np.array([float(c) for c in found.group(1).split(",")], np.float32)
+    q = np.arange(16, dtype=np.float32)
+    split, fused = np.full(16, coeffs[0], np.float32), np.full(16, coeffs[0], np.float32)
+    for c in coeffs[1:]:
+        split = (split * q).astype(np.float32) + c
+        fused = (fused.astype(np.float64) * q + np.float64(c)).astype(np.float32)
+    for p in (split, fused):
+        assert np.array_equal(np.round(p), IQ4_LEVELS)
+        assert np.abs(p - IQ4_LEVELS).max() < 0.45
 
 
 def test_zero_scales_decode_to_zero(rng: np.random.Generator) -> None:
