@@ -7,6 +7,7 @@
 // scale: y = x * param (one rounded f32 product). softcap: y = param * tanh(x / param).
 #include "access.glsl"
 #include "softcap.glsl"
+#include "gelu.glsl"
 DECLARE_LOCAL_SIZE;
 
 #if defined(OP_ADD) || defined(OP_MUL)
@@ -44,9 +45,7 @@ void main() {
 #if defined(OP_SILU_MUL)
     y[i] = g / (1.0 + exp(-g)) * u;
 #else
-    // 0.5 * g * (1 + tanh(z)) == g * sigmoid(2z): no cancellation where tanh(z) -> -1.
-    float z = 0.7978845608028654 * (g + 0.044715 * g * g * g);
-    y[i] = g / (1.0 + exp(-2.0 * z)) * u;
+    y[i] = gelu_tanh_mul(g, u);
 #endif
 #endif
 }

@@ -20,12 +20,17 @@
 // multiplied by the norm weight g as they load, and the finished sums are scaled by
 // 1 / sqrt(mean(x^2) + eps): y = inv * sum(w * (x * g)), where the unfused pair computes
 // sum(w * ((x * inv) * g)). Equal up to f32 rounding (the bound is in the parity test).
+// GELU (spec constant 10) makes the gate gelu_tanh (GeGLU, matmul_gelu_tanh_and_mul), in
+// elementwise.comp's gelu_mul expression, bit-identical to matmul then gelu_tanh_and_mul.
+// OUT_SCALE (spec constant 11, float bits; Granite's residual multiplier): y = (x @ w.T) *
+// scale, one rounded product as the scale op, before FUSE_ADD's add.
 // FUSE_ADD (matmul_add): y = x @ w.T + residual, the residual add of a block's output
 // projection, bit-identical to matmul then add.
 // FUSE_QKV (rms_norm_qkv_rope_kv_write): FUSE_RMS's prologue, the stacked qkv projection,
 // then include/qkv_epilogue.glsl (rope, q out, k and v into an f32 or f16 cache: spec
 // constant KV_F16, so both caches share one module per format).
 #include "access.glsl"
+#include "gelu.glsl"
 #ifdef FUSE_QKV
 #define FUSE_RMS
 #define QKV_EPILOGUE
@@ -34,6 +39,8 @@ DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
 layout(constant_id = 3) const uint TOKENS = 1u;
 layout(constant_id = 4) const uint GATES = 1u;  // weight rows per output row: 1 or 2 (gated)
+layout(constant_id = 10) const bool GELU = false;  // the gated activation: gelu_tanh, else silu
+layout(constant_id = 11) const float OUT_SCALE = 1.0;
 const uint WROWS = ROWS * GATES;
 // SPLIT > 1 (GPUs): split-K. The workgroup is SPLIT lanes sharing one set of ROWS rows x
 // TOKENS tokens; lane j folds blocks j, j + SPLIT, ... in order (each in quant.glsl's block
@@ -196,7 +203,15 @@ void main() {
                 float g = acc[tt * WROWS + r] * inv;
                 if (GATES == 2u) {
                     float u = acc[tt * WROWS + ROWS + r] * inv;
-                    g = g / (1.0 + exp(-g)) * u;  // elementwise.comp's silu_mul, verbatim
+                    if (GELU) {
+                        g = gelu_tanh_mul(g, u);  // include/gelu.glsl, as elementwise.comp's gelu_mul
+                    } else {
+                        g = g / (1.0 + exp(-g)) * u;  // elementwise.comp's silu_mul, verbatim
+                    }
+                }
+                if (OUT_SCALE != 1.0) {
+                    precise float scaled = g * OUT_SCALE;
+                    g = scaled;
                 }
 #ifdef FUSE_ADD
                 g += LD_F32(residual, (t0 + tt) * pc.N + row0 + r);

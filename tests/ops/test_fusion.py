@@ -85,6 +85,36 @@ def test_post_norm_joins_the_residual_add(vk_default: Backend, rng: np.random.Ge
     assert got.tobytes() == unfused(lambda: ops.add(ops.rms_norm(out, g, EPS), h).numpy()).tobytes()
 
 
+def test_geglu_folds_like_swiglu(vk_default: Backend, tensors: dict[str, Tensor]) -> None:
+    """Gemma's GeGLU: gelu_tanh_and_mul(matmul(rms_norm(x))) is one gated dispatch too."""
+    x, g, w2 = tensors["x"], tensors["g"], tensors["w2"]
+    got, ran, delta = ran_ops(vk_default, lambda: ops.gelu_tanh_and_mul(ops.matmul(ops.rms_norm(x, g, EPS), w2)).numpy())
+    assert ran == {"rms_norm_matmul"} and delta["dispatches"] == 1
+    want = unfused(lambda: ops.rms_norm_matmul(x, g, w2, EPS, gated=True, activation="gelu_tanh").numpy())
+    assert got.tobytes() == want.tobytes()
+    got, ran, _ = ran_ops(vk_default, lambda: ops.gelu_tanh_and_mul(ops.matmul(x, w2)).numpy())
+    assert ran == {"matmul_gelu_tanh_and_mul"}
+    assert got.tobytes() == unfused(lambda: ops.gelu_tanh_and_mul(ops.matmul(x, w2)).numpy()).tobytes()
+
+
+@pytest.mark.parametrize("branch_first", [True, False])
+def test_scaled_residual_joins_the_projection(vk_default: Backend, tensors: dict[str, Tensor],
+                                              branch_first: bool) -> None:
+    """Granite's residual multiplier: add(scale(matmul(x, w), s), r) is one matmul_add."""
+    x, w, r = tensors["x"], tensors["w"], tensors["r"]
+
+    def fn() -> np.ndarray:
+        y = ops.scale(ops.matmul(x, w), 0.22)
+        return (ops.add(y, r) if branch_first else ops.add(r, y)).numpy()
+
+    got, ran, delta = ran_ops(vk_default, fn)
+    assert ran == {"matmul_add"} and delta["dispatches"] == 1
+    assert got.tobytes() == unfused(lambda: ops.add(ops.scale(ops.matmul(x, w), 0.22), r).numpy()).tobytes()
+    alone, ran, _ = ran_ops(vk_default, lambda: ops.scale(ops.matmul(x, w), 0.22).numpy())
+    assert ran == {"matmul"}
+    assert alone.tobytes() == unfused(lambda: ops.scale(ops.matmul(x, w), 0.22).numpy()).tobytes()
+
+
 def test_gated_mlp_input_folds_norm_matmul_and_gate(vk_default: Backend, tensors: dict[str, Tensor]) -> None:
     x, g, w2 = tensors["x"], tensors["g"], tensors["w2"]
     got, ran, delta = ran_ops(vk_default, lambda: ops.silu_and_mul(ops.matmul(ops.rms_norm(x, g, EPS), w2)).numpy())

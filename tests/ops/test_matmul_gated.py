@@ -57,6 +57,27 @@ def test_fused_equals_unfused(vk: Backend, rng: np.random.Generator, fmt: str, p
             assert err <= NMSE_BOUND, f"{fmt} {path} K={k} T={t}: NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("path", ["vec", "tiled"])
+@pytest.mark.parametrize("fmt", ["f32", "q4_1", "q4_k"])
+def test_gelu_fused_equals_unfused(vk: Backend, rng: np.random.Generator, fmt: str, path: str) -> None:
+    """matmul_gelu_tanh_and_mul (GeGLU: spec constant 10 of the same modules) vs matmul then
+    the native gelu_tanh_and_mul, bit for bit; the activation is independent of the format."""
+    f = 37
+    for k in k_for(fmt):
+        raw, dense = make_weight(rng, fmt, 2 * f, k)
+        w = vk.upload_weight(raw, fmt, (2 * f, k))
+        for t in TOKENS:
+            x = rng.standard_normal((t, k)).astype(np.float32) * 4.0
+            xt = vk.upload(x)
+            got = run(vk, "matmul_gelu_tanh_and_mul", f"matmul_gelu_tanh_and_mul.{path}", xt, w, f).numpy()
+            want = ops.gelu_tanh_and_mul(run(vk, "matmul", f"matmul.{path}", xt, w, 2 * f)).numpy()
+            same = got.view(np.uint32) == want.view(np.uint32)
+            assert same.all(), f"{fmt} {path} K={k} T={t}: {(~same).sum()} values differ from unfused"
+            with np.errstate(over="ignore"):
+                expected = ops.OPS["matmul_gelu_tanh_and_mul"].reference(x, dense)
+            assert nmse(got, expected) <= NMSE_BOUND, f"{fmt} {path} K={k} T={t}"
+
+
 @pytest.mark.parametrize("fmt", ["f32", "q4_1"])
 def test_selection_and_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
     """The op picks vec for few tokens and tiled for many, never drains, and row t of a

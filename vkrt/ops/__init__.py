@@ -31,9 +31,15 @@ def matmul_silu_and_mul(x: Tensor, w: Tensor) -> Tensor:
     return dispatch("matmul_silu_and_mul", x, w)
 
 
-def rms_norm_matmul(x: Tensor, g: Tensor, w: Tensor, eps: float, gated: bool = False) -> Tensor:
-    """matmul(rms_norm(x, g, eps), w) in one dispatch (matmul_silu_and_mul when gated)."""
-    return dispatch("rms_norm_matmul", x, g, w, eps=float(eps), gated=bool(gated))
+def matmul_gelu_tanh_and_mul(x: Tensor, w: Tensor) -> Tensor:
+    """gelu_tanh_and_mul(matmul(x, w)) of w = [gate; up] [2F, K]: y [T, F] in one dispatch."""
+    return dispatch("matmul_gelu_tanh_and_mul", x, w)
+
+
+def rms_norm_matmul(x: Tensor, g: Tensor, w: Tensor, eps: float, gated: bool = False,
+                    activation: str = "silu") -> Tensor:
+    """matmul(rms_norm(x, g, eps), w) in one dispatch (its gated form with `activation` when gated)."""
+    return dispatch("rms_norm_matmul", x, g, w, eps=float(eps), gated=bool(gated), activation=activation)
 
 
 def matmul_add(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
@@ -198,7 +204,7 @@ def op_names() -> list[str]:
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "concat_columns", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_router", "mul", "op_names", "paged_attention",
+    "layer_norm", "matmul", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_router", "mul", "op_names", "paged_attention",
     "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rope",
     "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
 ]

@@ -6,8 +6,11 @@ one fused op, if the backend has a kernel for that call:
 
     matmul(rms_norm(x, g), w)                 -> rms_norm_matmul(x, g, w)
     silu_and_mul(matmul(x, w))                -> matmul_silu_and_mul(x, w)
+    gelu_tanh_and_mul(matmul(x, w))           -> matmul_gelu_tanh_and_mul(x, w)
     silu_and_mul(rms_norm_matmul(x, g, w))    -> rms_norm_matmul(x, g, w, gated=True)
-    add(matmul(x, w), r)  (either order)      -> matmul_add(x, w, r)
+      (and gelu_tanh_and_mul likewise, with activation="gelu_tanh")
+    scale(matmul(x, w), s)                    -> matmul(x, w, scale=s)  (still pending)
+    add(matmul(x, w[, scale]), r)  (either order) -> matmul_add(x, w, r[, scale])
     add(rms_norm(x, g), r)  (either order)    -> rms_norm_add(x, g, r)
     qkv_rope_kv_write(rms_norm_matmul(...))   -> rms_norm_qkv_rope_kv_write(...)
 
@@ -111,21 +114,33 @@ def _fold_matmul(x: Tensor, w: Tensor) -> Call | None:
     return "rms_norm_matmul", (h, g, w), {"eps": norm.params["eps"], "gated": False}
 
 
-def _fold_silu_and_mul(y: Tensor) -> Call | None:
-    mm = _producer(y, "matmul")
-    if mm is not None:
-        return "matmul_silu_and_mul", mm.inputs, {}
-    nm = _producer(y, "rms_norm_matmul")
-    if nm is not None and not nm.params["gated"]:
-        return "rms_norm_matmul", nm.inputs, {**nm.params, "gated": True}
-    return None
+def _unscaled_matmul(t: Tensor) -> Pending | None:
+    mm = _producer(t, "matmul")
+    return mm if mm is not None and mm.params.get("scale", 1.0) == 1.0 else None
+
+
+def _fold_gated(activation: str, fused: str) -> Callable[[Tensor], Call | None]:
+    def rule(y: Tensor) -> Call | None:
+        mm = _unscaled_matmul(y)
+        if mm is not None:
+            return fused, mm.inputs, {}
+        nm = _producer(y, "rms_norm_matmul")
+        if nm is not None and not nm.params["gated"]:
+            return "rms_norm_matmul", nm.inputs, {**nm.params, "gated": True, "activation": activation}
+        return None
+    return rule
+
+
+def _fold_scale(x: Tensor, factor: float) -> Call | None:
+    mm = _unscaled_matmul(x)  # one product, as scale rounds it: never two scales folded into one
+    return ("matmul", mm.inputs, {"scale": factor}) if mm is not None else None
 
 
 def _fold_add(a: Tensor, b: Tensor) -> Call | None:
     for branch, residual in ((a, b), (b, a)):
         mm = _producer(branch, "matmul")
         if mm is not None and residual.shape == branch.shape and residual.dtype == "f32":
-            return "matmul_add", (*mm.inputs, residual), {}
+            return "matmul_add", (*mm.inputs, residual), dict(mm.params)
     for branch, residual in ((a, b), (b, a)):
         norm = _producer(branch, "rms_norm")
         if norm is not None and residual.shape == branch.shape and residual.dtype == "f32":
@@ -142,7 +157,9 @@ def _fold_qkv_rope_kv_write(qkv: Tensor, *rest: Tensor, **params: Any) -> Call |
 
 FOLDS: dict[str, Callable[..., Call | None]] = {
     "matmul": _fold_matmul,
-    "silu_and_mul": _fold_silu_and_mul,
+    "silu_and_mul": _fold_gated("silu", "matmul_silu_and_mul"),
+    "gelu_tanh_and_mul": _fold_gated("gelu_tanh", "matmul_gelu_tanh_and_mul"),
+    "scale": _fold_scale,
     "add": _fold_add,
     "qkv_rope_kv_write": _fold_qkv_rope_kv_write,
 }

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops.elementwise import silu_and_mul
+from vkrt.ops.elementwise import gelu_tanh_and_mul, silu_and_mul
+from vkrt.ops.elementwise import scale as scale_op
 from vkrt.ops.norm import rms_norm
 from vkrt.ops.quant import bf16_to_f32
 from vkrt.ops.registry import register_op, require
@@ -18,8 +19,9 @@ def _weight_values(w: np.ndarray) -> np.ndarray:
     return bf16_to_f32(w) if w.dtype == np.uint16 else w
 
 
-def _matmul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
+def _matmul_infer(x: TensorSpec, w: TensorSpec, scale: float = 1.0) -> tuple[TensorSpec, ...]:
     specs = (x, w)
+    require(bool(np.isfinite(scale)), "matmul", specs, f"scale must be finite, got {scale}")
     require(x.dtype == "f32" and len(x.shape) == 2, "matmul", specs, "x must be f32 [T, K]")
     require(w.dtype in WEIGHT_DTYPES and len(w.shape) == 2, "matmul", specs,
             f"w must be [N, K] in one of {WEIGHT_DTYPES}")
@@ -28,14 +30,16 @@ def _matmul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
 
 
 @register_op("matmul", _matmul_infer)
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T with w [N, K] (PyTorch Linear layout), accumulated in float64.
+def matmul(x: np.ndarray, w: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """x @ w.T with w [N, K] (PyTorch Linear layout), accumulated in float64; times `scale`
+    as the scale op rounds it when given (what scale(matmul(x, w), s) fuses to).
 
     Weights arrive dequantized; the reference backend caches them as float64 once, so
     no per-call conversion of a large LM head happens here.
     """
     w64 = _weight_values(w).astype(np.float64, copy=False)
-    return (np.asarray(x, dtype=np.float64) @ w64.T).astype(np.float32)
+    y = (np.asarray(x, dtype=np.float64) @ w64.T).astype(np.float32)
+    return y if scale == 1.0 else scale_op(y, scale)
 
 
 def _matmul_silu_and_mul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
@@ -50,8 +54,24 @@ def matmul_silu_and_mul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return silu_and_mul(matmul(x, w))
 
 
+def _matmul_gelu_tanh_and_mul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
+    (y,) = _matmul_infer(x, w)
+    require(w.shape[0] % 2 == 0, "matmul_gelu_tanh_and_mul", (x, w), "w must stack [gate; up]: even rows")
+    return (TensorSpec((x.shape[0], w.shape[0] // 2), "f32"),)
+
+
+@register_op("matmul_gelu_tanh_and_mul", _matmul_gelu_tanh_and_mul_infer)
+def matmul_gelu_tanh_and_mul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """gelu_tanh_and_mul(matmul(x, w)) with w = gate rows over up rows: a GeGLU MLP's first half."""
+    return gelu_tanh_and_mul(matmul(x, w))
+
+
+GATED_MATMULS = {"silu": matmul_silu_and_mul, "gelu_tanh": matmul_gelu_tanh_and_mul}
+
+
 def _rms_norm_matmul_infer(x: TensorSpec, g: TensorSpec, w: TensorSpec, eps: float,
-                           gated: bool = False) -> tuple[TensorSpec, ...]:
+                           gated: bool = False, activation: str = "silu") -> tuple[TensorSpec, ...]:
+    require(activation in GATED_MATMULS, "rms_norm_matmul", (x, g, w), f"unknown activation {activation!r}")
     out = (_matmul_silu_and_mul_infer if gated else _matmul_infer)(x, w)
     require(g.dtype == "f32" and g.shape == (x.shape[1],), "rms_norm_matmul", (x, g, w),
             "the norm weight must be f32 [K]")
@@ -60,21 +80,24 @@ def _rms_norm_matmul_infer(x: TensorSpec, g: TensorSpec, w: TensorSpec, eps: flo
 
 @register_op("rms_norm_matmul", _rms_norm_matmul_infer)
 def rms_norm_matmul(x: np.ndarray, g: np.ndarray, w: np.ndarray, eps: float,
-                    gated: bool = False) -> np.ndarray:
-    """matmul(rms_norm(x, g, eps), w), or matmul_silu_and_mul when gated: a pre-norm block's input."""
-    return (matmul_silu_and_mul if gated else matmul)(rms_norm(x, g, eps), w)
+                    gated: bool = False, activation: str = "silu") -> np.ndarray:
+    """matmul(rms_norm(x, g, eps), w), or its gated form (SwiGLU, or GeGLU for "gelu_tanh")
+    when gated: a pre-norm block's input."""
+    return (GATED_MATMULS[activation] if gated else matmul)(rms_norm(x, g, eps), w)
 
 
-def _matmul_add_infer(x: TensorSpec, w: TensorSpec, residual: TensorSpec) -> tuple[TensorSpec, ...]:
-    (y,) = _matmul_infer(x, w)
+def _matmul_add_infer(x: TensorSpec, w: TensorSpec, residual: TensorSpec, scale: float = 1.0
+                      ) -> tuple[TensorSpec, ...]:
+    (y,) = _matmul_infer(x, w, scale)
     require(residual == y, "matmul_add", (x, w, residual), f"residual must be f32 {list(y.shape)}")
     return (y,)
 
 
 @register_op("matmul_add", _matmul_add_infer)
-def matmul_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> np.ndarray:
-    """matmul(x, w) + residual: a block's output projection added to the residual stream."""
-    return (matmul(x, w) + residual).astype(np.float32)
+def matmul_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """matmul(x, w, scale) + residual: a block's output projection (times a residual
+    multiplier, Granite's) added to the residual stream."""
+    return (matmul(x, w, scale) + residual).astype(np.float32)
 
 
 def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 MAX_GROUPS_X = 65535
 WORKGROUP = 64  # default elementwise workgroup; spec constant 0 of every shader
+
+
+def float_bits(value: float) -> int:
+    """A float specialisation constant as the int32 its bits spell (pipelines take int32 data)."""
+    return int(struct.unpack("<i", struct.pack("<f", value))[0])
 
 
 def grid_1d(n: int, workgroup: int = WORKGROUP) -> tuple[int, int, int]:

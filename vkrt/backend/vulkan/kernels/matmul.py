@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import module
+from vkrt.backend.vulkan.kernels.common import float_bits, module
 from vkrt.backend.vulkan.kernels.layouts import LAYOUTS, TILE_ROWS, quants_bytes, row_texels
 from vkrt.ops.tensor import Tensor, TensorSpec
 
@@ -142,10 +142,12 @@ class QkvEpilogue:
 
 def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool = False,
                     norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None,
-                    qkv: QkvEpilogue | None = None) -> Tensor:
+                    qkv: QkvEpilogue | None = None, activation: str = "silu", scale: float = 1.0) -> Tensor:
     """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either.
 
-    gated: y = silu_and_mul(x @ w.T) of w = [gate; up] (2F rows), y [T, F], in one dispatch.
+    gated: y = silu_and_mul(x @ w.T) of w = [gate; up] (2F rows), y [T, F], in one dispatch
+    (gelu_tanh_and_mul for activation "gelu_tanh": spec constant 10).
+    scale: y = (x @ w.T) * scale before any residual add (spec constant 11).
     norm = (g, eps): x is normalised first, rms_norm(x, g, eps) (FUSE=rms).
     residual: y += residual (FUSE=add).
     qkv (with norm): y is rope(q) [T, num_heads * head_dim]; rope(k), v go to the caches.
@@ -183,6 +185,10 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
         push_values += (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, rot_dim, max_positions, int(qkv.interleaved))
     push = (push_format, push_values)
     spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 7: TILE_ROWS, 8: cfg.split}
+    if gated and activation == "gelu_tanh":
+        spec[10] = 1
+    if scale != 1.0:
+        spec[11] = float_bits(scale)
     if qkv:
         spec[9] = int(qkv.k_cache.dtype == "f16")
     if texel:
@@ -203,11 +209,13 @@ def _runner(op: str, tiled: bool) -> Runner:
         if op == "rms_norm_matmul":
             x, g, w = inputs
             return (dispatch_matmul(backend, x, w, tiled, gated=params.get("gated", False),
-                                    norm=(g, params["eps"])),)
+                                    norm=(g, params["eps"]), activation=params.get("activation", "silu")),)
         if op == "matmul_add":
             x, w, residual = inputs
-            return (dispatch_matmul(backend, x, w, tiled, residual=residual),)
-        return (dispatch_matmul(backend, inputs[0], inputs[1], tiled, gated=op == "matmul_silu_and_mul"),)
+            return (dispatch_matmul(backend, x, w, tiled, residual=residual, scale=params.get("scale", 1.0)),)
+        gated = op in GATED_OPS
+        return (dispatch_matmul(backend, inputs[0], inputs[1], tiled, gated=gated,
+                                activation=GATED_OPS.get(op, "silu"), scale=params.get("scale", 1.0)),)
     return run
 
 
@@ -226,7 +234,8 @@ def _supports(op: str, vec: bool) -> Callable[[tuple[Tensor, ...], dict[str, Any
     return check
 
 
-OPS = ("matmul", "matmul_silu_and_mul", "rms_norm_matmul", "matmul_add")
+OPS = ("matmul", "matmul_silu_and_mul", "matmul_gelu_tanh_and_mul", "rms_norm_matmul", "matmul_add")
+GATED_OPS = {"matmul_silu_and_mul": "silu", "matmul_gelu_tanh_and_mul": "gelu_tanh"}  # op -> activation
 QKV_OP = "rms_norm_qkv_rope_kv_write"
 
 
