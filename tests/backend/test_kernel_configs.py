@@ -371,3 +371,60 @@ def test_moe_grid_misses_no_configuration() -> None:
             experts = int(rng.integers(1, 257))
             k, tokens = int(rng.integers(1, experts + 1)), int(rng.integers(1, 600))
             assert moe.expert_config(caps, tokens * k, experts) in known, (tokens, k, experts)
+
+
+# ------------------------------------------------------------------------- tiled prefill attention
+
+def _prefill_checks(vk: Backend, rng: np.random.Generator) -> int:
+    """paged_attention on prefill-shaped steps (the tiled kernel) vs its reference; returns cases."""
+    from tests.ops.test_prefill_attention import prefill_case, run, want
+
+    count = 0
+    for seqs, heads, kv_heads, head_dim, kv, window in (([(0, 37), (5, 20)], 4, 2, 16, "f32", 0),
+                                                        ([(0, 300)], 6, 2, 32, "f16", 0),
+                                                        ([(40, 60), (0, 3)], 3, 1, 64, "f16", 24)):
+        # prefill-shaped (>= PREFILL_MIN_TOKENS per sequence) with 2 or 3 heads per tile
+        c = prefill_case(rng, seqs, heads, kv_heads, head_dim, kv)
+        scale = head_dim ** -0.5
+        err = nmse(run(vk, c, kv, heads, kv_heads, scale, window), want(c, heads, kv_heads, scale, window))
+        assert err <= ATTENTION_NMSE, f"{seqs} H={heads} D={head_dim} {kv} W={window}: NMSE {err:.3g}"
+        count += 1
+    return count
+
+
+PREFILL_CASES = sorted(lanes for lanes in dc.reachable("prefill") if lanes is not None)
+
+
+@pytest.mark.parametrize("lanes", PREFILL_CASES, ids=[f"sub{lanes}" for lanes in PREFILL_CASES])
+def test_prefill_attention_configuration(lanes: int, device_as: Any, vk_default: Backend,
+                                         rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lane count of the tiled prefill kernel: here when this device has that subgroup
+    size, else in a child process whose llvmpipe is set to that vector width."""
+    here = vk_default.caps  # type: ignore[attr-defined]
+    if lanes != here.subgroup_size:
+        if "llvmpipe" not in here.name or lanes > attention_kernels.CPU_MAX_LANES:
+            pytest.skip(f"subgroup size {lanes} needs a device that has it ({here.name} has {here.subgroup_size}"
+                        f"; llvmpipe at most {attention_kernels.CPU_MAX_LANES})")
+        env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": str(32 * lanes)}
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                f"{Path(__file__).relative_to(REPO)}::test_prefill_attention_on_this_device"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+        assert f"paged_prefill ran sub{lanes}" in child.stdout, child.stdout[-2000:]
+        return
+    caps = dc.reachable("prefill")[lanes]
+    vk = device_as(dc.device_fields(caps, dc.fields_of("prefill")))
+    dispatches = Dispatches(vk, monkeypatch)
+    assert _prefill_checks(vk, rng) == 3
+    assert {spec[0] for spec in dispatches.of("paged_prefill")} == {lanes}
+
+
+def test_prefill_attention_on_this_device(vk_default: Backend, rng: np.random.Generator,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled prefill kernel with this device's lanes (the child process above)."""
+    lanes = attention_kernels.prefill_split(vk_default.caps)  # type: ignore[attr-defined]
+    assert lanes is not None, "this device does not run the tiled prefill kernel"
+    dispatches = Dispatches(vk_default, monkeypatch)
+    assert _prefill_checks(vk_default, rng) == 3
+    assert {spec[0] for spec in dispatches.of("paged_prefill")} == {lanes}
+    print(f"paged_prefill ran sub{lanes}")

@@ -1,0 +1,162 @@
+#version 450
+#extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+//! variants: KV=f32,f16 ACCESS=texel,ssbo
+// paged_attention for steps with many query tokens per sequence (prefill), in tiles. The math
+// and the buffers are paged_attention.comp's (same bindings, window and softcap rules, padding
+// rows); what differs is who loads what. One workgroup = one subgroup of LANES invocations
+// owns a tile: TILE consecutive tokens of the batch x HEADS query heads that share one KV
+// head (ROWS query rows). Lane l folds, for every row of the tile, the positions
+// first + l, first + l + LANES, ... of that row's context, exactly the positions and order
+// paged_attention.comp's SPLIT_SUB lane l folds for that row, and the rows' lane states merge
+// with the same subgroup max / add (compiled differently, the outputs are not bit-identical
+// to that kernel's; a row's result depends only on the device and its own sequence). A key /
+// value row is loaded once per tile for all its rows instead of once per row: at round j a
+// lane's position is the same for every row whose window starts at the same place (always,
+// without a sliding window), and the lane keeps the last row it loaded in registers. The
+// online-softmax states (running max, sum, accumulator) of the ROWS rows stay in registers;
+// scores exist one at a time. Keys and values are not staged in shared memory: on llvmpipe
+// shared-memory loads measured ~20x slower than texel loads (docs/ARCHITECTURE.md), and the
+// lanes read disjoint positions, so there is nothing to share across lanes.
+// Tokens of a tile may belong to different sequences (tiles do not align to sequences): a
+// lane reloads when the sequence or the position changes. Everything that changes per step
+// (positions, seq_index, block_table) is read from buffers: a recorded step can be replayed.
+#include "access.glsl"
+DECLARE_LOCAL_SIZE;
+layout(constant_id = 0) const uint LANES = 8u;  // = the workgroup size = the subgroup size
+layout(constant_id = 1) const uint HD4 = 16;    // head_dim / 4
+layout(constant_id = 2) const float SOFTCAP = 0.0;
+// The tile's shape is constant so its loops unroll and every row's state is addressed by a
+// constant index: llvmpipe then keeps it in registers (indexed at run time it went to memory
+// and the kernel ran 5x slower than the paged one).
+layout(constant_id = 3) const uint TILE = 1u;   // query tokens per tile
+layout(constant_id = 4) const uint HEADS = 1u;  // query heads per tile, all of one KV head
+const uint ROWS = TILE * HEADS;
+
+IN_F32X4(0, q);
+#if defined(KV_F16)
+IN_U32X2(1, k_cache);  // 4 halves per texel
+IN_U32X2(2, v_cache);
+vec4 halves4(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
+#define LD_K(i) halves4(LD_U32X2(k_cache, i))
+#define LD_V(i) halves4(LD_U32X2(v_cache, i))
+#else
+IN_F32X4(1, k_cache);
+IN_F32X4(2, v_cache);
+#define LD_K(i) LD_F32X4(k_cache, i)
+#define LD_V(i) LD_F32X4(v_cache, i)
+#endif
+IN_I32(3, block_table);
+IN_I32(4, seq_index);
+IN_I32(5, positions);
+OUT_F32X4(6, o);
+
+// group = num_heads / num_kv_heads (a multiple of HEADS); kv_dim4 = num_kv_heads * head_dim / 4
+// (texels per slot); window: 0 = the whole context.
+layout(push_constant) uniform Push {
+    uint tokens; uint num_heads; uint group; uint kv_dim4;
+    uint block_size; uint max_blocks; float scale; uint window;
+} pc;
+
+#include "softcap.glsl"
+
+const float LOG2E = 1.4426950408889634;  // include/attention.glsl's
+
+vec4 q_tile[ROWS * HD4];  // the rows' queries, pre-scaled as paged_attention.comp does
+vec4 acc[ROWS * HD4];     // per row: sum over folded positions of exp2(score - run_max) * v
+float run_max[ROWS];
+float run_sum[ROWS];
+vec4 k_row[HD4];          // the key and value row this lane loaded last
+vec4 v_row[HD4];
+int tile_seq[TILE];       // per token of the tile: its sequence (< 0: padding or past the batch),
+uint tile_first[TILE];    // its first position and its context length n
+uint tile_n[TILE];
+
+// include/attention.glsl's attend_position for row r, on the loaded key and value row.
+void fold(uint r) {
+    uint base = r * HD4;
+    float score = 0.0;
+    for (uint d = 0u; d < HD4; ++d) score += dot(q_tile[base + d], k_row[d]);
+    if (SOFTCAP > 0.0) score = softcap_f32(score, SOFTCAP) * LOG2E;
+    if (score > run_max[r]) {
+        float shrink = exp2(run_max[r] - score);
+        run_sum[r] *= shrink;
+        for (uint d = 0u; d < HD4; ++d) acc[base + d] *= shrink;
+        run_max[r] = score;
+    }
+    float weight = exp2(score - run_max[r]);
+    run_sum[r] += weight;
+    for (uint d = 0u; d < HD4; ++d) acc[base + d] += weight * v_row[d];
+}
+
+void main() {
+    uint i = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    uint tiles = (pc.tokens + TILE - 1u) / TILE;
+    uint head_tiles = pc.num_heads / HEADS;
+    if (i >= tiles * head_tiles) return;  // the whole subgroup leaves together
+    uint lane = gl_LocalInvocationID.x;
+    uint t0 = (i / head_tiles) * TILE, head0 = (i % head_tiles) * HEADS;
+    uint head_texel = (head0 / pc.group) * HD4;
+    uint limit = pc.max_blocks * pc.block_size;  // never read past the block table
+    // paged_attention.comp's q_prescale: into the exp2 domain at once unless scores are capped.
+    float q_scale = SOFTCAP > 0.0 ? pc.scale : pc.scale * LOG2E;
+    uint rounds = 0u;
+    for (uint tq = 0u; tq < TILE; ++tq) {
+        uint t = t0 + tq;
+        int seq = t < pc.tokens ? LD_I32(seq_index, t) : -1;
+        uint n = seq < 0 ? 0u : min(uint(LD_I32(positions, t)) + 1u, limit);
+        uint first = pc.window > 0u && n > pc.window ? n - pc.window : 0u;
+        tile_seq[tq] = seq;
+        tile_first[tq] = first;
+        tile_n[tq] = n;
+        rounds = max(rounds, (n - first + LANES - 1u) / LANES);
+        for (uint g = 0u; g < HEADS; ++g) {
+            uint r = tq * HEADS + g, q_row = (t * pc.num_heads + head0 + g) * HD4;
+            for (uint d = 0u; d < HD4; ++d)
+                q_tile[r * HD4 + d] = seq < 0 ? vec4(0.0) : LD_F32X4(q, q_row + d) * q_scale;
+            for (uint d = 0u; d < HD4; ++d) acc[r * HD4 + d] = vec4(0.0);
+            run_max[r] = uintBitsToFloat(0xFF800000u);  // -inf: the first folded position sets it
+            run_sum[r] = 0.0;
+        }
+    }
+    int loaded_seq = -1;
+    uint loaded_p = 0xFFFFFFFFu;
+    for (uint j = 0u; j < rounds; ++j) {
+        for (uint tq = 0u; tq < TILE; ++tq) {
+            int seq = tile_seq[tq];
+            uint p = tile_first[tq] + lane + j * LANES;
+            if (seq < 0 || p >= tile_n[tq]) continue;
+            if (p != loaded_p || seq != loaded_seq) {
+                uint block = uint(LD_I32(block_table, uint(seq) * pc.max_blocks + p / pc.block_size));
+                uint row = (block * pc.block_size + p % pc.block_size) * pc.kv_dim4 + head_texel;
+                for (uint d = 0u; d < HD4; ++d) k_row[d] = LD_K(row + d);
+                for (uint d = 0u; d < HD4; ++d) v_row[d] = LD_V(row + d);
+                loaded_p = p;
+                loaded_seq = seq;
+            }
+            for (uint g = 0u; g < HEADS; ++g) fold(tq * HEADS + g);
+        }
+    }
+    // paged_attention.comp's merge, per row. tile_seq is the same in every lane, so the
+    // subgroup operations run in uniform control flow. Lane 0 saw each row's first position,
+    // so the maximum is finite; a lane that saw nothing (max -inf) weighs 0.
+    for (uint tq = 0u; tq < TILE; ++tq) {
+        uint t = t0 + tq;
+        if (t >= pc.tokens) break;
+        for (uint g = 0u; g < HEADS; ++g) {
+            uint r = tq * HEADS + g, out_row = (t * pc.num_heads + head0 + g) * HD4;
+            if (tile_seq[tq] < 0) {
+                if (lane == 0u)
+                    for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
+                continue;
+            }
+            float m = subgroupMax(run_max[r]);
+            float f = run_max[r] == uintBitsToFloat(0xFF800000u) ? 0.0 : exp2(run_max[r] - m);
+            float inv_sum = 1.0 / subgroupAdd(run_sum[r] * f);
+            for (uint d = 0u; d < HD4; ++d) {
+                vec4 total = subgroupAdd(acc[r * HD4 + d] * f);
+                if (lane == 0u) o[out_row + d] = total * inv_sum;
+            }
+        }
+    }
+}

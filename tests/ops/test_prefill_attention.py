@@ -1,0 +1,223 @@
+"""paged_attention's tiled prefill kernel (shaders/paged_prefill.comp) vs the numpy reference.
+
+Steps with many query tokens per sequence run the tiled kernel where a tile can hold two or
+more query heads of one KV head (GQA; 3 heads x 64 for SmolLM2); the `tiled` fixture forces it
+for every step so that short cases exercise it too, and checks it was dispatched. Bound: the
+attention NMSE of tests/ops/test_attention.py. Models whose heads share nothing in a tile (GQA
+ratio 1, head_dim 256) keep the paged kernel (test_selection_by_tokens_per_sequence).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.conftest import nmse
+from vkrt import ops
+from vkrt.backend.base import Backend
+
+reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
+
+ATTENTION_NMSE = 5e-11  # tests/ops/test_attention.py's bound
+NP_KV = {"f32": np.float32, "f16": np.float16}
+GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 3, 4, 8 (4 and 8 heads per tile)
+    (9, 3, 64),  # SmolLM2-135M
+    (8, 2, 128),
+    (8, 1, 64),
+    (16, 2, 32),
+]
+GEOMETRY_IDS = ["h{}kv{}d{}".format(*g) for g in GEOMETRIES]
+
+
+class Modules:
+    """Module names of the shaders the backend runs."""
+
+    def __init__(self, backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[str] = []
+        original = backend.run_shader  # type: ignore[attr-defined]
+
+        def spy(name: str, *args: Any) -> Any:
+            self.seen.append(name)
+            return original(name, *args)
+
+        monkeypatch.setattr(backend, "run_shader", spy)
+
+    def families(self) -> set[str]:
+        return {name.split(".")[0] for name in self.seen}
+
+
+@pytest.fixture
+def kernels(vk: Backend) -> Any:
+    from vkrt.backend.vulkan.kernels import attention
+
+    if attention.prefill_split(vk.caps) is None:  # type: ignore[attr-defined]
+        pytest.skip(f"{vk.caps.name}: no subgroup split, prefill keeps the paged kernel")  # type: ignore[attr-defined]
+    return attention
+
+
+@pytest.fixture
+def tiled(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Modules]:
+    """Every paged_attention call runs the tiled kernel; afterwards, it did."""
+    monkeypatch.setattr(kernels, "PREFILL_MIN_TOKENS", 0)
+    modules = Modules(vk, monkeypatch)
+    yield modules
+    assert modules.families() == {"paged_prefill"}
+
+
+def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
+                 head_dim: int, kv_dtype: str, block_size: int = 16) -> dict[str, np.ndarray]:
+    """Sequences given as (cached positions, new tokens): every position's K/V is in the cache
+    (the model writes a chunk's K/V before attending), in shuffled blocks; the step's tokens are
+    each sequence's new positions, sequence after sequence."""
+    max_blocks = max(-(-(cached + new) // block_size) for cached, new in seqs)
+    num_blocks = len(seqs) * max_blocks + 3
+    kv_dim = num_kv_heads * head_dim
+    order = rng.permutation(num_blocks).astype(np.int32)
+    positions = np.concatenate([np.arange(cached, cached + new) for cached, new in seqs]).astype(np.int32)
+    return {
+        "q": rng.standard_normal((positions.size, num_heads * head_dim)).astype(np.float32) * 2.0,
+        "k_cache": rng.standard_normal((num_blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype]),
+        "v_cache": rng.standard_normal((num_blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype]),
+        "block_table": order[: len(seqs) * max_blocks].reshape(len(seqs), max_blocks),
+        "seq_index": np.concatenate([np.full(new, s) for s, (_, new) in enumerate(seqs)]).astype(np.int32),
+        "positions": positions,
+    }
+
+
+def run(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str, num_heads: int, num_kv_heads: int,
+        scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    t = {name: vk.upload(a, kv_dtype if name.endswith("cache") else None) for name, a in case.items()}
+    return ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"],
+                               t["positions"], num_heads, num_kv_heads, scale, window=window,
+                               softcap=softcap).numpy()
+
+
+def want(case: dict[str, np.ndarray], num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
+         softcap: float = 0.0) -> np.ndarray:
+    return reference.paged_attention(**case, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale,
+                                     window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
+def test_mixed_prefills_in_one_step(vk: Backend, rng: np.random.Generator, tiled: Modules, kv_dtype: str,
+                                    geometry: tuple[int, int, int]) -> None:
+    """Fresh prompts of several lengths and prefills continuing cached prefixes (block edges
+    inside and between tiles), one step."""
+    num_heads, num_kv_heads, head_dim = geometry
+    seqs = [(0, 1), (0, 17), (5, 40), (16, 16), (30, 3), (0, 70)]
+    case = prefill_case(rng, seqs, num_heads, num_kv_heads, head_dim, kv_dtype)
+    scale = head_dim ** -0.5
+    before = vk.counters.snapshot()
+    got = run(vk, case, kv_dtype, num_heads, num_kv_heads, scale)
+    assert vk.counters.since(before)["drains"] == 0
+    assert nmse(got, want(case, num_heads, num_kv_heads, scale)) <= ATTENTION_NMSE
+
+
+def test_prompt_lengths(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+    """One prompt per step, lengths on both sides of tile and block edges."""
+    for length in (1, 2, 5, 15, 16, 17, 31, 33, 64, 129, 500):
+        case = prefill_case(rng, [(0, length)], 9, 3, 64, "f16")
+        err = nmse(run(vk, case, "f16", 9, 3, 0.125), want(case, 9, 3, 0.125))
+        assert err <= ATTENTION_NMSE, f"length {length}: NMSE {err:.3g}"
+
+
+def test_prompt_of_4096_tokens(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+    """The longest prompt the CLI's default context takes, with a peaked softmax so the running
+    maximum keeps moving."""
+    case = prefill_case(rng, [(0, 4096)], 2, 1, 64, "f16")
+    case["q"] *= 3.0
+    assert nmse(run(vk, case, "f16", 2, 1, 0.125), want(case, 2, 1, 0.125)) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (16, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
+def test_windows_and_softcaps(vk: Backend, rng: np.random.Generator, tiled: Modules, kv_dtype: str,
+                              geometry: tuple[int, int, int], window: int, softcap: float) -> None:
+    """Sliding windows (rows of one tile start their windows at different positions) and logit
+    caps, as Mistral and Gemma 2/3 use them."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = prefill_case(rng, [(0, 23), (20, 45), (3, 2)], num_heads, num_kv_heads, head_dim, kv_dtype)
+    case["q"] *= 2.0  # peaked scores: the cap matters
+    scale = head_dim ** -0.5
+    got = run(vk, case, kv_dtype, num_heads, num_kv_heads, scale, window, softcap)
+    assert nmse(got, want(case, num_heads, num_kv_heads, scale, window, softcap)) <= ATTENTION_NMSE
+
+
+def test_window_never_reads_blocks_left_behind(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+    """A sliding group may free blocks that left the window: their table entries are garbage."""
+    case = prefill_case(rng, [(60, 10)], 4, 2, 64, "f16")
+    expected = want(case, 4, 2, 0.125, window=20)  # positions 60..69 see 41..69: blocks 2..4
+    case["block_table"][0, :2] = 2**30  # out of any cache
+    assert nmse(run(vk, case, "f16", 4, 2, 0.125, window=20), expected) <= ATTENTION_NMSE
+
+
+def test_interleaved_sequences_and_padding(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+    """Tiles need not align to sequences: tokens of two sequences alternate, with padding rows
+    (seq_index -1, zero output) among them."""
+    case = prefill_case(rng, [(10, 12), (0, 12)], 9, 3, 64, "f32")
+    order = np.stack([np.arange(12), np.arange(12, 24)], axis=1).reshape(-1)
+    for name in ("q", "seq_index", "positions"):
+        case[name] = case[name][order]
+    case["seq_index"][[3, 10, 11]] = -1
+    got = run(vk, case, "f32", 9, 3, 0.125)
+    assert not got[[3, 10, 11]].any()
+    assert nmse(got, want(case, 9, 3, 0.125)) <= ATTENTION_NMSE
+
+
+def test_recorded_prefill_replays_with_new_positions(vk: Backend, rng: np.random.Generator,
+                                                     tiled: Modules) -> None:
+    """positions, seq_index and the block table are read from buffers: a recorded step replays
+    for another prefill of the same shape."""
+    first = prefill_case(rng, [(0, 20), (4, 12)], 9, 3, 64, "f16")
+    second = dict(first, positions=np.concatenate([np.arange(30, 50), np.arange(0, 12)]).astype(np.int32),
+                  seq_index=np.concatenate([np.full(20, 1), np.zeros(12)]).astype(np.int32))
+    second["block_table"] = first["block_table"][::-1].copy()
+    t = {name: vk.upload(a, "f16" if name.endswith("cache") else None) for name, a in first.items()}
+    with vk.capture() as graph:  # type: ignore[attr-defined]
+        out = ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"],
+                                  t["positions"], 9, 3, 0.125)
+    for case in (first, second):
+        for name in ("positions", "seq_index", "block_table"):
+            vk.write(t[name], case[name])  # type: ignore[attr-defined]
+        graph.replay()
+        assert nmse(out.numpy(), want(case, 9, 3, 0.125)) <= ATTENTION_NMSE
+
+
+def test_selection_by_tokens_per_sequence(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill-shaped steps take the tiled kernel, decode steps and heads that share nothing in a
+    tile (GQA ratio 1, head_dim 256: Gemma-3-270M) the paged one; all match the reference."""
+    modules = Modules(vk, monkeypatch)
+    for seqs, geometry in (([(0, 40), (3, 30)], (4, 2, 64)), ([(0, 1), (9, 1), (40, 1)], (4, 2, 64)),
+                           ([(0, 40)], (4, 4, 64)), ([(0, 40)], (4, 1, 256))):
+        case = prefill_case(rng, seqs, *geometry, "f32")
+        got = run(vk, case, "f32", geometry[0], geometry[1], 0.125)
+        assert nmse(got, want(case, geometry[0], geometry[1], 0.125)) <= ATTENTION_NMSE
+    assert [name.split(".")[0] for name in modules.seen] == ["paged_prefill"] + ["paged_attention"] * 3
+
+
+def test_prefill_split_policy() -> None:
+    """The tiled kernel runs where the paged kernel's subgroup split does, with its lanes, and
+    takes as many heads of a GQA group as fit PREFILL_ROW_FLOATS."""
+    from types import SimpleNamespace
+
+    from vkrt.backend.vulkan.kernels.attention import prefill_heads, prefill_split
+
+    def caps(device_type: str, vendor: int, size: int, subgroup_ops: list[str]) -> Any:
+        return SimpleNamespace(device_type=device_type, vendor_id=vendor, subgroup_size=size,
+                               subgroup_ops=subgroup_ops)
+
+    arith = ["basic", "arithmetic"]
+    assert prefill_split(caps("cpu", 0x10005, 8, arith)) == 8  # llvmpipe
+    assert prefill_split(caps("discrete", 0x10DE, 32, arith)) == 32  # NVIDIA
+    assert prefill_split(caps("discrete", 0x1002, 64, arith)) is None  # AMD: the paged kernel's seq split
+    assert prefill_split(caps("cpu", 0x10005, 8, ["basic"])) is None
+    assert [prefill_heads(g, d) for g, d in ((3, 64), (4, 64), (8, 64), (4, 128), (6, 64), (4, 256), (1, 64))] \
+        == [3, 4, 4, 2, 3, 1, 1]
