@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
+from tests.ops.test_paged_attention_split import run, want
 from vkrt import ops
 from vkrt.backend.base import Backend
 
@@ -88,18 +89,6 @@ def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_head
     }
 
 
-def run(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str, num_heads: int, num_kv_heads: int,
-        scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
-    t = {name: vk.upload(a, kv_dtype if name.endswith("cache") else None) for name, a in case.items()}
-    return ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"],
-                               t["positions"], num_heads, num_kv_heads, scale, window=window,
-                               softcap=softcap).numpy()
-
-
-def want(case: dict[str, np.ndarray], num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
-         softcap: float = 0.0) -> np.ndarray:
-    return reference.paged_attention(**case, num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale,
-                                     window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
