@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from vkrt.ops.elementwise import gelu_tanh_and_mul, silu_and_mul
@@ -42,10 +44,15 @@ def matmul(x: np.ndarray, w: np.ndarray, scale: float = 1.0) -> np.ndarray:
     return y if scale == 1.0 else scale_op(y, scale)
 
 
-def _matmul_silu_and_mul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
-    (y,) = _matmul_infer(x, w)
-    require(w.shape[0] % 2 == 0, "matmul_silu_and_mul", (x, w), "w must stack [gate; up]: even rows")
-    return (TensorSpec((x.shape[0], w.shape[0] // 2), "f32"),)
+def _gated_matmul_infer(name: str) -> Callable[[TensorSpec, TensorSpec], tuple[TensorSpec, ...]]:
+    def infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
+        _matmul_infer(x, w)
+        require(w.shape[0] % 2 == 0, name, (x, w), "w must stack [gate; up]: even rows")
+        return (TensorSpec((x.shape[0], w.shape[0] // 2), "f32"),)
+    return infer
+
+
+_matmul_silu_and_mul_infer = _gated_matmul_infer("matmul_silu_and_mul")
 
 
 @register_op("matmul_silu_and_mul", _matmul_silu_and_mul_infer)
@@ -54,13 +61,7 @@ def matmul_silu_and_mul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return silu_and_mul(matmul(x, w))
 
 
-def _matmul_gelu_tanh_and_mul_infer(x: TensorSpec, w: TensorSpec) -> tuple[TensorSpec, ...]:
-    (y,) = _matmul_infer(x, w)
-    require(w.shape[0] % 2 == 0, "matmul_gelu_tanh_and_mul", (x, w), "w must stack [gate; up]: even rows")
-    return (TensorSpec((x.shape[0], w.shape[0] // 2), "f32"),)
-
-
-@register_op("matmul_gelu_tanh_and_mul", _matmul_gelu_tanh_and_mul_infer)
+@register_op("matmul_gelu_tanh_and_mul", _gated_matmul_infer("matmul_gelu_tanh_and_mul"))
 def matmul_gelu_tanh_and_mul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """gelu_tanh_and_mul(matmul(x, w)) with w = gate rows over up rows: a GeGLU MLP's first half."""
     return gelu_tanh_and_mul(matmul(x, w))
