@@ -31,6 +31,12 @@ class LiveModel:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    def async_client(self, timeout: float = 900) -> Any:
+        """The official openai client on this server (no retries: a failure shows at once)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=timeout)
+
 
 @contextmanager
 def live_model(model: Path, **config: Any) -> Iterator[LiveModel]:

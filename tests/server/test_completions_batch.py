@@ -36,7 +36,7 @@ def live(smollm2_path: Path) -> Iterator[LiveModel]:
 
 
 def _client(live: LiveModel) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=600)
+    return live.async_client(timeout=600)
 
 
 def test_prompts_n_best_of_and_echo(live: LiveModel) -> None:

@@ -56,7 +56,7 @@ def live(smollm2_path: Path) -> Iterator[LiveModel]:
 
 
 def _client(live: LiveModel) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+    return live.async_client(timeout=900)
 
 
 def test_parse_schemas_streamed_and_not(live: LiveModel) -> None:

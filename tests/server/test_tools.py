@@ -49,7 +49,7 @@ def live(smollm2_path: Path) -> Iterator[LiveModel]:
 
 
 def _client(live: LiveModel) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=900)
+    return live.async_client(timeout=900)
 
 
 def test_parsers_read_each_syntax() -> None:
