@@ -245,27 +245,32 @@ def fields_of(family: str) -> tuple[str, ...]:
 
 # -------------------------------------------------------------------- MoE expert matmul
 
-# (tokens, k, experts): a decode step's few pairs and a prefill's many, odd expert counts.
+# (tokens, k, experts): a decode step's few pairs and a prefill's many, odd expert counts;
+# each plain (moe_matmul) and gated (moe_matmul_gated: half the rows per invocation).
 MOE_GRID = ((1, 1, 5), (1, 8, 9), (3, 2, 5), (8, 4, 32), (32, 2, 5), (130, 8, 9))
+MOE_MODES = (False, True)  # gated
 
 
 def _probe_moe(caps: Any) -> Iterable[Any]:
     from vkrt.backend.vulkan.kernels import moe
 
     for tokens, k, experts in MOE_GRID:
-        yield moe.expert_config(caps, tokens * k, experts)
+        for gated in MOE_MODES:
+            yield moe.expert_config(caps, tokens * k, experts, gated)
 
 
 @cache
-def moe_reachable() -> dict[Any, tuple[DeviceCaps, tuple[int, int, int]]]:
-    """Expert-matmul configuration -> a device and a (tokens, k, experts) that select it."""
+def moe_reachable() -> dict[Any, tuple[DeviceCaps, tuple[int, int, int], bool]]:
+    """Expert-matmul configuration -> a device, a (tokens, k, experts) and the mode (gated)
+    that select it."""
     from vkrt.backend.vulkan.kernels import moe
 
     _, devices = representatives(_probe_moe)
-    out: dict[Any, tuple[DeviceCaps, tuple[int, int, int]]] = {}
+    out: dict[Any, tuple[DeviceCaps, tuple[int, int, int], bool]] = {}
     for caps in devices:
         for tokens, k, experts in MOE_GRID:
-            out.setdefault(moe.expert_config(caps, tokens * k, experts), (caps, (tokens, k, experts)))
+            for gated in MOE_MODES:
+                out.setdefault(moe.expert_config(caps, tokens * k, experts, gated), (caps, (tokens, k, experts), gated))
     return out
 
 

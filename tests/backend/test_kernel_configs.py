@@ -337,12 +337,13 @@ MOE_CASES = sorted(dc.moe_reachable(), key=lambda c: (c.workgroup, c.rows, c.tok
                                                 for c in MOE_CASES])
 def test_moe_matmul_configuration(cfg: Any, device_as: Any, rng: np.random.Generator,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each expert-matmul split a device selects, in a float and a super-block format, against
-    the reference (the matmul family's bound: the same decode and reduction)."""
-    caps, (tokens, top_k, experts) = dc.moe_reachable()[cfg]
+    """Each expert-matmul split a device selects, plain or gated, in a float and a super-block
+    format, against the reference (the matmul family's bound: the same decode and reduction)."""
+    caps, (tokens, top_k, experts), gated = dc.moe_reachable()[cfg]
     vk = device_as(dc.device_fields(caps, dc.moe_fields()))
     dispatches = Dispatches(vk, monkeypatch)
-    n = 67
+    op = "moe_matmul_gated" if gated else "moe_matmul"
+    n = 2 * 67 if gated else 67  # weight rows per expert
     for dtype, k in (("f32", 100), ("q4_k", 512)):
         parts = [make_weight(rng, dtype, n, k) for _ in range(experts)]
         raw = np.concatenate([np.asarray(p[0]) for p in parts])
@@ -350,13 +351,13 @@ def test_moe_matmul_configuration(cfg: Any, device_as: Any, rng: np.random.Gener
         ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
         x = rng.standard_normal((tokens, k)).astype(np.float32)
         drains = vk.counters.drains
-        got = ops.moe_matmul(vk.upload(x), w, vk.upload(ids)).numpy()
+        got = ops.dispatch(op, vk.upload(x), w, vk.upload(ids)).numpy()
         assert vk.counters.drains == drains
-        err = nmse(got, ops.OPS["moe_matmul"].reference(x, np.stack([p[1] for p in parts]), ids))
+        err = nmse(got, ops.OPS[op].reference(x, np.stack([p[1] for p in parts]), ids))
         assert err <= MATMUL_NMSE, f"{cfg} {dtype}: NMSE {err:.3g}"
     specs = dispatches.of("matmul_id")
-    assert specs and all((s[0], s[1], s[3], s[5]) == (cfg.workgroup, cfg.rows, cfg.tokens, int(cfg.by_expert))
-                         for s in specs)
+    assert specs and all((s[0], s[1], s[3], s[4], s[5]) == (cfg.workgroup, cfg.rows, cfg.tokens, 2 if gated else 1,
+                                                            int(cfg.by_expert)) for s in specs)
 
 
 def test_moe_grid_misses_no_configuration() -> None:
@@ -370,7 +371,8 @@ def test_moe_grid_misses_no_configuration() -> None:
         for _ in range(300):
             experts = int(rng.integers(1, 257))
             k, tokens = int(rng.integers(1, experts + 1)), int(rng.integers(1, 600))
-            assert moe.expert_config(caps, tokens * k, experts) in known, (tokens, k, experts)
+            for gated in dc.MOE_MODES:
+                assert moe.expert_config(caps, tokens * k, experts, gated) in known, (tokens, k, experts, gated)
 
 
 # ------------------------------------------------------------------------- tiled prefill attention

@@ -109,6 +109,41 @@ def test_engine_concurrent_greedy_requests_equal_the_goldens(device: str, reques
         assert (worst["submits"], worst["fence_waits"], worst["drains"]) == (1, 1, 0)
 
 
+# A replayed decode step of one sequence (engine): embedding, the layers, final norm + head,
+# sample. A sparse layer's MLP is 7 dispatches: norm, router matmul (norm folded), route, gate|up
+# with the SwiGLU gate (moe_matmul_gated), down, combine, residual add; before the gate was
+# folded into the expert matmul it was 8 (21, 26, 24, 38 were 22, 28, 26, 40).
+DECODE_DISPATCHES = {"tiny_qwen3_moe": 21, "tiny_qwen3_moe_gguf": 26, "tiny_mixtral": 24, "tiny_olmoe": 38}
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_decode_step_dispatches(name: str, vk_default: Backend) -> None:
+    """Each sparse layer runs one gated expert matmul and one down expert matmul and no
+    separate activation; the engine's decode step replays in 1 submit, 1 fence wait, 0 drains."""
+    from collections import Counter
+
+    from vkrt.engine import LLM, SamplingParams
+
+    case = _golden(name)["cases"][-1]
+    model = build_model(load_model(_model_path(name)), vk_default)
+    driver = Greedy(model, max_len=MAX_LEN)
+    driver.step(case["input_ids"], 0)
+    before = Counter(vk_default.selections)
+    driver.step(case["greedy_ids"][:1], len(case["input_ids"]))
+    ran: Counter[str] = Counter()
+    for (op, kernel), n in vk_default.selections.items():
+        ran[op] += n - before[(op, kernel)]
+    sparse = sum(layer.moe for layer in model.config.layers)
+    assert (ran["moe_matmul_gated"], ran["moe_matmul"], ran["silu_and_mul"]) == (sparse, sparse, 0)
+    llm = LLM(_model_path(name), device="vulkan", max_model_len=MAX_LEN, max_num_seqs=1)
+    llm.generate([case["input_ids"]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    stats = llm.stats()
+    worst = stats["decode_counters_max"]
+    assert stats["decode_steps"] >= 5 and stats["last_step"]["replayed"]
+    assert (worst["dispatches"], worst["submits"], worst["fence_waits"], worst["drains"]) == \
+        (DECODE_DISPATCHES[name], 1, 1, 0)
+
+
 # -- GGUF -------------------------------------------------------------------------------------
 
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -279,3 +314,4 @@ def test_hf_more_experts_than_the_config(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as exc:
         load_model(d)
     _one_line(exc, str(d), "layers.1.experts.7.", "beyond", "7 experts")
+

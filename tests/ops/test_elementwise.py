@@ -54,6 +54,16 @@ def test_gated_matches_reference(vk, rng, op: str, shape: tuple[int, int]) -> No
     assert nmse(got, want) <= GATED_NMSE
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_gated_of_rows_per_chosen_expert(vk, rng, op: str) -> None:
+    """[T, k, 2F] (a MoE layer's gate|up per chosen expert) is [T * k, 2F] viewed: the same bits."""
+    x = (rng.standard_normal((3, 4, 38)) * 3).astype(np.float32)
+    got = _no_drain(vk, getattr(ops, op), vk.upload(x))
+    assert got.shape == (3, 4, 19)
+    assert got.tobytes() == _no_drain(vk, getattr(ops, op), vk.upload(x.reshape(12, 38))).tobytes()
+    np.testing.assert_array_equal(ops.OPS[op].reference(x), ops.OPS[op].reference(x.reshape(12, 38)).reshape(3, 4, 19))
+
+
 def test_gelu_tanh_keeps_relative_precision_in_the_negative_tail(vk) -> None:
     gate = np.linspace(-5.0, -3.0, 64, dtype=np.float32)  # where the float64 reference is exact
     x = np.concatenate([gate, np.ones_like(gate)])[None, :]

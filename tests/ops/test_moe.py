@@ -3,8 +3,10 @@
 Router: the top-k is checked against a Python sort by (-logit, expert index) and the
 weights against math.exp softmaxes (exact ties included: the lower index wins). Expert
 matmul: every storage format against a dense matmul per expert on independently
-dequantized 2-D weights. Combine: arithmetic in the test. Bound: the f64 references round
-once to f32, so the comparisons are to 1e-6 relative (float64 sums in a different order).
+dequantized 2-D weights; the gated one (gate|up and the SwiGLU / GeGLU gate in one op)
+against the activation written out in float64 here. Combine: arithmetic in the test.
+Bound: the f64 references round once to f32, so the comparisons are to 1e-6 relative
+(float64 sums in a different order).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
-from tests.ops.test_matmul import FORMATS, make_weight
+from tests.ops.test_matmul import FORMATS, NMSE_BOUND, block_k, is_block, make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels.moe import FORMATS as EXPERT_FORMATS
-from vkrt.ops import OpError
+from vkrt.ops import OpError, fusion
 
 
 def _expected_route(logits: np.ndarray, k: int, normalize: bool) -> tuple[list[list[int]], list[list[float]]]:
@@ -90,6 +92,39 @@ def test_moe_matmul_equals_dense_matmul_per_expert(ref: Backend, rng: np.random.
             np.testing.assert_allclose(got[t, j], per_expert[t], rtol=1e-6, atol=1e-6)
 
 
+def _gated_want(x: np.ndarray, dense: list[np.ndarray], ids: np.ndarray, activation: str) -> np.ndarray:
+    """act(x_p @ gate_e.T) * (x_p @ up_e.T) per pair in float64, each expert's rows [gate; up]."""
+    tokens, top_k = ids.shape
+    f = dense[0].shape[0] // 2
+    out = np.zeros((tokens, top_k, f))
+    for t in range(tokens):
+        for j in range(top_k):
+            row = (x[t, j] if x.ndim == 3 else x[t]).astype(np.float64)
+            w = dense[ids[t, j]].astype(np.float64)
+            g, u = row @ w[:f].T, row @ w[f:].T
+            if activation == "silu":
+                act = g / (1.0 + np.exp(-g))
+            else:
+                act = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+            out[t, j] = act * u
+    return out
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_matmul_gated_is_the_gate_of_each_expert(ref: Backend, rng: np.random.Generator, fmt: str,
+                                                     activation: str) -> None:
+    experts, f, tokens, top_k = 5, 6, 4, 2
+    k = block_k(fmt, 64)
+    raw, dense = _stacked_experts(rng, fmt, experts, 2 * f, k)
+    w = ref.upload_weight(raw, fmt, (experts, 2 * f, k))
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    ids = np.array([[0, 4], [4, 0], [2, 3], [3, 1]], np.int32)
+    got = ops.moe_matmul_gated(ref.upload(x), w, ref.upload(ids), activation).numpy()
+    assert got.shape == (tokens, top_k, f)
+    np.testing.assert_allclose(got, _gated_want(x, dense, ids, activation), rtol=1e-5, atol=1e-6)
+
+
 def test_moe_matmul_rows_per_chosen_expert(ref: Backend, rng: np.random.Generator) -> None:
     """x [T, k, K]: each chosen expert multiplies its own row (the down projection)."""
     experts, n, k = 3, 4, 32
@@ -136,6 +171,12 @@ def test_bad_calls_are_op_errors(ref: Backend) -> None:
         ops.moe_matmul(ref.upload(np.zeros((2, 16), np.float32)), w3, ids)
     with pytest.raises(OpError, match="weights must be"):
         ops.moe_combine(ref.upload(np.zeros((2, 2, 4), np.float32)), ref.upload(np.zeros((2, 3), np.float32)))
+    odd = ref.upload_weight(np.zeros((3, 5, 32), np.float32), "f32", (3, 5, 32))
+    x = ref.upload(np.zeros((2, 32), np.float32))
+    with pytest.raises(OpError, match="even rows"):
+        ops.moe_matmul_gated(x, odd, ids)
+    with pytest.raises(OpError, match="unknown activation"):
+        ops.moe_matmul_gated(x, w3, ids, "relu")
 
 
 # -- native kernels (shaders/moe.comp, shaders/matmul_id.comp) vs the references ---------------
@@ -178,8 +219,6 @@ MATMUL_CASES = [(5, 1, 1), (5, 2, 3), (9, 8, 2), (3, 2, 13), (7, 1, 40), (9, 8, 
 
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_native_moe_matmul_matches_reference(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
-    from tests.ops.test_matmul import NMSE_BOUND, block_k, is_block
-
     n = 37
     k = block_k(fmt, 96) if is_block(fmt) else 37
     for experts, top_k, tokens in MATMUL_CASES:
@@ -201,8 +240,6 @@ def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Genera
     """A pair's row is bit-identical alone (per-pair split) and among 64 tokens routed to the
     same experts (per-expert split, pairs reduced together), and equals the dense matmul of
     its expert's matrix bit for bit (the same decode and block order)."""
-    from tests.ops.test_matmul import block_k, is_block
-
     experts, n = 5, 40
     k = block_k(fmt, 64) if is_block(fmt) else 64
     raw, _ = _stacked_experts(rng, fmt, experts, n, k)
@@ -215,6 +252,70 @@ def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Genera
         assert alone.tobytes() == batch[t : t + 1].tobytes(), f"{fmt} token {t}"
     expert3 = vk.upload_weight(raw.reshape(experts, -1)[3], fmt, (n, k))
     dense = ops.matmul(vk.upload(x), expert3).numpy()
+    assert dense[:60].tobytes() == batch[:60, 1].tobytes()
+
+
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS)
+def test_native_moe_matmul_gated_matches_reference(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
+    """gate|up and SwiGLU in one dispatch per call, every format and case of the plain test
+    (19 output rows: a partial row set in every split)."""
+    f = 19
+    k = block_k(fmt, 96) if is_block(fmt) else 37
+    for experts, top_k, tokens in MATMUL_CASES:
+        raw, dense = _stacked_experts(rng, fmt, experts, 2 * f, k)
+        w = vk.upload_weight(raw, fmt, (experts, 2 * f, k))
+        ids = _pairs_case(rng, tokens, experts, top_k)
+        for x in (rng.standard_normal((tokens, k)), rng.standard_normal((tokens, top_k, k))):
+            x = x.astype(np.float32)
+            before = vk.counters.snapshot()
+            got = ops.moe_matmul_gated(vk.upload(x), w, vk.upload(ids)).numpy()
+            delta = vk.counters.since(before)
+            assert (delta["dispatches"], delta["drains"]) == (1, 0), f"{fmt}: {delta}"
+            want = ops.OPS["moe_matmul_gated"].reference(x, np.stack(dense), ids)
+            err = nmse(got, want)
+            assert err <= NMSE_BOUND[fmt], f"{fmt} E={experts} k={top_k} T={tokens} x{list(x.shape)}: NMSE {err:.3g}"
+
+
+@pytest.mark.fusion
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1", "q5_0", "q4_k", "q6_k"])
+def test_native_gated_equals_unfused(vk: Backend, rng: np.random.Generator, fmt: str, activation: str) -> None:
+    """The fold of silu_and_mul (gelu_tanh_and_mul) into the gate|up expert matmul is one
+    dispatch with the unfused pair's bits, in both work splits (3 tokens: per pair; 40
+    tokens over 7 experts: per expert, pairs reduced together)."""
+    act = ops.silu_and_mul if activation == "silu" else ops.gelu_tanh_and_mul
+    experts, f = 7, 21
+    k = block_k(fmt, 64) if is_block(fmt) else 64
+    raw, _ = _stacked_experts(rng, fmt, experts, 2 * f, k)
+    w = vk.upload_weight(raw, fmt, (experts, 2 * f, k))
+    for tokens, top_k in ((3, 2), (40, 1), (40, 8)):
+        x = vk.upload(rng.standard_normal((tokens, k)).astype(np.float32))
+        ids = vk.upload(_pairs_case(rng, tokens, experts, top_k))
+        before, counters = dict(vk.selections), vk.counters.snapshot()
+        got = act(ops.moe_matmul(x, w, ids)).numpy()
+        ran = {op for (op, _), n in vk.selections.items() if n > before.get((op, _), 0)}
+        assert ran == {"moe_matmul_gated"} and vk.counters.since(counters)["dispatches"] == 1
+        with fusion.disabled():
+            want = act(ops.moe_matmul(x, w, ids)).numpy()
+        assert got.tobytes() == want.tobytes(), f"{fmt} {activation} T={tokens} k={top_k}"
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
+def test_native_gated_is_batch_invariant(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
+    """A pair's gated row is bit-identical alone and among 64 tokens on the same experts, and
+    equals the dense gated matmul (matmul_silu_and_mul) of its expert's [gate; up] matrix."""
+    experts, f = 5, 24
+    k = block_k(fmt, 64) if is_block(fmt) else 64
+    raw, _ = _stacked_experts(rng, fmt, experts, 2 * f, k)
+    w = vk.upload_weight(raw, fmt, (experts, 2 * f, k))
+    x = rng.standard_normal((64, k)).astype(np.float32)
+    ids = np.array([[1, 3]] * 60 + [[3, 0]] * 4, np.int32)
+    batch = ops.moe_matmul_gated(vk.upload(x), w, vk.upload(ids)).numpy()
+    for t in (0, 17, 63):
+        alone = ops.moe_matmul_gated(vk.upload(x[t : t + 1]), w, vk.upload(ids[t : t + 1])).numpy()
+        assert alone.tobytes() == batch[t : t + 1].tobytes(), f"{fmt} token {t}"
+    expert3 = vk.upload_weight(raw.reshape(experts, -1)[3], fmt, (2 * f, k))
+    dense = ops.matmul_silu_and_mul(vk.upload(x), expert3).numpy()
     assert dense[:60].tobytes() == batch[:60, 1].tobytes()
 
 

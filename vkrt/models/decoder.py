@@ -241,10 +241,8 @@ class DecoderModel(CausalLM):
         summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
         assert b.router is not None and b.experts_gate_up is not None and b.experts_down is not None
         c = self.config
-        tokens, k, width = x.shape[0], c.num_experts_per_tok, c.moe_intermediate_size
-        ids, weights = ops.moe_router(ops.matmul(x, b.router), k, c.norm_topk_prob)
-        gate_up = ops.reshape(ops.moe_matmul(x, b.experts_gate_up, ids), (tokens * k, 2 * width))
-        act = ops.reshape(self.activation(gate_up), (tokens, k, width))
+        ids, weights = ops.moe_router(ops.matmul(x, b.router), c.num_experts_per_tok, c.norm_topk_prob)
+        act = self.activation(ops.moe_matmul(x, b.experts_gate_up, ids))  # [T, k, F]
         return ops.moe_combine(ops.moe_matmul(act, b.experts_down, ids), weights)
 
     def residual(self, branch: Tensor, h: Tensor) -> Tensor:

@@ -192,6 +192,11 @@ def moe_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
     return dispatch("moe_matmul", x, w, ids)
 
 
+def moe_matmul_gated(x: Tensor, w: Tensor, ids: Tensor, activation: str = "silu") -> Tensor:
+    """[T, k, F]: silu_and_mul (or gelu_tanh_and_mul) of moe_matmul(x, w, ids), w [E, 2F, K] = [gate; up] per expert."""
+    return dispatch("moe_matmul_gated", x, w, ids, activation=activation)
+
+
 def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
     """[T, N]: the k expert outputs y [T, k, N] summed with their router weights [T, k]."""
     return dispatch("moe_combine", y, weights)
@@ -204,7 +209,7 @@ def op_names() -> list[str]:
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "concat_columns", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_router", "mul", "op_names", "paged_attention",
+    "layer_norm", "matmul", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_matmul_gated", "moe_router", "mul", "op_names", "paged_attention",
     "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rope",
     "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
 ]

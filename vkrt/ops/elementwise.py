@@ -60,26 +60,27 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 def _gated_infer(name: str):
     def infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
-        require(x.dtype == "f32" and len(x.shape) == 2, name, (x,), "expects f32 [T, 2F]")
-        require(x.shape[1] % 2 == 0, name, (x,), "last dim must be even (gate and up halves)")
-        return (TensorSpec((x.shape[0], x.shape[1] // 2), "f32"),)
+        # [T, 2F], or [T, k, 2F] (a MoE layer's rows per chosen expert): halves of the last dim.
+        require(x.dtype == "f32" and len(x.shape) in (2, 3), name, (x,), "expects f32 [T, 2F] or [T, k, 2F]")
+        require(x.shape[-1] % 2 == 0, name, (x,), "last dim must be even (gate and up halves)")
+        return (TensorSpec((*x.shape[:-1], x.shape[-1] // 2), "f32"),)
 
     return infer
 
 
 @register_op("silu_and_mul", _gated_infer("silu_and_mul"))
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
-    """silu(x[:, :F]) * x[:, F:] — the SwiGLU gate of Llama MLPs."""
-    f = x.shape[1] // 2
-    gate, up = x[:, :f].astype(np.float64), x[:, f:]
+    """silu(x[..., :F]) * x[..., F:] — the SwiGLU gate of Llama MLPs."""
+    f = x.shape[-1] // 2
+    gate, up = x[..., :f].astype(np.float64), x[..., f:]
     return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
 
 
 @register_op("gelu_tanh_and_mul", _gated_infer("gelu_tanh_and_mul"))
 def gelu_tanh_and_mul(x: np.ndarray) -> np.ndarray:
-    """gelu_tanh(x[:, :F]) * x[:, F:] — the GeGLU gate of Gemma MLPs."""
-    f = x.shape[1] // 2
-    g, up = x[:, :f].astype(np.float64), x[:, f:]
+    """gelu_tanh(x[..., :F]) * x[..., F:] — the GeGLU gate of Gemma MLPs."""
+    f = x.shape[-1] // 2
+    g, up = x[..., :f].astype(np.float64), x[..., f:]
     gelu = 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
     return (gelu * up).astype(np.float32)
 

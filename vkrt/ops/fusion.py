@@ -9,6 +9,7 @@ one fused op, if the backend has a kernel for that call:
     gelu_tanh_and_mul(matmul(x, w))           -> matmul_gelu_tanh_and_mul(x, w)
     silu_and_mul(rms_norm_matmul(x, g, w))    -> rms_norm_matmul(x, g, w, gated=True)
       (and gelu_tanh_and_mul likewise, with activation="gelu_tanh")
+    silu_and_mul(moe_matmul(x, w, ids))       -> moe_matmul_gated(x, w, ids)  (gelu_tanh likewise)
     scale(matmul(x, w), s)                    -> matmul(x, w, scale=s)  (still pending)
     add(matmul(x, w[, scale]), r)  (either order) -> matmul_add(x, w, r[, scale])
     add(rms_norm(x, g), r)  (either order)    -> rms_norm_add(x, g, r)
@@ -41,7 +42,7 @@ from vkrt.ops.tensor import Tensor, TensorSpec
 Call = tuple[str, tuple[Tensor, ...], dict[str, Any]]
 
 # Producers whose result may be folded into the op that consumes it.
-DEFERRED_OPS = frozenset({"matmul", "rms_norm", "rms_norm_matmul"})
+DEFERRED_OPS = frozenset({"matmul", "rms_norm", "rms_norm_matmul", "moe_matmul"})
 
 _pending: weakref.WeakSet[Tensor] = weakref.WeakSet()
 _dispatch_order = itertools.count()
@@ -127,8 +128,14 @@ def _fold_gated(activation: str, fused: str) -> Callable[[Tensor], Call | None]:
         nm = _producer(y, "rms_norm_matmul")
         if nm is not None and not nm.params["gated"]:
             return "rms_norm_matmul", nm.inputs, {**nm.params, "gated": True, "activation": activation}
-        return None
+        return _fold_moe_gated(y, activation)
     return rule
+
+
+def _fold_moe_gated(y: Tensor, activation: str) -> Call | None:
+    """The activation of a MoE layer's gate|up expert matmul, folded into its epilogue."""
+    mm = _producer(y, "moe_matmul")
+    return ("moe_matmul_gated", mm.inputs, {"activation": activation}) if mm is not None else None
 
 
 def _fold_scale(x: Tensor, factor: float) -> Call | None:

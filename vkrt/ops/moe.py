@@ -3,21 +3,22 @@
 A sparse MLP is four ops (the router matmul is a plain `matmul` against [E, H]):
 
     ids, weights = moe_router(router_logits, top_k, normalize)   # [T, k] i32, [T, k] f32
-    y = moe_matmul(x, experts_gate_up, ids)                       # [T, k, 2F]
-    a = silu_and_mul(y viewed as [T * k, 2F]) viewed as [T, k, F]
+    a = silu_and_mul(moe_matmul(x, experts_gate_up, ids))         # [T, k, 2F] -> [T, k, F]
     out = moe_combine(moe_matmul(a, experts_down, ids), weights)  # [T, H]
 
 ids and weights are tensors that stay where the activations live (no host readback of
-routing), so a decode step can be recorded and replayed like a dense one. The combine is
-its own op rather than part of the down projection: it keeps the expert matmul one op for
-both projections, and a backend can fold it into the down projection's epilogue the way
-`matmul_add` folds a residual.
+routing), so a decode step can be recorded and replayed like a dense one. The fusion layer
+folds the activation into the gate|up expert matmul (`moe_matmul_gated`, as
+`matmul_silu_and_mul` folds the dense MLP's). The combine is its own op rather than part of
+the down projection: it keeps the expert matmul one op for both projections, and a backend
+can fold it into the down projection's epilogue the way `matmul_add` folds a residual.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from vkrt.ops.elementwise import gelu_tanh_and_mul, silu_and_mul
 from vkrt.ops.linear import WEIGHT_DTYPES, _weight_values
 from vkrt.ops.registry import register_op, require
 from vkrt.ops.tensor import TensorSpec
@@ -81,6 +82,24 @@ def moe_matmul(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
         t, j = np.nonzero(ids == e)
         out[t, j] = rows[t, j] @ values[int(e)].T
     return out.astype(np.float32)
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
+def _moe_matmul_gated_infer(x: TensorSpec, w: TensorSpec, ids: TensorSpec,
+                            activation: str = "silu") -> tuple[TensorSpec, ...]:
+    require(activation in GATED_ACTIVATIONS, "moe_matmul_gated", (x, w, ids), f"unknown activation {activation!r}")
+    (y,) = _moe_matmul_infer(x, w, ids)
+    require(w.shape[1] % 2 == 0, "moe_matmul_gated", (x, w, ids), "experts must stack [gate; up]: even rows")
+    return (TensorSpec((*y.shape[:2], y.shape[2] // 2), "f32"),)
+
+
+@register_op("moe_matmul_gated", _moe_matmul_gated_infer)
+def moe_matmul_gated(x: np.ndarray, w: np.ndarray, ids: np.ndarray, activation: str = "silu") -> np.ndarray:
+    """silu_and_mul(moe_matmul(x, w, ids)) (or gelu_tanh_and_mul) with each expert of w [E, 2F, K]
+    stacking its F gate rows over its F up rows: the first half of every chosen expert's MLP."""
+    return GATED_ACTIVATIONS[activation](moe_matmul(x, w, ids))
 
 
 def _combine_infer(y: TensorSpec, weights: TensorSpec) -> tuple[TensorSpec, ...]:

@@ -30,7 +30,7 @@ def _gated(variant: str):
         n = y.numel
         backend.run_shader(module(backend, "elementwise", variant),
                            [(x, "f32", False), (y, "f32", True)],
-                           grid_1d(n), ("<IIf", (n, out[0].shape[1], 0.0)), local_size())
+                           grid_1d(n), ("<IIf", (n, out[0].shape[-1], 0.0)), local_size())
         return (y,)
 
     return run

@@ -1,5 +1,7 @@
-"""Mixture-of-experts kernels: moe_router and moe_combine (shaders/moe.comp), moe_matmul
-(shaders/matmul_id.comp, the id-indexed expert matmul).
+"""Mixture-of-experts kernels: moe_router and moe_combine (shaders/moe.comp), moe_matmul and
+moe_matmul_gated (shaders/matmul_id.comp, the id-indexed expert matmul; gated: spec constant
+GATES = 2, each expert's gate and up rows reduced together and act(g) * u written, as
+matmul_vec's gated mode does for a dense MLP).
 
 Routing ids and weights stay in device tensors: the expert matmul reads each pair's
 expert from `ids` on the device, so a sparse layer records with no readback and a MoE
@@ -43,20 +45,23 @@ class ExpertConfig:
     by_expert: bool  # workgroup y = expert (gather its pairs), else y = pair
 
 
-def expert_config(caps: Any, pairs: int, experts: int) -> ExpertConfig:
+def expert_config(caps: Any, pairs: int, experts: int, gated: bool = False) -> ExpertConfig:
     """The work split for `pairs` (token, chosen expert) pairs over `experts` experts.
 
     Per pair while pairs are few (a decode step: each pair is one matvec, nothing to share);
     by expert once there are at least two pairs per expert on average (prefill), so each
     decoded weight block serves up to `tokens` pairs, as matmul_vec's token tiles do.
-    Both reduce every output in the same order (the results are bit-identical)."""
+    Both reduce every output in the same order (the results are bit-identical). Gated, an
+    invocation streams `rows` gate and `rows` up rows, so `rows` is halved (as matmul's)."""
     by_expert = pairs >= 2 * experts
     if caps.device_type == "cpu":
-        # llvmpipe: 8 lanes (one AVX2 register), 8 rows as matmul_vec's default for
+        # llvmpipe: 8 lanes (one AVX2 register), 8 weight rows as matmul_vec's default for
         # matrices of an expert's size (<= 1280 rows); not tuned separately yet.
-        return ExpertConfig(8, 8, max_tokens(caps) if by_expert else 1, by_expert)
-    # GPUs (unmeasured): one invocation per 2 rows, 64 lanes per workgroup.
-    return ExpertConfig(64, 2, max_tokens(caps) if by_expert else 1, by_expert)
+        rows, workgroup = 8, 8
+    else:  # GPUs (unmeasured): one invocation per 2 weight rows, 64 lanes per workgroup.
+        rows, workgroup = 2, 64
+    return ExpertConfig(workgroup, max(1, rows // 2) if gated else rows, max_tokens(caps) if by_expert else 1,
+                        by_expert)
 
 
 def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
@@ -74,13 +79,28 @@ def _matmul_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool
 def _run_matmul(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                 out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, ids = inputs
-    experts, n, k = w.shape
+    return (dispatch_expert_matmul(backend, x, w, ids),)
+
+
+def _run_matmul_gated(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, w, ids = inputs
+    return (dispatch_expert_matmul(backend, x, w, ids, gated=True, activation=params.get("activation", "silu")),)
+
+
+def dispatch_expert_matmul(backend: Any, x: Tensor, w: Tensor, ids: Tensor, gated: bool = False,
+                           activation: str = "silu") -> Tensor:
+    """Record y [T, k, N] = x through each pair's expert of w [E, N, K] (gated: w [E, 2N, K]
+    = [gate; up] per expert, y = act(gate) * up, gelu_tanh for activation "gelu_tanh")."""
+    experts, weight_rows, k = w.shape
+    gates = 2 if gated else 1
+    n = weight_rows // gates
     tokens, top_k = ids.shape
-    y = backend.empty(out[0].shape, "f32")
+    y = backend.empty((tokens, top_k, n), "f32")
     pairs = tokens * top_k
     if pairs == 0 or n == 0:
-        return (y,)
-    cfg = expert_config(backend.caps, pairs, experts)
+        return y
+    cfg = expert_config(backend.caps, pairs, experts, gated)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False), (x, "f32x4" if x_vec4 else "f32", False),
@@ -88,10 +108,13 @@ def _run_matmul(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
     side_view = LAYOUTS[w.dtype].side_view
     if side_view:
         bindings.append((w, side_view, False))
-    expert_bytes = device_nbytes(w.dtype, n, k)
+    expert_bytes = device_nbytes(w.dtype, weight_rows, k)
     push = ("<11I", (tokens, top_k, experts, n, k, -(-k // 32), row_texels(w.dtype, k),
-                     quants_bytes(w.dtype, n, k) // 4, expert_bytes // 16, expert_bytes // 4, int(len(x.shape) == 3)))
-    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 5: int(cfg.by_expert), 7: TILE_ROWS}
+                     quants_bytes(w.dtype, weight_rows, k) // 4, expert_bytes // 16, expert_bytes // 4,
+                     int(len(x.shape) == 3)))
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 5: int(cfg.by_expert), 7: TILE_ROWS}
+    if gated and activation == "gelu_tanh":
+        spec[10] = 1
     if texel:
         spec[2] = int(x_vec4)
     y_groups = experts if cfg.by_expert else pairs
@@ -100,7 +123,7 @@ def _run_matmul(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
     row_sets = -(-n // cfg.rows)  # invocations
     groups = (-(-row_sets // cfg.workgroup), y_groups, 1)
     backend.run_shader(module(backend, "matmul_id", w.dtype), bindings, groups, push, spec)
-    return (y,)
+    return y
 
 
 def _run_router(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
@@ -132,4 +155,6 @@ def _run_combine(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any
 def register(backend: Any) -> None:
     backend.register_kernel(Kernel("moe_router", "moe.router", _run_router))
     backend.register_kernel(Kernel("moe_matmul", "matmul_id", _run_matmul, supports=_matmul_supports))
+    backend.register_kernel(Kernel("moe_matmul_gated", "matmul_id.gated", _run_matmul_gated,
+                                   supports=_matmul_supports))
     backend.register_kernel(Kernel("moe_combine", "moe.combine", _run_combine))
