@@ -215,3 +215,26 @@ def test_a_models_reserved_block_goes_back_when_its_tensors_do(vk_default: Any) 
     manager.free(scratch)
     assert manager.reserved > 0  # short-lived memory keeps its block for the next step
     manager.close()
+
+
+def test_a_reservation_beyond_one_allocation_is_left_to_the_tensors(vk_default: Any) -> None:
+    """A model's weights may exceed the largest single allocation and still fit the heap
+    (a large MoE): reserve() then makes no block, the tensors take blocks as they come, and a
+    reservation beyond the heap is still refused."""
+    from dataclasses import replace
+
+    from vkrt.backend.vulkan.memory import MemoryManager
+
+    physical, _ = vk_default.devices[vk_default.caps.index]
+    caps = replace(vk_default.caps, max_allocation=4 << 20)
+    manager = MemoryManager(vk_default.vk, vk_default.device, physical, caps, force_staging=False)
+    manager.reserve("weights", 10 << 20)
+    assert manager.reserved == 0
+    tensors = [manager.alloc(3 << 20, "weights") for _ in range(3)]
+    assert manager.in_use["weights"] >= 9 << 20
+    with pytest.raises(OutOfDeviceMemory, match="for weights"):
+        manager.reserve("weights", max(manager._heaps) + 1)
+    for a in tensors:
+        manager.free(a)
+    assert manager.reserved == 0
+    manager.close()

@@ -315,3 +315,39 @@ def test_hf_more_experts_than_the_config(tmp_path: Path) -> None:
         load_model(d)
     _one_line(exc, str(d), "layers.1.experts.7.", "beyond", "7 experts")
 
+
+# -- experts that do not fit the device: OutOfDeviceMemory naming the expert tensor ------------
+
+def _device_mib(backend: Backend, fmt: str, shape: tuple[int, ...]) -> str:
+    return f"{backend.weight_nbytes(fmt, shape) / (1 << 20):.2f} MiB"
+
+
+def test_experts_beyond_the_heap_are_named(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heap that cannot hold the weights: the error says how much of them the experts are
+    and names the largest expert tensor with its size; nothing is allocated."""
+    from vkrt.errors import OutOfDeviceMemory
+
+    memory = vk_default.memory  # type: ignore[attr-defined]
+    monkeypatch.setattr(memory, "_heaps", [memory.reserved + (64 << 10)])
+    before = vk_default.memory_stats()  # type: ignore[attr-defined]
+    with pytest.raises(OutOfDeviceMemory) as exc:
+        build_model(load_model(FIXTURES / "tiny_mixtral"), vk_default)
+    _one_line(exc, "tiny_mixtral", "4 stacked expert tensors", "layers.1.experts.gate_up_proj", "f32 [4, 64, 64]",
+              _device_mib(vk_default, "f32", (4, 64, 64)), "cannot allocate")
+    assert exc.value.purpose == "weights"
+    assert vk_default.memory_stats() == before  # type: ignore[attr-defined]
+
+
+def test_an_expert_tensor_beyond_one_binding_is_named(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expert weight the expert matmul could not bind whole (it would run on the host after
+    a drain) is refused at upload, naming the tensor, its size and the device's limit."""
+    from vkrt.errors import OutOfDeviceMemory
+
+    caps = vk_default.caps  # type: ignore[attr-defined]
+    size = vk_default.weight_nbytes("f32", (8, 32, 64))  # layers.1.experts.gate_up_proj of tiny_qwen3_moe
+    monkeypatch.setattr(caps, "max_texel_elements", size // 8)
+    monkeypatch.setattr(caps, "max_storage_range", size // 2)
+    with pytest.raises(OutOfDeviceMemory) as exc:
+        build_model(load_model(FIXTURES / "tiny_qwen3_moe"), vk_default)
+    _one_line(exc, "tiny_qwen3_moe", "layers.1.experts.gate_up_proj", "f32 [8, 32, 64]",
+              _device_mib(vk_default, "f32", (8, 32, 64)), "one buffer binding", caps.access_path)

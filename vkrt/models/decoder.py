@@ -16,7 +16,7 @@ import numpy as np
 
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
+from vkrt.errors import ModelFormatError, OutOfDeviceMemory, UnsupportedModelError, VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import rope_table
@@ -49,6 +49,10 @@ def stack_experts(experts: list[list[WeightData]], name: str) -> WeightData:
         return WeightData(name, "f32", (len(experts), rows, cols), data)
     data = np.stack([np.concatenate([np.asarray(p.data) for p in e], axis=0) for e in experts])
     return WeightData(name, parts[0].fmt, (len(experts), rows, cols), data)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB"
 
 
 class Block:
@@ -126,7 +130,7 @@ class DecoderModel(CausalLM):
             raise UnsupportedModelError(f"{loaded.path}: hidden_act {c.hidden_act!r} is not supported "
                                         f"(supported: {', '.join(GATED_ACTIVATIONS)})")
         self.activation = GATED_ACTIVATIONS[c.hidden_act]
-        backend.reserve("weights", self._device_bytes())
+        self._reserve_weights()
         self.embed_tokens = self.matrix(self.raw("embed_tokens"))
         self.blocks = [Block(self, i) for i in range(c.num_layers)]
         self.final_norm = self.norm("final_norm")
@@ -144,6 +148,38 @@ class DecoderModel(CausalLM):
         """What the upload will occupy: matrices as stored, vectors as f32."""
         return sum(self.backend.weight_nbytes(w.fmt if len(w.shape) >= 2 else "f32", w.shape)
                    for w in self._weights.values())
+
+    def _reserve_weights(self) -> None:
+        """Reserve the weights' device memory; if it does not fit, say how much of it the
+        experts are and name the largest expert tensor."""
+        total = self._device_bytes()
+        try:
+            self.backend.reserve("weights", total)
+        except OutOfDeviceMemory as exc:
+            experts = [(self.backend.weight_nbytes(fmt, shape), name, fmt, shape)
+                       for name, fmt, shape in self._expert_tensors()]
+            if not experts:
+                raise
+            size, name, fmt, shape = max(experts)
+            raise OutOfDeviceMemory(
+                f"{self._path}: the weights need {_mib(total)} on the device, {_mib(sum(e[0] for e in experts))} "
+                f"of it in {len(experts)} stacked expert tensors (the largest: {name}, {fmt} {list(shape)}, "
+                f"{_mib(size)}): {exc}", requested=exc.requested, purpose="weights") from None
+
+    def _expert_tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, format, shape) of each stacked expert weight the upload makes (Block)."""
+        c = self.config
+        f, h = c.moe_intermediate_size, c.hidden_size
+        out: list[tuple[str, str, tuple[int, ...]]] = []
+        for i, layer in enumerate(c.layers):
+            if not layer.moe:
+                continue
+            for name, projections, shape in (("gate_up_proj", ("gate_proj", "up_proj"), (2 * f, h)),
+                                             ("down_proj", ("down_proj",), (h, f))):
+                formats = {w.fmt for expert in self.experts(i, *projections) for w in expert}
+                fmt = formats.pop() if len(formats) == 1 else "f32"  # as stack_experts stacks them
+                out.append((f"layers.{i}.experts.{name}", fmt, (c.num_experts, *shape)))
+        return out
 
     def has(self, name: str) -> bool:
         return name in self._weights
@@ -166,7 +202,13 @@ class DecoderModel(CausalLM):
         return [[self.raw(f"{p}{e}.{n}") for n in projections] for e in range(self.config.num_experts)]
 
     def matrix(self, wd: WeightData) -> Tensor:
-        return self.backend.upload_weight(wd.data, wd.fmt, wd.shape)
+        try:
+            return self.backend.upload_weight(wd.data, wd.fmt, wd.shape)
+        except OutOfDeviceMemory as exc:
+            size = self.backend.weight_nbytes(wd.fmt, wd.shape)
+            raise OutOfDeviceMemory(f"{self._path}: weight {wd.name} ({wd.fmt} {list(wd.shape)}, {_mib(size)} on "
+                                    f"the device) does not fit: {exc}", requested=exc.requested,
+                                    purpose="weights") from None
 
     def vector(self, name: str) -> np.ndarray:
         wd = self.raw(name)

@@ -17,9 +17,9 @@ from vkrt.backend.base import Backend, as_storage_array, infer_dtype
 from vkrt.backend.vulkan import device as vkdevice
 from vkrt.backend.vulkan.batch import CommandBatch, RecordedCommands
 from vkrt.backend.vulkan.descriptors import DescriptorCache
-from vkrt.backend.vulkan.memory import Allocation, MemoryManager
+from vkrt.backend.vulkan.memory import Allocation, MemoryManager, format_bytes
 from vkrt.backend.vulkan.pipelines import PipelineCache
-from vkrt.errors import VkrtError
+from vkrt.errors import OutOfDeviceMemory, VkrtError
 from vkrt.ops import fusion
 from vkrt.ops.registry import OpError
 from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, is_block_format, storage_nbytes
@@ -149,6 +149,7 @@ class VulkanBackend(Backend):
         matrix = len(shape) == 2  # matrices are row-tiled for the matmul kernels, 1-D weights not
         if len(shape) == 3:  # stacked experts [E, out, in]: E matrices one after another, each tiled
             packed = np.concatenate([device_layout(m, dtype) for m in raw.reshape(shape[0], shape[1], -1)])
+            self._check_expert_binding(packed.nbytes, dtype, shape)
         else:
             packed = device_layout(raw.reshape(shape[0], -1) if matrix else raw.reshape(1, -1), dtype, tiled=matrix)
         self._host_safe()
@@ -156,6 +157,19 @@ class VulkanBackend(Backend):
         self._write_bytes(tensor.handle, packed)
         self._weight_sources[tensor.handle.id] = raw  # for read(): the storage-format bytes
         return tensor
+
+    def _check_expert_binding(self, nbytes: int, dtype: str, shape: tuple[int, ...]) -> None:
+        """An expert weight the expert matmul could not bind whole would run every MoE layer on
+        the host after a drain: refuse it at upload instead."""
+        from vkrt.backend.vulkan.kernels.moe import binding_limit
+
+        limit = binding_limit(self.caps)
+        if nbytes > limit:
+            raise OutOfDeviceMemory(
+                f"the expert weight {dtype} {list(shape)} is {format_bytes(nbytes)} in the device layout, more "
+                f"than one buffer binding holds on {self.caps.name} ({format_bytes(limit)} on the "
+                f"{self.caps.access_path} access path); use a smaller quantisation or another device",
+                requested=nbytes, purpose="weights")
 
     def reserve(self, purpose: str, nbytes: int) -> None:
         self.memory.reserve(purpose, nbytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -106,16 +106,23 @@ class MemoryManager:
                     return i
         raise OutOfDeviceMemory(f"{self.caps.name} has no suitable memory type", requested=0)
 
+    def _check_heap(self, size: int, purpose: str) -> None:
+        if self.reserved + size > max(self._heaps):
+            self._refuse(size, purpose)
+
+    def _refuse(self, size: int, purpose: str) -> NoReturn:
+        raise OutOfDeviceMemory(
+            f"cannot allocate {format_bytes(size)} for {purpose} on {self.caps.name}: "
+            f"{format_bytes(self.reserved)} of {format_bytes(max(self._heaps))} already reserved, "
+            f"max single allocation {format_bytes(self.caps.max_allocation)}; use a smaller model, "
+            "a smaller KV cache (--kv-cache-memory) or a shorter context",
+            requested=size, purpose=purpose)
+
     def _new_block(self, size: int, host_visible: bool, purpose: str, dedicated: bool) -> Block:
         vk = self.vk
-        heap_total = max(self._heaps)
-        if size > self.caps.max_allocation or self.reserved + size > heap_total:
-            raise OutOfDeviceMemory(
-                f"cannot allocate {format_bytes(size)} for {purpose} on {self.caps.name}: "
-                f"{format_bytes(self.reserved)} of {format_bytes(heap_total)} already reserved, "
-                f"max single allocation {format_bytes(self.caps.max_allocation)}; use a smaller model, "
-                "a smaller KV cache (--kv-cache-memory) or a shorter context",
-                requested=size, purpose=purpose)
+        if size > self.caps.max_allocation:
+            self._refuse(size, purpose)
+        self._check_heap(size, purpose)
         buffer = vk.vkCreateBuffer(self.device, vk.VkBufferCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size, usage=self._usage,
             sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
@@ -155,8 +162,14 @@ class MemoryManager:
         the tensors that follow pack into it with no partly used block left over."""
         if nbytes <= 0:
             return
+        size = _align(nbytes, self.alignment)
+        if size > self.caps.max_allocation:
+            # More than one allocation may hold: the tensors take blocks as they come (one too
+            # large for any block fails then, as its own size), but the heap must hold them all.
+            self._check_heap(size, purpose)
+            return
         pool, host_visible, _ = self._pool(purpose)
-        pool.insert(0, self._new_block(_align(nbytes, self.alignment), host_visible, purpose, dedicated=False))
+        pool.insert(0, self._new_block(size, host_visible, purpose, dedicated=False))
 
     def alloc(self, size: int, purpose: str) -> Allocation:
         size = _align(max(size, 4), self.alignment)

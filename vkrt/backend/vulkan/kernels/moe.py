@@ -64,11 +64,16 @@ def expert_config(caps: Any, pairs: int, experts: int, gated: bool = False) -> E
                         by_expert)
 
 
+def binding_limit(caps: Any) -> int:
+    """The most bytes of an expert weight one dispatch binds whole on the current access path
+    (the scales view reads it as 4-byte texels)."""
+    return 4 * caps.max_texel_elements if caps.access_path == "texel" else caps.max_storage_range
+
+
 def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
     caps = backend.caps
-    if caps.access_path == "texel":
-        return w.handle.size // 4 <= caps.max_texel_elements and x.numel <= caps.max_texel_elements
-    return w.handle.size <= caps.max_storage_range and x.numel * 4 <= caps.max_storage_range
+    x_limit = caps.max_texel_elements if caps.access_path == "texel" else caps.max_storage_range // 4
+    return w.handle.size <= binding_limit(caps) and x.numel <= x_limit
 
 
 def _matmul_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
