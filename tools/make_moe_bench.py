@@ -1,13 +1,16 @@
 """Write a synthetic MoE / dense benchmark pair as GGUF files (random weights).
 
-    python tools/make_moe_bench.py --out build/moe_bench [--quant q8_0|q4_0|f16] [--layers 8]
+    python tools/make_moe_bench.py --out build/moe_bench [--quant q4_k|q8_0|q4_0|f16|f32] [--layers 8]
 
 moe.gguf is a Qwen3-MoE (architecture `qwen3moe`): hidden 1024, 8 layers, 32 experts, 4 chosen
 per token, expert FFN 512. dense.gguf is a Qwen3 (`qwen3`) with the same attention and a dense
 FFN of 4 x 512 = 2048, so both run the same number of weights per token (the MoE adds only its
-1024 x 32 router). The matrices are quantized with the gguf package; norms stay F32. The
-weights are random (normal, std 0.02), so the text is noise; the pair exists to time the MoE
-decode step and prefill against the dense one with `vkrt bench -m FILE`.
+1024 x 32 router). The matrices are quantized (Q4_K by default, by `quantize_q4_k` below; the
+others by the gguf package); norms and the router stay F32. The weights are random (normal,
+std 0.02), so the text is noise; the pair exists to time the MoE decode step and prefill
+against the dense one with `vkrt bench --model FILE` and `tools/bench_peers.py --model FILE`.
+Both files embed a small byte-level BPE vocabulary (`bench_vocabulary`), because llama.cpp
+loads no GGUF without one; vkrt's bench feeds token ids and does not need it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,57 @@ from gguf.quants import quantize
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 16, 4, 64, 8192
 EXPERTS, TOP_K, EXPERT_FFN = 32, 4, 512
-QUANTS = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-          "f16": gguf.GGMLQuantizationType.F16}
+QUANTS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+          "q4_0": gguf.GGMLQuantizationType.Q4_0, "f16": gguf.GGMLQuantizationType.F16}
+EOS = "<|endoftext|>"
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of f32 rows (K a multiple of 256): the gguf package has no Q4_K encoder.
+
+    Per 32-value sub-block j, an affine 4-bit grid: value = d * sc_j * q - dmin * m_j, q in
+    0..15, with sc_j and m_j 6-bit multiples of the super-block's f16 d and dmin. Plain
+    rounding, no search for the best grid (enough for random benchmark weights). The byte
+    layout is ggml's block_q4_K: d, dmin, 12 bytes of packed 6-bit scales and mins, 128 bytes
+    of nibbles (sub-blocks 2c and 2c + 1 share bytes 32c..32c + 31, low then high nibble).
+    """
+    rows = values.shape[0]
+    x = values.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(axis=2), 0.0)
+    step = np.maximum((x.max(axis=2) - lo) / 15.0, 1e-12)
+    d = (step.max(axis=1) / 63.0).astype(np.float16)
+    dmin = ((-lo).max(axis=1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(step / np.where(d32 > 0, d32, 1.0)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-lo / np.where(dmin32 > 0, dmin32, 1.0)), 0, 63).astype(np.uint8)
+    scale = (d32 * sc)[:, :, None]
+    q = np.clip(np.rint((x + (dmin32 * mn)[:, :, None]) / scale), 0, 15).astype(np.uint8)
+    packed = np.zeros((x.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed, nibbles],
+                            axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def bench_vocabulary() -> tuple[list[str], list[str]]:
+    """VOCAB tokens and their merges: GPT-2's 256 byte symbols, then lowercase pairs, the same
+    after a space, and triples, in that order of merge priority, then the end-of-text token."""
+    from string import ascii_lowercase as letters
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    space = symbols[ord(" ")]
+    pairs = [(space, a) for a in letters] + [(a, b) for a in letters for b in letters]
+    pairs += [(space + a, b) for a in letters for b in letters]
+    pairs += [(a + b, c) for a in letters for b in letters for c in letters]
+    merges = pairs[: VOCAB - 256 - 1]
+    tokens = symbols + [left + right for left, right in merges] + [EOS]
+    return tokens, [f"{left} {right}" for left, right in merges]
 
 
 def _writer(path: Path, arch: str, layers: int, ffn: int) -> gguf.GGUFWriter:
@@ -37,6 +89,15 @@ def _writer(path: Path, arch: str, layers: int, ffn: int) -> gguf.GGUFWriter:
     w.add_value_length(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
+    tokens, merges = bench_vocabulary()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
     return w
 
 
@@ -45,6 +106,10 @@ def _add(w: gguf.GGUFWriter, name: str, value: np.ndarray, quant: str) -> None:
         w.add_tensor(name, value.astype(np.float32))
     elif quant == "f16":
         w.add_tensor(name, value.astype(np.float16))
+    elif quant == "q4_k":
+        shape = value.shape
+        w.add_tensor(name, quantize_q4_k(value.reshape(-1, shape[-1])).reshape(*shape[:-1], -1),
+                     raw_dtype=QUANTS[quant])
     else:
         w.add_tensor(name, quantize(value, QUANTS[quant]), raw_dtype=QUANTS[quant])
 
@@ -91,7 +156,7 @@ def _write(path: Path, arch: str, layers: int, quant: str, rng: np.random.Genera
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("build/moe_bench"))
-    parser.add_argument("--quant", choices=sorted(QUANTS) + ["f32"], default="q8_0")
+    parser.add_argument("--quant", choices=sorted(QUANTS) + ["f32"], default="q4_k")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
