@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=router,combine ACCESS=texel,ssbo
+//! variants: OP=router,combine,combine_shared ACCESS=texel,ssbo
 // Mixture-of-experts routing and combine (vkrt/ops/moe.py has the references).
 // OP_ROUTER: one invocation per token of logits [T, E]. The k picks are made in order, each
 // the largest logit ranked after the previous pick in the order (logit descending, expert
@@ -10,6 +10,8 @@
 // their sum when NORMALIZE (norm_topk_prob). ids and weights are written as [T, k].
 // OP_COMBINE: one invocation per output element of [T, N]: sum over slots j = 0..k-1 of
 // weights[t, j] * y[t, j, n], in slot order (a fixed order per element: batch invariant).
+// OP_COMBINE_SHARED: the same, then + sigmoid(shared_logit[t]) * shared[t, n] (a shared
+// expert, Qwen2-MoE's).
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 
@@ -55,10 +57,14 @@ void main() {
 }
 #endif
 
-#ifdef OP_COMBINE
+#if defined(OP_COMBINE) || defined(OP_COMBINE_SHARED)
 IN_F32(0, y);        // [T, k, N]
 IN_F32(1, weights);  // [T, k]
 OUT_F32(2, mixed);   // [T, N]
+#ifdef OP_COMBINE_SHARED
+IN_F32(3, shared_y);      // [T, N]
+IN_F32(4, shared_logit);  // [T, 1]
+#endif
 layout(push_constant) uniform Push { uint T; uint N; uint k; } pc;
 
 void main() {
@@ -67,6 +73,10 @@ void main() {
     uint t = i / pc.N, n = i % pc.N;
     precise float acc = 0.0;
     for (uint j = 0u; j < pc.k; j++) acc = fma(LD_F32(weights, t * pc.k + j), LD_F32(y, (t * pc.k + j) * pc.N + n), acc);
+#ifdef OP_COMBINE_SHARED
+    precise float gate = 1.0 / (1.0 + exp(-LD_F32(shared_logit, t)));
+    acc = fma(gate, LD_F32(shared_y, i), acc);
+#endif
     mixed[i] = acc;
 }
 #endif

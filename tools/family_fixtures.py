@@ -3,7 +3,7 @@
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
 Phi3ForCausalLM, SmolLM3, Granite, and the mixtures of experts Qwen3MoeForCausalLM,
-MixtralForCausalLM, OlmoeForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
 golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
@@ -102,10 +102,15 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                      num_experts_per_tok=3, norm_topk_prob=False),
                        "QK-norm over all of q and of k; every layer sparse: 5 experts of width 32, top-3, "
                        "weights not renormalised"),
+        "tiny_qwen2_moe": ("Qwen2Moe", dict(BASE, tie_word_embeddings=True, rope_theta=1e6, num_experts=7,
+                                            num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=48, norm_topk_prob=False),
+                           "q/k/v biases; every layer sparse: 7 experts of width 16, top-2, weights not "
+                           "renormalised, and a shared expert of width 48 behind a sigmoid gate"),
     }
 
 
-MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe")
+MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
 

@@ -36,7 +36,7 @@ Outputs (see tests/fixtures/README.md for schemas and tolerances):
     tests/fixtures/tiny_llama_tied/     same shape, tied embeddings + llama3 rope scaling
     tests/fixtures/tiny_llama_bf16/     tiny_llama's weights rounded to bf16
     tests/fixtures/tiny_<family>/       qwen2, qwen3, mistral, gemma2, gemma3, phi3, ...,
-                                        qwen3_moe, mixtral, olmoe (HF dirs)
+                                        qwen3_moe, mixtral, olmoe, qwen2_moe (HF dirs)
     tests/fixtures/tiny_{qwen3,gemma3}_gguf/  the same families as GGUF files
     tests/fixtures/smollm2_golden.json  SmolLM2-135M-Instruct Q4_1 GGUF via transformers
 

@@ -1,13 +1,14 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) through the generic decoder.
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) through the generic decoder.
 
 The fixtures are tiny random-weight models made by transformers' own classes
 (tools/make_fixtures.py --only moe, tests/fixtures/README.md); tiny_qwen3_moe_gguf is a
-GGUF written with the gguf package and its golden is transformers' forward of that file. Bound: max |logit - golden|
-<= 2e-4 on the reference backend, as for the dense families (measured <= 1.3e-5, most of it
-the goldens' 6-digit rounding); greedy ids equal (the smallest greedy margin in these
-goldens is 0.012). On Vulkan every MoE op is native (routing, expert matmuls and combine
-never leave the device): no step drains, and the engine's decode steps replay with one
-submit and one fence wait.
+GGUF written with the gguf package and its golden is transformers' forward of that file.
+Bound: max |logit - golden| <= 2e-4 on the reference backend, as for the dense families
+(measured <= 1.3e-5, most of it the goldens' 6-digit rounding); greedy ids equal (the
+smallest greedy margin in these goldens is 0.0011, tiny_qwen2_moe's, above twice the
+bound). On Vulkan every MoE op is native (routing, expert matmuls and combine never leave
+the device): no step drains, and the engine's decode steps replay with one submit and one
+fence wait.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from vkrt.errors import ModelFormatError, VkrtError
 from vkrt.loader import load_model
 from vkrt.models import build_model
 
-MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_olmoe"]
+MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe"]
 LOGIT_ATOL = 2e-4
 MAX_LEN = 64
 
@@ -74,6 +75,10 @@ def test_configs() -> None:
     olmoe = load_model(FIXTURES / "tiny_olmoe").config
     assert (olmoe.num_experts, olmoe.num_experts_per_tok) == (5, 3)
     assert not olmoe.norm_topk_prob and olmoe.qk_norm and not olmoe.qk_norm_per_head
+    qwen2 = load_model(FIXTURES / "tiny_qwen2_moe").config
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_intermediate_size) == (7, 2, 16)
+    assert qwen2.shared_expert_intermediate_size == 48 and qwen2.qkv_bias and not qwen2.norm_topk_prob
+    assert qwen.shared_expert_intermediate_size == 0 == mixtral.shared_expert_intermediate_size
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -112,8 +117,11 @@ def test_engine_concurrent_greedy_requests_equal_the_goldens(device: str, reques
 # A replayed decode step of one sequence (engine): embedding, the layers, final norm + head,
 # sample. A sparse layer's MLP is 7 dispatches: norm, router matmul (norm folded), route, gate|up
 # with the SwiGLU gate (moe_matmul_gated), down, combine, residual add; before the gate was
-# folded into the expert matmul it was 8 (21, 26, 24, 38 were 22, 28, 26, 40).
-DECODE_DISPATCHES = {"tiny_qwen3_moe": 21, "tiny_qwen3_moe_gguf": 26, "tiny_mixtral": 24, "tiny_olmoe": 38}
+# folded into the expert matmul it was 8 (21, 26, 24, 38 were 22, 28, 26, 40). Qwen2-MoE's
+# shared expert adds three: its gate|up with SwiGLU, its down, its gate logit (the combine
+# takes the shared term: moe_combine_shared).
+DECODE_DISPATCHES = {"tiny_qwen3_moe": 21, "tiny_qwen3_moe_gguf": 26, "tiny_mixtral": 24, "tiny_olmoe": 38,
+                     "tiny_qwen2_moe": 34}
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -149,37 +157,42 @@ def test_decode_step_dispatches(name: str, vk_default: Backend) -> None:
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
-def _qwen3_moe_gguf_tensors() -> dict[str, np.ndarray]:
-    """tiny_qwen3_moe's tensors as llama.cpp names them: each layer's experts stacked [E, out, in]."""
+def _moe_gguf_tensors(fixture: str = "tiny_qwen3_moe") -> dict[str, np.ndarray]:
+    """An HF MoE fixture's tensors as llama.cpp names them: each layer's experts stacked [E, out, in]."""
     from safetensors.numpy import load_file
 
-    hf = load_file(str(FIXTURES / "tiny_qwen3_moe" / "model.safetensors"))
-    cfg = json.loads((FIXTURES / "tiny_qwen3_moe" / "config.json").read_text())
+    hf = load_file(str(FIXTURES / fixture / "model.safetensors"))
+    cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
     out = {"token_embd.weight": hf.pop("model.embed_tokens.weight"), "output_norm.weight": hf.pop("model.norm.weight")}
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp.experts."
         if p + "0.gate_proj.weight" in hf:
             for proj, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-                out[f"blk.{i}.{name}.weight"] = np.stack([hf.pop(f"{p}{e}.{proj}.weight")
-                                                         for e in range(cfg["num_local_experts"])])
+                out[f"blk.{i}.{name}.weight"] = np.stack([hf.pop(f"{p}{e}.{proj}.weight") for e in range(experts)])
     for name, value in hf.items():
         parts = name.split(".")
-        out[f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.weight"] = value
+        out[f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"] = value
     return out
 
 
-def _write_qwen3_moe_gguf(path: Path, tensors: dict[str, np.ndarray], **overrides: int) -> None:
-    cfg = json.loads((FIXTURES / "tiny_qwen3_moe" / "config.json").read_text())
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+def _write_moe_gguf(path: Path, tensors: dict[str, np.ndarray], fixture: str = "tiny_qwen3_moe",
+                          arch: str = "qwen3moe", **overrides: int) -> None:
+    cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_count(overrides.get("experts", cfg["num_local_experts"]))
+    if "shared_expert_intermediate_size" in cfg:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    w.add_expert_count(overrides.get("experts", cfg.get("num_local_experts", cfg.get("num_experts"))))
     w.add_expert_used_count(overrides.get("used", cfg["num_experts_per_tok"]))
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -202,11 +215,22 @@ def test_qwen3_moe_gguf_reproduces_the_hf_golden(tmp_path: Path, ref: Backend) -
     """llama.cpp's layout (3-D ffn_*_exps, ffn_gate_inp; a layer without a router is dense)
     gives transformers' golden of the same weights."""
     path = tmp_path / "qwen3moe.gguf"
-    _write_qwen3_moe_gguf(path, _qwen3_moe_gguf_tensors())
+    _write_moe_gguf(path, _moe_gguf_tensors())
     loaded = load_model(path)
     assert [layer.moe for layer in loaded.config.layers] == [False, True]
     assert loaded.weights["layers.1.experts.up_proj"].shape == (8, 16, 64)
     _logits_within(build_model(loaded, ref), "tiny_qwen3_moe")
+
+
+def test_qwen2_moe_gguf_reproduces_the_hf_golden(tmp_path: Path, ref: Backend) -> None:
+    """llama.cpp's qwen2moe names (ffn_*_shexp, ffn_gate_inp_shexp, expert_shared_feed_forward_length)
+    give transformers' golden of the same weights."""
+    path = tmp_path / "qwen2moe.gguf"
+    _write_moe_gguf(path, _moe_gguf_tensors("tiny_qwen2_moe"), "tiny_qwen2_moe", "qwen2moe")
+    loaded = load_model(path)
+    assert loaded.config.architecture == "qwen2_moe" and loaded.config.shared_expert_intermediate_size == 48
+    assert loaded.weights["layers.1.shared_expert_gate"].shape == (1, 64)
+    _logits_within(build_model(loaded, ref), "tiny_qwen2_moe")
 
 
 @pytest.mark.parametrize("device", ["reference", "vulkan"])
@@ -218,12 +242,12 @@ def test_quantized_experts_stay_quantized(tmp_path: Path, device: str, request: 
     from gguf.quants import dequantize, quantize
 
     q8 = gguf.GGMLQuantizationType.Q8_0
-    tensors, dequantized = _qwen3_moe_gguf_tensors(), _qwen3_moe_gguf_tensors()
+    tensors, dequantized = _moe_gguf_tensors(), _moe_gguf_tensors()
     for name in [n for n in tensors if n.endswith(("gate_exps.weight", "up_exps.weight"))]:
         tensors[name] = quantize(tensors[name], q8)
         dequantized[name] = dequantize(tensors[name], q8)
-    _write_qwen3_moe_gguf(tmp_path / "q8.gguf", tensors)
-    _write_qwen3_moe_gguf(tmp_path / "f32.gguf", dequantized)
+    _write_moe_gguf(tmp_path / "q8.gguf", tensors)
+    _write_moe_gguf(tmp_path / "f32.gguf", dequantized)
     q8_model = load_model(tmp_path / "q8.gguf")
     assert q8_model.weights["layers.1.experts.gate_proj"].fmt == "q8_0"
     case = _golden("tiny_qwen3_moe")["cases"][-1]
@@ -243,10 +267,10 @@ def _one_line(exc: pytest.ExceptionInfo[VkrtError], *needles: str) -> None:
 
 
 def test_gguf_with_fewer_experts_in_one_tensor(tmp_path: Path) -> None:
-    tensors = _qwen3_moe_gguf_tensors()
+    tensors = _moe_gguf_tensors()
     tensors["blk.1.ffn_up_exps.weight"] = tensors["blk.1.ffn_up_exps.weight"][:7]
     path = tmp_path / "seven.gguf"
-    _write_qwen3_moe_gguf(path, tensors)
+    _write_moe_gguf(path, tensors)
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "seven.gguf", "layers.1.experts.up_proj", "(7, 16, 64)", "(8, 16, 64)")
@@ -254,7 +278,7 @@ def test_gguf_with_fewer_experts_in_one_tensor(tmp_path: Path) -> None:
 
 def test_gguf_expert_count_disagrees_with_router(tmp_path: Path) -> None:
     path = tmp_path / "count.gguf"
-    _write_qwen3_moe_gguf(path, _qwen3_moe_gguf_tensors(), experts=6)
+    _write_moe_gguf(path, _moe_gguf_tensors(), experts=6)
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "count.gguf", "layers.1.router", "(8, 64)", "(6, 64)")
@@ -265,7 +289,7 @@ def test_gguf_expert_count_disagrees_with_router(tmp_path: Path) -> None:
 def test_gguf_bad_expert_counts(tmp_path: Path, experts: int, used: int, needle: str) -> None:
     """k above E, and an expert count no model has (refused before any loop over experts)."""
     path = tmp_path / "bad.gguf"
-    _write_qwen3_moe_gguf(path, _qwen3_moe_gguf_tensors(), experts=experts, used=used)
+    _write_moe_gguf(path, _moe_gguf_tensors(), experts=experts, used=used)
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "bad.gguf", needle)
@@ -291,6 +315,14 @@ def test_hf_missing_expert(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as exc:
         load_model(d)
     _one_line(exc, str(d), "layers.1.experts.3.up_proj", "missing")
+
+
+def test_hf_missing_shared_expert_gate(tmp_path: Path) -> None:
+    d = _hf_copy(tmp_path, "tiny_qwen2_moe")
+    _edit_tensors(d, lambda t: t.pop("model.layers.0.mlp.shared_expert_gate.weight"))
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, str(d), "layers.0.shared_expert_gate", "missing")
 
 
 def test_hf_expert_of_another_shape(tmp_path: Path) -> None:

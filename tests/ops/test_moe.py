@@ -158,6 +158,18 @@ def test_moe_combine(ref: Backend) -> None:
     np.testing.assert_array_equal(got, want)
 
 
+def test_moe_combine_shared(ref: Backend) -> None:
+    """The routed mix plus sigmoid(g) times the shared expert's row (g = 0: half of it)."""
+    y = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)
+    weights = np.array([[0.5, 0.5], [1.0, 0.0]], np.float32)
+    shared = np.array([[2.0, -4.0, 8.0], [1.0, 1.0, 1.0]], np.float32)
+    logit = np.array([[0.0], [math.log(3.0)]], np.float32)  # sigmoid: 1/2, 3/4
+    got = ops.moe_combine_shared(ref.upload(y), ref.upload(weights), ref.upload(shared), ref.upload(logit)).numpy()
+    want = [[0.5 * y[0, 0, i] + 0.5 * y[0, 1, i] + 0.5 * shared[0, i] for i in range(3)],
+            [y[1, 0, i] + 0.75 * shared[1, i] for i in range(3)]]
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-6)
+
+
 def test_bad_calls_are_op_errors(ref: Backend) -> None:
     logits = ref.upload(np.zeros((2, 4), np.float32))
     with pytest.raises(OpError, match="top_k"):
@@ -177,6 +189,11 @@ def test_bad_calls_are_op_errors(ref: Backend) -> None:
         ops.moe_matmul_gated(x, odd, ids)
     with pytest.raises(OpError, match="unknown activation"):
         ops.moe_matmul_gated(x, w3, ids, "relu")
+    y, mix = ref.upload(np.zeros((2, 2, 4), np.float32)), ref.upload(np.zeros((2, 2), np.float32))
+    with pytest.raises(OpError, match="shared expert's output"):
+        ops.moe_combine_shared(y, mix, ref.upload(np.zeros((2, 3), np.float32)), ref.upload(np.zeros((2, 1), np.float32)))
+    with pytest.raises(OpError, match=r"gate logit must be f32 \[2, 1\]"):
+        ops.moe_combine_shared(y, mix, ref.upload(np.zeros((2, 4), np.float32)), ref.upload(np.zeros((2,), np.float32)))
 
 
 # -- native kernels (shaders/moe.comp, shaders/matmul_id.comp) vs the references ---------------
@@ -327,6 +344,21 @@ def test_native_combine_matches_reference(vk: Backend, rng: np.random.Generator)
         got = ops.moe_combine(vk.upload(y), vk.upload(weights)).numpy()
         assert vk.counters.since(before)["drains"] == 0
         np.testing.assert_allclose(got, ops.OPS["moe_combine"].reference(y, weights), rtol=1e-6, atol=1e-6)
+
+
+def test_native_combine_shared_matches_reference(vk: Backend, rng: np.random.Generator) -> None:
+    """Gate logits out to +-30 (sigmoid saturating both ways) among ordinary ones."""
+    for tokens, k, n in ((1, 1, 5), (3, 2, 64), (17, 8, 33)):
+        y = rng.standard_normal((tokens, k, n)).astype(np.float32)
+        weights = rng.random((tokens, k)).astype(np.float32)
+        shared = rng.standard_normal((tokens, n)).astype(np.float32)
+        logit = (rng.standard_normal((tokens, 1)) * 3).astype(np.float32)
+        logit[:2, 0] = [30.0, -30.0][: tokens]
+        before = vk.counters.snapshot()
+        got = ops.moe_combine_shared(vk.upload(y), vk.upload(weights), vk.upload(shared), vk.upload(logit)).numpy()
+        assert vk.counters.since(before)["drains"] == 0
+        want = ops.OPS["moe_combine_shared"].reference(y, weights, shared, logit)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_expert_formats_are_the_shader_variants() -> None:

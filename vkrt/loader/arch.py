@@ -84,6 +84,8 @@ class ArchSpec:
     # Mixture of experts: whether the k router weights are renormalised when the file does
     # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
     norm_topk_prob: bool = False
+    # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
+    shared_expert: bool = False
 
 
 def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
@@ -153,6 +155,14 @@ _MIXTRAL_HF = {"block_sparse_moe.gate.weight": "router",
                "block_sparse_moe.experts.{e}.w1.weight": "experts.{e}.gate_proj",
                "block_sparse_moe.experts.{e}.w3.weight": "experts.{e}.up_proj",
                "block_sparse_moe.experts.{e}.w2.weight": "experts.{e}.down_proj"}
+# Qwen2-MoE's shared expert (a dense gated MLP) and its gate, a [1, hidden] linear.
+_SHARED_EXPERT_GGUF = {"ffn_gate_shexp.weight": "shared_expert.gate_proj", "ffn_up_shexp.weight": "shared_expert.up_proj",
+                       "ffn_down_shexp.weight": "shared_expert.down_proj",
+                       "ffn_gate_inp_shexp.weight": "shared_expert_gate"}
+_SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_proj",
+                     "mlp.shared_expert.up_proj.weight": "shared_expert.up_proj",
+                     "mlp.shared_expert.down_proj.weight": "shared_expert.down_proj",
+                     "mlp.shared_expert_gate.weight": "shared_expert_gate"}
 _ATTENTION_WEIGHTS = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm")
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
@@ -324,6 +334,23 @@ _QWEN3_MOE = ArchSpec(
     norm_topk_prob=True,
 )
 
+# Qwen2-MoE: Qwen2's attention (q/k/v biases), Qwen3-MoE's sparse-layer rule and router, and a
+# shared expert in every sparse layer.
+_QWEN2_MOE = ArchSpec(
+    name="qwen2_moe",
+    gguf_archs=("qwen2moe",),
+    hf_archs=("Qwen2MoeForCausalLM",),
+    gguf_global=_GGUF_GLOBAL,
+    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_global=_HF_GLOBAL,
+    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_MOE_HF, **_SHARED_EXPERT_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias"),
+    hf_ignored=_ROTARY,
+    qkv_bias=True,
+    default_sliding=_qwen2_sliding,
+    shared_expert=True,
+)
+
 # Mixtral: Mistral's attention (window on every layer when set), every MLP sparse.
 _MIXTRAL = ArchSpec(
     name="mixtral",
@@ -355,7 +382,7 @@ _OLMOE = ArchSpec(
 )
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _MIXTRAL, _OLMOE)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -440,6 +467,10 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     p = f"layers.{i}."
     out: dict[str, tuple[int, ...]] = {p + "router": (experts, hidden)}
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),
+                p + "shared_expert.down_proj": (hidden, shared), p + "shared_expert_gate": (1, hidden)}
     proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     if p + "experts.gate_proj" in weights:
         return out | {f"{p}experts.{n}": (experts, *shape) for n, shape in proj.items()}

@@ -62,6 +62,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # k experts per token
     moe_intermediate_size: int = 0  # one expert's FFN width
     norm_topk_prob: bool = False  # the k router weights are renormalised to sum to 1
+    # A dense gated MLP every token runs beside the experts, scaled by sigmoid of its own gate
+    # (Qwen2-MoE's shared_expert and shared_expert_gate); 0 = none.
+    shared_expert_intermediate_size: int = 0
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's attention window and rope settings."""

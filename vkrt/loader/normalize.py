@@ -127,6 +127,15 @@ def _moe_fields(source: str, experts: Any, per_token: Any, expert_ffn: Any) -> t
     return experts, per_token, expert_ffn
 
 
+def _shared_expert_width(source: str, spec: ArchSpec, key: str, value: Any, experts: int) -> int:
+    """The shared expert's FFN width of a family that has one (0: none), checked."""
+    if not (spec.shared_expert and experts):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelFormatError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
 def _hf_sparse_layers(source: str, cfg: dict[str, Any], num_layers: int) -> list[bool]:
     """Qwen3-MoE's rule: layer i is sparse unless listed in mlp_only_layers, every
     decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE)."""
@@ -229,6 +238,8 @@ def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], gene
         num_experts=moe[0],
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
+        shared_expert_intermediate_size=_shared_expert_width(
+            source, spec, "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), moe[0]),
     )
 
 
@@ -325,4 +336,7 @@ def gguf_family_config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, An
         num_experts=moe[0],
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
+        shared_expert_intermediate_size=_shared_expert_width(
+            str(path), spec, f"{arch}.expert_shared_feed_forward_length", key("expert_shared_feed_forward_length"),
+            moe[0]),
     )

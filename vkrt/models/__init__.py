@@ -11,7 +11,7 @@ from vkrt.models.decoder import DecoderModel
 # Every family is a configuration of the generic decoder (vkrt/loader/normalize.py).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     name: DecoderModel for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
-                                    "granite", "qwen3_moe", "mixtral", "olmoe")
+                                    "granite", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 }
 
 

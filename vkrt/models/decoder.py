@@ -51,6 +51,21 @@ def stack_experts(experts: list[list[WeightData]], name: str) -> WeightData:
     return WeightData(name, parts[0].fmt, (len(experts), rows, cols), data)
 
 
+GatedMLP = tuple[Tensor | None, tuple[Tensor, Tensor] | None, Tensor]  # gate|up or (gate, up), down
+
+
+def gated_mlp_weights(model: DecoderModel, p: str) -> GatedMLP:
+    """A gated MLP's weights under prefix p: gate|up stacked (as stored, or stacked here when
+    gate and up share a format; else the two apart) and down."""
+    if model.has(p + "gate_up_proj"):
+        return model.matrix(model.raw(p + "gate_up_proj")), None, model.matrix(model.raw(p + "down_proj"))
+    gate, up = model.raw(p + "gate_proj"), model.raw(p + "up_proj")
+    down = model.matrix(model.raw(p + "down_proj"))
+    if gate.fmt == up.fmt:
+        return model.matrix(stack_rows([gate, up], p + "gate_up_proj")), None, down
+    return None, (model.matrix(gate), model.matrix(up)), down
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.2f} MiB"
 
@@ -99,25 +114,23 @@ class Block:
                 self.qkv_bias = model.upload_f32(np.concatenate(biases))
         self.o_proj = model.matrix(model.raw(p + "o_proj"))
         # The MLP is dense (gate|up stacked, down) or sparse: the router and each expert's
-        # stacked gate|up and down, [E, out, in].
+        # stacked gate|up and down, [E, out, in], and maybe a shared expert (a dense MLP) with
+        # its gate [1, hidden].
         self.gate_up = self.down_proj = None
         self.gate_up_parts: tuple[Tensor, Tensor] | None = None  # gate and up in different formats
         self.router = self.experts_gate_up = self.experts_down = None
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Tensor | None = None
         if c.layer(i).moe:
             self.router = model.matrix(model.raw(p + "router"))
             self.experts_gate_up = model.matrix(stack_experts(model.experts(i, "gate_proj", "up_proj"),
                                                               p + "experts.gate_up_proj"))
             self.experts_down = model.matrix(stack_experts(model.experts(i, "down_proj"), p + "experts.down_proj"))
-        elif has(p + "gate_up_proj"):
-            self.gate_up = model.matrix(model.raw(p + "gate_up_proj"))
-            self.down_proj = model.matrix(model.raw(p + "down_proj"))
+            if c.shared_expert_intermediate_size:
+                self.shared_expert = gated_mlp_weights(model, p + "shared_expert.")
+                self.shared_expert_gate = model.matrix(model.raw(p + "shared_expert_gate"))
         else:
-            gate, up = model.raw(p + "gate_proj"), model.raw(p + "up_proj")
-            if gate.fmt == up.fmt:
-                self.gate_up = model.matrix(stack_rows([gate, up], p + "gate_up_proj"))
-            else:
-                self.gate_up_parts = (model.matrix(gate), model.matrix(up))
-            self.down_proj = model.matrix(model.raw(p + "down_proj"))
+            self.gate_up, self.gate_up_parts, self.down_proj = gated_mlp_weights(model, p)
 
 
 class DecoderModel(CausalLM):
@@ -267,11 +280,8 @@ class DecoderModel(CausalLM):
     def mlp(self, b: Block, h: Tensor) -> Tensor:
         c = self.config
         x = ops.rms_norm(h, b.ffn_norm, c.rms_norm_eps)
-        if b.gate_up is not None and b.down_proj is not None:
-            out = ops.matmul(self.activation(ops.matmul(x, b.gate_up)), b.down_proj)
-        elif b.gate_up_parts is not None and b.down_proj is not None:
-            gate_up = ops.concat_columns(*(ops.matmul(x, w) for w in b.gate_up_parts))
-            out = ops.matmul(self.activation(gate_up), b.down_proj)
+        if b.down_proj is not None:
+            out = self.gated_mlp((b.gate_up, b.gate_up_parts, b.down_proj), x)
         else:
             out = self.sparse_mlp(b, x)
         if b.post_ffn_norm is not None:
@@ -285,7 +295,20 @@ class DecoderModel(CausalLM):
         c = self.config
         ids, weights = ops.moe_router(ops.matmul(x, b.router), c.num_experts_per_tok, c.norm_topk_prob)
         act = self.activation(ops.moe_matmul(x, b.experts_gate_up, ids))  # [T, k, F]
-        return ops.moe_combine(ops.moe_matmul(act, b.experts_down, ids), weights)
+        y = ops.moe_matmul(act, b.experts_down, ids)
+        if b.shared_expert is None or b.shared_expert_gate is None:
+            return ops.moe_combine(y, weights)
+        # Qwen2-MoE: + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
+        return ops.moe_combine_shared(y, weights, self.gated_mlp(b.shared_expert, x),
+                                      ops.matmul(x, b.shared_expert_gate))
+
+    def gated_mlp(self, weights: GatedMLP, x: Tensor) -> Tensor:
+        """down(act(gate(x)) * up(x)): the dense MLP, or a MoE layer's shared expert."""
+        gate_up, parts, down = weights
+        if gate_up is not None:
+            return ops.matmul(self.activation(ops.matmul(x, gate_up)), down)
+        assert parts is not None
+        return ops.matmul(self.activation(ops.concat_columns(*(ops.matmul(x, w) for w in parts))), down)
 
     def residual(self, branch: Tensor, h: Tensor) -> Tensor:
         scale = self.config.residual_scale

@@ -202,6 +202,11 @@ def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
     return dispatch("moe_combine", y, weights)
 
 
+def moe_combine_shared(y: Tensor, weights: Tensor, shared: Tensor, shared_logit: Tensor) -> Tensor:
+    """[T, N]: moe_combine(y, weights) + sigmoid(shared_logit) [T, 1] * shared [T, N] (a shared expert)."""
+    return dispatch("moe_combine_shared", y, weights, shared, shared_logit)
+
+
 def op_names() -> list[str]:
     return sorted(OPS)
 
@@ -209,7 +214,7 @@ def op_names() -> list[str]:
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
     "attention", "cast", "concat_columns", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_matmul", "moe_matmul_gated", "moe_router", "mul", "op_names", "paged_attention",
+    "layer_norm", "matmul", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared", "moe_matmul", "moe_matmul_gated", "moe_router", "mul", "op_names", "paged_attention",
     "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rope",
     "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
 ]

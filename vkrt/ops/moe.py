@@ -6,6 +6,10 @@ A sparse MLP is four ops (the router matmul is a plain `matmul` against [E, H]):
     a = silu_and_mul(moe_matmul(x, experts_gate_up, ids))         # [T, k, 2F] -> [T, k, F]
     out = moe_combine(moe_matmul(a, experts_down, ids), weights)  # [T, H]
 
+A shared expert (Qwen2-MoE) is a dense gated MLP every token runs; its output s [T, H] enters
+the combine as one more term, weighted by the sigmoid of its gate's logit g [T, 1]:
+`moe_combine_shared(y, weights, s, g)`, a sibling op rather than optional inputs of the combine.
+
 ids and weights are tensors that stay where the activations live (no host readback of
 routing), so a decode step can be recorded and replayed like a dense one. The fusion layer
 folds the activation into the gate|up expert matmul (`moe_matmul_gated`, as
@@ -117,3 +121,25 @@ def moe_combine(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
     for j in range(y.shape[1]):
         acc += weights[:, j, None].astype(np.float64) * y[:, j].astype(np.float64)
     return acc.astype(np.float32)
+
+
+def _combine_shared_infer(y: TensorSpec, weights: TensorSpec, shared: TensorSpec,
+                          shared_logit: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (y, weights, shared, shared_logit)
+    (out,) = _combine_infer(y, weights)
+    require(shared.dtype == "f32" and shared.shape == out.shape, "moe_combine_shared", specs,
+            f"the shared expert's output must be f32 {list(out.shape)}")
+    require(shared_logit.dtype == "f32" and shared_logit.shape == (out.shape[0], 1), "moe_combine_shared", specs,
+            f"the shared expert's gate logit must be f32 [{out.shape[0]}, 1]")
+    return (out,)
+
+
+@register_op("moe_combine_shared", _combine_shared_infer)
+def moe_combine_shared(y: np.ndarray, weights: np.ndarray, shared: np.ndarray, shared_logit: np.ndarray) -> np.ndarray:
+    """moe_combine(y, weights) + sigmoid(shared_logit[t]) * shared[t]: Qwen2-MoE's shared
+    expert added after the routed experts (in float64, rounded once)."""
+    acc = np.zeros((y.shape[0], y.shape[2]), np.float64)
+    for j in range(y.shape[1]):
+        acc += weights[:, j, None].astype(np.float64) * y[:, j].astype(np.float64)
+    gate = 1.0 / (1.0 + np.exp(-shared_logit.astype(np.float64)))
+    return (acc + gate * shared.astype(np.float64)).astype(np.float32)

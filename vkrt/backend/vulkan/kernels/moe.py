@@ -147,12 +147,14 @@ def _run_router(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
 
 def _run_combine(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    y, weights = inputs
+    """moe_combine, or moe_combine_shared with the shared expert's output and gate logit."""
+    y, weights, *shared = inputs
     tokens, top_k, n = y.shape
     mixed = backend.empty(out[0].shape, "f32")
     if tokens * n:
-        backend.run_shader(module(backend, "moe", "combine"),
-                           [(y, "f32", False), (weights, "f32", False), (mixed, "f32", True)],
+        bindings = [(y, "f32", False), (weights, "f32", False), (mixed, "f32", True)]
+        bindings += [(t, "f32", False) for t in shared]
+        backend.run_shader(module(backend, "moe", "combine_shared" if shared else "combine"), bindings,
                            grid_1d(tokens * n), ("<3I", (tokens, n, top_k)), local_size())
     return (mixed,)
 
@@ -163,3 +165,4 @@ def register(backend: Any) -> None:
     backend.register_kernel(Kernel("moe_matmul_gated", "matmul_id.gated", _run_matmul_gated,
                                    supports=_matmul_supports))
     backend.register_kernel(Kernel("moe_combine", "moe.combine", _run_combine))
+    backend.register_kernel(Kernel("moe_combine_shared", "moe.combine_shared", _run_combine))
