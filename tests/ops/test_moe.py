@@ -252,23 +252,26 @@ def test_native_moe_matmul_matches_reference(vk: Backend, rng: np.random.Generat
             assert err <= NMSE_BOUND[fmt], f"{fmt} E={experts} k={top_k} T={tokens} x{list(x.shape)}: NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("fmt", ["f32", "q4_1", "q4_k"])
-def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
+def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Generator, fmt: str, gated: bool) -> None:
     """A pair's row is bit-identical alone (per-pair split) and among 64 tokens routed to the
     same experts (per-expert split, pairs reduced together), and equals the dense matmul of
-    its expert's matrix bit for bit (the same decode and block order)."""
-    experts, n = 5, 40
+    its expert's matrix bit for bit (the same decode and block order); gated, the dense gated
+    matmul (matmul_silu_and_mul) of its expert's [gate; up] rows."""
+    expert_op, dense_op = (ops.moe_matmul_gated, ops.matmul_silu_and_mul) if gated else (ops.moe_matmul, ops.matmul)
+    experts, n = 5, 48 if gated else 40
     k = block_k(fmt, 64) if is_block(fmt) else 64
     raw, _ = _stacked_experts(rng, fmt, experts, n, k)
     w = vk.upload_weight(raw, fmt, (experts, n, k))
     x = rng.standard_normal((64, k)).astype(np.float32)
     ids = np.array([[1, 3]] * 60 + [[3, 0]] * 4, np.int32)
-    batch = ops.moe_matmul(vk.upload(x), w, vk.upload(ids)).numpy()
+    batch = expert_op(vk.upload(x), w, vk.upload(ids)).numpy()
     for t in (0, 17, 63):
-        alone = ops.moe_matmul(vk.upload(x[t : t + 1]), w, vk.upload(ids[t : t + 1])).numpy()
+        alone = expert_op(vk.upload(x[t : t + 1]), w, vk.upload(ids[t : t + 1])).numpy()
         assert alone.tobytes() == batch[t : t + 1].tobytes(), f"{fmt} token {t}"
     expert3 = vk.upload_weight(raw.reshape(experts, -1)[3], fmt, (n, k))
-    dense = ops.matmul(vk.upload(x), expert3).numpy()
+    dense = dense_op(vk.upload(x), expert3).numpy()
     assert dense[:60].tobytes() == batch[:60, 1].tobytes()
 
 
@@ -315,25 +318,6 @@ def test_native_gated_equals_unfused(vk: Backend, rng: np.random.Generator, fmt:
         with fusion.disabled():
             want = act(ops.moe_matmul(x, w, ids)).numpy()
         assert got.tobytes() == want.tobytes(), f"{fmt} {activation} T={tokens} k={top_k}"
-
-
-@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
-def test_native_gated_is_batch_invariant(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
-    """A pair's gated row is bit-identical alone and among 64 tokens on the same experts, and
-    equals the dense gated matmul (matmul_silu_and_mul) of its expert's [gate; up] matrix."""
-    experts, f = 5, 24
-    k = block_k(fmt, 64) if is_block(fmt) else 64
-    raw, _ = _stacked_experts(rng, fmt, experts, 2 * f, k)
-    w = vk.upload_weight(raw, fmt, (experts, 2 * f, k))
-    x = rng.standard_normal((64, k)).astype(np.float32)
-    ids = np.array([[1, 3]] * 60 + [[3, 0]] * 4, np.int32)
-    batch = ops.moe_matmul_gated(vk.upload(x), w, vk.upload(ids)).numpy()
-    for t in (0, 17, 63):
-        alone = ops.moe_matmul_gated(vk.upload(x[t : t + 1]), w, vk.upload(ids[t : t + 1])).numpy()
-        assert alone.tobytes() == batch[t : t + 1].tobytes(), f"{fmt} token {t}"
-    expert3 = vk.upload_weight(raw.reshape(experts, -1)[3], fmt, (2 * f, k))
-    dense = ops.matmul_silu_and_mul(vk.upload(x), expert3).numpy()
-    assert dense[:60].tobytes() == batch[:60, 1].tobytes()
 
 
 def test_native_combine_matches_reference(vk: Backend, rng: np.random.Generator) -> None:
