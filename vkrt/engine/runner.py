@@ -143,7 +143,7 @@ class ModelRunner:
             step = StepTensors.upload(self.backend, batch)
             logits = self.model.forward(step, self.kv)
             if sampling is not None:
-                mask = None if host_masks is None else self.backend.upload(_rows(host_masks, rows), "u32")
+                mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
                 ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
                                        self.backend.upload(sampling.uniforms, "f32"), mask)
                 result = self.backend.read(ids).reshape(rows)
@@ -181,12 +181,6 @@ class ModelRunner:
                 self.replay = False
                 return None
         return graph
-
-
-def _rows(masks: np.ndarray, rows: int) -> np.ndarray:
-    """`masks` with all-ones rows appended up to `rows` (the step's unused rows)."""
-    missing = rows - masks.shape[0]
-    return masks if missing <= 0 else np.concatenate([masks, np.full((missing, masks.shape[1]), ALL_ALLOWED)])
 
 
 class _DecodeGraph:
