@@ -21,6 +21,12 @@ rounding) and `matmul_add` (FUSE=add: + residual, bit-identical to matmul then a
 `rms_norm_qkv_rope_kv_write` (FUSE=qkv: FUSE=rms plus include/qkv_epilogue.glsl, rope
 and the f32 / f16 KV-cache write, chosen by spec constant 9; bit-identical to rms_norm_matmul then
 qkv_rope_kv_write, which is what runs for shapes its 8-row groups cannot take).
+
+On GPUs (`staged_device`) on the storage-buffer path, `matmul.tiled` runs
+shaders/matmul_tiled.comp instead: a workgroup per tile of rows x tokens with both operands
+staged in shared memory, in matmul_vec's split-K order for the split matmul_vec runs there,
+so its rows are bit-identical to the vec kernel's (every op above but the qkv one, which
+keeps matmul_vec).
 """
 
 from __future__ import annotations
@@ -43,9 +49,13 @@ class MatmulConfig:
     """Specialisation constants for one (weight format, N, T) on one device."""
 
     workgroup: int
-    rows: int
-    tokens: int
+    rows: int  # matmul_tiled: output rows per workgroup tile
+    tokens: int  # matmul_tiled: tokens per workgroup tile
     split: int = 1  # > 1: lanes splitting K per row set (the workgroup); at most this many
+    shader: str = "matmul_vec"  # or "matmul_tiled" (the fields below are its own)
+    lanes: int = 1  # invocations sharing one output (each carrying split / lanes slices)
+    lane_rows: int = 1  # output rows per lane group
+    lane_tokens: int = 1  # tokens per lane group
 
 
 def _pow2_at_least(t: int) -> int:
@@ -88,18 +98,41 @@ def config_for(caps: Any, dtype: str, n: int, t: int, prefill: bool = False) -> 
     return MatmulConfig(workgroup=32, rows=4, tokens=tokens, split=32)
 
 
+# matmul_tiled.comp's tile (not measured: no GPU was available). 8 rows x 16 tokens, 4 lanes
+# per output, each lane group 2 rows x 2 tokens: 128 invocations and 13.1 KiB of shared
+# memory at most (q2_k's 16-byte scales), within Vulkan's minimum limits (128, 16 KiB), so no
+# device limit decides whether it runs. A weight block is decoded once per 16 tokens and an
+# activation block loaded once per 8 rows (matmul_vec on GPUs: 4 and 4).
+STAGED = MatmulConfig(workgroup=128, rows=8, tokens=16, split=32, shader="matmul_tiled", lanes=4, lane_rows=2,
+                      lane_tokens=2)
+
+
+def staged_device(caps: Any) -> bool:
+    """Whether prefill takes matmul_tiled.comp here: GPUs only (llvmpipe's shared memory is
+    slow; tests force it there by replacing this function)."""
+    return caps.device_type in ("discrete", "integrated")
+
+
 def dispatch_config(caps: Any, dtype: str, n: int, k: int, t: int, tiled: bool, gated: bool = False,
                     qkv: bool = False) -> MatmulConfig:
     """The configuration `dispatch_matmul` runs for n weight rows, K = k and t tokens on `caps`:
-    `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K."""
+    `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K; prefill
+    on a `staged_device`'s storage-buffer path takes matmul_tiled.comp at the same split."""
     cfg = config_for(caps, dtype, n, t, prefill=tiled)
+    blocks = -(-k // 32)
+    split = min(cfg.split, 1 << (blocks.bit_length() - 1))  # a power of two <= the blocks (fixed per K)
+    if tiled and not qkv and caps.access_path == "ssbo" and staged_device(caps):
+        # matmul_vec's split for this K, so both kernels reduce every output in one order.
+        lanes = min(STAGED.lanes, split)
+        rows, lane_rows = (STAGED.rows // 2, STAGED.lane_rows // 2) if gated else (STAGED.rows, STAGED.lane_rows)
+        workgroup = lanes * (rows // lane_rows) * (STAGED.tokens // STAGED.lane_tokens)
+        return replace(STAGED, split=split, lanes=lanes, rows=rows, lane_rows=lane_rows, workgroup=workgroup)
     if gated:
         # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
         cfg = replace(cfg, rows=max(1, cfg.rows // 2))
     if qkv:  # the epilogue's rotation groups are 8 rows (include/qkv_epilogue.glsl)
         cfg = replace(cfg, rows=8)
-    if cfg.split > 1:  # a power of two no larger than the blocks to split (fixed per K)
-        split = min(cfg.split, 1 << ((-(-k // 32)).bit_length() - 1))
+    if cfg.split > 1:
         cfg = replace(cfg, split=split, workgroup=split)
     return cfg
 
@@ -176,6 +209,12 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     push_format = "<6If"
     push_values: tuple = (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4,
                           eps)
+    if cfg.shader == "matmul_tiled":
+        if fuse == "none":  # its fused operand's binding is always declared; unread here
+            bindings.append((x, "f32", False))
+        _dispatch_tiled(backend, cfg, w.dtype, FUSE_CODES[fuse], bindings, (push_format, push_values),
+                        gates, activation, scale, n, t)
+        return y
     if qkv:
         fuse = "qkv"  # the caches are bound as uint words (f32 caches written as their bits)
         bindings += [(qkv.positions, "i32", False), (qkv.cos_sin, "f32", False), (qkv.k_cache, "u32", True),
@@ -197,6 +236,25 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     groups = _groups(row_sets * cfg.split if cfg.split > 1 else row_sets, cfg.workgroup, -(-t // cfg.tokens))
     backend.run_shader(module(backend, "matmul_vec", w.dtype, fuse), bindings, groups, push, spec)
     return y
+
+
+FUSE_CODES = {"none": 0, "rms": 1, "add": 2}  # matmul_tiled.comp's FUSE (spec constant 6)
+
+
+def _dispatch_tiled(backend: Any, cfg: MatmulConfig, dtype: str, fuse: int, bindings: list,
+                    push: tuple[str, tuple], gates: int, activation: str, scale: float, n: int, t: int) -> None:
+    """Record matmul_tiled.comp: a workgroup per tile of cfg.rows rows x cfg.tokens tokens."""
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 5: cfg.lanes, 6: fuse, 7: TILE_ROWS,
+            8: cfg.split, 12: cfg.lane_rows, 13: cfg.lane_tokens}
+    if gates == 2 and activation == "gelu_tanh":
+        spec[10] = 1
+    if scale != 1.0:
+        spec[11] = float_bits(scale)
+    row_tiles = -(-n // cfg.rows)
+    if row_tiles > MAX_GROUPS or -(-t // cfg.tokens) > MAX_GROUPS:
+        raise ValueError(f"matmul: {row_tiles} x {-(-t // cfg.tokens)} tiles exceed the dispatch limit")
+    backend.run_shader(module(backend, "matmul_tiled", dtype), bindings, (row_tiles, -(-t // cfg.tokens), 1),
+                       push, spec)
 
 
 Runner = Callable[[Any, tuple[Tensor, ...], dict[str, Any], tuple[TensorSpec, ...]], tuple[Tensor, ...]]
