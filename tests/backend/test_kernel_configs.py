@@ -142,9 +142,12 @@ def test_matmul_configuration(case: dc.MatmulCase, device_as: Any, rng: np.rando
             err = nmse(got, want)
             assert err <= bound, f"{case.id} N={n} K={k} T={t} {what}: NMSE {err:.3g}"
         assert vk.counters.drains == drains
-        (spec,) = dispatches.of("matmul_vec")
+        (spec,) = dispatches.of(cfg.shader)
         ran = (spec[0], spec[1], spec[3], spec[8])
         assert ran == (cfg.workgroup, cfg.rows, cfg.tokens, cfg.split), f"{case.id}: dispatched {ran}"
+        if cfg.shader == "matmul_tiled":
+            tile = (spec[5], spec[12], spec[13])
+            assert tile == (cfg.lanes, cfg.lane_rows, cfg.lane_tokens), f"{case.id}: dispatched {tile}"
 
 
 def test_matmul_cases_cover_every_reachable_configuration() -> None:
@@ -155,6 +158,9 @@ def test_matmul_cases_cover_every_reachable_configuration() -> None:
     splits = {c.config.split for c in MATMUL_CASES}
     assert {16, 32} <= splits, "the GPU split-K lane counts must be among the cases"
     assert any(k >= 4096 and c.config.split == 32 for c in MATMUL_CASES for _, k, _ in c.shapes)
+    tiled = [c for c in MATMUL_CASES if c.config.shader == "matmul_tiled"]
+    assert {c.dtype for c in tiled if c.mode == "matmul"} == set(native.FORMATS), "GPU prefill in every format"
+    assert any(k >= 4096 and c.config.split == 32 for c in tiled for _, k, _ in c.shapes)
 
 
 def test_matmul_grid_misses_no_configuration() -> None:

@@ -49,8 +49,8 @@ class MatmulConfig:
     """Specialisation constants for one (weight format, N, T) on one device."""
 
     workgroup: int
-    rows: int  # matmul_tiled: output rows per workgroup tile
-    tokens: int  # matmul_tiled: tokens per workgroup tile
+    rows: int  # per invocation (split-K: per workgroup); matmul_tiled: per workgroup tile
+    tokens: int  # per invocation; matmul_tiled: per workgroup tile
     split: int = 1  # > 1: lanes splitting K per row set (the workgroup); at most this many
     shader: str = "matmul_vec"  # or "matmul_tiled" (the fields below are its own)
     lanes: int = 1  # invocations sharing one output (each carrying split / lanes slices)
@@ -122,7 +122,8 @@ def dispatch_config(caps: Any, dtype: str, n: int, k: int, t: int, tiled: bool, 
     blocks = -(-k // 32)
     split = min(cfg.split, 1 << (blocks.bit_length() - 1))  # a power of two <= the blocks (fixed per K)
     if tiled and not qkv and caps.access_path == "ssbo" and staged_device(caps):
-        # matmul_vec's split for this K, so both kernels reduce every output in one order.
+        # matmul_vec's split for this K (config_for's split depends on the device only), so
+        # both kernels reduce every output in one order.
         lanes = min(STAGED.lanes, split)
         rows, lane_rows = (STAGED.rows // 2, STAGED.lane_rows // 2) if gated else (STAGED.rows, STAGED.lane_rows)
         workgroup = lanes * (rows // lane_rows) * (STAGED.tokens // STAGED.lane_tokens)
