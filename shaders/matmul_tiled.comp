@@ -49,6 +49,7 @@ layout(constant_id = 10) const bool GELU = false;  // the gated activation: gelu
 layout(constant_id = 11) const float OUT_SCALE = 1.0;
 layout(constant_id = 12) const uint LANE_ROWS = 2u;
 layout(constant_id = 13) const uint LANE_TOKENS = 2u;
+layout(constant_id = 14) const bool BIAS = false;  // FUSE_ADD's operand is one row [N] for every token
 const uint FUSE_NONE = 0u, FUSE_RMS = 1u, FUSE_ADD = 2u;
 const uint WROWS = ROWS * GATES;  // weight rows staged per tile: gate (or plain) rows, then up rows
 const uint LROWS = LANE_ROWS * GATES;  // weight rows per invocation
@@ -73,7 +74,8 @@ IN_U32X2(3, ws);  // as in matmul_vec.comp
 IN_U32(3, ws);
 #endif
 // The fused operand, one binding for every FUSE (a specialisation constant, so one module per
-// format serves all three): FUSE_RMS the norm weight [K], FUSE_ADD the residual [T, N];
+// format serves all three): FUSE_RMS the norm weight [K], FUSE_ADD the residual [T, N] (or a
+// bias [N] with BIAS);
 // FUSE_NONE never reads it (the host binds x).
 IN_F32(4, aux);
 
@@ -258,7 +260,11 @@ void main() {
                 precise float scaled = g * OUT_SCALE;
                 g = scaled;
             }
-            if (FUSE == FUSE_ADD) g += LD_F32(aux, t * pc.N + row);
+            if (FUSE == FUSE_ADD) {
+                // precise: the add of the rounded output, as the add op (and matmul_vec) sees it.
+                precise float sum = g + LD_F32(aux, (BIAS ? 0u : t * pc.N) + row);
+                g = sum;
+            }
             y[t * pc.N + row] = g;
         }
     }

@@ -87,7 +87,9 @@ def device_fields(caps: DeviceCaps, names: tuple[str, ...]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- matmul family
 
-MODES = ("matmul", "gated", "rms", "rms_gated", "add", "qkv", "qkv16")
+# add / bias: matmul_add with a residual [T, N] / a bias [N]; rms_add / rms_bias: the same
+# after the folded norm (rms_norm_matmul_add).
+MODES = ("matmul", "gated", "rms", "rms_gated", "add", "bias", "rms_add", "rms_bias", "qkv", "qkv16")
 QKV_HEADS = (4, 2, 32)  # num_heads, num_kv_heads, head_dim: 256 stacked rows
 QKV_ROWS = (QKV_HEADS[0] + 2 * QKV_HEADS[1]) * QKV_HEADS[2]
 FLOATS = FLOAT_FORMATS
@@ -121,7 +123,8 @@ def matmul_config(caps: Any, mode: str, dtype: str, n: int, k: int, t: int) -> m
     gated = mode in ("gated", "rms_gated")
     rows = 2 * n if gated else n
     tiled = t > mm.max_tokens(caps)
-    return mm.dispatch_config(caps, dtype, rows, k, t, tiled, gated, qkv=mode.startswith("qkv"))
+    return mm.dispatch_config(caps, dtype, rows, k, t, tiled, gated, qkv=mode.startswith("qkv"),
+                              norm_and_add=mode in ("rms_add", "rms_bias"))
 
 
 def _matmul_shapes(mode: str, dtype: str) -> Iterable[tuple[int, int, int]]:

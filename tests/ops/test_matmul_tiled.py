@@ -140,6 +140,7 @@ def _epilogues(rng: np.random.Generator, k: int, n: int, t: int) -> dict[str, tu
                  lambda x, d: refs["matmul_gelu_tanh_and_mul"].reference(x, d)),
         "scale": (1, dict(scale=0.22), lambda x, d: refs["matmul"].reference(x, d, 0.22)),
         "add": (1, dict(residual=r, scale=0.22), lambda x, d: refs["matmul_add"].reference(x, d, r, 0.22)),
+        "bias": (1, dict(residual=r[0]), lambda x, d: refs["matmul_add"].reference(x, d, r[0])),
         "rms": (1, dict(norm=g), lambda x, d: refs["rms_norm_matmul"].reference(x, g, d, EPS)),
         "rms_gated": (2, dict(norm=g, gated=True), lambda x, d: refs["rms_norm_matmul"].reference(x, g, d, EPS, True)),
     }
@@ -148,15 +149,16 @@ def _epilogues(rng: np.random.Generator, k: int, n: int, t: int) -> dict[str, tu
 def _call(vk: Backend, w: Any, params: dict[str, Any]) -> Any:
     def call(xt: Any, tokens: slice, tiled: bool) -> Any:
         kw = dict(params)
-        if "residual" in kw:
-            kw["residual"] = vk.upload(np.ascontiguousarray(kw["residual"][tokens]))
+        if "residual" in kw:  # a residual [T, N] is per token, a bias [N] is not
+            r = kw["residual"]
+            kw["residual"] = vk.upload(np.ascontiguousarray(r[tokens] if r.ndim == 2 else r))
         if "norm" in kw:
             kw["norm"] = (vk.upload(kw["norm"]), EPS)
         return native.dispatch_matmul(vk, xt, w, tiled=tiled, **kw)
     return call
 
 
-@pytest.mark.parametrize("epilogue", ["silu", "gelu", "scale", "add", "rms", "rms_gated"])
+@pytest.mark.parametrize("epilogue", ["silu", "gelu", "scale", "add", "bias", "rms", "rms_gated"])
 @pytest.mark.parametrize("fmt", ["f32", "q4_1", "q6_k"])
 def test_epilogues(gpu: tuple[Backend, Shaders], rng: np.random.Generator, fmt: str, epilogue: str) -> None:
     """Each fused prologue / epilogue matmul_vec has (but the qkv one): the reference, and
@@ -193,6 +195,7 @@ def test_selection(vk_default: Backend) -> None:
         gated = native.dispatch_config(device, "q4_1", 3072, 576, 64, tiled=True, gated=True)
         assert (gated.rows, gated.lane_rows, gated.workgroup) == (4, 1, 128)
         assert native.dispatch_config(device, "q4_1", 256, 576, 64, tiled=True, qkv=True).shader == "matmul_vec"
+        assert native.dispatch_config(device, "q4_1", 256, 576, 64, tiled=True, norm_and_add=True).shader == "matmul_vec"
     for device in (replace(discrete, access_path="texel"), replace(discrete, device_type="virtual"),
                    replace(caps, device_type="cpu")):
         assert native.dispatch_config(device, "q4_1", 1536, 1024, 64, tiled=True).shader == "matmul_vec"

@@ -43,8 +43,13 @@ def rms_norm_matmul(x: Tensor, g: Tensor, w: Tensor, eps: float, gated: bool = F
 
 
 def matmul_add(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
-    """matmul(x, w) + residual in one dispatch."""
+    """matmul(x, w) + residual in one dispatch; residual [T, N], or a bias [N] for every row."""
     return dispatch("matmul_add", x, w, residual)
+
+
+def rms_norm_matmul_add(x: Tensor, g: Tensor, w: Tensor, residual: Tensor, eps: float) -> Tensor:
+    """rms_norm_matmul(x, g, w, eps) + residual ([T, N] or a bias [N]) in one dispatch."""
+    return dispatch("rms_norm_matmul_add", x, g, w, residual, eps=float(eps))
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
