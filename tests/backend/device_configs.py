@@ -233,7 +233,7 @@ def _probe(select: Callable[[Any], Any]) -> Callable[[Any], Iterable[Any]]:
 
 @cache
 def reachable(family: str) -> dict[Any, DeviceCaps]:
-    """Configuration -> a device that selects it, for `row` (norm, softmax, argmax lanes),
+    """Configuration -> a device that selects it, for `row` (norm lanes),
     `sample` (sample_top_k lanes), `paged` (paged_attention's (variant, lanes)) and `prefill`
     (the tiled prefill kernel's lanes, None where it does not run)."""
     select: Callable[[Any], Any] = {"row": norm.row_workgroup, "sample": sample.sample_workgroup,

@@ -1,4 +1,4 @@
-"""Matmul against stored-format weights, embedding gather, argmax."""
+"""Matmul against stored-format weights, embedding and row gathers."""
 
 from __future__ import annotations
 
@@ -135,17 +135,6 @@ def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ..
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of the (dequantized) table; out-of-range ids are an error of the caller."""
     return _weight_values(table)[ids.astype(np.int64)].astype(np.float32)
-
-
-def _argmax_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
-    require(x.dtype == "f32" and len(x.shape) == 2, "argmax", (x,), "x must be f32 [T, N]")
-    return (TensorSpec((x.shape[0],), "i32"),)
-
-
-@register_op("argmax", _argmax_infer)
-def argmax(x: np.ndarray) -> np.ndarray:
-    """Index of the largest value per row; the first one on ties."""
-    return x.argmax(axis=-1).astype(np.int32)
 
 
 def _gather_rows_infer(x: TensorSpec, index: TensorSpec) -> tuple[TensorSpec, ...]:
