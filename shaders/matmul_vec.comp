@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs FUSE=none,rms,add,qkv ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs FUSE=none,rms,add,rms_add,qkv ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -25,7 +25,10 @@
 // OUT_SCALE (spec constant 11, float bits; Granite's residual multiplier): y = (x @ w.T) *
 // scale, one rounded product as the scale op, before FUSE_ADD's add.
 // FUSE_ADD (matmul_add): y = x @ w.T + residual, the residual add of a block's output
-// projection, bit-identical to matmul then add.
+// projection, bit-identical to matmul then add. BIAS (spec constant 12): the residual is one
+// row [N] broadcast over the tokens, a projection's bias (Qwen2's q/k/v).
+// FUSE_RMS_ADD (rms_norm_matmul_add): FUSE_RMS's prologue and FUSE_ADD's epilogue, e.g. a
+// normed q/k/v projection plus its bias; bit-identical to rms_norm_matmul then add.
 // FUSE_QKV (rms_norm_qkv_rope_kv_write): FUSE_RMS's prologue, the stacked qkv projection,
 // then include/qkv_epilogue.glsl (rope, q out, k and v into an f32 or f16 cache: spec
 // constant KV_F16, so both caches share one module per format).
@@ -34,6 +37,10 @@
 #ifdef FUSE_QKV
 #define FUSE_RMS
 #define QKV_EPILOGUE
+#endif
+#ifdef FUSE_RMS_ADD
+#define FUSE_RMS
+#define FUSE_ADD
 #endif
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
@@ -73,8 +80,14 @@ IN_U32(3, ws);  // the scales word per block; q6_k: f16 d, q2_k: f16 d | dmin pe
 #endif
 #if defined(FUSE_RMS)
 IN_F32(4, norm_w);    // the norm weight [K]
+#endif
+#if defined(FUSE_RMS) && defined(FUSE_ADD)
+IN_F32(5, residual);  // [T, N], or [N] with BIAS
 #elif defined(FUSE_ADD)
-IN_F32(4, residual);  // [T, N]
+IN_F32(4, residual);
+#endif
+#ifdef FUSE_ADD
+layout(constant_id = 12) const bool BIAS = false;  // the residual is one row [N] for every token
 #endif
 #ifdef QKV_EPILOGUE
 IN_I32(5, positions);
@@ -214,7 +227,10 @@ void main() {
                     g = scaled;
                 }
 #ifdef FUSE_ADD
-                g += LD_F32(residual, (t0 + tt) * pc.N + row0 + r);
+                // precise: the add of the rounded output, as the add op sees it (never an
+                // fma of acc * inv + residual, which FUSE_RMS_ADD's compile might contract).
+                precise float sum = g + LD_F32(residual, (BIAS ? 0u : (t0 + tt) * pc.N) + row0 + r);
+                g = sum;
 #endif
                 y[(t0 + tt) * pc.N + row0 + r] = g;
             }

@@ -1,12 +1,11 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=rms,add_rms,rms_add,layer ACCESS=texel,ssbo
+//! variants: OP=rms,rms_add,layer ACCESS=texel,ssbo
 // Row norms of x [rows, dim], one row per workgroup of W lanes (spec constant 0), two-pass:
 // first the row statistic (sum of squares, or mean then centred sum of squares), then the
 // normalise pass reads the row again. Reductions follow include/reduce.glsl, whose order is
 // independent of the row count. 1.0/sqrt, not inversesqrt (DESIGN invariant 8).
 //   rms:     y = x / sqrt(mean(x^2) + eps) * w
-//   add_rms: h = x + residual; y = rms(h) * w; both written (the fused residual step)
 //   rms_add: y = residual + rms(x) * w (a post-norm's residual step; `precise` keeps the
 //            product rounded before the add, so it equals rms then add bit for bit)
 //   layer:   y = (x - mean) / sqrt(var + eps) * w + b
@@ -15,12 +14,7 @@
 DECLARE_LOCAL_SIZE;
 
 IN_F32(0, x);
-#if defined(OP_ADD_RMS)
-IN_F32(1, residual);
-IN_F32(2, w);
-OUT_F32(3, y);
-OUT_F32(4, h);
-#elif defined(OP_RMS_ADD)
+#if defined(OP_RMS_ADD)
 IN_F32(1, w);
 IN_F32(2, residual);
 OUT_F32(3, y);
@@ -34,16 +28,6 @@ OUT_F32(2, y);
 #endif
 
 layout(push_constant) uniform Push { uint rows; uint dim; float eps; } pc;
-
-// The value being normalised; add_rms recomputes x + residual in the second pass rather
-// than reading h back, which would need a barrier on a buffer other lanes write.
-float row_value(uint i) {
-#if defined(OP_ADD_RMS)
-    return LD_F32(x, i) + LD_F32(residual, i);
-#else
-    return LD_F32(x, i);
-#endif
-}
 
 void main() {
     uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
@@ -66,20 +50,17 @@ void main() {
 #else
     float sq = 0.0;
     for (uint j = lane; j < pc.dim; j += ROW_LANES) {
-        float v = row_value(base + j);
+        float v = LD_F32(x, base + j);
         sq += v * v;
-#if defined(OP_ADD_RMS)
-        h[base + j] = v;
-#endif
     }
     float inv = 1.0 / sqrt(workgroup_sum(sq) / n + pc.eps);
 #if defined(OP_RMS_ADD)
     for (uint j = lane; j < pc.dim; j += ROW_LANES) {
-        precise float normed = row_value(base + j) * inv * LD_F32(w, j);
+        precise float normed = LD_F32(x, base + j) * inv * LD_F32(w, j);
         y[base + j] = LD_F32(residual, base + j) + normed;
     }
 #else
-    for (uint j = lane; j < pc.dim; j += ROW_LANES) y[base + j] = row_value(base + j) * inv * LD_F32(w, j);
+    for (uint j = lane; j < pc.dim; j += ROW_LANES) y[base + j] = LD_F32(x, base + j) * inv * LD_F32(w, j);
 #endif
 #endif
 }

@@ -3,7 +3,9 @@
 Runs the same chat prompts through `vkrt.engine.LLM` in-process (no HTTP), with 1 and 8
 concurrent streams, once unconstrained and once constrained to a JSON schema of a nested
 object, and reports decode tok/s for both, their ratio, the host time spent computing the
-token masks per step (p50/p99), and the device counters of a constrained decode step.
+token masks per step (p50/p99; on a replayed step the device runs the forward meanwhile),
+and the device counters of a constrained decode step (submits, drains, and host_overlaps:
+1 when its masks were computed after the submit).
 
 Decode tok/s counts only steps in which every stream is decoding (one token each), so a
 constrained stream that finishes its JSON early does not shrink the batch being compared;
@@ -82,7 +84,8 @@ def run(llm: LLM, prompts: list[str], constrained: bool, max_tokens: int, seed: 
             "tok_per_s": decode_tokens / decode_s if decode_s else float("nan"),
             "generated": sum(len(o.outputs[0].token_ids) for o in outputs), "mask_s": mask_s,
             "submits": float(np.mean([c.get("submits", 0) for c in counters])) if counters else float("nan"),
-            "drains": float(np.mean([c.get("drains", 0) for c in counters])) if counters else float("nan")}
+            "drains": float(np.mean([c.get("drains", 0) for c in counters])) if counters else float("nan"),
+            "overlaps": float(np.mean([c.get("host_overlaps", 0) for c in counters])) if counters else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                      "mask_ms_p99": 1e3 * float(np.percentile(masks, 99)), "mask_steps": len(masks),
                      "constrained_submits_per_step": guided["submits"],
                      "constrained_drains_per_step": guided["drains"],
+                     "constrained_overlaps_per_step": guided["overlaps"],
                      "constrained_decode_tokens": guided["decode_tokens"]})
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -131,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model or 'default'}: max_tokens {args.max_tokens}, repeats {args.repeats} "
           "(best tok/s of each mode)")
     print("| streams | unconstrained tok/s | constrained tok/s | ratio | mask ms/step p50 | p99 | "
-          "submits / drains per constrained decode step |")
+          "submits / drains / overlaps per constrained decode step |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['streams']} | {r['unconstrained_tok_s']:.1f} | {r['constrained_tok_s']:.1f} | "
               f"**{r['ratio']:.2f}x** | {r['mask_ms_p50']:.3f} | {r['mask_ms_p99']:.3f} | "
-              f"{r['constrained_submits_per_step']:.0f} / {r['constrained_drains_per_step']:.0f} |")
+              f"{r['constrained_submits_per_step']:.0f} / {r['constrained_drains_per_step']:.0f} / "
+              f"{r['constrained_overlaps_per_step']:.2f} |")
     return 0
 
 

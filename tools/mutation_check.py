@@ -46,6 +46,12 @@ MUTANTS = [
     Mutant("split-K partial sums stop at 8 lanes", "shaders/matmul_vec.comp",
            "for (uint half_ = SPLIT / 2u;", "for (uint half_ = min(SPLIT, 8u) / 2u;",
            (CONFIGS, "-k", "matmul_configuration and matmul-q4_1 and (s16 or s32)")),
+    Mutant("tiled matmul adds its register sets one level short", "shaders/matmul_tiled.comp",
+           "for (uint h = SETS / 2u; h > 0u; h /= 2u) {", "for (uint h = min(SETS, 4u) / 2u; h > 0u; h /= 2u) {",
+           ("tests/ops/test_matmul_tiled.py", "-k", "matches_reference_and_vec and q4_1")),
+    Mutant("tiled matmul's lane tree adds a lane's own sum", "shaders/matmul_tiled.comp",
+           "vec4 other = w_tile[(tid ^ h) * NVEC + v];", "vec4 other = w_tile[tid * NVEC + v];",
+           ("tests/ops/test_matmul_tiled.py", "-k", "matches_reference_and_vec and q4_1")),
     Mutant("row reduction tree stops at 64 lanes", "shaders/include/reduce.glsl",
            "float workgroup_sum(float v) {\n    if (ROW_LANES == 1u) return v;  // folded away at specialisation\n"
            "    uint l = gl_LocalInvocationID.x;\n    reduce_scratch[l] = v;\n    barrier();\n"

@@ -163,6 +163,26 @@ vec2 block_sum2(vec4 x[8]) {
 #define block_part block_dot
 #define block_xsum block_sum
 #endif
+
+// block_part one vec4 at a time: after steps j = 0..7 in order (the caller unrolls them),
+// p is block_part(w, x) bit for bit. For kernels that interleave many outputs' blocks and
+// read the eight vec4 of a block one by one (matmul_tiled.comp, from shared memory).
+PART_T block_part_step(PART_T p, uint j, vec4 w, vec4 x) {
+    precise float d = dot(w, x);
+#if defined(WFMT_Q6_K) || defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
+    if (j < 4u) {
+        precise float a = j == 0u ? d : p.x + d;
+        p.x = a;
+    } else {
+        precise float b = j == 4u ? d : p.y + d;
+        p.y = b;
+    }
+    return p;
+#else
+    precise float r = j == 0u ? d : p + d;
+    return r;
+#endif
+}
 #if defined(WFMT_Q2_K)
 #define SCALE_T vec4
 #elif defined(WFMT_Q4_K) || defined(WFMT_Q5_K) || defined(WFMT_Q6_K) || defined(WFMT_Q3_K)

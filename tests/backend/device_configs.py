@@ -1,7 +1,7 @@
 """Every kernel configuration the selection code can choose, for any device.
 
 The Vulkan kernels pick their specialisation constants from `DeviceCaps` (matmul's
-`dispatch_config`, the row kernels' `row_workgroup`, `sample_workgroup`, attention's
+`dispatch_config`, which also picks matmul_tiled.comp for a GPU's prefill, the row kernels' `row_workgroup`, `sample_workgroup`, attention's
 `paged_split`). This module calls those functions with synthetic capabilities spanning
 what Vulkan devices report (device types, vendors, subgroup sizes 1..128 with and without
 subgroup arithmetic, the spec's minimum and common workgroup / shared-memory limits), so
@@ -87,7 +87,9 @@ def device_fields(caps: DeviceCaps, names: tuple[str, ...]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- matmul family
 
-MODES = ("matmul", "gated", "rms", "rms_gated", "add", "qkv", "qkv16")
+# add / bias: matmul_add with a residual [T, N] / a bias [N]; rms_add / rms_bias: the same
+# after the folded norm (rms_norm_matmul_add).
+MODES = ("matmul", "gated", "rms", "rms_gated", "add", "bias", "rms_add", "rms_bias", "qkv", "qkv16")
 QKV_HEADS = (4, 2, 32)  # num_heads, num_kv_heads, head_dim: 256 stacked rows
 QKV_ROWS = (QKV_HEADS[0] + 2 * QKV_HEADS[1]) * QKV_HEADS[2]
 FLOATS = FLOAT_FORMATS
@@ -121,7 +123,8 @@ def matmul_config(caps: Any, mode: str, dtype: str, n: int, k: int, t: int) -> m
     gated = mode in ("gated", "rms_gated")
     rows = 2 * n if gated else n
     tiled = t > mm.max_tokens(caps)
-    return mm.dispatch_config(caps, dtype, rows, k, t, tiled, gated, qkv=mode.startswith("qkv"))
+    return mm.dispatch_config(caps, dtype, rows, k, t, tiled, gated, qkv=mode.startswith("qkv"),
+                              norm_and_add=mode in ("rms_add", "rms_bias"))
 
 
 def _matmul_shapes(mode: str, dtype: str) -> Iterable[tuple[int, int, int]]:
@@ -142,7 +145,8 @@ class MatmulCase:
     @property
     def id(self) -> str:
         c = self.config
-        return f"{self.mode}-{self.dtype}-wg{c.workgroup}-r{c.rows}-t{c.tokens}-s{c.split}"
+        tiled = f"tiled-l{c.lanes}-" if c.shader == "matmul_tiled" else ""
+        return f"{self.mode}-{self.dtype}-{tiled}wg{c.workgroup}-r{c.rows}-t{c.tokens}-s{c.split}"
 
 
 def _probe_matmul(caps: Any) -> Iterable[None]:
@@ -184,11 +188,15 @@ def _case(mode: str, dtype: str, cfg: mm.MatmulConfig, hits: list[tuple[DeviceCa
 
 def matmul_coverage(mode: str, dtype: str, cfg: mm.MatmulConfig) -> set[tuple[Any, ...]]:
     """What running (mode, dtype, cfg) covers. Every configuration of every mode, in some
-    format (a fused prologue / epilogue is the same code for every format); and for plain
-    matmul each format at every lane split and every token tile (a format's block decode
-    meets each lane stride and tile; the row loop around it is format-independent)."""
+    format (a fused prologue / epilogue is the same code for every format); for plain
+    matmul on matmul_vec each format at every lane split and every token tile (a format's
+    block decode meets each lane stride and tile; the row loop around it is
+    format-independent); and each format on matmul_tiled once (its staging decodes a block
+    the same way at every split; tests/ops/test_matmul_tiled.py runs every format at 32)."""
     keys: set[tuple[Any, ...]] = {("config", mode, cfg)}
-    if mode == "matmul":
+    if mode == "matmul" and cfg.shader == "matmul_tiled":
+        keys.add(("format-tiled", dtype))
+    elif mode == "matmul":
         keys |= {("format-split", dtype, cfg.split), ("format-tokens", dtype, cfg.tokens)}
     return keys
 
@@ -210,8 +218,8 @@ def matmul_cases() -> tuple[MatmulCase, ...]:
                  sorted(chosen, key=lambda key: (MODES.index(key[0]), key[1], _order(key[2]))))
 
 
-def _order(cfg: mm.MatmulConfig) -> tuple[int, int, int, int]:
-    return (cfg.split, cfg.workgroup, cfg.rows, cfg.tokens)
+def _order(cfg: mm.MatmulConfig) -> tuple[str, int, int, int, int]:
+    return (cfg.shader, cfg.split, cfg.workgroup, cfg.rows, cfg.tokens)
 
 
 # ------------------------------------------------------------------------- row kernels etc.
@@ -225,7 +233,7 @@ def _probe(select: Callable[[Any], Any]) -> Callable[[Any], Iterable[Any]]:
 
 @cache
 def reachable(family: str) -> dict[Any, DeviceCaps]:
-    """Configuration -> a device that selects it, for `row` (norm, softmax, argmax lanes),
+    """Configuration -> a device that selects it, for `row` (norm lanes),
     `sample` (sample_top_k lanes), `paged` (paged_attention's (variant, lanes)) and `prefill`
     (the tiled prefill kernel's lanes, None where it does not run)."""
     select: Callable[[Any], Any] = {"row": norm.row_workgroup, "sample": sample.sample_workgroup,

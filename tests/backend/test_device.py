@@ -231,7 +231,7 @@ def test_wrong_binding_count_is_refused(vk_default: Any) -> None:
 
 def test_layout_is_checked_after_the_module_was_used(vk_default: Any) -> None:
     """A correct first call must not switch the check off for later, wrong ones."""
-    name = module(vk_default, "elementwise", "mul")
+    name = module(vk_default, "elementwise", "add")
     a, b, y = _add_bindings(vk_default, 16)
     good = [(a, "f32", False), (b, "f32", False), (y, "f32", True)]
     vk_default.run_shader(name, good, grid_1d(16), ("<IIf", (16, 16, 0.0)), local_size())
@@ -243,7 +243,7 @@ def test_layout_is_checked_after_the_module_was_used(vk_default: Any) -> None:
     with pytest.raises(LayoutMismatch):  # an input declared written
         vk_default.run_shader(name, [(a, "f32", True), *good[1:]], grid_1d(16),
                               ("<IIf", (16, 16, 0.0)), local_size())
-    np.testing.assert_array_equal(y.numpy(), np.ones(16, np.float32))  # the good call ran
+    np.testing.assert_array_equal(y.numpy(), np.full(16, 2.0, np.float32))  # the good call ran: 1 + 1
 
 
 def test_push_constant_size_mismatch_is_refused(vk_default: Any) -> None:

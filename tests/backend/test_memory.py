@@ -65,7 +65,7 @@ def exercise(backend: Any) -> dict[str, Any]:
     out["host_visible"] = x.handle.host_visible
     s = ops.add(x, y)
     out["add"] = _b64(s.numpy())
-    out["mul_row"] = _b64(ops.mul(s, row).numpy())
+    out["add_row"] = _b64(ops.add(s, row).numpy())  # a row broadcast over an op's result
     backend.write(x, b)  # overwrite a tensor a finished op read
     out["after_write"] = _b64(ops.add(x, y).numpy())
     backend.sync()
@@ -100,9 +100,9 @@ def test_staging_path_matches_the_direct_path(vk_default: Backend) -> None:
     _check_round_trips(staged)
     a, b, w = _op_inputs()
     assert base64.b64decode(staged["add"]) == (a + b).tobytes()  # IEEE f32 add is exact
-    assert base64.b64decode(staged["mul_row"]) == ((a + b) * w).tobytes()
+    assert base64.b64decode(staged["add_row"]) == ((a + b) + w).tobytes()
     assert base64.b64decode(staged["after_write"]) == (b + b).tobytes()
-    for key in ("add", "mul_row", "after_write"):
+    for key in ("add", "add_row", "after_write"):
         assert staged[key] == direct[key], key
     assert staged["staging_bytes_after"] == 0  # staging buffers are returned
 

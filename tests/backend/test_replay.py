@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -74,3 +76,83 @@ def test_reference_backend_cannot_replay(ref) -> None:
     assert not ref.supports_replay
     with pytest.raises(NotImplementedError):
         ref.capture()
+
+
+def _one_token_masks(rows: int, vocab: int, tokens: list[int]) -> np.ndarray:
+    """u32 masks whose row r allows only tokens[r]."""
+    masks = np.zeros((rows, -(-vocab // 32)), np.uint32)
+    for r, token in enumerate(tokens):
+        masks[r, token // 32] = np.uint32(1 << (token % 32))
+    return masks
+
+
+def test_late_input_is_written_after_the_submit_and_waited_for(vk_default, monkeypatch, rng) -> None:
+    """The host writes a late input (token masks) after the recorded step is submitted; the
+    sampling dispatch waits on the device for the host's event and reads what the host wrote.
+    A device that ignored the wait would sample with the previous masks (or finish before the
+    host's write); one that never saw the host set the event fails at the fence timeout."""
+    from vkrt.backend.vulkan import batch as vkbatch
+
+    monkeypatch.setattr(vkbatch, "FENCE_TIMEOUT_NS", 60_000_000_000)  # fail, not hang
+    vk = vk_default
+    rows, vocab = 3, 300
+    logits = vk.upload(rng.standard_normal((rows, vocab)).astype(np.float32))
+    params = vk.upload(np.tile(np.array([1.0, 1.0, 0.0, 1.0], np.float32), (rows, 1)), "f32")  # greedy
+    uniforms = vk.upload(np.zeros(rows, np.float32), "f32")
+    masks = vk.upload(_one_token_masks(rows, vocab, [0, 0, 0]), "u32", purpose="inputs")
+    with vk.capture() as graph:
+        graph.wait_for_host(masks)
+        ids = ops.sample_top_k(ops.add(logits, logits), params, uniforms, masks)
+    lib, device, fence = vk.vk.lib, vk.device, vk.batch.fence
+    seen: list[tuple[int, int]] = []
+    for tokens in ([7, 100, 299], [31, 32, 250], [5, 5, 5]):
+        def write(tokens: list[int] = tokens) -> None:
+            c = vk.counters
+            seen.append((c.submits - c.fence_waits, lib.vkGetEventStatus(device, graph.recorded.gate[0])))
+            time.sleep(0.2)  # an unblocked device would have finished this tiny step by now
+            assert lib.vkGetFenceStatus(device, fence) == vk.vk.VK_NOT_READY
+            vk.write(masks, _one_token_masks(rows, vocab, tokens))
+
+        before = vk.counters.snapshot()
+        graph.replay(during=write)
+        delta = vk.counters.since(before)
+        assert (delta["submits"], delta["fence_waits"], delta["drains"], delta["host_overlaps"]) == (1, 1, 0, 1)
+        assert ids.numpy().tolist() == tokens
+    assert seen == [(1, vk.vk.VK_EVENT_RESET)] * 3  # submitted, not waited for, event reset
+    # Without host work the event stays set: the same graph replays without waiting.
+    before = vk.counters.snapshot()
+    graph.replay()
+    assert ids.numpy().tolist() == [5, 5, 5]
+    assert vk.counters.since(before)["host_overlaps"] == 0
+
+
+def test_failed_host_work_still_releases_the_device(vk_default, monkeypatch) -> None:
+    """An exception while the host computes a late input sets the event anyway: the step
+    completes, the exception reaches the caller, and the graph replays normally afterwards.
+    Writing anything but a late input, or reading, while the step runs is refused."""
+    from vkrt.backend.vulkan import batch as vkbatch
+
+    monkeypatch.setattr(vkbatch, "FENCE_TIMEOUT_NS", 60_000_000_000)
+    vk = vk_default
+    x = vk.upload(np.arange(8, dtype=np.float32), purpose="inputs")
+    other = vk.upload(np.zeros(8, np.float32))
+    with vk.capture() as graph:
+        graph.wait_for_host(x)
+        y = ops.add(x, x)
+
+    def fail() -> None:
+        vk.write(x, np.ones(8, np.float32))
+        raise RuntimeError("the grammar broke")
+
+    with pytest.raises(RuntimeError, match="the grammar broke"):
+        graph.replay(during=fail)
+    c = vk.counters
+    assert c.submits == c.fence_waits  # nothing left in flight
+    assert np.array_equal(y.numpy(), np.full(8, 2.0, np.float32))  # the host's write was waited for
+    for misuse in (lambda: vk.write(other, np.ones(8, np.float32)), lambda: vk.read(y)):
+        with pytest.raises(VkrtError, match="replayed step"):
+            graph.replay(during=misuse)
+    graph.replay(during=lambda: vk.write(x, np.full(8, 3.0, np.float32)))
+    assert np.array_equal(y.numpy(), np.full(8, 6.0, np.float32))
+    with pytest.raises(VkrtError, match="recorded"):
+        graph.wait_for_host(x)  # late inputs are declared only while recording

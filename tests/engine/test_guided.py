@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from vkrt.engine import LLM, GuidedDecoding, SamplingParams
+from vkrt.engine.guided import Guide
 from vkrt.engine.request import Request
 from vkrt.engine.sampler import Sampler
 from vkrt.errors import RequestError
@@ -182,10 +183,20 @@ def test_max_tokens_cuts_with_length(llm: LLM, vk_default: Any) -> None:
         assert output.text.lstrip().startswith("{")
 
 
-def test_constrained_decode_stays_one_replayed_submit(smollm2_path: Path, vk_default: Any) -> None:
+def test_constrained_decode_stays_one_replayed_submit(smollm2_path: Path, vk_default: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(smollm2_path, device="vulkan", max_model_len=512, max_num_seqs=4)
     mask_seconds: list[float] = []
     llm.engine.stats_listeners.append(lambda s: mask_seconds.append(s.mask_seconds) if s.mask_seconds else None)
+    counters = llm.engine.model.backend.counters
+    in_flight: list[int] = []  # per llguidance mask: submits not yet waited for
+    fill_mask = Guide.fill_mask
+
+    def noting(guide: Guide, row: np.ndarray) -> None:
+        in_flight.append(counters.submits - counters.fence_waits)
+        fill_mask(guide, row)
+
+    monkeypatch.setattr(Guide, "fill_mask", noting)
     params = [json_params(PERSON, 0, temperature=0.0), json_params(PERSON, 1, temperature=0.8, top_k=40),
               SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]  # one unconstrained row
     outputs = llm.generate([chat(llm, "A person as JSON.")] * 3, params)
@@ -199,6 +210,11 @@ def test_constrained_decode_stays_one_replayed_submit(smollm2_path: Path, vk_def
     assert worst["bytes_down"] < llm.engine.vocab_size * 4
     assert stats["last_step"]["replayed"]
     assert len(mask_seconds) >= 10
+    # Every decode step's masks were computed after its submit, while the device ran it; only
+    # the compile's first mask and the prefill's two (an eager step submits after its masks)
+    # were computed with nothing in flight.
+    assert worst["host_overlaps"] == 1
+    assert in_flight.count(1) >= 20 and in_flight.count(0) <= 3
 
 
 def test_eager_steps_apply_the_mask_too(smollm2_path: Path, vk_default: Any) -> None:

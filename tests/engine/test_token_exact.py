@@ -47,3 +47,31 @@ def test_vulkan_greedy_equals_reference(smollm2_path: Path, reference_ids: list[
     if replay:
         assert worst["submits"] == 1 and worst["fence_waits"] == 1
         assert stats["last_step"]["replayed"]
+
+
+LONG_PROMPT_TOKENS = 2000
+LONG_NEW_TOKENS = 16
+
+
+def _long_prompt() -> list[int]:
+    """2000 tokens of the model's own text: each golden prompt with its greedy continuation,
+    cycled. It crosses many KV blocks and prefill chunks, and the tiled prefill kernel."""
+    golden = json.loads((FIXTURES / "smollm2_golden.json").read_text())
+    pieces = [case["prompt_ids_no_special"] + case["greedy_ids"] for case in golden["text_prompts"]]
+    ids: list[int] = []
+    while len(ids) < LONG_PROMPT_TOKENS:
+        ids += pieces[len(ids) % len(pieces)]
+    return ids[:LONG_PROMPT_TOKENS]
+
+
+def test_vulkan_greedy_equals_reference_after_a_2000_token_prompt(smollm2_path: Path, vk_default) -> None:
+    params = SamplingParams(max_tokens=LONG_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = {}
+    for device in ("reference", "vulkan"):
+        llm = LLM(smollm2_path, device=device, max_model_len=LONG_PROMPT_TOKENS + 64, max_num_seqs=1, kv_dtype="f32")
+        ids[device] = llm.generate([_long_prompt()], params)[0].token_ids
+        stats = llm.stats()
+        del llm
+    assert len(ids["reference"]) == LONG_NEW_TOKENS
+    assert ids["vulkan"] == ids["reference"]
+    assert stats["decode_counters_max"]["drains"] == 0

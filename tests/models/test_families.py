@@ -96,6 +96,27 @@ def test_replayed_decode_step_is_one_submit_without_drains(name: str, vk_default
     assert stats["last_step"]["replayed"]
 
 
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen2_gguf"])
+def test_qwen2_bias_joins_the_qkv_projection(name: str, vk_default: Backend) -> None:
+    """Qwen2's q/k/v bias is the epilogue of the normed qkv matmul (rms_norm_matmul_add), not
+    an add of its own. A decode step: embedding; per layer the qkv matmul with its norm and
+    bias, qkv_rope_kv_write, paged_attention, o_proj + residual, gate_up with its norm and
+    SwiGLU, down + residual; the gather and the normed LM head: 1 + 6 per layer + 2, which is
+    15 for these 2 layers (17, one add more per layer, before the bias joined the matmul)."""
+    model = DecoderModel(load_model(_model_path(name)), vk_default)
+    assert model.config.qkv_bias and all(b.qkv_bias is not None for b in model.blocks)
+    case = _golden(name)["cases"][-1]
+    driver = Greedy(model, max_len=MAX_LEN)
+    before = dict(vk_default.selections)
+    assert driver.generate(case["input_ids"], 4) == case["greedy_ids"][:4]
+    ran = {key: n - before.get(key, 0) for key, n in vk_default.selections.items() if n > before.get(key, 0)}
+    assert not any(op == "add" for op, _ in ran), f"an add ran on its own: {ran}"
+    decode = driver.step_counters[1:]  # after the prefill
+    assert ran[("rms_norm_matmul_add", "rms_norm_matmul_add.vec")] == len(decode) * model.config.num_layers
+    assert {c["dispatches"] for c in decode} == {1 + 6 * model.config.num_layers + 2}
+    assert {c["drains"] for c in driver.step_counters} == {0}
+
+
 def _logits_within_golden(model: DecoderModel, golden: str) -> None:
     for case in _golden(golden)["cases"]:
         logits = Greedy(model, max_len=MAX_LEN).step(case["input_ids"], 0, all_logits=True)

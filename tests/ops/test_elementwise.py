@@ -1,6 +1,6 @@
-"""Native add, mul, scale, softcap, silu_and_mul, gelu_tanh_and_mul and gather_rows vs their references.
+"""Native add, scale, softcap, silu_and_mul, gelu_tanh_and_mul and gather_rows vs their references.
 
-add, mul, scale and gather_rows are single correctly rounded f32 operations (or moves):
+add, scale and gather_rows are single correctly rounded f32 operations (or moves):
 bit-exact. The gated activations use the shader's f32 exp against a float64 reference:
 NMSE <= 1e-10 (measured ~1e-14 on llvmpipe); softcap's f32 tanh is bounded per value.
 """
@@ -27,13 +27,11 @@ def _no_drain(vk, fn, *args):
 
 @pytest.mark.parametrize("broadcast", [False, True], ids=["same", "row"])
 @pytest.mark.parametrize("shape", SHAPES + [(7,)], ids=str)
-@pytest.mark.parametrize("op", ["add", "mul"])
-def test_binary_is_bit_exact(vk, rng, op: str, shape: tuple[int, ...], broadcast: bool) -> None:
+def test_add_is_bit_exact(vk, rng, shape: tuple[int, ...], broadcast: bool) -> None:
     a = rng.standard_normal(shape).astype(np.float32)
     b = rng.standard_normal(shape[-1:] if broadcast else shape).astype(np.float32)
-    fn = ops.add if op == "add" else ops.mul
-    got = _no_drain(vk, fn, vk.upload(a), vk.upload(b))
-    np.testing.assert_array_equal(got, ops.OPS[op].reference(a, b))
+    got = _no_drain(vk, ops.add, vk.upload(a), vk.upload(b))
+    np.testing.assert_array_equal(got, ops.OPS["add"].reference(a, b))
 
 
 GATED_CASES = [(op, shape) for op in ("silu_and_mul", "gelu_tanh_and_mul")
@@ -84,8 +82,8 @@ def test_elementwise_rejects_bad_input(vk) -> None:
     a = vk.upload(np.zeros((2, 8), np.float32))
     with pytest.raises(VkrtError, match="add"):
         ops.add(a, vk.upload(np.zeros((2, 7), np.float32)))
-    with pytest.raises(VkrtError, match="mul"):
-        ops.mul(a, vk.upload(np.zeros((2, 8), np.int32)))
+    with pytest.raises(VkrtError, match="add"):
+        ops.add(a, vk.upload(np.zeros((2, 8), np.int32)))
     with pytest.raises(VkrtError, match="silu_and_mul"):
         ops.silu_and_mul(vk.upload(np.zeros((2, 7), np.float32)))
     with pytest.raises(VkrtError, match="gelu_tanh_and_mul"):

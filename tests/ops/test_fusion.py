@@ -69,6 +69,27 @@ def test_residual_add_joins_the_projection(vk_default: Backend, tensors: dict[st
     assert got.tobytes() == unfused(lambda: ops.add(ops.matmul(x, w), r).numpy()).tobytes()
 
 
+def test_bias_joins_the_projection(vk_default: Backend, rng: np.random.Generator,
+                                   tensors: dict[str, Tensor]) -> None:
+    """Qwen2's q/k/v bias: add(matmul(x, w), b) with b [N] is one matmul_add, and with the
+    pre-norm folded too, add(matmul(rms_norm(x, g), w), b) is one rms_norm_matmul_add; both
+    bit-identical to the unfused ops (rms_norm_matmul, then the broadcasting add)."""
+    x, g, w = tensors["x"], tensors["g"], tensors["w"]
+    bias = vk_default.upload(rng.standard_normal(N).astype(np.float32))
+    got, ran, delta = ran_ops(vk_default, lambda: ops.add(ops.matmul(x, w), bias).numpy())
+    assert ran == {"matmul_add"} and delta["dispatches"] == 1
+    assert got.tobytes() == unfused(lambda: ops.add(ops.matmul(x, w), bias).numpy()).tobytes()
+    for added in (bias, tensors["r"]):  # a bias, or a residual of the projection's shape
+        got, ran, delta = ran_ops(vk_default, lambda a=added: ops.add(ops.matmul(ops.rms_norm(x, g, EPS), w), a).numpy())
+        assert ran == {"rms_norm_matmul_add"} and delta["dispatches"] == 1
+        want = unfused(lambda a=added: ops.add(ops.rms_norm_matmul(x, g, w, EPS), a).numpy())
+        assert got.tobytes() == want.tobytes()
+    # A gated projection's output has no bias epilogue: the add runs on its own.
+    _, ran, delta = ran_ops(vk_default, lambda: ops.add(ops.silu_and_mul(ops.matmul(ops.rms_norm(x, g, EPS),
+                                                                                    tensors["w2"])), bias).numpy())
+    assert ran == {"rms_norm_matmul", "add"} and delta["dispatches"] == 2
+
+
 @pytest.mark.parametrize("branch_first", [True, False])
 def test_post_norm_joins_the_residual_add(vk_default: Backend, rng: np.random.Generator, branch_first: bool) -> None:
     """Gemma's sandwich norms: add(rms_norm(out), h) is one rms_norm_add dispatch."""

@@ -167,6 +167,13 @@ def test_reserved_chat_template_kwargs_are_400(fake: Live, name: str) -> None:
     assert_still_serving(fake)
 
 
+def test_continue_final_message_with_no_messages_is_400(fake: Live) -> None:
+    # Found by schemathesis on the real model: /tokenize takes an empty message list.
+    body = {"messages": [], "continue_final_message": True, "add_generation_prompt": False}
+    assert_error(fake.client.post("/tokenize", json=body), 400, "continue_final_message", says="assistant")
+    assert_still_serving(fake)
+
+
 # ---- 8: connection limits and timeouts --------------------------------------------------------
 
 def test_a_half_sent_head_is_closed_after_the_read_timeout(serve_fake: Any) -> None:

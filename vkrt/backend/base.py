@@ -44,6 +44,9 @@ class Counters:
     bytes_up: int = 0
     bytes_down: int = 0
     wait_us: int = 0  # time the host spent blocked on the device (in fence waits)
+    # Replays during which the host computed the step's late inputs (structured output's token
+    # masks) while the device ran the step, instead of before the submit.
+    host_overlaps: int = 0
     gpu_us: int = 0  # device time of submitted work, from timestamp queries (0 where unsupported)
 
     def snapshot(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt.engine.config import EngineConfig, SamplingParams
-from vkrt.engine.guided import GrammarCompiler, fill_masks
+from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.request import Request, RequestOutput, RequestStatus
@@ -193,14 +193,13 @@ class EngineCore:
             return []
         batch, layout = build_forward_batch(scheduled, self.block_manager)
         requests = [request for request, _ in layout.sample_rows]
-        # Constrained rows' token masks, before the forward: they are inputs of the sampling.
-        mask_start = time.perf_counter()
-        masks = fill_masks(requests, self.grammars.words)
-        mask_seconds = None if masks is None else time.perf_counter() - mask_start
+        # Constrained rows' token masks: the runner has them computed while the device runs
+        # a replayed step (before the step otherwise); the sampling waits for them.
+        masks = StepMasks.of(requests, self.grammars.words)
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled token, as the host's would).
-        sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index), masks)
-        logits = self.runner.execute(batch, sampling)
+        sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
+        logits = self.runner.execute(batch, sampling, masks)
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens
@@ -214,26 +213,33 @@ class EngineCore:
                 request.prompt_logprobs.append(entry)
 
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted),
-                               mask_seconds=mask_seconds)
+                               mask_seconds=None if masks is None else masks.seconds)
         rows = [row for _, row in layout.sample_rows]
         if sampling is not None:  # the runner returned each row's token
             sampled = SamplerOutput([int(t) for t in logits[rows]], [None] * len(rows))
         else:
-            sampled = self.sampler.sample(logits[rows], requests, masks)
+            sampled = self.sampler.sample(logits[rows], requests, None if masks is None else masks.masks)
+        failed = {} if masks is None else masks.failed
         results: list[RequestOutput] = []
-        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+        for i, (request, token_id, logprobs) in enumerate(zip(requests, sampled.token_ids, sampled.logprobs,
+                                                               strict=True)):
             metrics = request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-                stats.ttfts.append(now - metrics.arrival_time)
-                stats.num_prompt_tokens += request.num_prompt_tokens
-            elif metrics.last_token_time is not None:
-                stats.inter_token_latencies.append(now - metrics.last_token_time)
-            metrics.last_token_time = now
-            stats.num_generation_tokens += 1
-            status = self.outputs.append_token(request, token_id, logprobs)
-            if request.guide is not None:
-                status = self._advance_guide(request, token_id, status)
+            if i in failed:  # its row had no mask, so its token is unconstrained: not emitted
+                log.error("request %s: computing its grammar's token mask failed (%s); aborting it",
+                          request.request_id, failed[i])
+                status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+            else:
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                    stats.ttfts.append(now - metrics.arrival_time)
+                    stats.num_prompt_tokens += request.num_prompt_tokens
+                elif metrics.last_token_time is not None:
+                    stats.inter_token_latencies.append(now - metrics.last_token_time)
+                metrics.last_token_time = now
+                stats.num_generation_tokens += 1
+                status = self.outputs.append_token(request, token_id, logprobs)
+                if request.guide is not None:
+                    status = self._advance_guide(request, token_id, status)
             if status is not None:
                 self.scheduler.finish(request, status)
                 stats.finished.append(FinishedRequestStats(

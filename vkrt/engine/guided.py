@@ -6,8 +6,9 @@ bad or unsatisfiable grammar is a RequestError then, never mid-generation. Compi
 are cached per spec: a request repeating a schema gets a copy of the cached one, in
 microseconds, instead of a compile (tens of milliseconds for a nested schema). Each step the
 engine asks every constrained request's guide for its mask row (u32 words, bit j % 32 of word
-j // 32 allows token j: the sample_top_k op's mask operand), samples with it, and advances the
-guide with the chosen token. When the grammar admits no further token the request stops.
+j // 32 allows token j: the sample_top_k op's mask operand; `StepMasks`, computed while the
+device runs a replayed step), samples with it, and advances the guide with the chosen token.
+When the grammar admits no further token the request stops.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -234,13 +236,36 @@ def _cache_key(guided: GuidedDecoding) -> tuple[str, str, bool]:
     return guided.kind, text, guided.strict
 
 
-def fill_masks(requests: Sequence[Request], words: int) -> np.ndarray | None:
-    """u32 [len(requests), words] masks, row i for requests[i] (all ones where unconstrained);
-    None, computing nothing, when no request is constrained."""
-    guided = [(i, r.guide) for i, r in enumerate(requests) if r.guide is not None]
-    if not guided:
-        return None
-    masks = np.full((len(requests), words), ALL_ALLOWED, np.uint32)
-    for i, guide in guided:
-        guide.fill_mask(masks[i])
-    return masks
+class StepMasks:
+    """The token masks of one step's sampled rows: u32 [len(requests), words], row i for
+    requests[i], all ones where unconstrained. Computed once, when the runner calls it: while
+    the device runs a replayed step (the grammar states after the previous tokens are known),
+    otherwise before the step. A guide that fails leaves its row all ones and is named in
+    `failed`; the engine aborts that request instead of using its token."""
+
+    def __init__(self, requests: Sequence[Request], words: int) -> None:
+        self.requests = requests
+        self.words = words
+        self.masks: np.ndarray | None = None
+        self.failed: dict[int, str] = {}  # row -> what the guide raised
+        self.seconds = 0.0  # host time computing them
+
+    @classmethod
+    def of(cls, requests: Sequence[Request], words: int) -> StepMasks | None:
+        """None when no request is constrained (no mask exists at all)."""
+        return cls(requests, words) if any(r.guide is not None for r in requests) else None
+
+    def __call__(self) -> np.ndarray:
+        start = time.perf_counter()
+        masks = np.full((len(self.requests), self.words), ALL_ALLOWED, np.uint32)
+        for i, request in enumerate(self.requests):
+            if request.guide is None:
+                continue
+            try:
+                request.guide.fill_mask(masks[i])
+            except Exception as exc:  # llguidance raises plain ValueError/RuntimeError
+                self.failed[i] = f"{type(exc).__name__}: {exc}"
+                masks[i] = ALL_ALLOWED
+        self.masks = masks
+        self.seconds = time.perf_counter() - start
+        return masks

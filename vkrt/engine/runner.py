@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,9 @@ from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.ops.sampling import ALL_ALLOWED, mask_words
 
 log = logging.getLogger("vkrt")
+
+# Computes one step's token masks: u32 [rows, ceil(V / 32)], row i for logits row i.
+MaskSource = Callable[[], np.ndarray]
 
 
 @dataclass
@@ -114,12 +118,16 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // kv.block_size)
         self._graphs: dict[int, _DecodeGraph] = {}
 
-    def execute(self, batch: ForwardBatch, sampling: SampleInputs | None = None) -> np.ndarray:
+    def execute(self, batch: ForwardBatch, sampling: SampleInputs | None = None,
+                masks: MaskSource | None = None) -> np.ndarray:
         """Logits [len(batch.logits_index), vocab] float32; the step's K/V land in the cache.
 
         With `sampling` (one row per logits row) the caller needs only each row's
         sample_top_k token: int32 ids [rows] come back instead, drawn on the device (inside
-        the recorded step when it is replayed, with its token masks), so no logits are read back.
+        the recorded step when it is replayed), so no logits are read back. `masks` (None: no
+        row is constrained) is called exactly once: for a replayed step after its submit,
+        while the device runs the forward (the sampling waits for the masks on the device);
+        otherwise before the step. With `sampling` its rows mask the draws.
         """
         counters = self.backend.counters
         before = counters.snapshot()
@@ -129,14 +137,15 @@ class ModelRunner:
             raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
         graph = self._graph_for(batch)
         if graph is not None:
-            result = graph.run(batch, sampling)
+            result = graph.run(batch, sampling, masks)
         else:
+            host_masks = None if masks is None else masks()
             step = StepTensors.upload(self.backend, batch)
             logits = self.model.forward(step, self.kv)
             if sampling is not None:
-                masks = None if sampling.masks is None else self.backend.upload(sampling.masks, "u32")
+                mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
                 ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
-                                       self.backend.upload(sampling.uniforms, "f32"), masks)
+                                       self.backend.upload(sampling.uniforms, "f32"), mask)
                 result = self.backend.read(ids).reshape(rows)
             else:
                 result = np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1)
@@ -177,7 +186,9 @@ class ModelRunner:
 class _DecodeGraph:
     """One decode bucket: persistent input tensors and the forward recorded over them,
     then sample_top_k over the logits (a step that samples reads back only its ids).
-    Each KV group has its own slots and block tables among the inputs."""
+    Each KV group has its own slots and block tables among the inputs. The token masks are
+    a late input: the host writes them after the submit, and the sampling dispatch waits on
+    the device until it has, so their computation overlaps the forward."""
 
     def __init__(self, model: CausalLM, kv: KVCache, bucket: int, max_blocks: int) -> None:
         backend = model.backend
@@ -195,16 +206,18 @@ class _DecodeGraph:
         self.host_sampling = SampleInputs(np.tile(GREEDY_PARAMS, (bucket, 1)), np.zeros(bucket, np.float32))
         self.sample_params = backend.upload(self.host_sampling.params, "f32")
         self.uniforms = backend.upload(self.host_sampling.uniforms, "f32")
-        # Token masks (structured output), rewritten only while a step has a constrained row.
+        # Token masks (structured output), rewritten only while a step has a constrained row;
+        # host-visible, since the host writes them while the step runs.
         self.host_masks = np.full((bucket, mask_words(model.config.vocab_size)), ALL_ALLOWED, np.uint32)
-        self.masks = backend.upload(self.host_masks, "u32")
+        self.masks = backend.upload(self.host_masks, "u32", purpose="inputs")
         self.masks_all_ones = True
         with backend.capture() as graph:
+            graph.wait_for_host(self.masks)  # recorded just before the sampling dispatch reads them
             self.logits = model.forward(self.inputs, kv)
             self.ids = ops.sample_top_k(self.logits, self.sample_params, self.uniforms, self.masks)
         self.graph = graph
 
-    def run(self, batch: ForwardBatch, sampling: SampleInputs | None) -> np.ndarray:
+    def run(self, batch: ForwardBatch, sampling: SampleInputs | None, masks: MaskSource | None) -> np.ndarray:
         t = batch.num_tokens
         host = self.host
         # Padding rows: seq_index -1 makes attention skip them and slot -1 keeps their K/V out.
@@ -221,18 +234,26 @@ class _DecodeGraph:
             self.backend.write(inputs.slots_of(g), host.slots[g])
             self.backend.write(inputs.block_tables_of(g), host.block_tables[g])
         if sampling is None:  # the caller samples on the host: the ids are not read
-            self.graph.replay()
+            self.graph.replay(during=masks)  # the masks are only computed, for the host sampler
             return np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t]
         params, uniforms = self.host_sampling.params, self.host_sampling.uniforms
         params[:t], params[t:] = sampling.params, GREEDY_PARAMS
         uniforms[:t], uniforms[t:] = sampling.uniforms, 0.0
         self.backend.write(self.sample_params, params)
         self.backend.write(self.uniforms, uniforms)
-        if sampling.masks is not None or not self.masks_all_ones:
-            masks = self.host_masks
-            masks[:t] = ALL_ALLOWED if sampling.masks is None else sampling.masks
-            masks[t:] = ALL_ALLOWED
-            self.backend.write(self.masks, masks)
-            self.masks_all_ones = sampling.masks is None
-        self.graph.replay()
+        if masks is None:
+            if not self.masks_all_ones:  # restore after a constrained step, before the submit
+                self.host_masks[:] = ALL_ALLOWED
+                self.backend.write(self.masks, self.host_masks)
+                self.masks_all_ones = True
+            self.graph.replay()  # the event is left set: the sampling does not wait
+        else:
+            self.masks_all_ones = False
+
+            def write_masks() -> None:
+                self.host_masks[:t] = masks()
+                self.host_masks[t:] = ALL_ALLOWED
+                self.backend.write(self.masks, self.host_masks)
+
+            self.graph.replay(during=write_masks)
         return self.backend.read(self.ids)[:t]

@@ -26,7 +26,7 @@ import numpy as np
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.request import Logprob, Request, TokenLogprobs
-from vkrt.ops.sampling import ALL_ALLOWED, MAX_TOP_K, allowed_tokens, sample_params, sample_row
+from vkrt.ops.sampling import MAX_TOP_K, allowed_tokens, sample_params, sample_row
 
 
 @dataclass
@@ -89,33 +89,29 @@ def draw_uniform(request: Request) -> np.float32:
 
 @dataclass
 class SampleInputs:
-    """sample_top_k operands for one step's rows: params [R, 4] and uniforms [R], float32;
-    masks u32 [R, ceil(V / 32)], or None when no row is constrained (all ones)."""
+    """sample_top_k operands for one step's rows: params [R, 4] and uniforms [R], float32
+    (the token masks come separately: the runner has them computed during the step)."""
 
     params: np.ndarray
     uniforms: np.ndarray
-    masks: np.ndarray | None = None
 
 
 GREEDY_PARAMS = sample_params(temperature=1.0, top_k=1)  # top_k=1 is the argmax
 
 
-def sample_inputs(requests: Sequence[Request], num_rows: int,
-                  masks: np.ndarray | None = None) -> SampleInputs | None:
+def sample_inputs(requests: Sequence[Request], num_rows: int) -> SampleInputs | None:
     """sample_top_k operands for logits rows 0..num_rows-1, row i sampling requests[i]
-    (plain greedy ones as top_k=1; rows past the requests, unused, too) with masks[i],
-    drawing each sampled request's uniform; None, drawing nothing, if any request needs the host."""
+    (plain greedy ones as top_k=1; rows past the requests, unused, too), drawing each sampled
+    request's uniform; None, drawing nothing, if any request needs the host."""
     if not all(is_plain_greedy(r) or is_device_samplable(r) for r in requests):
         return None
-    if masks is not None and num_rows > masks.shape[0]:
-        masks = np.concatenate([masks, np.full((num_rows - masks.shape[0], masks.shape[1]), ALL_ALLOWED)])
     params = np.tile(GREEDY_PARAMS, (num_rows, 1))
     uniforms = np.zeros(num_rows, np.float32)
     for i, request in enumerate(requests):
         if not request.params.greedy:
             params[i] = _op_params(request.params)
             uniforms[i] = draw_uniform(request)
-    return SampleInputs(params, uniforms, masks)
+    return SampleInputs(params, uniforms)
 
 
 def _op_params(params: SamplingParams) -> np.ndarray:

@@ -106,12 +106,12 @@ class Block:
             else:
                 q_proj, k_proj, v_proj = (model.matrix(w) for w in parts)
                 self.qkv_parts = (q_proj, k_proj, v_proj)
-        if c.qkv_bias:
+        if c.qkv_bias:  # one bias per matmul: each joins its projection (vkrt.ops.fusion)
             biases = [model.vector(p + n) for n in ("q_bias", "k_bias", "v_bias")]
-            if apart:
-                self.q_bias, self.k_bias, self.v_bias = (model.upload_f32(b) for b in biases)
-            else:
+            if self.qkv is not None:
                 self.qkv_bias = model.upload_f32(np.concatenate(biases))
+            else:
+                self.q_bias, self.k_bias, self.v_bias = (model.upload_f32(b) for b in biases)
         self.o_proj = model.matrix(model.raw(p + "o_proj"))
         # The MLP is dense (gate|up stacked, down) or sparse: the router and each expert's
         # stacked gate|up and down, [E, out, in], and maybe a shared expert (a dense MLP) with
@@ -322,20 +322,19 @@ class DecoderModel(CausalLM):
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
         if b.qkv is not None or b.qkv_parts is not None:
             if b.qkv is not None:
-                qkv = ops.matmul(x, b.qkv)
+                qkv = with_bias(ops.matmul(x, b.qkv), b.qkv_bias)
             else:
                 assert b.qkv_parts is not None
-                qkv = ops.concat_columns(*(ops.matmul(x, w) for w in b.qkv_parts))
-            if b.qkv_bias is not None:
-                qkv = ops.add(qkv, b.qkv_bias)
+                biases = (b.q_bias, b.k_bias, b.v_bias)
+                qkv = ops.concat_columns(*(with_bias(ops.matmul(x, w), bias)
+                                           for w, bias in zip(b.qkv_parts, biases, strict=True)))
             if b.q_norm is not None and b.k_norm is not None:
                 return ops.qkv_norm_rope_kv_write(qkv, b.q_norm, b.k_norm, step.positions, cos_sin, kv.keys[i],
                                                   kv.values[i], slots, c.rms_norm_eps, *heads)
             return ops.qkv_rope_kv_write(qkv, step.positions, cos_sin, kv.keys[i], kv.values[i], slots, *heads)
         assert b.q_proj is not None and b.k_proj is not None and b.v_proj is not None
-        q, k, v = ops.matmul(x, b.q_proj), ops.matmul(x, b.k_proj), ops.matmul(x, b.v_proj)
-        if b.q_bias is not None and b.k_bias is not None and b.v_bias is not None:
-            q, k, v = ops.add(q, b.q_bias), ops.add(k, b.k_bias), ops.add(v, b.v_bias)
+        q, k, v = (with_bias(ops.matmul(x, w), bias)
+                   for w, bias in ((b.q_proj, b.q_bias), (b.k_proj, b.k_bias), (b.v_proj, b.v_bias)))
         if b.q_norm is not None and b.k_norm is not None and c.qk_norm_per_head:
             q, k = self.head_norm(q, b.q_norm), self.head_norm(k, b.k_norm)
         elif b.q_norm is not None and b.k_norm is not None:  # one norm over all heads (OLMoE)
@@ -349,6 +348,11 @@ class DecoderModel(CausalLM):
         c = self.config
         rows = ops.reshape(x, (-1, c.head_dim))
         return ops.reshape(ops.rms_norm(rows, w, c.rms_norm_eps), x.shape)
+
+
+def with_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    """y + bias (a row [N] for every token), or y when the projection has none."""
+    return y if bias is None else ops.add(y, bias)
 
 
 def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | None,

@@ -43,16 +43,17 @@ def rms_norm_matmul(x: Tensor, g: Tensor, w: Tensor, eps: float, gated: bool = F
 
 
 def matmul_add(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
-    """matmul(x, w) + residual in one dispatch."""
+    """matmul(x, w) + residual in one dispatch; residual [T, N], or a bias [N] for every row."""
     return dispatch("matmul_add", x, w, residual)
+
+
+def rms_norm_matmul_add(x: Tensor, g: Tensor, w: Tensor, residual: Tensor, eps: float) -> Tensor:
+    """rms_norm_matmul(x, g, w, eps) + residual ([T, N] or a bias [N]) in one dispatch."""
+    return dispatch("rms_norm_matmul_add", x, g, w, residual, eps=float(eps))
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return dispatch("rms_norm", x, w, eps=float(eps))
-
-
-def add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return dispatch("add_rms_norm", x, residual, w, eps=float(eps))
 
 
 def rms_norm_add(x: Tensor, w: Tensor, residual: Tensor, eps: float) -> Tensor:
@@ -84,10 +85,6 @@ def reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     return x.reshape(tuple(shape))
 
 
-def mul(a: Tensor, b: Tensor) -> Tensor:
-    return dispatch("mul", a, b)
-
-
 def silu_and_mul(x: Tensor) -> Tensor:
     return dispatch("silu_and_mul", x)
 
@@ -96,19 +93,9 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return dispatch("gelu_tanh_and_mul", x)
 
 
-def softmax(x: Tensor) -> Tensor:
-    return dispatch("softmax", x)
-
-
 def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, head_dim: int,
          interleaved: bool = False) -> Tensor:
     return dispatch("rope", x, positions, cos_sin, head_dim=int(head_dim), interleaved=bool(interleaved))
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, num_heads: int, num_kv_heads: int,
-              scale: float) -> Tensor:
-    return dispatch("attention", q, k, v, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-                    scale=float(scale))
 
 
 def kv_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
@@ -161,10 +148,6 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return dispatch("gather_rows", x, index)
 
 
-def argmax(x: Tensor) -> Tensor:
-    return dispatch("argmax", x)
-
-
 def sample_top_k(logits: Tensor, params: Tensor, uniforms: Tensor, mask: Tensor | None = None) -> Tensor:
     """Token ids [R] drawn from logits [R, V]; params [R, 4], uniforms [R] and the token mask
     [R, ceil(V / 32)] u32 (None: every token allowed) as in vkrt.ops.sampling."""
@@ -212,9 +195,11 @@ def op_names() -> list[str]:
 
 
 __all__ = [
-    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "add_rms_norm", "argmax",
-    "attention", "cast", "concat_columns", "copy", "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write",
-    "layer_norm", "matmul", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared", "moe_matmul", "moe_matmul_gated", "moe_router", "mul", "op_names", "paged_attention",
-    "qkv_norm_rope_kv_write", "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rope",
-    "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul", "softcap", "softmax",
+    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "concat_columns", "copy",
+    "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
+    "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
+    "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
+    "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
+    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul",
+    "softcap",
 ]

@@ -1,4 +1,4 @@
-"""Rotary embedding, causal attention, the paged KV cache write and paged attention.
+"""Rotary embedding, the paged KV cache write and paged attention.
 
 Layouts: activations are [T, heads * head_dim]. The KV cache of one layer is
 [num_blocks, block_size, kv_heads * head_dim]; a token's slot is block * block_size +
@@ -67,36 +67,6 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: 
         s = softcap * np.tanh(s / softcap)
     p = np.exp(s - s.max())
     return ((p / p.sum()) @ v.astype(np.float64)).astype(np.float32)
-
-
-def _attention_infer(q: TensorSpec, k: TensorSpec, v: TensorSpec, num_heads: int,
-                     num_kv_heads: int, scale: float) -> tuple[TensorSpec, ...]:
-    specs = (q, k, v)
-    require(all(s.dtype == "f32" and len(s.shape) == 2 for s in specs), "attention", specs,
-            "q, k, v must be f32 [T, heads * head_dim]")
-    require(num_heads % num_kv_heads == 0, "attention", specs, "num_heads must be a multiple of num_kv_heads")
-    head_dim = q.shape[1] // num_heads
-    require(q.shape[1] == num_heads * head_dim and k.shape == v.shape
-            and k.shape == (q.shape[0], num_kv_heads * head_dim), "attention", specs,
-            "k and v must be [T, num_kv_heads * head_dim] matching q")
-    return (q,)
-
-
-@register_op("attention", _attention_infer)
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, num_heads: int, num_kv_heads: int,
-              scale: float) -> np.ndarray:
-    """Causal grouped-query attention over one contiguous sequence."""
-    t = q.shape[0]
-    hd = q.shape[1] // num_heads
-    group = num_heads // num_kv_heads
-    out = np.empty_like(q, dtype=np.float32)
-    for i in range(t):
-        for h in range(num_heads):
-            kvh = h // group
-            out[i, h * hd:(h + 1) * hd] = _attend(q[i, h * hd:(h + 1) * hd],
-                                                  k[: i + 1, kvh * hd:(kvh + 1) * hd],
-                                                  v[: i + 1, kvh * hd:(kvh + 1) * hd], scale)
-    return out
 
 
 def _kv_write_infer(k_cache: TensorSpec, v_cache: TensorSpec, k: TensorSpec, v: TensorSpec,

@@ -29,12 +29,6 @@ def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a + b).astype(np.float32)
 
 
-@register_op("mul", _binary_infer("mul"))
-def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a * b (b may be one row broadcast over a)."""
-    return (a * b).astype(np.float32)
-
-
 def _unary_infer(name: str, param: str):
     def infer(x: TensorSpec, **params: float) -> tuple[TensorSpec, ...]:
         require(x.dtype == "f32", name, (x,), "x must be f32")

@@ -12,6 +12,8 @@ one fused op, if the backend has a kernel for that call:
     silu_and_mul(moe_matmul(x, w, ids))       -> moe_matmul_gated(x, w, ids)  (gelu_tanh likewise)
     scale(matmul(x, w), s)                    -> matmul(x, w, scale=s)  (still pending)
     add(matmul(x, w[, scale]), r)  (either order) -> matmul_add(x, w, r[, scale])
+    add(rms_norm_matmul(x, g, w), r)  (either order) -> rms_norm_matmul_add(x, g, w, r)
+      (r [T, N] or a bias [N], as add takes it: Qwen2's q/k/v bias joins the projection)
     add(rms_norm(x, g), r)  (either order)    -> rms_norm_add(x, g, r)
     qkv_rope_kv_write(rms_norm_matmul(...))   -> rms_norm_qkv_rope_kv_write(...)
 
@@ -145,9 +147,14 @@ def _fold_scale(x: Tensor, factor: float) -> Call | None:
 
 def _fold_add(a: Tensor, b: Tensor) -> Call | None:
     for branch, residual in ((a, b), (b, a)):
+        if residual.dtype != "f32" or residual.shape not in (branch.shape, branch.shape[-1:]):
+            continue  # a residual of the branch's shape or a bias row: what the fused epilogue adds
         mm = _producer(branch, "matmul")
-        if mm is not None and residual.shape == branch.shape and residual.dtype == "f32":
+        if mm is not None:
             return "matmul_add", (*mm.inputs, residual), dict(mm.params)
+        nm = _producer(branch, "rms_norm_matmul")
+        if nm is not None and not nm.params["gated"]:
+            return "rms_norm_matmul_add", (*nm.inputs, residual), {"eps": nm.params["eps"]}
     for branch, residual in ((a, b), (b, a)):
         norm = _producer(branch, "rms_norm")
         if norm is not None and residual.shape == branch.shape and residual.dtype == "f32":

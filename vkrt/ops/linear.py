@@ -1,4 +1,4 @@
-"""Matmul against stored-format weights, embedding gather, argmax."""
+"""Matmul against stored-format weights, embedding and row gathers."""
 
 from __future__ import annotations
 
@@ -87,18 +87,40 @@ def rms_norm_matmul(x: np.ndarray, g: np.ndarray, w: np.ndarray, eps: float,
     return (GATED_MATMULS[activation] if gated else matmul)(rms_norm(x, g, eps), w)
 
 
+def _require_residual(name: str, y: TensorSpec, specs: tuple[TensorSpec, ...]) -> None:
+    """The added operand: y's shape (a residual) or one row [N] broadcast over y's rows (a bias)."""
+    residual = specs[-1]
+    require(residual.dtype == "f32" and residual.shape in (y.shape, y.shape[1:]), name, specs,
+            f"residual must be f32 {list(y.shape)} or a bias f32 {list(y.shape[1:])}")
+
+
 def _matmul_add_infer(x: TensorSpec, w: TensorSpec, residual: TensorSpec, scale: float = 1.0
                       ) -> tuple[TensorSpec, ...]:
     (y,) = _matmul_infer(x, w, scale)
-    require(residual == y, "matmul_add", (x, w, residual), f"residual must be f32 {list(y.shape)}")
+    _require_residual("matmul_add", y, (x, w, residual))
     return (y,)
 
 
 @register_op("matmul_add", _matmul_add_infer)
 def matmul_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """matmul(x, w, scale) + residual: a block's output projection (times a residual
-    multiplier, Granite's) added to the residual stream."""
+    """add(matmul(x, w, scale), residual): a block's output projection (times a residual
+    multiplier, Granite's) added to the residual stream, or a projection plus its bias [N]."""
     return (matmul(x, w, scale) + residual).astype(np.float32)
+
+
+def _rms_norm_matmul_add_infer(x: TensorSpec, g: TensorSpec, w: TensorSpec, residual: TensorSpec,
+                               eps: float) -> tuple[TensorSpec, ...]:
+    (y,) = _rms_norm_matmul_infer(x, g, w, eps)
+    _require_residual("rms_norm_matmul_add", y, (x, g, w, residual))
+    return (y,)
+
+
+@register_op("rms_norm_matmul_add", _rms_norm_matmul_add_infer)
+def rms_norm_matmul_add(x: np.ndarray, g: np.ndarray, w: np.ndarray, residual: np.ndarray,
+                        eps: float) -> np.ndarray:
+    """add(rms_norm_matmul(x, g, w, eps), residual): a pre-norm projection plus its bias [N]
+    (Qwen2's q/k/v), or plus a residual [T, N]."""
+    return (rms_norm_matmul(x, g, w, eps) + residual).astype(np.float32)
 
 
 def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
@@ -113,17 +135,6 @@ def _embedding_infer(table: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ..
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of the (dequantized) table; out-of-range ids are an error of the caller."""
     return _weight_values(table)[ids.astype(np.int64)].astype(np.float32)
-
-
-def _argmax_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
-    require(x.dtype == "f32" and len(x.shape) == 2, "argmax", (x,), "x must be f32 [T, N]")
-    return (TensorSpec((x.shape[0],), "i32"),)
-
-
-@register_op("argmax", _argmax_infer)
-def argmax(x: np.ndarray) -> np.ndarray:
-    """Index of the largest value per row; the first one on ties."""
-    return x.argmax(axis=-1).astype(np.int32)
 
 
 def _gather_rows_infer(x: TensorSpec, index: TensorSpec) -> tuple[TensorSpec, ...]:

@@ -1,4 +1,4 @@
-"""Normalisations and softmax. Two-pass (mean, then normalise) in every implementation."""
+"""Normalisations. Two-pass (the row statistic, then normalise) in every implementation."""
 
 from __future__ import annotations
 
@@ -26,23 +26,6 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x64 = x.astype(np.float64)
     inv = 1.0 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
     return (x64 * inv * w).astype(np.float32)
-
-
-def _add_rms_norm_infer(
-    x: TensorSpec, residual: TensorSpec, w: TensorSpec, eps: float
-) -> tuple[TensorSpec, ...]:
-    _check_rows("add_rms_norm", x, w)
-    require(residual == x, "add_rms_norm", (x, residual, w), "residual must match x")
-    return (x, x)
-
-
-@register_op("add_rms_norm", _add_rms_norm_infer)
-def add_rms_norm(
-    x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """h = x + residual; returns (rms_norm(h) * w, h): the fused residual step of a block."""
-    h = (x + residual).astype(np.float32)
-    return rms_norm(h, w, eps), h
 
 
 def _rms_norm_add_infer(
@@ -74,16 +57,3 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nd
     centered = x64 - x64.mean(axis=-1, keepdims=True)
     inv = 1.0 / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
     return (centered * inv * w + b).astype(np.float32)
-
-
-def _softmax_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
-    require(x.dtype == "f32" and len(x.shape) == 2, "softmax", (x,), "x must be f32 [T, N]")
-    return (x,)
-
-
-@register_op("softmax", _softmax_infer)
-def softmax(x: np.ndarray) -> np.ndarray:
-    """exp(x - max) / sum, per row."""
-    x64 = x.astype(np.float64)
-    e = np.exp(x64 - x64.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)

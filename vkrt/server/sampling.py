@@ -198,7 +198,7 @@ def chat_prompt(engine: EngineClient, messages: list[ChatMessage], add_generatio
     if continue_final_message:
         if add_generation_prompt:
             raise _bad("continue_final_message", "cannot be combined with add_generation_prompt=true")
-        if dicts[-1]["role"] != "assistant":
+        if not dicts or dicts[-1]["role"] != "assistant":
             raise _bad("continue_final_message", "the last message must be from the assistant")
     reserved = sorted(RESERVED_NAMES & (template_kwargs or {}).keys())
     if reserved:

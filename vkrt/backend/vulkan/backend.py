@@ -7,7 +7,7 @@ import contextlib
 import logging
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -39,10 +39,19 @@ class StepGraph:
     def dispatches(self) -> int:
         return self.recorded.dispatches if self.recorded else 0
 
-    def replay(self) -> None:
+    def wait_for_host(self, *tensors: Tensor) -> None:
+        """While capturing: `tensors` (host-visible, purpose "inputs") are late inputs, written
+        by `replay(during=...)` after the submit; the step's first dispatch reading one waits
+        on an event the host sets once they are written (so it may run just before sampling)."""
+        self.backend.batch.wait_for_host(t.handle for t in tensors)
+
+    def replay(self, during: Callable[[], object] | None = None) -> None:
+        """Re-submit the step and wait for it (1 submit, 1 fence wait). `during` runs after the
+        submit, while the device runs the step up to its first read of a late input, and
+        writes the late inputs; its exception is raised once the step has completed."""
         if self.recorded is None:
             raise VkrtError("this step graph was released")
-        self.backend.batch.replay(self.recorded)
+        self.backend.batch.replay(self.recorded, during)
 
     def release(self) -> None:
         if self.recorded is not None and not self.backend._closed:
@@ -187,6 +196,10 @@ class VulkanBackend(Backend):
         return device_layout(sample, dtype, tiled=False).nbytes + self.memory.alignment
 
     def _write_bytes(self, alloc: Allocation, data: np.ndarray) -> None:
+        in_flight = self.batch.in_flight
+        if in_flight is not None and alloc.id not in in_flight.late_inputs:
+            raise VkrtError("while a replayed step runs, the host may write only its late inputs "
+                            "(declared with wait_for_host when it was recorded)")
         if alloc.id in self.batch.referenced:
             self.batch.flush()  # a recorded dispatch still needs the old contents
         if alloc.host_visible:
@@ -210,6 +223,9 @@ class VulkanBackend(Backend):
         if source is not None:
             return source.copy()
         nbytes = t.nbytes
+        if self.batch.in_flight is not None:
+            raise VkrtError("the host work of a replayed step cannot read device tensors; the "
+                            "step's results are readable once replay() returns")
         if alloc.host_visible:
             if alloc.id in self.batch.referenced:
                 self.batch.flush()

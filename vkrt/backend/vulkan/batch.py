@@ -3,21 +3,28 @@
 Everything here runs per dispatch, so it calls `vulkan.lib` directly with structs built once
 (the binding's convenience wrappers measured ~8x slower). Submission always blocks in
 vkWaitForFences: fence polling passed on llvmpipe but gave wrong reads on other drivers.
+
+A recorded step may have *late inputs*: tensors the host writes after the step is submitted
+(the token masks of structured output, computed while the device runs the forward). The
+first dispatch that reads one waits on a VkEvent that the host sets once it has written them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from vkrt.backend.base import Counters
 from vkrt.backend.vulkan.memory import Allocation
 from vkrt.backend.vulkan.profile import COPY_LABEL, Profiler, QueryTimeline
-from vkrt.errors import NotReplayable
+from vkrt.errors import NotReplayable, VkrtError
 
 UINT64_MAX = 0xFFFFFFFFFFFFFFFF
+# Fence waits block without limit (a step may legitimately take long on a CPU device); tests
+# lower it so a driver that never sees a host-set event fails instead of hanging.
+FENCE_TIMEOUT_NS = UINT64_MAX
 # Memory freed while a batch is open is recycled only after it completes; past this many
 # bytes the batch is submitted early so a long prefill cannot exhaust the device.
 DEFERRED_FREE_CAP = 256 << 20
@@ -33,6 +40,10 @@ class RecordedCommands:
     dispatches: int
     barriers: int
     timeline: QueryTimeline | None = None  # its start/end (and per-dispatch) timestamps
+    # Allocation ids the host writes after the submit (late inputs), and the VkEvent the first
+    # dispatch reading one waits on (None: no dispatch reads one). Left set between replays.
+    late_inputs: frozenset[int] = frozenset()
+    gate: Any = None
 
 
 class CommandBatch:
@@ -66,6 +77,11 @@ class CommandBatch:
         self._host_barrier = ffi.new("VkMemoryBarrier*", {
             "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, "srcAccessMask": access,
             "dstAccessMask": vk.VK_ACCESS_HOST_READ_BIT})
+        # Host writes made after the submit (before vkSetEvent) -> the waiting dispatches' reads.
+        self._late_barrier = ffi.new("VkMemoryBarrier*", {
+            "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, "srcAccessMask": vk.VK_ACCESS_HOST_WRITE_BIT,
+            "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_UNIFORM_READ_BIT
+            | vk.VK_ACCESS_TRANSFER_READ_BIT})
         self._stages = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
         self._bind_point = vk.VK_PIPELINE_BIND_POINT_COMPUTE
         self._compute_stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
@@ -75,6 +91,12 @@ class CommandBatch:
         self.capturing = False
         self.recording = False
         self.recorded = 0
+        # The capture's late inputs (all, and those no recorded dispatch has waited for yet)
+        # and its event; the replayed step whose host work is running, if any.
+        self._late_inputs: set[int] = set()
+        self._late_unwaited: set[int] = set()
+        self._gate: Any = None
+        self.in_flight: RecordedCommands | None = None
         self.referenced: set[int] = set()  # allocation ids the open batch touches
         self._written: set[int] = set()  # written since the last barrier
         self._read: set[int] = set()
@@ -112,7 +134,10 @@ class CommandBatch:
 
     def _hazards(self, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
         """Insert a barrier only when this dispatch touches what an earlier one wrote (or
-        writes what an earlier one read): RAW, WAW and WAR on the same allocation."""
+        writes what an earlier one read): RAW, WAW and WAR on the same allocation. The first
+        dispatch of a capture that reads a late input first waits for the host."""
+        if self._late_unwaited and any(r in self._late_unwaited for r in reads):
+            self._wait_for_host()
         if self._reuse_barrier or any(r in self._written for r in reads) or any(
                 w in self._written or w in self._read for w in writes):
             self._reuse_barrier = False
@@ -180,7 +205,33 @@ class CommandBatch:
     def over_cap(self) -> bool:
         return self._deferred_bytes > DEFERRED_FREE_CAP
 
+    def _wait_for_host(self) -> None:
+        """Record a wait on the capture's event: later commands start only once the host has
+        set it, and see the host's writes made before it did (vkCmdWaitEvents, host stage)."""
+        vk, lib, ffi = self.vk, self.lib, self.ffi
+        if self._gate is None:
+            event = ffi.new("VkEvent*")
+            info = ffi.new("VkEventCreateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_EVENT_CREATE_INFO})
+            if lib.vkCreateEvent(self.device, info, ffi.NULL, event) != 0:
+                raise VkrtError("vkCreateEvent failed: the device cannot make the event a recorded step "
+                                "waits on for its late inputs")
+            self._gate = ffi.new("VkEvent[1]", [event[0]])
+        lib.vkCmdWaitEvents(self.cmd, 1, self._gate, vk.VK_PIPELINE_STAGE_HOST_BIT, self._stages,
+                            1, self._late_barrier, 0, ffi.NULL, 0, ffi.NULL)
+        self._late_unwaited.clear()  # commands after the wait all come after it in submission order
+
     # -- record once, replay ----------------------------------------------------------
+    def wait_for_host(self, allocs: Iterable[Allocation]) -> None:
+        """While capturing: the host writes `allocs` during each replay, after the submit
+        (`replay(during=...)`); the step's first dispatch that reads one waits until it has."""
+        if not self.capturing:
+            raise VkrtError("late inputs are declared while a step is being recorded for replay")
+        for alloc in allocs:
+            if not alloc.host_visible:
+                raise VkrtError(f"a late input must be host-visible memory (purpose 'inputs'), not {alloc.purpose}")
+            self._late_inputs.add(alloc.id)
+            self._late_unwaited.add(alloc.id)
+
     def begin_capture(self) -> None:
         """Record the following dispatches into a command buffer of their own, kept for replay."""
         self.flush()
@@ -212,9 +263,15 @@ class CommandBatch:
         cmd_array = self.ffi.new("VkCommandBuffer[1]", [self.cmd])
         submit = self.ffi.new("VkSubmitInfo*", {"sType": self.vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
                                                 "commandBufferCount": 1, "pCommandBuffers": cmd_array})
+        gate, self._gate = self._gate, None
+        if gate is not None and lib.vkSetEvent(self.device, gate[0]) != 0:  # set: replays without host work pass
+            raise VkrtError("vkSetEvent failed on a recorded step's event")
         recorded = RecordedCommands(self.cmd, cmd_array, submit,
                                     self.counters.dispatches - self._capture_start[0],
-                                    self.counters.barriers - self._capture_start[1], timeline)
+                                    self.counters.barriers - self._capture_start[1], timeline,
+                                    frozenset(self._late_inputs), gate)
+        self._late_inputs.clear()
+        self._late_unwaited.clear()
         # Recording executed nothing: count the dispatches when they are replayed.
         self.counters.dispatches -= recorded.dispatches
         self.counters.barriers -= recorded.barriers
@@ -228,15 +285,38 @@ class CommandBatch:
         self._read.clear()
         return recorded
 
-    def replay(self, recorded: RecordedCommands) -> None:
-        """Submit a recorded step again and wait for it: one submit, one fence wait."""
+    def replay(self, recorded: RecordedCommands, during: Callable[[], object] | None = None) -> None:
+        """Submit a recorded step again and wait for it: one submit, one fence wait.
+
+        `during` runs after the submit, while the device runs the step up to its wait for
+        the host; it writes the late inputs (and nothing else). The event is set after it
+        returns or raises, so the device never waits forever; its exception is re-raised
+        once the step has completed."""
         self.flush()
-        self.submit_and_wait(recorded.submit, recorded.timeline)
         self.counters.dispatches += recorded.dispatches
         self.counters.barriers += recorded.barriers
+        if during is None:
+            self.submit_and_wait(recorded.submit, recorded.timeline)
+            return
+        lib, gate = self.lib, recorded.gate
+        if gate is not None and lib.vkResetEvent(self.device, gate[0]) != 0:
+            raise VkrtError("vkResetEvent failed on a recorded step's event")
+        self._queue_submit(recorded.submit)
+        self.counters.host_overlaps += 1
+        self.in_flight = recorded
+        try:
+            during()
+        finally:
+            self.in_flight = None
+            if gate is not None and lib.vkSetEvent(self.device, gate[0]) != 0:
+                raise VkrtError("vkSetEvent failed: the submitted step cannot complete (device lost?)")
+            self._wait(recorded.timeline)
 
     def free_recorded(self, recorded: RecordedCommands) -> None:
         self.vk.vkFreeCommandBuffers(self.device, self.pool, 1, [recorded.cmd])
+        if recorded.gate is not None:
+            self.lib.vkDestroyEvent(self.device, recorded.gate[0], self.ffi.NULL)
+            recorded.gate = None
         if recorded.timeline is not None:
             recorded.timeline.destroy()
             recorded.timeline = None
@@ -247,6 +327,9 @@ class CommandBatch:
         if self.capturing:
             raise NotReplayable("the host needs device results while a step is being recorded for "
                                 "replay; recorded steps must not read back or upload mid-step")
+        if self.in_flight is not None:
+            raise VkrtError("the host work of a replayed step needs device results; it may only "
+                            "write the step's late inputs")
         if not self.recording:
             return
         lib = self.lib
@@ -272,18 +355,25 @@ class CommandBatch:
             self._release_views(alloc)
 
     def submit_and_wait(self, submit_info: Any, timeline: QueryTimeline | None = None) -> None:
-        lib = self.lib
-        result = lib.vkQueueSubmit(self.queue, 1, submit_info, self.fence)
+        self._queue_submit(submit_info)
+        self._wait(timeline)
+
+    def _queue_submit(self, submit_info: Any) -> None:
+        result = self.lib.vkQueueSubmit(self.queue, 1, submit_info, self.fence)
         if result != 0:
             raise RuntimeError(f"vkQueueSubmit failed with VkResult {result}")
         self.counters.submits += 1
+
+    def _wait(self, timeline: QueryTimeline | None) -> None:
+        """Block until the submitted work completes (the fence), then take its GPU time."""
+        lib = self.lib
         waited = time.perf_counter_ns()
-        result = lib.vkWaitForFences(self.device, 1, self._fence_array, 1, UINT64_MAX)
+        result = lib.vkWaitForFences(self.device, 1, self._fence_array, 1, FENCE_TIMEOUT_NS)
         self.counters.wait_us += (time.perf_counter_ns() - waited) // 1000
         self.counters.fence_waits += 1
+        if result != 0:  # the work may still be pending: the fence is not reset under it
+            raise RuntimeError(f"vkWaitForFences failed with VkResult {result} (2: timeout; device lost?)")
         lib.vkResetFences(self.device, 1, self._fence_array)
-        if result != 0:
-            raise RuntimeError(f"vkWaitForFences failed with VkResult {result} (device lost?)")
         if timeline is not None:
             # The fence has signalled, so the queries are available: no waiting here.
             ns = self.profiler.add(timeline) if self.profiler.enabled else timeline.span_ns()

@@ -1,8 +1,8 @@
-"""kv_write, paged_attention, attention: shaders/{kv_write,paged_attention,attention}.comp.
+"""kv_write, paged_attention: shaders/{kv_write,paged_attention}.comp.
 
 Attention keeps q and the output accumulator in registers (head_dim / 4 vec4s, sized by
-specialisation constant 1) and runs an online softmax over the context. `attention` is one
-invocation per (token, head) in position order. `paged_attention` (every model step) is one
+specialisation constant 1) and runs an online softmax over the context.
+`paged_attention` (every model step) is one
 subgroup per (token, head) whose lanes split the positions round-robin and merge with
 subgroup max / add where the device has subgroup arithmetic (`paged_split`), else that same
 one-invocation walk; where `paged_chunk` allows (GPUs), a block table wider than PAGED_CHUNK
@@ -101,10 +101,6 @@ def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     return head_dim % 4 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
-def _attention_spec(head_dim: int) -> dict[int, int]:
-    return {**local_size(ATTENTION_WORKGROUP), 1: head_dim // 4}
-
-
 def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     q, k_cache, v_cache, block_table, seq_index, positions = inputs
@@ -189,23 +185,7 @@ def _paged_prefill(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, A
     return (y,)
 
 
-def _attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    q, k, v = inputs
-    num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
-    tokens = q.shape[0]
-    y = backend.empty(out[0].shape, "f32")
-    backend.run_shader(module(backend, "attention"),
-                       [(q, "f32x4", False), (k, "f32x4", False), (v, "f32x4", False), (y, "f32x4", True)],
-                       grid_1d(tokens * num_heads, ATTENTION_WORKGROUP),
-                       ("<IIIIf", (tokens, num_heads, num_heads // num_kv_heads, k.shape[1] // 4,
-                                   params["scale"])),
-                       _attention_spec(q.shape[1] // num_heads))
-    return (y,)
-
-
 def register(backend: Any) -> None:
     backend.register_kernel(Kernel("kv_write", "kv_write", _kv_write))
     backend.register_kernel(Kernel("paged_attention", "paged_attention", _paged_attention,
                                    supports=_supports))
-    backend.register_kernel(Kernel("attention", "attention", _attention, supports=_supports))

@@ -1,4 +1,4 @@
-"""add, mul, scale, softcap, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
+"""add, scale, softcap, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
 
 from __future__ import annotations
 
@@ -61,7 +61,6 @@ def _gather(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
 def register(backend: Any) -> None:
     backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
-    backend.register_kernel(Kernel("mul", "elementwise.mul", _binary("mul")))
     backend.register_kernel(Kernel("scale", "elementwise.scale", _unary("scale", "factor")))
     backend.register_kernel(Kernel("softcap", "elementwise.softcap", _unary("softcap", "cap")))
     backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))

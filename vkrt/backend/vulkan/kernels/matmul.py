@@ -17,10 +17,18 @@ that same order and writes silu(g) * u, bit-identical to matmul then silu_and_mu
 The FUSE variant axis adds a prologue or epilogue to any of these: `rms_norm_matmul`
 (FUSE=rms: the pass over x also sums x^2 per token, x is multiplied by the norm weight as
 it loads, and the finished sums are scaled by 1/rms; equal to rms_norm then matmul up to
-rounding) and `matmul_add` (FUSE=add: + residual, bit-identical to matmul then add), and
+rounding), `matmul_add` (FUSE=add: + residual [T, N], or a bias [N] broadcast over the
+tokens with spec constant 12; bit-identical to matmul then add), `rms_norm_matmul_add`
+(FUSE=rms_add: both, bit-identical to rms_norm_matmul then add), and
 `rms_norm_qkv_rope_kv_write` (FUSE=qkv: FUSE=rms plus include/qkv_epilogue.glsl, rope
 and the f32 / f16 KV-cache write, chosen by spec constant 9; bit-identical to rms_norm_matmul then
 qkv_rope_kv_write, which is what runs for shapes its 8-row groups cannot take).
+
+On GPUs (`staged_device`) on the storage-buffer path, `matmul.tiled` runs
+shaders/matmul_tiled.comp instead: a workgroup per tile of rows x tokens with both operands
+staged in shared memory, in matmul_vec's split-K order for the split matmul_vec runs there,
+so its rows are bit-identical to the vec kernel's (every op above but the qkv one, which
+keeps matmul_vec).
 """
 
 from __future__ import annotations
@@ -43,9 +51,13 @@ class MatmulConfig:
     """Specialisation constants for one (weight format, N, T) on one device."""
 
     workgroup: int
-    rows: int
-    tokens: int
+    rows: int  # per invocation (split-K: per workgroup); matmul_tiled: per workgroup tile
+    tokens: int  # per invocation; matmul_tiled: per workgroup tile
     split: int = 1  # > 1: lanes splitting K per row set (the workgroup); at most this many
+    shader: str = "matmul_vec"  # or "matmul_tiled" (the fields below are its own)
+    lanes: int = 1  # invocations sharing one output (each carrying split / lanes slices)
+    lane_rows: int = 1  # output rows per lane group
+    lane_tokens: int = 1  # tokens per lane group
 
 
 def _pow2_at_least(t: int) -> int:
@@ -88,18 +100,44 @@ def config_for(caps: Any, dtype: str, n: int, t: int, prefill: bool = False) -> 
     return MatmulConfig(workgroup=32, rows=4, tokens=tokens, split=32)
 
 
+# matmul_tiled.comp's tile (not measured: no GPU was available). 8 rows x 16 tokens, 4 lanes
+# per output, each lane group 2 rows x 2 tokens: 128 invocations and 13.1 KiB of shared
+# memory at most (q2_k's 16-byte scales), within Vulkan's minimum limits (128, 16 KiB), so no
+# device limit decides whether it runs. A weight block is decoded once per 16 tokens and an
+# activation block loaded once per 8 rows (matmul_vec on GPUs: 4 and 4).
+STAGED = MatmulConfig(workgroup=128, rows=8, tokens=16, split=32, shader="matmul_tiled", lanes=4, lane_rows=2,
+                      lane_tokens=2)
+
+
+def staged_device(caps: Any) -> bool:
+    """Whether prefill takes matmul_tiled.comp here: GPUs only (llvmpipe's shared memory is
+    slow; tests force it there by replacing this function)."""
+    return caps.device_type in ("discrete", "integrated")
+
+
 def dispatch_config(caps: Any, dtype: str, n: int, k: int, t: int, tiled: bool, gated: bool = False,
-                    qkv: bool = False) -> MatmulConfig:
+                    qkv: bool = False, norm_and_add: bool = False) -> MatmulConfig:
     """The configuration `dispatch_matmul` runs for n weight rows, K = k and t tokens on `caps`:
-    `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K."""
+    `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K; prefill
+    on a `staged_device`'s storage-buffer path takes matmul_tiled.comp at the same split,
+    except for the fused qkv epilogue and a folded norm with an add (FUSE=rms_add), which
+    matmul_tiled's one fused operand cannot carry."""
     cfg = config_for(caps, dtype, n, t, prefill=tiled)
+    blocks = -(-k // 32)
+    split = min(cfg.split, 1 << (blocks.bit_length() - 1))  # a power of two <= the blocks (fixed per K)
+    if tiled and not qkv and not norm_and_add and caps.access_path == "ssbo" and staged_device(caps):
+        # matmul_vec's split for this K (config_for's split depends on the device only), so
+        # both kernels reduce every output in one order.
+        lanes = min(STAGED.lanes, split)
+        rows, lane_rows = (STAGED.rows // 2, STAGED.lane_rows // 2) if gated else (STAGED.rows, STAGED.lane_rows)
+        workgroup = lanes * (rows // lane_rows) * (STAGED.tokens // STAGED.lane_tokens)
+        return replace(STAGED, split=split, lanes=lanes, rows=rows, lane_rows=lane_rows, workgroup=workgroup)
     if gated:
         # Sized for all 2F weight rows: each invocation streams ROWS gate + ROWS up rows.
         cfg = replace(cfg, rows=max(1, cfg.rows // 2))
     if qkv:  # the epilogue's rotation groups are 8 rows (include/qkv_epilogue.glsl)
         cfg = replace(cfg, rows=8)
-    if cfg.split > 1:  # a power of two no larger than the blocks to split (fixed per K)
-        split = min(cfg.split, 1 << ((-(-k // 32)).bit_length() - 1))
+    if cfg.split > 1:
         cfg = replace(cfg, split=split, workgroup=split)
     return cfg
 
@@ -149,7 +187,7 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     (gelu_tanh_and_mul for activation "gelu_tanh": spec constant 10).
     scale: y = (x @ w.T) * scale before any residual add (spec constant 11).
     norm = (g, eps): x is normalised first, rms_norm(x, g, eps) (FUSE=rms).
-    residual: y += residual (FUSE=add).
+    residual: y += residual (FUSE=add; with norm FUSE=rms_add), [T, N] or a bias [N].
     qkv (with norm): y is rope(q) [T, num_heads * head_dim]; rope(k), v go to the caches.
     """
     t, k = x.shape
@@ -158,7 +196,8 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     y = backend.empty((t, qkv.num_heads * qkv.head_dim if qkv else n), "f32")
     if t == 0 or n == 0:
         return y
-    cfg = dispatch_config(backend.caps, w.dtype, w.shape[0], k, t, tiled, gated, qkv is not None)
+    cfg = dispatch_config(backend.caps, w.dtype, w.shape[0], k, t, tiled, gated, qkv is not None,
+                          norm_and_add=norm is not None and residual is not None)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
     bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
@@ -170,12 +209,19 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     if norm is not None:
         fuse, eps = "rms", norm[1]
         bindings.append((norm[0], "f32x4" if x_vec4 else "f32", False))
-    elif residual is not None:
-        fuse = "add"
+    if residual is not None:
+        fuse = "rms_add" if norm is not None else "add"
         bindings.append((residual, "f32", False))
     push_format = "<6If"
     push_values: tuple = (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4,
                           eps)
+    if cfg.shader == "matmul_tiled":
+        if fuse == "none":  # its fused operand's binding is always declared; unread here
+            bindings.append((x, "f32", False))
+        bias = residual is not None and len(residual.shape) == 1
+        _dispatch_tiled(backend, cfg, w.dtype, FUSE_CODES[fuse], bindings, (push_format, push_values),
+                        gates, activation, scale, n, t, bias)
+        return y
     if qkv:
         fuse = "qkv"  # the caches are bound as uint words (f32 caches written as their bits)
         bindings += [(qkv.positions, "i32", False), (qkv.cos_sin, "f32", False), (qkv.k_cache, "u32", True),
@@ -189,6 +235,8 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
         spec[10] = 1
     if scale != 1.0:
         spec[11] = float_bits(scale)
+    if residual is not None and len(residual.shape) == 1:
+        spec[12] = 1  # a bias: one row for every token
     if qkv:
         spec[9] = int(qkv.k_cache.dtype == "f16")
     if texel:
@@ -197,6 +245,28 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
     groups = _groups(row_sets * cfg.split if cfg.split > 1 else row_sets, cfg.workgroup, -(-t // cfg.tokens))
     backend.run_shader(module(backend, "matmul_vec", w.dtype, fuse), bindings, groups, push, spec)
     return y
+
+
+FUSE_CODES = {"none": 0, "rms": 1, "add": 2}  # matmul_tiled.comp's FUSE (spec constant 6)
+
+
+def _dispatch_tiled(backend: Any, cfg: MatmulConfig, dtype: str, fuse: int, bindings: list,
+                    push: tuple[str, tuple], gates: int, activation: str, scale: float, n: int, t: int,
+                    bias: bool = False) -> None:
+    """Record matmul_tiled.comp: a workgroup per tile of cfg.rows rows x cfg.tokens tokens."""
+    spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 5: cfg.lanes, 6: fuse, 7: TILE_ROWS,
+            8: cfg.split, 12: cfg.lane_rows, 13: cfg.lane_tokens}
+    if bias:
+        spec[14] = 1  # FUSE_ADD's operand is a bias [N]: one row for every token
+    if gates == 2 and activation == "gelu_tanh":
+        spec[10] = 1
+    if scale != 1.0:
+        spec[11] = float_bits(scale)
+    row_tiles = -(-n // cfg.rows)
+    if row_tiles > MAX_GROUPS or -(-t // cfg.tokens) > MAX_GROUPS:
+        raise ValueError(f"matmul: {row_tiles} x {-(-t // cfg.tokens)} tiles exceed the dispatch limit")
+    backend.run_shader(module(backend, "matmul_tiled", dtype), bindings, (row_tiles, -(-t // cfg.tokens), 1),
+                       push, spec)
 
 
 Runner = Callable[[Any, tuple[Tensor, ...], dict[str, Any], tuple[TensorSpec, ...]], tuple[Tensor, ...]]
@@ -210,6 +280,9 @@ def _runner(op: str, tiled: bool) -> Runner:
             x, g, w = inputs
             return (dispatch_matmul(backend, x, w, tiled, gated=params.get("gated", False),
                                     norm=(g, params["eps"]), activation=params.get("activation", "silu")),)
+        if op == "rms_norm_matmul_add":
+            x, g, w, residual = inputs
+            return (dispatch_matmul(backend, x, w, tiled, norm=(g, params["eps"]), residual=residual),)
         if op == "matmul_add":
             x, w, residual = inputs
             return (dispatch_matmul(backend, x, w, tiled, residual=residual, scale=params.get("scale", 1.0)),)
@@ -221,7 +294,7 @@ def _runner(op: str, tiled: bool) -> Runner:
 
 def _operands(op: str, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
     """(x, w) of a matmul-family op's inputs."""
-    return (inputs[0], inputs[2]) if op == "rms_norm_matmul" else (inputs[0], inputs[1])
+    return (inputs[0], inputs[2]) if op in NORMED_OPS else (inputs[0], inputs[1])
 
 
 def _supports(op: str, vec: bool) -> Callable[[tuple[Tensor, ...], dict[str, Any]], bool]:
@@ -234,7 +307,9 @@ def _supports(op: str, vec: bool) -> Callable[[tuple[Tensor, ...], dict[str, Any
     return check
 
 
-OPS = ("matmul", "matmul_silu_and_mul", "matmul_gelu_tanh_and_mul", "rms_norm_matmul", "matmul_add")
+OPS = ("matmul", "matmul_silu_and_mul", "matmul_gelu_tanh_and_mul", "rms_norm_matmul", "matmul_add",
+       "rms_norm_matmul_add")
+NORMED_OPS = ("rms_norm_matmul", "rms_norm_matmul_add")  # (x, g, w, ...): the norm weight before w
 GATED_OPS = {"matmul_silu_and_mul": "silu", "matmul_gelu_tanh_and_mul": "gelu_tanh"}  # op -> activation
 QKV_OP = "rms_norm_qkv_rope_kv_write"
 

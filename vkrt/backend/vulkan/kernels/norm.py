@@ -1,4 +1,4 @@
-"""rms_norm, add_rms_norm, rms_norm_add, layer_norm: shaders/norm.comp, one row per workgroup."""
+"""rms_norm, rms_norm_add, layer_norm: shaders/norm.comp, one row per workgroup."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from vkrt.ops.tensor import Tensor, TensorSpec
 
 
 def row_workgroup(caps: Any) -> int:
-    """Lanes per row for the row-reduction shaders (norm, softmax, argmax): spec constant 0.
+    """Lanes per row for the row-reduction shader (norm.comp): spec constant 0.
 
     Must be a power of two (include/reduce.glsl's tree). On llvmpipe, whose workgroups each
     run on one CPU thread, 8 lanes (its SIMD width) measured fastest: 1 lane leaves the
@@ -39,20 +39,6 @@ def _rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def _add_rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    x, residual, w = inputs
-    rows, dim = x.shape
-    y = backend.empty(out[0].shape, "f32")
-    h = backend.empty(out[1].shape, "f32")
-    backend.run_shader(module(backend, "norm", "add_rms"),
-                       [(x, "f32", False), (residual, "f32", False), (w, "f32", False),
-                        (y, "f32", True), (h, "f32", True)],
-                       _row_grid(rows), ("<IIf", (rows, dim, params["eps"])),
-                       {0: row_workgroup(backend.caps)})
-    return (y, h)
-
-
 def _rms_norm_add(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, residual = inputs
@@ -79,6 +65,5 @@ def _layer_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
 
 def register(backend: Any) -> None:
     backend.register_kernel(Kernel("rms_norm", "norm.rms", _rms_norm))
-    backend.register_kernel(Kernel("add_rms_norm", "norm.add_rms", _add_rms_norm))
     backend.register_kernel(Kernel("rms_norm_add", "norm.rms_add", _rms_norm_add))
     backend.register_kernel(Kernel("layer_norm", "norm.layer", _layer_norm))
