@@ -21,6 +21,8 @@ Device: by default each runtime picks its own (vkrt: VKRT_DEVICE or its ranking;
 its default GPUs, or GGML_VK_VISIBLE_DEVICES=0 when it finds none because it skips CPU-type
 Vulkan devices such as llvmpipe). --device-index N pins both to Vulkan physical device N
 (VKRT_DEVICE=N, GGML_VK_VISIBLE_DEVICES=N). The two device names are printed and compared.
+--peer-backend cpu runs llama.cpp's CPU backend instead (no Vulkan device visible to it, no
+layer offloaded) on the same cores, against vkrt on its usual device.
 """
 
 from __future__ import annotations
@@ -108,9 +110,11 @@ def _parse_json_output(text: str) -> dict | None:
 # ---------------------------------------------------------------------------------------
 class Peer:
     def __init__(self, python: str, model: str, prompt_tokens: int, gen_tokens: int,
-                 env: dict[str, str], threads: int, verbose: bool) -> None:
+                 env: dict[str, str], threads: int, verbose: bool, cpu: bool = False) -> None:
         cmd = [python, str(PEER_RUNNER), "--serve", "--model", model,
                "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens)]
+        if cpu:
+            cmd += ["--n-gpu-layers", "0"]
         if threads:
             cmd += ["--threads", str(threads)]
         if verbose:
@@ -240,7 +244,7 @@ def summarize(args, model: str, peer_info: dict | None, pairs: list[dict], load_
     out: dict = {
         "model": model, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "repeats": args.repeats, "order": "interleaved: peer, vkrt, peer, vkrt, ...",
-        "device_index": args.device_index,
+        "device_index": args.device_index, "peer_backend": args.peer_backend,
     }
     for key in ("prefill_tok_s", "decode_tok_s"):
         out[f"peer_{key}"] = _median([r.get(key) for r in peer_runs])
@@ -289,7 +293,7 @@ def markdown(s: dict) -> str:
         f"model `{Path(s['model']).name}`, pp {s['prompt_tokens']} / tg {s['gen_tokens']}, "
         f"{s['repeats']} interleaved repeat(s), medians",
         "",
-        "| | llama.cpp Vulkan tok/s | vkrt tok/s | vkrt / llama.cpp |",
+        f"| | llama.cpp {'CPU' if s.get('peer_backend') == 'cpu' else 'Vulkan'} tok/s | vkrt tok/s | vkrt / llama.cpp |",
         "|---|---|---|---|",
         f"| prefill (pp{s['prompt_tokens']}) | {_fmt(s['peer_prefill_tok_s'])} | "
         f"{_fmt(s['vkrt_prefill_tok_s'])} | {_fmt(s['ratio_prefill_tok_s'], suffix='x')} |",
@@ -352,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-index", type=int, default=None,
                     help="pin both runtimes to Vulkan physical device N (default: each runtime's own choice)")
     ap.add_argument("--peer-threads", type=int, default=0, help="llama.cpp CPU threads (default: its own)")
+    ap.add_argument("--peer-backend", choices=("vulkan", "cpu"), default="vulkan",
+                    help="llama.cpp's Vulkan backend (default) or its CPU backend (no device, no offload)")
     ap.add_argument("--verbose", action="store_true", help="echo llama.cpp's log")
     args = ap.parse_args(argv)
 
@@ -371,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.device_index is not None:
             peer_env["GGML_VK_VISIBLE_DEVICES"] = str(args.device_index)
             vkrt_env["VKRT_DEVICE"] = str(args.device_index)
+        if args.peer_backend == "cpu":
+            peer_env["GGML_VK_VISIBLE_DEVICES"] = ""  # no Vulkan device: llama.cpp's CPU backend
 
         log(f"model {model}, pp {args.prompt_tokens} / tg {args.gen_tokens}, {args.repeats} repeat(s), "
             f"only={args.only}")
@@ -378,10 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs: list[dict] = []
         try:
             if want_peer:
-                log("starting llama.cpp (Vulkan) peer: load + untimed warm-up ...")
+                log(f"starting llama.cpp ({args.peer_backend}) peer: load + untimed warm-up ...")
                 t0 = time.perf_counter()
                 peer = Peer(peer_python, model, args.prompt_tokens, args.gen_tokens, peer_env,
-                            args.peer_threads, args.verbose)
+                            args.peer_threads, args.verbose, cpu=args.peer_backend == "cpu")
                 peer_info = peer.ready(args.timeout)
                 log(f"peer ready after {time.perf_counter() - t0:.1f} s on {peer_info.get('device')!r} "
                     f"({peer_info.get('offload')}); warm-up {peer_info.get('warmup_s', 0):.1f} s")

@@ -119,7 +119,8 @@ def main() -> int:
     devices = vulkan_devices(llama)
     vis = os.environ.get("GGML_VK_VISIBLE_DEVICES")
     selection = f"GGML_VK_VISIBLE_DEVICES={vis}" if vis is not None else "llama.cpp default"
-    if not devices:
+    cpu = args.n_gpu_layers == 0  # llama.cpp's CPU backend: no device needed
+    if not devices and not cpu:
         if vis is None:
             say("llama.cpp found no Vulkan GPU by default (it skips CPU-type devices such as "
                 "llvmpipe); re-running with GGML_VK_VISIBLE_DEVICES=0")
@@ -202,7 +203,8 @@ def main() -> int:
         }
 
     # ---- untimed warm-up: ggml-vulkan compiles pipelines on first use ------------------
-    say(f"warm-up on {devices[0]['description']}: prefill {pp} + decode {wtg} tokens, untimed "
+    device = "CPU (llama.cpp's CPU backend)" if cpu else devices[0]["description"]
+    say(f"warm-up on {device}: prefill {pp} + decode {wtg} tokens, untimed "
         "(compiles Vulkan pipelines; minutes on llvmpipe)")
     t = time.perf_counter()
     warm = one_run(wtg, "warm-up")
@@ -217,7 +219,7 @@ def main() -> int:
         "ggml_version": llama.ggml_version(),
         "ggml_commit": llama.ggml_commit(),
         "cyllama_version": _cyllama_version(),
-        "device": devices[0]["description"],
+        "device": device,
         "devices": [d["description"] for d in devices],
         "device_selection": selection,
         "vulkan_log": logs.find("ggml_vulkan:"),
