@@ -12,12 +12,15 @@ IN_F32X4(0, q);
 IN_F32X4(1, k);
 IN_F32X4(2, v);
 OUT_F32X4(3, o);
-#define LD_K(i) LD_F32X4(k, i)
-#define LD_V(i) LD_F32X4(v, i)
 
 // group = num_heads / num_kv_heads; kv_dim4 = num_kv_heads * head_dim / 4 (texels per row).
 layout(push_constant) uniform Push { uint tokens; uint num_heads; uint group; uint kv_dim4; float scale; } pc;
 
+const float SOFTCAP = 0.0;
+const uint ATTENTION_ROWS = 1u;
+#define KEY(kv_row, d) LD_F32X4(k, (kv_row) + (d))
+#define VALUE(kv_row, d) LD_F32X4(v, (kv_row) + (d))
+#include "softcap.glsl"
 #include "attention.glsl"
 
 void main() {
@@ -25,11 +28,8 @@ void main() {
     if (i >= pc.tokens * pc.num_heads) return;
     uint t = i / pc.num_heads, h = i % pc.num_heads;
     uint out_row = i * HD4;
-    float q_scale = pc.scale * LOG2E;
-    for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
-    attend_begin();
+    attend_begin(0u, out_row, attention_prescale(pc.scale));
     uint row = (h / pc.group) * HD4;
-    for (uint p = 0u; p <= t; ++p, row += pc.kv_dim4) attend_position(row);
-    float inv_sum = 1.0 / run_sum;
-    for (uint d = 0u; d < HD4; ++d) o[out_row + d] = acc[d] * inv_sum;
+    for (uint p = 0u; p <= t; ++p, row += pc.kv_dim4) attend_position(0u, row);
+    attend_store(0u, out_row, false);
 }

@@ -5,6 +5,9 @@ more query heads of one KV head (GQA; 3 heads x 64 for SmolLM2); the `tiled` fix
 for every step so that short cases exercise it too, and checks it was dispatched. Bound: the
 attention NMSE of tests/ops/test_attention.py. Models whose heads share nothing in a tile (GQA
 ratio 1, head_dim 256) keep the paged kernel (test_selection_by_tokens_per_sequence).
+Every row of the tiled kernel equals the paged kernel's bit for bit (both fold and merge with
+include/attention.glsl's functions), so a decode row's result does not depend on whether a
+prefill shares its step (test_tiled_rows_equal_paged_rows).
 """
 
 from __future__ import annotations
@@ -89,6 +92,53 @@ def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_head
     }
 
 
+def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kernel: str,
+               case: dict[str, np.ndarray], kv_dtype: str, *args: Any) -> np.ndarray:
+    """paged_attention with `kernel` ("paged_attention" or "paged_prefill") forced; checks it ran."""
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "PREFILL_MIN_TOKENS", 0 if kernel == "paged_prefill" else 1 << 30)
+        modules = Modules(vk, patch)
+        got = run(vk, case, kv_dtype, *args)
+    assert modules.families() == {kernel}
+    return got
+
+
+# Prompts and continued prefills across block (16) edges, and decode rows (one new token) at
+# block edges, which a mixed step hands to the tiled kernel with the prefills.
+BIT_SEQS = [(0, 1), (0, 17), (5, 40), (16, 16), (30, 3), (0, 70), (100, 33), (15, 1), (16, 1), (47, 1), (200, 1)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
+def test_tiled_rows_equal_paged_rows(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                     monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
+                                     geometry: tuple[int, int, int]) -> None:
+    """The same rows through the paged kernel and the tiled kernel: byte-equal outputs."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    args = (num_heads, num_kv_heads, head_dim ** -0.5)
+    paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
+    tiled = run_kernel(vk, kernels, monkeypatch, "paged_prefill", case, kv_dtype, *args)
+    np.testing.assert_array_equal(tiled.view(np.uint32), paged.view(np.uint32))
+    assert nmse(tiled, want(case, *args)) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
+def test_tiled_rows_equal_paged_rows_windows_softcaps(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                                      monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
+                                                      geometry: tuple[int, int, int], window: int,
+                                                      softcap: float) -> None:
+    """Byte-equal with sliding windows (rows of a tile start at different positions) and caps."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    case["q"] *= 2.0  # peaked scores: the cap matters
+    args = (num_heads, num_kv_heads, head_dim ** -0.5, window, softcap)
+    paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
+    tiled = run_kernel(vk, kernels, monkeypatch, "paged_prefill", case, kv_dtype, *args)
+    np.testing.assert_array_equal(tiled.view(np.uint32), paged.view(np.uint32))
+    assert nmse(tiled, want(case, *args)) <= ATTENTION_NMSE
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
