@@ -1,5 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 //! variants: ACCESS=texel,ssbo
 // Causal GQA over one contiguous sequence (prefill without a cache): token t attends to rows
 // 0..t of k and v. One invocation per (token, head), i = t * num_heads + h; the same online

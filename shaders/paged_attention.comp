@@ -1,5 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #ifdef SPLIT_SUB
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif

@@ -1,5 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 //! variants: KV=f32,f16 ACCESS=texel,ssbo
 // paged_attention for steps with many query tokens per sequence (prefill), in tiles. The math
@@ -101,19 +102,19 @@ void main() {
     int loaded_seq = -1;
     uint loaded_p = 0xFFFFFFFFu;
     for (uint j = 0u; j < rounds; ++j) {
-        for (uint tq = 0u; tq < TILE; ++tq) {
+        [[unroll]] for (uint tq = 0u; tq < TILE; ++tq) {  // unrolled: see attend_position
             int seq = tile_seq[tq];
             uint p = tile_first[tq] + lane + j * LANES;
             if (seq < 0 || p >= tile_n[tq]) continue;
             if (p != loaded_p || seq != loaded_seq) {
                 uint block = uint(LD_I32(block_table, uint(seq) * pc.max_blocks + p / pc.block_size));
                 uint row = (block * pc.block_size + p % pc.block_size) * pc.kv_dim4 + head_texel;
-                for (uint d = 0u; d < HD4; ++d) k_row[d] = LD_K(row + d);
-                for (uint d = 0u; d < HD4; ++d) v_row[d] = LD_V(row + d);
+                [[unroll]] for (uint d = 0u; d < HD4; ++d) k_row[d] = LD_K(row + d);
+                [[unroll]] for (uint d = 0u; d < HD4; ++d) v_row[d] = LD_V(row + d);
                 loaded_p = p;
                 loaded_seq = seq;
             }
-            for (uint g = 0u; g < HEADS; ++g) attend_position(tq * HEADS + g, 0u);
+            [[unroll]] for (uint g = 0u; g < HEADS; ++g) attend_position(tq * HEADS + g, 0u);
         }
     }
     // The merge, per row. tile_seq is the same in every lane, so the subgroup operations run in

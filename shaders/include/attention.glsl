@@ -11,7 +11,8 @@
 //   shader includes softcap.glsl), both constants;
 //   ATTENTION_ROWS: rows of state per invocation (1, or the tiled kernel's tile);
 //   KEY(kv_row, d), VALUE(kv_row, d): the vec4 d of the key / value row at texel kv_row;
-//   the bindings q (read with LD_F32X4) and o (vec4s); ATTENTION_SUBGROUP for the subgroup
+//   the bindings q (read with LD_F32X4) and o (vec4s); GL_EXT_control_flow_attributes;
+//   ATTENTION_SUBGROUP for the subgroup
 //   merge (subgroup arithmetic enabled); ATTENTION_PAGED for the paged walk's helpers (the
 //   bindings positions, and pc.window, pc.block_size, pc.max_blocks). Positions are folded in the order the shader visits them; that
 //   order alone fixes the rounding, so a row's output does not depend on what else shares
@@ -48,17 +49,20 @@ float add_dot(float score, vec4 q, vec4 k) {
     return s;
 }
 
-// Fold into row r the position whose key and value rows start at texel kv_row.
+// Fold into row r the position whose key and value rows start at texel kv_row. The loops over
+// the head are unrolled: llvmpipe stops any loop once a shader invocation has run 65535 loop
+// iterations in all (gallivm's loop limiter), and walking a long context through rolled
+// head_dim loops reached that (head_dim 256 past ~3800 positions per lane), returning garbage.
 void attend_position(uint r, uint kv_row) {
     uint base = r * HD4;
     precise float score = 0.0;
-    for (uint d = 0u; d < HD4; ++d) score = add_dot(score, q_reg[base + d], KEY(kv_row, d));
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) score = add_dot(score, q_reg[base + d], KEY(kv_row, d));
     if (SOFTCAP > 0.0) score = softcap_f32(score, SOFTCAP) * LOG2E;
     if (score > run_max[r]) {  // rescale the running sums to the new maximum
         precise float shrink = exp2(run_max[r] - score);
         precise float shrunk = run_sum[r] * shrink;
         run_sum[r] = shrunk;
-        for (uint d = 0u; d < HD4; ++d) {
+        [[unroll]] for (uint d = 0u; d < HD4; ++d) {
             precise vec4 a = acc[base + d] * shrink;
             acc[base + d] = a;
         }
@@ -67,7 +71,7 @@ void attend_position(uint r, uint kv_row) {
     precise float weight = exp2(score - run_max[r]);
     precise float sum = run_sum[r] + weight;
     run_sum[r] = sum;
-    for (uint d = 0u; d < HD4; ++d) {
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) {
         precise vec4 a = fma(vec4(weight), VALUE(kv_row, d), acc[base + d]);
         acc[base + d] = a;
     }
