@@ -4,7 +4,7 @@
 #ifdef SPLIT_SUB
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-//! variants: KV=f32,f16 SPLIT=seq,sub ACCESS=texel,ssbo
+//! variants: KV=f32,f16,q8_0 SPLIT=seq,sub ACCESS=texel,ssbo
 // Paged causal GQA: token t of sequence seq_index[t] attends to positions 0..positions[t]
 // (with a sliding window W > 0 only to positions[t] - W < j <= positions[t]), whose keys and
 // values sit at cache slot block_table[seq, p / block_size] * block_size + p % block_size;
@@ -43,6 +43,12 @@ IN_U32X2(2, v_cache);
 vec4 halves4(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
 #define LD_K(i) halves4(LD_U32X2(k_cache, i))
 #define LD_V(i) halves4(LD_U32X2(v_cache, i))
+#elif defined(KV_Q8_0)
+#include "codecs.glsl"
+IN_U32(1, k_cache);  // q8_0 words (include/codecs.glsl): a texel is the 4 values of one quant word
+IN_U32(2, v_cache);
+#define LD_K(i) LD_Q8_0(k_cache, i)
+#define LD_V(i) LD_Q8_0(v_cache, i)
 #else
 IN_F32X4(1, k_cache);
 IN_F32X4(2, v_cache);

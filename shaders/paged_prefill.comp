@@ -2,7 +2,7 @@
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
-//! variants: KV=f32,f16 ACCESS=texel,ssbo
+//! variants: KV=f32,f16,q8_0 ACCESS=texel,ssbo
 // paged_attention for steps with many query tokens per sequence (prefill), in tiles. The math
 // and the buffers are paged_attention.comp's (same bindings, window and softcap rules, padding
 // rows); what differs is who loads what. One workgroup = one subgroup of LANES invocations
@@ -42,6 +42,12 @@ IN_U32X2(2, v_cache);
 vec4 halves4(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
 #define LD_K(i) halves4(LD_U32X2(k_cache, i))
 #define LD_V(i) halves4(LD_U32X2(v_cache, i))
+#elif defined(KV_Q8_0)
+#include "codecs.glsl"
+IN_U32(1, k_cache);  // q8_0 words (include/codecs.glsl): a texel is the 4 values of one quant word
+IN_U32(2, v_cache);
+#define LD_K(i) LD_Q8_0(k_cache, i)
+#define LD_V(i) LD_Q8_0(v_cache, i)
 #else
 IN_F32X4(1, k_cache);
 IN_F32X4(2, v_cache);
