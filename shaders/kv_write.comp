@@ -1,15 +1,17 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: KV=f32,f16 ACCESS=texel,ssbo
+//! variants: KV=f32,f16,q8_0 ACCESS=texel,ssbo
 // Store each token's k and v rows at its cache slot: cache[slot, :] = k[t, :]; slot < 0 is
 // padding. Caches are [blocks * block_size, kv_dim], written in place.
 // f32: one invocation per element. f16: one invocation per u32 word of the cache (a pair of
 // halves); with an odd kv_dim a row starts or ends mid-word, and that word's other half
 // belongs to a neighbouring slot, so the edge halves are merged with atomics.
+// q8_0: one invocation per 32-value block of a row (include/codecs.glsl's quantizer; rows are
+// whole block pairs, kv_dim % 64 == 0).
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 
-#if defined(KV_F16)
+#if defined(KV_F16) || defined(KV_Q8_0)
 RW_U32(0, k_cache);
 RW_U32(1, v_cache);
 #else
@@ -20,7 +22,7 @@ IN_F32(2, k);
 IN_F32(3, v);
 IN_I32(4, slots);
 
-// row_items: per token, elements (f32) or candidate words (f16: kv_dim / 2 + 1).
+// row_items: per token, elements (f32), candidate words (f16: kv_dim / 2 + 1) or blocks (q8_0).
 layout(push_constant) uniform Push { uint tokens; uint kv_dim; uint row_items; } pc;
 
 #if defined(KV_F16)
@@ -46,6 +48,8 @@ void store_word(uint word, uint base, uint t_off) {
         atomicOr(v_cache[word], f32_to_f16(LD_F32(v, i)) << shift);
     }
 }
+#elif defined(KV_Q8_0)
+#include "codecs.glsl"
 #endif
 
 void main() {
@@ -57,6 +61,13 @@ void main() {
 #if defined(KV_F16)
     uint base = uint(slot) * pc.kv_dim;  // first half of the row
     store_word(base / 2u + item, base, t * pc.kv_dim);
+#elif defined(KV_Q8_0)
+    uint e = uint(slot) * pc.kv_dim + 32u * item, src = t * pc.kv_dim + 32u * item;
+    float x[32];
+    for (uint j = 0u; j < 32u; ++j) x[j] = LD_F32(k, src + j);
+    STORE_Q8_0(k_cache, e, x);
+    for (uint j = 0u; j < 32u; ++j) x[j] = LD_F32(v, src + j);
+    STORE_Q8_0(v_cache, e, x);
 #else
     uint dst = uint(slot) * pc.kv_dim + item, src = t * pc.kv_dim + item;
     k_cache[dst] = LD_F32(k, src);

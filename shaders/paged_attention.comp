@@ -1,9 +1,10 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #ifdef SPLIT_SUB
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-//! variants: KV=f32,f16 SPLIT=seq,sub ACCESS=texel,ssbo
+//! variants: KV=f32,f16,q8_0 SPLIT=seq,sub ACCESS=texel,ssbo
 // Paged causal GQA: token t of sequence seq_index[t] attends to positions 0..positions[t]
 // (with a sliding window W > 0 only to positions[t] - W < j <= positions[t]), whose keys and
 // values sit at cache slot block_table[seq, p / block_size] * block_size + p % block_size;
@@ -34,7 +35,6 @@ DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint HD4 = 16;  // head_dim / 4
 layout(constant_id = 2) const float SOFTCAP = 0.0;
 layout(constant_id = 3) const uint CHUNK = 0u;  // positions per chunk; 0: one walk per (token, head)
-#define SCORE_SOFTCAP SOFTCAP
 
 IN_F32X4(0, q);
 #if defined(KV_F16)
@@ -43,6 +43,12 @@ IN_U32X2(2, v_cache);
 vec4 halves4(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
 #define LD_K(i) halves4(LD_U32X2(k_cache, i))
 #define LD_V(i) halves4(LD_U32X2(v_cache, i))
+#elif defined(KV_Q8_0)
+#include "codecs.glsl"
+IN_U32(1, k_cache);  // q8_0 words (include/codecs.glsl): a texel is the 4 values of one quant word
+IN_U32(2, v_cache);
+#define LD_K(i) LD_Q8_0(k_cache, i)
+#define LD_V(i) LD_Q8_0(v_cache, i)
 #else
 IN_F32X4(1, k_cache);
 IN_F32X4(2, v_cache);
@@ -62,13 +68,17 @@ layout(push_constant) uniform Push {
     uint chunks; uint token0;  // chunks per (token, head) (1 unless CHUNK > 0); first token handled
 } pc;
 
+// One row of state per invocation; keys and values are read straight from the cache.
+const uint ATTENTION_ROWS = 1u;
+#define KEY(kv_row, d) LD_K((kv_row) + (d))
+#define VALUE(kv_row, d) LD_V((kv_row) + (d))
+#define ATTENTION_PAGED
+#ifdef SPLIT_SUB
+#define ATTENTION_SUBGROUP
+#endif
 #include "softcap.glsl"
 #include "attention.glsl"
 
-// The first position token t attends to, of its n = positions[t] + 1.
-uint first_position(uint n) { return pc.window > 0u && n > pc.window ? n - pc.window : 0u; }
-// q's pre-scale: into the exp2 domain at once unless scores are capped first.
-float q_prescale() { return SOFTCAP > 0.0 ? pc.scale : pc.scale * LOG2E; }
 // The positions [lo, hi) chunk c of a token with window start `first` and n positions walks.
 uvec2 chunk_range(uint first, uint n, uint c) {
     return CHUNK > 0u ? uvec2(max(first, c * CHUNK), min(n, (c + 1u) * CHUNK)) : uvec2(first, n);
@@ -76,7 +86,7 @@ uvec2 chunk_range(uint first, uint n, uint c) {
 // Partial state of chunk (work item) i: (max, sum, 0, 0), then the weighted values.
 uint partial_row(uint i) { return i * (HD4 + 1u); }
 void write_neutral(uint i) {
-    o[partial_row(i)] = vec4(uintBitsToFloat(0xFF800000u), 0.0, 0.0, 0.0);
+    o[partial_row(i)] = vec4(NEG_INF, 0.0, 0.0, 0.0);
     for (uint d = 0u; d < HD4; ++d) o[partial_row(i) + 1u + d] = vec4(0.0);
 }
 
@@ -96,16 +106,13 @@ void main() {
             for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
         return;
     }
-    // Never read past the block table, whatever positions[t] says.
-    uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
-    uvec2 range = chunk_range(first_position(n), n, i % pc.chunks);
+    uint n = context_end(t);
+    uvec2 range = chunk_range(window_start(n), n, i % pc.chunks);
     if (range.x >= range.y) {  // only a chunk outside the window; uniform over the subgroup
         if (lane == 0u) write_neutral(i);
         return;
     }
-    float q_scale = q_prescale();
-    for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
-    attend_begin();
+    attend_begin(0u, out_row, attention_prescale(pc.scale));
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     // Position p = b * block_size + off, advanced by LANES without a division per step.
@@ -113,28 +120,11 @@ void main() {
     uint b = start / pc.block_size, off = start % pc.block_size;
     for (uint p = start; p < range.y; p += LANES) {
         uint block = uint(LD_I32(block_table, table_row + b));
-        attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
+        attend_position(0u, (block * pc.block_size + off) * pc.kv_dim4 + head_texel);
         off += LANES;
         while (off >= pc.block_size) { off -= pc.block_size; ++b; }
     }
-    // Merge: lane 0 saw the first position, so the maximum is finite; a lane that saw nothing (max
-    // -inf) weighs 0.
-    float m = subgroupMax(run_max);
-    float f = run_max == uintBitsToFloat(0xFF800000u) ? 0.0 : exp2(run_max - m);
-    float sum = subgroupAdd(run_sum * f);
-    if (CHUNK > 0u) {
-        if (lane == 0u) o[partial_row(i)] = vec4(m, sum, 0.0, 0.0);
-        for (uint d = 0u; d < HD4; ++d) {
-            vec4 total = subgroupAdd(acc[d] * f);
-            if (lane == 0u) o[partial_row(i) + 1u + d] = total;
-        }
-        return;
-    }
-    float inv_sum = 1.0 / sum;
-    for (uint d = 0u; d < HD4; ++d) {
-        vec4 total = subgroupAdd(acc[d] * f);
-        if (lane == 0u) o[out_row + d] = total * inv_sum;
-    }
+    attend_store(0u, CHUNK > 0u ? partial_row(i) : out_row, CHUNK > 0u);
 }
 #else
 void main() {
@@ -149,16 +139,13 @@ void main() {
             for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
         return;
     }
-    // Never read past the block table, whatever positions[t] says.
-    uint n = min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size);
-    uvec2 range = chunk_range(first_position(n), n, i % pc.chunks);
+    uint n = context_end(t);
+    uvec2 range = chunk_range(window_start(n), n, i % pc.chunks);
     if (range.x >= range.y) {  // only a chunk outside the window
         write_neutral(i);
         return;
     }
-    float q_scale = q_prescale();
-    for (uint d = 0u; d < HD4; ++d) q_reg[d] = LD_F32X4(q, out_row + d) * q_scale;
-    attend_begin();
+    attend_begin(0u, out_row, attention_prescale(pc.scale));
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     uint first = range.x;
@@ -167,14 +154,8 @@ void main() {
         uint j = first > start ? first - start : 0u;  // only the range's first block starts inside
         uint kv_row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
         uint count = min(pc.block_size, range.y - start);
-        for (; j < count; ++j, kv_row += pc.kv_dim4) attend_position(kv_row);
+        for (; j < count; ++j, kv_row += pc.kv_dim4) attend_position(0u, kv_row);
     }
-    if (CHUNK > 0u) {
-        o[partial_row(i)] = vec4(run_max, run_sum, 0.0, 0.0);
-        for (uint d = 0u; d < HD4; ++d) o[partial_row(i) + 1u + d] = acc[d];
-        return;
-    }
-    float inv_sum = 1.0 / run_sum;
-    for (uint d = 0u; d < HD4; ++d) o[out_row + d] = acc[d] * inv_sum;
+    attend_store(0u, CHUNK > 0u ? partial_row(i) : out_row, CHUNK > 0u);
 }
 #endif

@@ -1,16 +1,18 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
-//! variants: KV=f32,f16 ACCESS=texel,ssbo
+//! variants: KV=f32,f16,q8_0 ACCESS=texel,ssbo
 // paged_attention for steps with many query tokens per sequence (prefill), in tiles. The math
 // and the buffers are paged_attention.comp's (same bindings, window and softcap rules, padding
 // rows); what differs is who loads what. One workgroup = one subgroup of LANES invocations
 // owns a tile: TILE consecutive tokens of the batch x HEADS query heads that share one KV
 // head (ROWS query rows). Lane l folds, for every row of the tile, the positions
 // first + l, first + l + LANES, ... of that row's context, exactly the positions and order
-// paged_attention.comp's SPLIT_SUB lane l folds for that row, and the rows' lane states merge
-// with the same subgroup max / add (compiled differently, the outputs are not bit-identical
-// to that kernel's; a row's result depends only on the device and its own sequence). A key /
+// paged_attention.comp's SPLIT_SUB lane l folds for that row, with the same functions
+// (include/attention.glsl: score, online-softmax update, lane merge, all `precise`), so a
+// row's output is bit-identical to that kernel's and depends only on the device and its own
+// sequence. A key /
 // value row is loaded once per tile for all its rows instead of once per row: at round j a
 // lane's position is the same for every row whose window starts at the same place (always,
 // without a sliding window), and the lane keeps the last row it loaded in registers. The
@@ -40,6 +42,12 @@ IN_U32X2(2, v_cache);
 vec4 halves4(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
 #define LD_K(i) halves4(LD_U32X2(k_cache, i))
 #define LD_V(i) halves4(LD_U32X2(v_cache, i))
+#elif defined(KV_Q8_0)
+#include "codecs.glsl"
+IN_U32(1, k_cache);  // q8_0 words (include/codecs.glsl): a texel is the 4 values of one quant word
+IN_U32(2, v_cache);
+#define LD_K(i) LD_Q8_0(k_cache, i)
+#define LD_V(i) LD_Q8_0(v_cache, i)
 #else
 IN_F32X4(1, k_cache);
 IN_F32X4(2, v_cache);
@@ -58,36 +66,21 @@ layout(push_constant) uniform Push {
     uint block_size; uint max_blocks; float scale; uint window;
 } pc;
 
-#include "softcap.glsl"
-
-const float LOG2E = 1.4426950408889634;  // include/attention.glsl's
-
-vec4 q_tile[ROWS * HD4];  // the rows' queries, pre-scaled as paged_attention.comp does
-vec4 acc[ROWS * HD4];     // per row: sum over folded positions of exp2(score - run_max) * v
-float run_max[ROWS];
-float run_sum[ROWS];
-vec4 k_row[HD4];          // the key and value row this lane loaded last
+// The rows' states are include/attention.glsl's arrays with a row per query of the tile, so a
+// row is folded and merged by the very functions paged_attention.comp calls.
+const uint ATTENTION_ROWS = ROWS;
+vec4 k_row[HD4];  // the key and value row this lane loaded last
 vec4 v_row[HD4];
+#define KEY(kv_row, d) k_row[d]
+#define VALUE(kv_row, d) v_row[d]
+#define ATTENTION_PAGED
+#define ATTENTION_SUBGROUP
+#include "softcap.glsl"
+#include "attention.glsl"
+
 int tile_seq[TILE];       // per token of the tile: its sequence (< 0: padding or past the batch),
 uint tile_first[TILE];    // its first position and its context length n
 uint tile_n[TILE];
-
-// include/attention.glsl's attend_position for row r, on the loaded key and value row.
-void fold(uint r) {
-    uint base = r * HD4;
-    float score = 0.0;
-    for (uint d = 0u; d < HD4; ++d) score += dot(q_tile[base + d], k_row[d]);
-    if (SOFTCAP > 0.0) score = softcap_f32(score, SOFTCAP) * LOG2E;
-    if (score > run_max[r]) {
-        float shrink = exp2(run_max[r] - score);
-        run_sum[r] *= shrink;
-        for (uint d = 0u; d < HD4; ++d) acc[base + d] *= shrink;
-        run_max[r] = score;
-    }
-    float weight = exp2(score - run_max[r]);
-    run_sum[r] += weight;
-    for (uint d = 0u; d < HD4; ++d) acc[base + d] += weight * v_row[d];
-}
 
 void main() {
     uint i = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
@@ -97,66 +90,52 @@ void main() {
     uint lane = gl_LocalInvocationID.x;
     uint t0 = (i / head_tiles) * TILE, head0 = (i % head_tiles) * HEADS;
     uint head_texel = (head0 / pc.group) * HD4;
-    uint limit = pc.max_blocks * pc.block_size;  // never read past the block table
-    // paged_attention.comp's q_prescale: into the exp2 domain at once unless scores are capped.
-    float q_scale = SOFTCAP > 0.0 ? pc.scale : pc.scale * LOG2E;
+    float q_scale = attention_prescale(pc.scale);
     uint rounds = 0u;
     for (uint tq = 0u; tq < TILE; ++tq) {
         uint t = t0 + tq;
         int seq = t < pc.tokens ? LD_I32(seq_index, t) : -1;
-        uint n = seq < 0 ? 0u : min(uint(LD_I32(positions, t)) + 1u, limit);
-        uint first = pc.window > 0u && n > pc.window ? n - pc.window : 0u;
+        uint n = seq < 0 ? 0u : context_end(t);
+        uint first = window_start(n);
         tile_seq[tq] = seq;
         tile_first[tq] = first;
         tile_n[tq] = n;
         rounds = max(rounds, (n - first + LANES - 1u) / LANES);
-        for (uint g = 0u; g < HEADS; ++g) {
-            uint r = tq * HEADS + g, q_row = (t * pc.num_heads + head0 + g) * HD4;
-            for (uint d = 0u; d < HD4; ++d)
-                q_tile[r * HD4 + d] = seq < 0 ? vec4(0.0) : LD_F32X4(q, q_row + d) * q_scale;
-            for (uint d = 0u; d < HD4; ++d) acc[r * HD4 + d] = vec4(0.0);
-            run_max[r] = uintBitsToFloat(0xFF800000u);  // -inf: the first folded position sets it
-            run_sum[r] = 0.0;
-        }
+        // A row without a sequence is never folded nor stored: its state stays unset.
+        if (seq >= 0)
+            for (uint g = 0u; g < HEADS; ++g) attend_begin(tq * HEADS + g, (t * pc.num_heads + head0 + g) * HD4, q_scale);
     }
     int loaded_seq = -1;
     uint loaded_p = 0xFFFFFFFFu;
     for (uint j = 0u; j < rounds; ++j) {
-        for (uint tq = 0u; tq < TILE; ++tq) {
+        [[unroll]] for (uint tq = 0u; tq < TILE; ++tq) {  // unrolled: see attend_position
             int seq = tile_seq[tq];
             uint p = tile_first[tq] + lane + j * LANES;
             if (seq < 0 || p >= tile_n[tq]) continue;
             if (p != loaded_p || seq != loaded_seq) {
                 uint block = uint(LD_I32(block_table, uint(seq) * pc.max_blocks + p / pc.block_size));
                 uint row = (block * pc.block_size + p % pc.block_size) * pc.kv_dim4 + head_texel;
-                for (uint d = 0u; d < HD4; ++d) k_row[d] = LD_K(row + d);
-                for (uint d = 0u; d < HD4; ++d) v_row[d] = LD_V(row + d);
+                [[unroll]] for (uint d = 0u; d < HD4; ++d) k_row[d] = LD_K(row + d);
+                [[unroll]] for (uint d = 0u; d < HD4; ++d) v_row[d] = LD_V(row + d);
                 loaded_p = p;
                 loaded_seq = seq;
             }
-            for (uint g = 0u; g < HEADS; ++g) fold(tq * HEADS + g);
+            [[unroll]] for (uint g = 0u; g < HEADS; ++g) attend_position(tq * HEADS + g, 0u);
         }
     }
-    // paged_attention.comp's merge, per row. tile_seq is the same in every lane, so the
-    // subgroup operations run in uniform control flow. Lane 0 saw each row's first position,
-    // so the maximum is finite; a lane that saw nothing (max -inf) weighs 0.
+    // The merge, per row. tile_seq is the same in every lane, so the subgroup operations run in
+    // uniform control flow.
     for (uint tq = 0u; tq < TILE; ++tq) {
         uint t = t0 + tq;
         if (t >= pc.tokens) break;
         for (uint g = 0u; g < HEADS; ++g) {
-            uint r = tq * HEADS + g, out_row = (t * pc.num_heads + head0 + g) * HD4;
+            uint out_row = (t * pc.num_heads + head0 + g) * HD4;
             if (tile_seq[tq] < 0) {
                 if (lane == 0u)
                     for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
                 continue;
             }
-            float m = subgroupMax(run_max[r]);
-            float f = run_max[r] == uintBitsToFloat(0xFF800000u) ? 0.0 : exp2(run_max[r] - m);
-            float inv_sum = 1.0 / subgroupAdd(run_sum[r] * f);
-            for (uint d = 0u; d < HD4; ++d) {
-                vec4 total = subgroupAdd(acc[r * HD4 + d] * f);
-                if (lane == 0u) o[out_row + d] = total * inv_sum;
-            }
+            attend_store(tq * HEADS + g, out_row, false);
         }
     }
 }

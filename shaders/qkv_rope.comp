@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: KV=f32,f16 NORM=none,qk ACCESS=texel,ssbo
+//! variants: KV=f32,f16,q8_0 NORM=none,qk ACCESS=texel,ssbo
 // qkv_rope_kv_write: the attention prologue in one dispatch. qkv [T, (H + 2 KVH) * head_dim]
 // is the stacked q/k/v projection; q = rope(qkv[:, q cols]) goes to the output, and
 // rope(k) and v are stored at the token's cache slot (slot < 0: padding, nothing stored).
@@ -8,7 +8,8 @@
 // element, and f16 caches encoded with include/cast.glsl's integer encoder (numpy rounding).
 // Per token the invocations are: q_width q elements, then kv_items cache items (f32: one
 // element of k and v each; f16: one u32 word = two halves of k and v each; head_dim is even,
-// so kv_dim is even and every cache row is whole words, no edge merging).
+// so kv_dim is even and every cache row is whole words, no edge merging; q8_0: one 32-value
+// block of k and v each, quantized by include/codecs.glsl as kv_write.comp does).
 // NORM_QK (qkv_norm_rope_kv_write, the QK-norm of Qwen3 and Gemma 3): each q and k head is
 // first RMS-normalised with the weights q_norm / k_norm [head_dim]. One workgroup of
 // ROW_LANES lanes per (token, head of the H + 2 KVH): the head's sum of squares is reduced
@@ -28,6 +29,9 @@ IN_F32(2, cos_sin);
 #if defined(KV_F16)
 OUT_U32(3, k_cache);
 OUT_U32(4, v_cache);
+#elif defined(KV_Q8_0)
+RW_U32(3, k_cache);  // RW: a block's scale half is merged into its word with atomics
+RW_U32(4, v_cache);
 #else
 OUT_F32(3, k_cache);
 OUT_F32(4, v_cache);
@@ -41,6 +45,9 @@ IN_F32(8, k_norm);
 
 #if defined(KV_F16)
 #define KV_ELEMS 2u
+#elif defined(KV_Q8_0)
+#include "codecs.glsl"
+#define KV_ELEMS 32u  // values per cache item: one q8_0 block
 #else
 #define KV_ELEMS 1u
 #endif
@@ -128,7 +135,12 @@ void main() {
     uint dst0 = uint(slot) * (pc.kv_dim / KV_ELEMS) + kv_head * (pc.head_dim / KV_ELEMS);
     for (uint w = lane; w < pc.head_dim / KV_ELEMS; w += ROW_LANES) {
         uint col = col0 + w * KV_ELEMS;
-#if defined(KV_F16)
+#if defined(KV_Q8_0)
+        float x[32];
+        for (uint j = 0u; j < 32u; ++j) x[j] = is_v ? LD_F32(qkv, row0 + 32u * w + j) : roped(t, col + j, p);
+        if (is_v) STORE_Q8_0(v_cache, 32u * (dst0 + w), x)
+        else STORE_Q8_0(k_cache, 32u * (dst0 + w), x)
+#elif defined(KV_F16)
         if (is_v) v_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, row0 + 2u * w)))
                                    | (f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, row0 + 2u * w + 1u))) << 16);
         else k_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(roped(t, col, p)))
@@ -155,7 +167,13 @@ void main() {
     uint k_col = pc.q_width + (item - pc.q_width) * KV_ELEMS;
     uint v_src = t * (pc.q_width + 2u * pc.kv_dim) + k_col + pc.kv_dim;
     uint dst = uint(slot) * (pc.kv_dim / KV_ELEMS) + (item - pc.q_width);
-#if defined(KV_F16)
+#if defined(KV_Q8_0)
+    float x[32];
+    for (uint j = 0u; j < 32u; ++j) x[j] = roped(t, k_col + j, p);
+    STORE_Q8_0(k_cache, 32u * dst, x)
+    for (uint j = 0u; j < 32u; ++j) x[j] = LD_F32(qkv, v_src + j);
+    STORE_Q8_0(v_cache, 32u * dst, x)
+#elif defined(KV_F16)
     k_cache[dst] = f32_bits_to_f16_bits(floatBitsToUint(roped(t, k_col, p)))
                  | (f32_bits_to_f16_bits(floatBitsToUint(roped(t, k_col + 1u, p))) << 16);
     v_cache[dst] = f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, v_src)))

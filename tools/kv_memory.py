@@ -1,6 +1,6 @@
 """KV-cache memory per token and per sequence, as vkrt's engine sizes it, for each family.
 
-    python tools/kv_memory.py [MODEL ...] [--context 2048 8192 32768] [--kv-cache-dtype f16]
+    python tools/kv_memory.py [MODEL ...] [--context 2048 8192 32768] [--kv-cache-dtype f16|f32|q8_0]
 
 MODEL is a GGUF file, an HF directory or a pulled model name (default: the two real models,
 smollm2-135m-instruct and gemma-3-270m, when pulled). The table also lists the KV shapes of common public
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vkrt.engine.config import EngineConfig  # noqa: E402
 from vkrt.engine.kv_groups import blocks_per_sequence  # noqa: E402
+from vkrt.ops.kv_format import KV_DTYPES, bytes_per_value, unsupported  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ def shape_of(spec: str) -> KVShape:
     return KVShape(f"{name or path.name} ({config.architecture}, file)", config.num_kv_heads, config.head_dim, windows)
 
 
-def sequence_bytes(shape: KVShape, context: int, item: int, engine: EngineConfig) -> int:
+def sequence_bytes(shape: KVShape, context: int, item: float, engine: EngineConfig) -> int:
     """K and V bytes one sequence of `context` tokens holds, block-rounded as the engine allocates."""
-    per_block_layer = 2 * engine.block_size * shape.kv_heads * shape.head_dim * item
+    per_block_layer = round(2 * engine.block_size * shape.kv_heads * shape.head_dim * item)
     blocks = sum(blocks_per_sequence(w, engine.block_size, context, engine.max_num_batched_tokens)
                  for w in shape.windows)
     return blocks * per_block_layer
@@ -74,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*", help="GGUF files, HF directories or pulled model names")
     ap.add_argument("--context", type=int, nargs="+", default=[2048, 8192, 32768])
-    ap.add_argument("--kv-cache-dtype", choices=("f16", "f32"), default="f16")
+    ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f16")
     args = ap.parse_args(argv)
-    item = 2 if args.kv_cache_dtype == "f16" else 4
+    item = bytes_per_value(args.kv_cache_dtype)
     engine = EngineConfig()
 
     from vkrt.loader.pull import find_model
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for shape in shapes:
+        why = unsupported(args.kv_cache_dtype, shape.kv_heads, shape.head_dim)
+        if why is not None:
+            print("| " + " | ".join([shape.name, f"n/a ({why})"] + [""] * len(args.context)) + " |")
+            continue
         per_token = 2 * len(shape.windows) * shape.kv_heads * shape.head_dim * item
         cells = [shape.name, f"{per_token / 1024:.1f}"]
         for context in args.context:

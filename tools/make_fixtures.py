@@ -26,6 +26,7 @@ Then, from the repository root:
 
     .venv-tools/bin/python tools/make_fixtures.py                 # everything
     .venv-tools/bin/python tools/make_fixtures.py --only tiny     # tiny llamas only
+    .venv-tools/bin/python tools/make_fixtures.py --only kv       # tiny_llama_hd32 only
     .venv-tools/bin/python tools/make_fixtures.py --only families # tools/family_fixtures.py
     .venv-tools/bin/python tools/make_fixtures.py --only moe      # its mixtures of experts only
     .venv-tools/bin/python tools/make_fixtures.py --only smollm2 --gguf PATH/TO/file.gguf
@@ -35,6 +36,7 @@ Outputs (see tests/fixtures/README.md for schemas and tolerances):
     tests/fixtures/tiny_llama/          random-weight LlamaForCausalLM, f32, untied
     tests/fixtures/tiny_llama_tied/     same shape, tied embeddings + llama3 rope scaling
     tests/fixtures/tiny_llama_bf16/     tiny_llama's weights rounded to bf16
+    tests/fixtures/tiny_llama_hd32/     tiny_llama's shape with heads of 32 (q8_0 KV cache tests)
     tests/fixtures/tiny_<family>/       qwen2, qwen3, mistral, gemma2, gemma3, phi3, ...,
                                         qwen3_moe, mixtral, olmoe, qwen2_moe (HF dirs)
     tests/fixtures/tiny_{qwen3,gemma3}_gguf/  the same families as GGUF files
@@ -347,6 +349,39 @@ def make_tiny() -> None:
             print(f"tiny_llama_bf16: {time.time() - t0:.1f}s", flush=True)
 
 
+def make_kv() -> None:
+    """tiny_llama_hd32: tiny_llama's shape with heads of 32, the smallest head a q8_0 KV cache
+    takes (blocks of 32 values per head, paired along a row of 2 KV heads)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    t0 = time.time()
+    torch.manual_seed(SEED + 2)
+    cfg = tiny_config(False)
+    cfg.head_dim = 32
+    cfg.eos_token_id = None  # as tiny_phi3: generate() never stops early
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    out_dir = FIXTURES / "tiny_llama_hd32"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if (out_dir / "generation_config.json").exists():
+        (out_dir / "generation_config.json").unlink()
+    add_legacy_rope_keys(out_dir / "config.json", False)
+    reloaded = LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    gold = golden_for(reloaded, "tiny_llama_hd32", "float32",
+                      {"tie_word_embeddings": False, "rope_scaling": None, "head_dim": 32,
+                       "model_sha256": sha256_file(out_dir / "model.safetensors")})
+    write_json(out_dir / "golden.json", gold)
+    print(f"tiny_llama_hd32: {time.time() - t0:.1f}s", flush=True)
+
+
 # --------------------------------------------------------------------------- smollm2
 
 
@@ -509,12 +544,14 @@ def make_smollm2(gguf_path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["tiny", "families", "moe", "smollm2"], help="generate one group")
+    ap.add_argument("--only", choices=["tiny", "kv", "families", "moe", "smollm2"], help="generate one group")
     ap.add_argument("--gguf", help=f"path to {SMOL_GGUF_NAME}")
     args = ap.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tiny"):
         make_tiny()
+    if args.only in (None, "kv"):
+        make_kv()
     if args.only in (None, "families", "moe"):
         import torch
         from family_fixtures import MOE_FIXTURES, make_families

@@ -11,6 +11,7 @@ from typing import Any
 
 from vkrt.backend import BACKEND_NAMES
 from vkrt.errors import VkrtError
+from vkrt.ops.kv_format import KV_DTYPES
 
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_MAX_MODEL_LEN = 4096  # generate/chat/bench: min(model's context, this) unless given
@@ -37,8 +38,9 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
                    help="vulkan, reference (numpy) or auto: Vulkan if usable (default)")
     p.add_argument("--max-model-len", type=int, default=None, help=f"context length (default: {default_len})")
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV cache size, e.g. 256M")
-    p.add_argument("--kv-cache-dtype", choices=("f16", "f32"), default="f16",
-                   help="KV cache element type (default f16: half the memory; f32 for exactness checks)")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f16",
+                   help="KV cache format (default f16: half the memory of f32; q8_0: GGUF 8-bit blocks, "
+                        "~0.53x of f16, needs head_dim % 32 == 0; f32 for exactness checks)")
     p.add_argument("--no-replay", action="store_true",
                    help="run every decode step eagerly instead of replaying recorded steps")
 

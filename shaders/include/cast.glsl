@@ -2,7 +2,9 @@
 // (numpy/_core/src/common/half.c): round to nearest even, subnormals kept, overflow to inf,
 // NaN payloads kept (not quietened). Integer math, so neither depends on the device's
 // packHalf2x16/unpackHalf2x16 rounding or its denormal handling.
-// Shared by cast.comp, kv_write.comp and qkv_rope.comp.
+// Shared by cast.comp, kv_write.comp, qkv_rope.comp and codecs.glsl's q8_0 encoder.
+#ifndef CAST_GLSL
+#define CAST_GLSL
 
 uint f16_bits_to_f32_bits(uint h) {
     uint sign = (h & 0x8000u) << 16;
@@ -35,3 +37,4 @@ uint f32_bits_to_f16_bits(uint u) {
     if (rem > halfway || (rem == halfway && (q & 1u) != 0u)) q += 1u;
     return sign | q;                                                  // may carry to 0x400
 }
+#endif

@@ -238,3 +238,19 @@ def test_a_reservation_beyond_one_allocation_is_left_to_the_tensors(vk_default: 
         manager.free(a)
     assert manager.reserved == 0
     manager.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_kv_cache_reserves_what_its_tensors_take(vk_default: Backend, kv_dtype: str) -> None:
+    """allocate_kv_cache reserves one block of exactly its tensors' footprint (it once reserved
+    weight-layout sizes: [blocks, 16, kv_dim] padded to 64-row tiles, 4x the cache)."""
+    from tests.conftest import FIXTURES
+    from vkrt.loader import load_model
+    from vkrt.models import build_model
+
+    model = build_model(load_model(FIXTURES / "tiny_llama_hd32"), vk_default)
+    model.allocate_kv_cache(1, 16, kv_dtype)  # the first one also makes the RoPE tables
+    before = vk_default.memory.reserved  # type: ignore[attr-defined]
+    kv = model.allocate_kv_cache(300, 16, kv_dtype)
+    grown = vk_default.memory.reserved - before  # type: ignore[attr-defined]
+    assert kv.nbytes <= grown <= kv.nbytes + 2 * len(kv.keys) * vk_default.memory.alignment + (64 << 10)  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from tests.models.conftest import Greedy
 from vkrt.loader import load_model
 from vkrt.models import build_model
 
-TINY = ["tiny_llama", "tiny_llama_tied", "tiny_llama_bf16"]
+TINY = ["tiny_llama", "tiny_llama_tied", "tiny_llama_bf16", "tiny_llama_hd32"]
 # Stated bound: max |logit difference| against transformers' float32 forward; measured
 # <= 1.6e-5 on every fixture and path (mostly the goldens' 6-digit rounding), ~6x under it.
 TINY_LOGIT_ATOL = 1e-4

@@ -129,6 +129,18 @@ def test_paged_attention_long_context(vk: Backend, rng: np.random.Generator, pag
     assert nmse(got, want) <= ATTENTION_NMSE
 
 
+def test_paged_attention_long_context_wide_heads(vk: Backend, rng: np.random.Generator, paged_variant: str) -> None:
+    """head_dim 256 (Gemma) deep into the context, unsplit as CPU devices run it. llvmpipe ends
+    every loop of an invocation once it has run 65535 loop iterations in all; with the loops over
+    head_dim rolled, lanes walking ~470 positions (the subgroup split: ~3800 of context) crossed
+    that and returned garbage. The sequential variant walks every position in one invocation."""
+    length = 4096 if paged_variant == "sub" else 1500
+    case = _paged_case(rng, [length, 700], 4, 1, 256, "f16")
+    got = _run_paged(vk, case, "f16", 4, 1, 0.0625)
+    want = reference.paged_attention(**case, num_heads=4, num_kv_heads=1, scale=0.0625)
+    assert nmse(got, want) <= ATTENTION_NMSE
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 def test_chunked_prefill_through_kv_write(vk: Backend, rng: np.random.Generator, kv_dtype: str) -> None:
     """The model's order: kv_write the chunk, then paged_attention over prefix + chunk."""

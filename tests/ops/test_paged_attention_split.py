@@ -23,11 +23,11 @@ from tests.ops.test_attention import paged_variant  # noqa: F401  (fixture: "sub
 from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels import attention as kernels
+from vkrt.ops import kv_format
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 
 ATTENTION_NMSE = 5e-11  # tests/ops/test_attention.py's bound
-NP_KV = {"f32": np.float32, "f16": np.float16}
 BLOCK = 16
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 1000, 2048, 2049, 4095, 4096]
 GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3, 4, 8; head dims 64, 128, 256
@@ -54,8 +54,8 @@ def decode_case(rng: np.random.Generator, lengths: list[int], num_heads: int, nu
     kv_dim = num_kv_heads * head_dim
     return {
         "q": rng.standard_normal((len(lengths), num_heads * head_dim)).astype(np.float32),
-        "k_cache": rng.standard_normal((num_blocks, BLOCK, kv_dim)).astype(NP_KV[kv_dtype]),
-        "v_cache": rng.standard_normal((num_blocks, BLOCK, kv_dim)).astype(NP_KV[kv_dtype]),
+        "k_cache": kv_format.encode(rng.standard_normal((num_blocks, BLOCK, kv_dim)), kv_dtype),
+        "v_cache": kv_format.encode(rng.standard_normal((num_blocks, BLOCK, kv_dim)), kv_dtype),
         "block_table": table,
         "seq_index": np.arange(len(lengths), dtype=np.int32),
         "positions": np.array(lengths, np.int32) - 1,
@@ -63,7 +63,9 @@ def decode_case(rng: np.random.Generator, lengths: list[int], num_heads: int, nu
 
 
 def upload(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str) -> dict[str, Any]:
-    return {name: vk.upload(a, kv_dtype if name.endswith("cache") else None) for name, a in case.items()}
+    """The case's arrays as tensors; the caches in format `kv_dtype` (f32, f16, q8_0)."""
+    cache = kv_format.tensor_dtype(kv_dtype)
+    return {name: vk.upload(a, cache if name.endswith("cache") else None) for name, a in case.items()}
 
 
 def run(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str, num_heads: int, num_kv_heads: int,
@@ -100,7 +102,7 @@ class Modules:
         monkeypatch.setattr(backend, "run_shader", spy)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
 def test_split_matches_reference(vk: Backend, rng: np.random.Generator, paged_variant: str,  # noqa: F811
                                  monkeypatch: pytest.MonkeyPatch, kv_dtype: str,

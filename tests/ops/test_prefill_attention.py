@@ -5,6 +5,10 @@ more query heads of one KV head (GQA; 3 heads x 64 for SmolLM2); the `tiled` fix
 for every step so that short cases exercise it too, and checks it was dispatched. Bound: the
 attention NMSE of tests/ops/test_attention.py. Models whose heads share nothing in a tile (GQA
 ratio 1, head_dim 256) keep the paged kernel (test_selection_by_tokens_per_sequence).
+Every row of the tiled kernel equals the paged kernel's bit for bit (both fold and merge with
+include/attention.glsl's functions), so a decode row's result does not depend on whether a
+prefill shares its step (test_tiled_rows_equal_paged_rows). Caches in f32, f16 and q8_0
+(vkrt/ops/kv_format.py; the reference reads the same quantized cache).
 """
 
 from __future__ import annotations
@@ -17,14 +21,14 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
-from tests.ops.test_paged_attention_split import run, want
+from tests.ops.test_paged_attention_split import run, upload, want
 from vkrt import ops
 from vkrt.backend.base import Backend
+from vkrt.ops import kv_format
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 
 ATTENTION_NMSE = 5e-11  # tests/ops/test_attention.py's bound
-NP_KV = {"f32": np.float32, "f16": np.float16}
 GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 3, 4, 8 (4 and 8 heads per tile)
     (9, 3, 64),  # SmolLM2-135M
     (8, 2, 128),
@@ -81,17 +85,64 @@ def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_head
     positions = np.concatenate([np.arange(cached, cached + new) for cached, new in seqs]).astype(np.int32)
     return {
         "q": rng.standard_normal((positions.size, num_heads * head_dim)).astype(np.float32) * 2.0,
-        "k_cache": rng.standard_normal((num_blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype]),
-        "v_cache": rng.standard_normal((num_blocks, block_size, kv_dim)).astype(NP_KV[kv_dtype]),
+        "k_cache": kv_format.encode(rng.standard_normal((num_blocks, block_size, kv_dim)), kv_dtype),
+        "v_cache": kv_format.encode(rng.standard_normal((num_blocks, block_size, kv_dim)), kv_dtype),
         "block_table": order[: len(seqs) * max_blocks].reshape(len(seqs), max_blocks),
         "seq_index": np.concatenate([np.full(new, s) for s, (_, new) in enumerate(seqs)]).astype(np.int32),
         "positions": positions,
     }
 
 
+def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kernel: str,
+               case: dict[str, np.ndarray], kv_dtype: str, *args: Any) -> np.ndarray:
+    """paged_attention with `kernel` ("paged_attention" or "paged_prefill") forced; checks it ran."""
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "PREFILL_MIN_TOKENS", 0 if kernel == "paged_prefill" else 1 << 30)
+        modules = Modules(vk, patch)
+        got = run(vk, case, kv_dtype, *args)
+    assert modules.families() == {kernel}
+    return got
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+# Prompts and continued prefills across block (16) edges, and decode rows (one new token) at
+# block edges, which a mixed step hands to the tiled kernel with the prefills.
+BIT_SEQS = [(0, 1), (0, 17), (5, 40), (16, 16), (30, 3), (0, 70), (100, 33), (15, 1), (16, 1), (47, 1), (200, 1)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
+def test_tiled_rows_equal_paged_rows(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                     monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
+                                     geometry: tuple[int, int, int]) -> None:
+    """The same rows through the paged kernel and the tiled kernel: byte-equal outputs."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    args = (num_heads, num_kv_heads, head_dim ** -0.5)
+    paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
+    tiled = run_kernel(vk, kernels, monkeypatch, "paged_prefill", case, kv_dtype, *args)
+    np.testing.assert_array_equal(tiled.view(np.uint32), paged.view(np.uint32))
+    assert nmse(tiled, want(case, *args)) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
+def test_tiled_rows_equal_paged_rows_windows_softcaps(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                                      monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
+                                                      geometry: tuple[int, int, int], window: int,
+                                                      softcap: float) -> None:
+    """Byte-equal with sliding windows (rows of a tile start at different positions) and caps."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    case["q"] *= 2.0  # peaked scores: the cap matters
+    args = (num_heads, num_kv_heads, head_dim ** -0.5, window, softcap)
+    paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
+    tiled = run_kernel(vk, kernels, monkeypatch, "paged_prefill", case, kv_dtype, *args)
+    np.testing.assert_array_equal(tiled.view(np.uint32), paged.view(np.uint32))
+    assert nmse(tiled, want(case, *args)) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
 def test_mixed_prefills_in_one_step(vk: Backend, rng: np.random.Generator, tiled: Modules, kv_dtype: str,
                                     geometry: tuple[int, int, int]) -> None:
@@ -125,7 +176,7 @@ def test_prompt_of_4096_tokens(vk: Backend, rng: np.random.Generator, tiled: Mod
 
 @pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (16, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)],
                          ids=lambda v: str(v))
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
 def test_windows_and_softcaps(vk: Backend, rng: np.random.Generator, tiled: Modules, kv_dtype: str,
                               geometry: tuple[int, int, int], window: int, softcap: float) -> None:
@@ -168,7 +219,7 @@ def test_recorded_prefill_replays_with_new_positions(vk: Backend, rng: np.random
     second = dict(first, positions=np.concatenate([np.arange(10, 30), np.arange(0, 12)]).astype(np.int32),
                   seq_index=np.concatenate([np.full(20, 1), np.zeros(12)]).astype(np.int32))
     second["block_table"] = first["block_table"][::-1].copy()
-    t = {name: vk.upload(a, "f16" if name.endswith("cache") else None) for name, a in first.items()}
+    t = upload(vk, first, "f16")
     with vk.capture() as graph:  # type: ignore[attr-defined]
         out = ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"],
                                   t["positions"], 9, 3, 0.125)

@@ -41,3 +41,20 @@ def test_sequence_bytes_equal_the_engines_pools(fixture: str, context: int) -> N
     if fixture == "tiny_gemma3" and context == 512:
         assert want < tool.sequence_bytes(tool.KVShape("", shape.kv_heads, shape.head_dim,
                                                        (0,) * len(shape.windows)), context, 2, engine)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+def test_bytes_per_value_equal_the_models_block_bytes(kv_dtype: str) -> None:
+    """--kv-cache-dtype q8_0 (and the others): the tool's bytes per value are the model's."""
+    from vkrt.backend import get_backend
+    from vkrt.models import build_model
+
+    tool = _tool()
+    fixture = REPO / "tests" / "fixtures" / "tiny_llama_hd32"
+    shape = tool.shape_of(str(fixture))
+    model = build_model(load_model(fixture), get_backend("reference"))
+    engine = EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, block_size=16)
+    per_block = model.kv_group_bytes_per_block(engine.block_size, kv_dtype)
+    pools = size_kv_pools(engine, model.kv_groups(), per_block, 100)
+    want = sum(n * b for n, b in zip(pools, per_block, strict=True))
+    assert tool.sequence_bytes(shape, 100, tool.bytes_per_value(kv_dtype), engine) == want

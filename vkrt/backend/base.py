@@ -13,7 +13,15 @@ import numpy as np
 
 from vkrt.ops.quant import dequantize
 from vkrt.ops.registry import OpDef
-from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format, storage_nbytes
+from vkrt.ops.tensor import (
+    KV_Q8_0,
+    NUMPY_DTYPES,
+    Tensor,
+    TensorSpec,
+    host_numpy_dtype,
+    is_block_format,
+    storage_nbytes,
+)
 
 log = logging.getLogger("vkrt")
 
@@ -146,6 +154,10 @@ class Backend(ABC):
         """Bytes a weight of this format and shape occupies once uploaded."""
         return storage_nbytes(shape, dtype)
 
+    def tensor_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        """Bytes `empty(shape, dtype)` takes from its pool (what a `reserve` for it needs)."""
+        return storage_nbytes(shape, dtype)
+
     def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
         """Upload a weight in its storage format (the backend may repack it, never dequantize)."""
         return self.upload(array.reshape(shape) if not is_block_format(dtype) else array, dtype, "weights")
@@ -194,7 +206,9 @@ def as_storage_array(array: np.ndarray, dtype: str) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.uint8)
     if dtype == "bf16" and array.dtype != np.uint16:
         raise TypeError("bf16 tensors are uploaded as uint16 bits (vkrt.ops.quant.f32_to_bf16)")
-    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[dtype])
+    if dtype == KV_Q8_0 and array.dtype != np.uint32:
+        raise TypeError(f"{KV_Q8_0} tensors are uploaded as their uint32 words (vkrt.ops.kv_format.encode)")
+    return np.ascontiguousarray(array, dtype=host_numpy_dtype(dtype))
 
 
 def infer_dtype(array: np.ndarray) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vkrt.engine.guided import GuidedDecoding
 from vkrt.errors import RequestError, VkrtError
+from vkrt.ops.kv_format import KV_DTYPES
 
 # Most top/scored logprobs one request may ask for per position (OpenAI caps top_logprobs at 20).
 MAX_LOGPROBS = 20
@@ -31,7 +32,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None: sized below
     num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
-    kv_dtype: str = "f16"  # KV cache elements; f32 where tests compare against goldens tightly
+    kv_dtype: str = "f16"  # KV cache format (vkrt.ops.kv_format); f32 where tests compare against goldens tightly
     enable_prefix_caching: bool = True
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0
@@ -42,8 +43,8 @@ class EngineConfig:
                 raise VkrtError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise VkrtError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_dtype not in ("f32", "f16"):
-            raise VkrtError(f"EngineConfig.kv_dtype must be 'f32' or 'f16', got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise VkrtError(f"EngineConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise VkrtError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt.backend.base import Backend
+from vkrt.errors import UnsupportedModelError
 from vkrt.loader.config import LoadedModel, ModelConfig
-from vkrt.ops.tensor import Tensor
+from vkrt.ops import kv_format
+from vkrt.ops.tensor import Tensor, storage_nbytes
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class KVCache:
     values: list[Tensor]
     num_blocks: list[int]  # per KV group
     block_size: int
-    dtype: str
+    dtype: str  # the --kv-cache-dtype (f32, f16, q8_0; vkrt.ops.kv_format)
     groups: list[KVGroup] = field(default_factory=list)
     layer_group: list[int] = field(default_factory=list)  # KV group of each layer
 
@@ -131,11 +133,18 @@ class CausalLM(ABC):
         """K and V bytes of one block in every layer."""
         return sum(self.kv_group_bytes_per_block(block_size, dtype))
 
+    def check_kv_dtype(self, dtype: str) -> None:
+        """UnsupportedModelError if this model's heads cannot use the KV cache format `dtype`."""
+        why = kv_format.unsupported(dtype, self.config.num_kv_heads, self.config.head_dim)
+        if why is not None:
+            raise UnsupportedModelError(f"--kv-cache-dtype {dtype} does not fit this model: {why}; use f16 or f32")
+
     def kv_group_bytes_per_block(self, block_size: int, dtype: str = "f32") -> list[int]:
         """K and V bytes of one block of each KV group (its layers only)."""
         c = self.config
-        item = 4 if dtype == "f32" else 2
-        return [2 * len(g.layers) * block_size * c.num_kv_heads * c.head_dim * item for g in self.kv_groups()]
+        self.check_kv_dtype(dtype)
+        layer = storage_nbytes((block_size, c.num_kv_heads * c.head_dim), kv_format.tensor_dtype(dtype))
+        return [2 * len(g.layers) * layer for g in self.kv_groups()]
 
     def kv_positions(self, num_blocks: int | Sequence[int], block_size: int, max_len: int | None = None) -> int:
         """Positions a sequence can reach in a cache of these pools (the RoPE tables' length).
@@ -161,8 +170,10 @@ class CausalLM(ABC):
 
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
                           max_len: int | None = None) -> KVCache:
-        """K and V tensors of every layer; `num_blocks` per KV group (one int: the same for all)."""
+        """K and V tensors of every layer; `num_blocks` per KV group (one int: the same for all);
+        `dtype` is a --kv-cache-dtype (vkrt.ops.kv_format)."""
         c = self.config
+        self.check_kv_dtype(dtype)
         groups = self.kv_groups()
         counts = self._pool_sizes(num_blocks)
         layer_group = [0] * c.num_layers
@@ -170,9 +181,10 @@ class CausalLM(ABC):
             for i in group.layers:
                 layer_group[i] = g
         shapes = [(counts[layer_group[i]], block_size, c.num_kv_heads * c.head_dim) for i in range(c.num_layers)]
-        self.backend.reserve("kv", 2 * sum(self.backend.weight_nbytes(dtype, shape) for shape in shapes))
-        keys = [self.backend.empty(shape, dtype, purpose="kv") for shape in shapes]
-        values = [self.backend.empty(shape, dtype, purpose="kv") for shape in shapes]
+        tensor_dtype = kv_format.tensor_dtype(dtype)
+        self.backend.reserve("kv", 2 * sum(self.backend.tensor_nbytes(shape, tensor_dtype) for shape in shapes))
+        keys = [self.backend.empty(shape, tensor_dtype, purpose="kv") for shape in shapes]
+        values = [self.backend.empty(shape, tensor_dtype, purpose="kv") for shape in shapes]
         return KVCache(keys, values, counts, block_size, dtype, groups, layer_group)
 
     @abstractmethod

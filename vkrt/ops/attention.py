@@ -1,8 +1,8 @@
 """Rotary embedding, the paged KV cache write and paged attention.
 
 Layouts: activations are [T, heads * head_dim]. The KV cache of one layer is
-[num_blocks, block_size, kv_heads * head_dim]; a token's slot is block * block_size +
-offset. `block_table[s]` lists sequence s's blocks in order; token t of the batch belongs to
+[num_blocks, block_size, kv_heads * head_dim] in f32, f16 or q8_0 (vkrt/ops/kv_format.py, the
+formats' spec); a token's slot is block * block_size + offset. `block_table[s]` lists sequence s's blocks in order; token t of the batch belongs to
 sequence `seq_index[t]` at position `positions[t]` and attends to positions 0..positions[t].
 """
 
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkrt.ops import kv_format
 from vkrt.ops.linear import _rms_norm_matmul_infer, rms_norm_matmul
 from vkrt.ops.norm import rms_norm
 from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import TensorSpec
+from vkrt.ops.tensor import KV_Q8_0, TensorSpec
 
-KV_DTYPES = ("f32", "f16")
+KV_DTYPES = ("f32", "f16", KV_Q8_0)  # cache tensor dtypes (kv_format.tensor_dtype of each format)
 
 
 def rope_cos_sin(max_positions: int, rot_dim: int, theta: float,
@@ -83,13 +84,17 @@ def _kv_write_infer(k_cache: TensorSpec, v_cache: TensorSpec, k: TensorSpec, v: 
 @register_op("kv_write", _kv_write_infer, inplace=(0, 1))
 def kv_write(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
              slots: np.ndarray) -> None:
-    """Store each token's k and v at its slot; slots < 0 are padding and skipped."""
-    flat_k = k_cache.reshape(-1, k_cache.shape[-1])
-    flat_v = v_cache.reshape(-1, v_cache.shape[-1])
-    for i, slot in enumerate(slots):
-        if slot >= 0:
-            flat_k[slot] = k[i]
-            flat_v[slot] = v[i]
+    """Store each token's k and v at its slot in the cache's format; slots < 0 are padding."""
+    stored = slots >= 0
+    kv_format.write_rows(k_cache, slots[stored], k[stored])
+    kv_format.write_rows(v_cache, slots[stored], v[stored])
+
+
+def _require_kv_format(cache: TensorSpec, num_kv_heads: int, head_dim: int, name: str,
+                       specs: tuple[TensorSpec, ...]) -> None:
+    kv_dtype = "q8_0" if cache.dtype == KV_Q8_0 else cache.dtype
+    why = kv_format.unsupported(kv_dtype, num_kv_heads, head_dim)
+    require(why is None, name, specs, f"this cache format does not fit the heads: {why}")
 
 
 def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_table: TensorSpec,
@@ -104,6 +109,7 @@ def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_
             and k_cache.shape[2] == num_kv_heads * head_dim, name, specs,
             "caches must be [blocks, block_size, kv_heads * head_dim]")
     require(num_heads % num_kv_heads == 0, name, specs, "num_heads must be a multiple of num_kv_heads")
+    _require_kv_format(k_cache, num_kv_heads, head_dim, name, specs)
     require(block_table.dtype == "i32" and len(block_table.shape) == 2, name, specs,
             "block_table must be i32 [S, max_blocks]")
     require(seq_index.dtype == "i32" and positions.dtype == "i32"
@@ -136,8 +142,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         pos = np.arange(first, n)
         blocks = block_table[seq_index[t]]
         slots = blocks[pos // block_size] * block_size + pos % block_size
-        keys = k_cache.reshape(-1, k_cache.shape[-1])[slots].astype(np.float32)
-        values = v_cache.reshape(-1, v_cache.shape[-1])[slots].astype(np.float32)
+        keys = kv_format.read_rows(k_cache, slots)
+        values = kv_format.read_rows(v_cache, slots)
         for h in range(num_heads):
             kvh = h // group
             out[t, h * hd:(h + 1) * hd] = _attend(q[t, h * hd:(h + 1) * hd],
@@ -158,6 +164,7 @@ def _qkv_rope_kv_write_infer(qkv: TensorSpec, positions: TensorSpec, cos_sin: Te
     require(qkv.dtype == "f32" and len(qkv.shape) == 2 and qkv.shape[1] == q_width + 2 * kv_dim, name,
             specs, f"qkv must be f32 [T, (num_heads + 2 * num_kv_heads) * {head_dim}]")
     t = qkv.shape[0]
+    _require_kv_format(k_cache, num_kv_heads, head_dim, name, specs)
     _rope_infer(TensorSpec((t, q_width), "f32"), positions, cos_sin, head_dim, interleaved)
     _kv_write_infer(k_cache, v_cache, TensorSpec((t, kv_dim), "f32"), TensorSpec((t, kv_dim), "f32"), slots)
     return (TensorSpec((t, q_width), "f32"),)

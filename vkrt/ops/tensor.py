@@ -26,16 +26,48 @@ BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
     name: (FORMATS[name].block_bytes, FORMATS[name].block_values) for name in BLOCK_FORMATS
 }
 FLOAT_WEIGHT_DTYPES = FLOAT_FORMATS
-ALL_DTYPES = tuple(NUMPY_DTYPES) + BLOCK_FORMATS
+# The quantised KV-cache storage (`--kv-cache-dtype q8_0`; vkrt/ops/kv_format.py is its spec):
+# a cache [blocks, block_size, kv_dim] of GGUF q8_0 blocks (32 values: an f16 scale, 32 int8),
+# paired, each pair stored as KV_Q8_0_PAIR_WORDS u32 words: its 64 quants, then its two
+# scales. numpy holds it as those words, [blocks, block_size, kv_dim / 64 * 17] uint32.
+KV_Q8_0 = "kv_q8_0"
+KV_Q8_0_PAIR_VALUES = 64
+KV_Q8_0_PAIR_WORDS = 17
+ALL_DTYPES = tuple(NUMPY_DTYPES) + BLOCK_FORMATS + (KV_Q8_0,)
 
 
 def is_block_format(dtype: str) -> bool:
     return dtype in BLOCK_LAYOUT
 
 
+def host_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """The shape of the numpy array holding a tensor of this logical shape (non-block dtypes)."""
+    if dtype != KV_Q8_0:
+        return tuple(shape)
+    if not shape or shape[-1] % KV_Q8_0_PAIR_VALUES:
+        raise ValueError(f"{KV_Q8_0} rows must be a multiple of {KV_Q8_0_PAIR_VALUES} values, got {shape}")
+    return (*shape[:-1], shape[-1] // KV_Q8_0_PAIR_VALUES * KV_Q8_0_PAIR_WORDS)
+
+
+def logical_shape(array_shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """host_shape's inverse: the logical shape of a tensor held as an array of this shape."""
+    if dtype != KV_Q8_0:
+        return tuple(array_shape)
+    if not array_shape or array_shape[-1] % KV_Q8_0_PAIR_WORDS:
+        raise ValueError(f"{KV_Q8_0} arrays hold rows of {KV_Q8_0_PAIR_WORDS}-word pairs, got {array_shape}")
+    return (*array_shape[:-1], array_shape[-1] // KV_Q8_0_PAIR_WORDS * KV_Q8_0_PAIR_VALUES)
+
+
+def host_numpy_dtype(dtype: str) -> Any:
+    """The numpy element type of a non-block dtype's host array."""
+    return np.uint32 if dtype == KV_Q8_0 else NUMPY_DTYPES[dtype]
+
+
 def storage_nbytes(shape: tuple[int, ...], dtype: str) -> int:
     """Bytes a tensor of this logical shape occupies in its storage format."""
     count = int(np.prod(shape)) if shape else 1
+    if dtype == KV_Q8_0:
+        return int(np.prod(host_shape(shape, dtype))) * 4
     if dtype in BLOCK_LAYOUT:
         block_bytes, block_values = BLOCK_LAYOUT[dtype]
         if shape[-1] % block_values:

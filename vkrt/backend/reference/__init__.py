@@ -10,7 +10,15 @@ import numpy as np
 from vkrt.backend.base import Backend, Kernel, as_storage_array, infer_dtype
 from vkrt.ops.quant import dequantize
 from vkrt.ops.registry import OPS, OpError
-from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, TensorSpec, is_block_format, storage_nbytes
+from vkrt.ops.tensor import (
+    Tensor,
+    TensorSpec,
+    host_numpy_dtype,
+    host_shape,
+    is_block_format,
+    logical_shape,
+    storage_nbytes,
+)
 
 
 class _Weight:
@@ -52,7 +60,7 @@ class ReferenceBackend(Backend):
         data = as_storage_array(np.asarray(array), dtype)
         if is_block_format(dtype):
             raise TypeError("block-format tensors are uploaded with upload_weight")
-        return Tensor(data.shape, dtype, self, data.copy())
+        return Tensor(logical_shape(data.shape, dtype), dtype, self, data.copy())
 
     def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
         raw = as_storage_array(np.asarray(array), dtype)
@@ -62,7 +70,7 @@ class ReferenceBackend(Backend):
         return Tensor(shape, dtype, self, _Weight(raw.copy(), dtype, shape))
 
     def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor:
-        return Tensor(shape, dtype, self, np.zeros(shape, NUMPY_DTYPES[dtype]))
+        return Tensor(shape, dtype, self, np.zeros(host_shape(shape, dtype), host_numpy_dtype(dtype)))
 
     def view(self, t: Tensor, shape: tuple[int, ...]) -> Tensor:
         if isinstance(t.handle, _Weight):
@@ -72,7 +80,7 @@ class ReferenceBackend(Backend):
         return Tensor(shape, t.dtype, self, data, base=t)
 
     def write(self, t: Tensor, array: np.ndarray) -> None:
-        t.handle[...] = as_storage_array(np.asarray(array), t.dtype).reshape(t.shape)
+        t.handle[...] = as_storage_array(np.asarray(array), t.dtype).reshape(t.handle.shape)
 
     def read(self, t: Tensor) -> np.ndarray:
         if isinstance(t.handle, _Weight):

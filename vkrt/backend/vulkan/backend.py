@@ -22,7 +22,15 @@ from vkrt.backend.vulkan.pipelines import PipelineCache
 from vkrt.errors import OutOfDeviceMemory, VkrtError
 from vkrt.ops import fusion
 from vkrt.ops.registry import OpError
-from vkrt.ops.tensor import NUMPY_DTYPES, Tensor, is_block_format, storage_nbytes
+from vkrt.ops.tensor import (
+    NUMPY_DTYPES,
+    Tensor,
+    host_numpy_dtype,
+    host_shape,
+    is_block_format,
+    logical_shape,
+    storage_nbytes,
+)
 
 log = logging.getLogger("vkrt")
 
@@ -144,7 +152,7 @@ class VulkanBackend(Backend):
             raise TypeError("block-format tensors are uploaded with upload_weight")
         data = as_storage_array(array, dtype)
         self._host_safe()
-        tensor = self._new_tensor(data.shape, dtype, purpose)
+        tensor = self._new_tensor(logical_shape(data.shape, dtype), dtype, purpose)
         self._write_bytes(tensor.handle, data.view(np.uint8).reshape(-1))
         return tensor
 
@@ -195,6 +203,9 @@ class VulkanBackend(Backend):
         sample = row if is_block_format(dtype) else row.view(NUMPY_DTYPES[dtype])
         return device_layout(sample, dtype, tiled=False).nbytes + self.memory.alignment
 
+    def tensor_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
+        return self.memory.footprint(storage_nbytes(shape, dtype))
+
     def _write_bytes(self, alloc: Allocation, data: np.ndarray) -> None:
         in_flight = self.batch.in_flight
         if in_flight is not None and alloc.id not in in_flight.late_inputs:
@@ -237,7 +248,7 @@ class VulkanBackend(Backend):
             raw = staging.host_view()[:nbytes].copy()
             self.memory.free(staging)
         self.counters.bytes_down += nbytes
-        return raw.view(NUMPY_DTYPES[t.dtype]).reshape(t.shape)
+        return raw.view(host_numpy_dtype(t.dtype)).reshape(host_shape(t.shape, t.dtype))
 
     def sync(self) -> None:
         fusion.flush()

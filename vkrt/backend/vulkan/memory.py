@@ -249,6 +249,10 @@ class MemoryManager:
         return {**{f"{k}_bytes": v for k, v in self.in_use.items()},
                 "reserved_bytes": self.reserved, "peak_reserved_bytes": self.peak_reserved}
 
+    def footprint(self, size: int) -> int:
+        """Bytes an allocation of `size` takes from its block (as `alloc` rounds it)."""
+        return _align(max(size, 4), self.alignment)
+
     def close(self) -> None:
         for pool in self._pools.values():
             for block in pool:

@@ -23,7 +23,7 @@ from typing import Any
 
 from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.ops.tensor import KV_Q8_0, Tensor, TensorSpec
 
 # Invocations per workgroup for attention: llvmpipe's SIMD width (subgroup size 8), so a
 # decode step of a few heads still spreads over more than one workgroup (and CPU thread).
@@ -76,6 +76,12 @@ def paged_split(caps: Any) -> tuple[str, int]:
     return "seq", ATTENTION_WORKGROUP
 
 
+# Per cache tensor dtype: its shader variant (KV=...) and the kind its words bind as (a texel of
+# the attention kernels is 4 values: 4 f32, 2 words of 4 halves, or 1 word of q8_0 quants).
+KV_VARIANT = {"f32": "f32", "f16": "f16", KV_Q8_0: "q8_0"}
+KV_READ_KIND = {"f32": "f32x4", "f16": "u32x2", KV_Q8_0: "u32"}
+
+
 def float_bits(value: float) -> int:
     """A float specialisation constant as the int32 its bits spell (pipelines take int32 data)."""
     return int(struct.unpack("<i", struct.pack("<f", value))[0])
@@ -85,10 +91,10 @@ def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     k_cache, v_cache, k, v, slots = inputs
     tokens, kv_dim = k.shape
-    f16 = k_cache.dtype == "f16"
-    row_items = kv_dim // 2 + 1 if f16 else kv_dim  # f16: words a row can touch
-    kind = "u32" if f16 else "f32"
-    backend.run_shader(module(backend, "kv_write", k_cache.dtype),
+    # f16: words a row can touch; q8_0: its 32-value blocks
+    row_items = {"f32": kv_dim, "f16": kv_dim // 2 + 1, KV_Q8_0: kv_dim // 32}[k_cache.dtype]
+    kind = "f32" if k_cache.dtype == "f32" else "u32"
+    backend.run_shader(module(backend, "kv_write", KV_VARIANT[k_cache.dtype]),
                        [(k_cache, kind, True), (v_cache, kind, True), (k, "f32", False),
                         (v, "f32", False), (slots, "i32", False)],
                        grid_1d(tokens * row_items), ("<III", (tokens, kv_dim, row_items)), local_size())
@@ -112,7 +118,7 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
         return _paged_prefill(backend, inputs, params, out, prefill_lanes)
     head_dim = q.shape[1] // num_heads
     _, block_size, kv_dim = k_cache.shape
-    kind = "u32x2" if k_cache.dtype == "f16" else "f32x4"
+    kind = KV_READ_KIND[k_cache.dtype]
     y = backend.empty(out[0].shape, "f32")
     split, lanes = paged_split(backend.caps)
     chunk = paged_chunk(backend.caps)
@@ -122,7 +128,7 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     for token0 in range(0, tokens, slab):
         count = min(slab, tokens - token0)
         partials = y if chunks == 1 else backend.empty((count * num_heads * chunks, 4 * (hd4 + 1)), "f32")
-        backend.run_shader(module(backend, "paged_attention", k_cache.dtype, split),
+        backend.run_shader(module(backend, "paged_attention", KV_VARIANT[k_cache.dtype], split),
                            [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
                             (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
                             (partials, "f32x4", True)],
@@ -171,9 +177,9 @@ def _paged_prefill(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, A
     tokens, head_dim = q.shape[0], q.shape[1] // num_heads
     heads = prefill_heads(num_heads // num_kv_heads, head_dim)
     _, block_size, kv_dim = k_cache.shape
-    kind = "u32x2" if k_cache.dtype == "f16" else "f32x4"
+    kind = KV_READ_KIND[k_cache.dtype]
     y = backend.empty(out[0].shape, "f32")
-    backend.run_shader(module(backend, "paged_prefill", k_cache.dtype),
+    backend.run_shader(module(backend, "paged_prefill", KV_VARIANT[k_cache.dtype]),
                        [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
                         (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
                         (y, "f32x4", True)],

@@ -323,8 +323,10 @@ def _qkv_shapes_fit(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
 
 
 def _qkv_fused_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
+    """Also f32 / f16 caches only: a q8_0 block's scale needs all 32 of its values, which the
+    epilogue's 8-row groups spread over invocations (rms_norm_matmul then qkv_rope_kv_write)."""
     x, _, w = inputs[:3]
-    return _qkv_shapes_fit(inputs, params) and supports((x, w), params)
+    return inputs[5].dtype in ("f32", "f16") and _qkv_shapes_fit(inputs, params) and supports((x, w), params)
 
 
 def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
