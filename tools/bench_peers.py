@@ -320,9 +320,10 @@ def markdown(s: dict) -> str:
         runs = vk.get("runs") or []
         lines.append("- vkrt per repeat: " + ", ".join(
             f"pp {_fmt(r.get('prefill_tok_s'))} / tg {_fmt(r.get('decode_tok_s'))}" for r in runs))
-    if s.get("same_device") is False:
+    cpu_peer = s.get("peer_backend") == "cpu"  # on the host's cores by design, offloading nothing
+    if s.get("same_device") is False and not cpu_peer:
         lines.append("- WARNING: the two runtimes report different devices; pin both with --device-index")
-    if peer and peer.get("offload_complete") is not True:
+    if peer and peer.get("offload_complete") is not True and not cpu_peer:
         lines.append(f"- WARNING: llama.cpp did not offload every layer ({peer.get('offload')})")
     if len(peer.get("devices") or []) > 1 and s.get("device_index") is None:
         lines.append(f"- WARNING: llama.cpp spread the model over {len(peer['devices'])} devices "
