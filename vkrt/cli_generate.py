@@ -40,7 +40,7 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV cache size, e.g. 256M")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f16",
                    help="KV cache format (default f16: half the memory of f32; q8_0: GGUF 8-bit blocks, "
-                        "~0.53x of f16, needs head_dim % 32 == 0; f32 for exactness checks)")
+                        "~0.53x of f16, needs head_dim a multiple of 32; f32 for exactness checks)")
     p.add_argument("--no-replay", action="store_true",
                    help="run every decode step eagerly instead of replaying recorded steps")
 
