@@ -78,7 +78,7 @@ def run_vkrt(python: str, model: str, prompt_tokens: int, gen_tokens: int,
     runs = data.get("runs") if isinstance(data.get("runs"), list) else None
     for key in ("prefill_tok_s", "decode_tok_s"):
         if data.get(key) is None and runs:
-            vals = [r.get(key) for r in runs if isinstance(r, dict) and r.get(key) is not None]
+            vals = [float(r[key]) for r in runs if isinstance(r, dict) and r.get(key) is not None]
             data[key] = statistics.median(vals) if vals else None
         if data.get(key) is None:
             raise BenchError(f"vkrt bench JSON has no {key!r} (keys: {sorted(data)})")
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = peer_info = None
         pairs: list[dict] = []
         try:
-            if want_peer:
+            if peer_python is not None:
                 log(f"starting llama.cpp ({args.peer_backend}) peer: load + untimed warm-up ...")
                 t0 = time.perf_counter()
                 peer = Peer(peer_python, model, args.prompt_tokens, args.gen_tokens, peer_env,
