@@ -21,40 +21,26 @@
 //     softmax and the lanes' states merge with subgroup max / add. On llvmpipe (LANES = 8,
 //     its SIMD width) a 9-head decode step becomes 9 tasks of 1/8 of the context each for
 //     the CPU threads instead of 2 walking all of it.
-// Split over the context (flash-decoding, CHUNK > 0, specialisation constant 3): the grid
-// has pc.chunks workgroups (SUB) or invocations (SEQ) per (token, head), chunk c walking the
-// positions [c * CHUNK, (c + 1) * CHUNK) of the window in the order above, and o receives per
-// (token, head, chunk) the partial softmax state: a vec4 (max, sum, 0, 0), then HD4 vec4s of
-// the weighted values, unnormalised. A chunk that holds no position of the window writes the
-// neutral state (max -inf, sum 0, values 0). paged_attention_merge.comp folds the chunks in
-// order. Chunk boundaries are absolute positions, so a token's partials depend only on its
-// own sequence; the grid is sized for the block table's width (fixed at record time) and
+// Chunks (CHUNK > 0, specialisation constant 3): a row's window splits at absolute multiples
+// of CHUNK positions, each walked in the order above. With pc.chunks == 1 a work item walks
+// every chunk its window touches and merges them in registers (include/attention.glsl's
+// merge_chunk); with pc.chunks > 1 (decode-shaped steps, flash-decoding) the grid has
+// pc.chunks workgroups (SUB) or invocations (SEQ) per (token, head), chunk c walks its part
+// of the window alone, and o receives per (token, head, chunk) the partial softmax state: a
+// vec4 (max, sum, 0, 0), then HD4 vec4s of the weighted values, unnormalised, which
+// paged_attention_merge.comp folds in the same order with the same weights. A chunk the
+// window misses writes nothing (the merge never reads it). Chunk boundaries are absolute
+// positions, so a token's result depends only on its own sequence, and it is the same bits
+// either way; the grid is sized for the block table's width (fixed at record time) and
 // positions are still read from buffers. Tokens pc.token0.. of the batch are handled.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint HD4 = 16;  // head_dim / 4
 layout(constant_id = 2) const float SOFTCAP = 0.0;
-layout(constant_id = 3) const uint CHUNK = 0u;  // positions per chunk; 0: one walk per (token, head)
+layout(constant_id = 3) const uint CHUNK = 0u;  // positions per chunk; 0: one chunk
 
 IN_F32X4(0, q);
-#if defined(KV_F16)
-IN_U32X2(1, k_cache);  // 4 halves per texel
-IN_U32X2(2, v_cache);
-vec4 halves4(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
-#define LD_K(i) halves4(LD_U32X2(k_cache, i))
-#define LD_V(i) halves4(LD_U32X2(v_cache, i))
-#elif defined(KV_Q8_0)
-#include "codecs.glsl"
-IN_U32(1, k_cache);  // q8_0 words (include/codecs.glsl): a texel is the 4 values of one quant word
-IN_U32(2, v_cache);
-#define LD_K(i) LD_Q8_0(k_cache, i)
-#define LD_V(i) LD_Q8_0(v_cache, i)
-#else
-IN_F32X4(1, k_cache);
-IN_F32X4(2, v_cache);
-#define LD_K(i) LD_F32X4(k_cache, i)
-#define LD_V(i) LD_F32X4(v_cache, i)
-#endif
+#include "kv_cache.glsl"
 IN_I32(3, block_table);
 IN_I32(4, seq_index);
 IN_I32(5, positions);
@@ -65,13 +51,13 @@ OUT_F32X4(6, o);
 layout(push_constant) uniform Push {
     uint tokens; uint num_heads; uint group; uint kv_dim4;
     uint block_size; uint max_blocks; float scale; uint window;
-    uint chunks; uint token0;  // chunks per (token, head) (1 unless CHUNK > 0); first token handled
+    uint chunks; uint token0;  // chunks per (token, head) in the grid (1: it walks them all); first token
 } pc;
 
-// One row of state per invocation; keys and values are read straight from the cache.
+// One row of state per invocation, and the key and value row of its current position.
 const uint ATTENTION_ROWS = 1u;
-#define KEY(kv_row, d) LD_K((kv_row) + (d))
-#define VALUE(kv_row, d) LD_V((kv_row) + (d))
+vec4 k_row[HD4];
+vec4 v_row[HD4];
 #define ATTENTION_PAGED
 #ifdef SPLIT_SUB
 #define ATTENTION_SUBGROUP
@@ -79,15 +65,16 @@ const uint ATTENTION_ROWS = 1u;
 #include "softcap.glsl"
 #include "attention.glsl"
 
-// The positions [lo, hi) chunk c of a token with window start `first` and n positions walks.
-uvec2 chunk_range(uint first, uint n, uint c) {
-    return CHUNK > 0u ? uvec2(max(first, c * CHUNK), min(n, (c + 1u) * CHUNK)) : uvec2(first, n);
-}
-// Partial state of chunk (work item) i: (max, sum, 0, 0), then the weighted values.
+// Partial state of work item i: (max, sum, 0, 0), then the weighted values.
 uint partial_row(uint i) { return i * (HD4 + 1u); }
-void write_neutral(uint i) {
-    o[partial_row(i)] = vec4(NEG_INF, 0.0, 0.0, 0.0);
-    for (uint d = 0u; d < HD4; ++d) o[partial_row(i) + 1u + d] = vec4(0.0);
+
+// Work item i of the grid: its (token, head) row of the batch, and the chunks it walks: every
+// chunk its window touches, merged here (pc.chunks == 1), or chunk i % pc.chunks alone, stored
+// as a partial (pc.chunks > 1; none if the window misses that chunk).
+uint item_row(uint i) { return pc.token0 * pc.num_heads + i / pc.chunks; }
+uvec2 item_chunks(uint i, uint first, uint n) {
+    uint c = i % pc.chunks;
+    return pc.chunks > 1u ? uvec2(c, c) : chunk_span(first, n);
 }
 
 #ifdef SPLIT_SUB
@@ -97,65 +84,77 @@ void main() {
     uint i = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
     if (i >= pc.tokens * pc.num_heads * pc.chunks) return;  // the whole subgroup leaves together
     uint lane = gl_LocalInvocationID.x;
-    uint row = pc.token0 * pc.num_heads + i / pc.chunks;  // (token, head) of the batch
+    uint row = item_row(i);
     uint t = row / pc.num_heads, h = row % pc.num_heads;
     uint out_row = row * HD4;
     int seq = LD_I32(seq_index, t);
     if (seq < 0) {  // split: the merge writes the zeros
-        if (lane == 0u && CHUNK == 0u)
+        if (lane == 0u && pc.chunks == 1u)
             for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
         return;
     }
-    uint n = context_end(t);
-    uvec2 range = chunk_range(window_start(n), n, i % pc.chunks);
-    if (range.x >= range.y) {  // only a chunk outside the window; uniform over the subgroup
-        if (lane == 0u) write_neutral(i);
-        return;
-    }
-    attend_begin(0u, out_row, attention_prescale(pc.scale));
+    uint n = context_end(t), first = window_start(n);
+    uvec2 span = item_chunks(i, first, n);
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
-    // Position p = b * block_size + off, advanced by LANES without a division per step.
-    uint start = range.x + lane;
-    uint b = start / pc.block_size, off = start % pc.block_size;
-    for (uint p = start; p < range.y; p += LANES) {
-        uint block = uint(LD_I32(block_table, table_row + b));
-        attend_position(0u, (block * pc.block_size + off) * pc.kv_dim4 + head_texel);
-        off += LANES;
-        while (off >= pc.block_size) { off -= pc.block_size; ++b; }
+    attend_load_q(0u, out_row, attention_prescale(pc.scale));
+    merged_reset(0u);
+    for (uint c = span.x; c <= span.y; ++c) {
+        uvec2 range = chunk_range(first, n, c);
+        if (range.x >= range.y) return;  // a split item whose chunk the window misses (uniform)
+        attend_reset(0u);
+        // Position p = b * block_size + off, advanced by LANES without a division per step.
+        uint start = range.x + lane;
+        uint b = start / pc.block_size, off = start % pc.block_size;
+        for (uint p = start; p < range.y; p += LANES) {
+            uint block = uint(LD_I32(block_table, table_row + b));
+            LOAD_KV((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
+            attend_position(0u);
+            off += LANES;
+            while (off >= pc.block_size) { off -= pc.block_size; ++b; }
+        }
+        attend_lanes_merge(0u);
+        if (pc.chunks > 1u) attend_store_partial(0u, partial_row(i));
+        else merge_chunk(0u);
     }
-    attend_store(0u, CHUNK > 0u ? partial_row(i) : out_row, CHUNK > 0u);
+    if (pc.chunks == 1u) attend_store_merged(0u, out_row);
 }
 #else
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     if (i >= pc.tokens * pc.num_heads * pc.chunks) return;
-    uint row = pc.token0 * pc.num_heads + i / pc.chunks;  // (token, head) of the batch
+    uint row = item_row(i);
     uint t = row / pc.num_heads, h = row % pc.num_heads;
     uint out_row = row * HD4;
     int seq = LD_I32(seq_index, t);
     if (seq < 0) {  // split: the merge writes the zeros
-        if (CHUNK == 0u)
+        if (pc.chunks == 1u)
             for (uint d = 0u; d < HD4; ++d) o[out_row + d] = vec4(0.0);
         return;
     }
-    uint n = context_end(t);
-    uvec2 range = chunk_range(window_start(n), n, i % pc.chunks);
-    if (range.x >= range.y) {  // only a chunk outside the window
-        write_neutral(i);
-        return;
-    }
-    attend_begin(0u, out_row, attention_prescale(pc.scale));
+    uint n = context_end(t), first = window_start(n);
+    uvec2 span = item_chunks(i, first, n);
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
-    uint first = range.x;
-    for (uint b = first / pc.block_size, start = b * pc.block_size; start < range.y; start += pc.block_size, ++b) {
-        uint block = uint(LD_I32(block_table, table_row + b));
-        uint j = first > start ? first - start : 0u;  // only the range's first block starts inside
-        uint kv_row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
-        uint count = min(pc.block_size, range.y - start);
-        for (; j < count; ++j, kv_row += pc.kv_dim4) attend_position(0u, kv_row);
+    attend_load_q(0u, out_row, attention_prescale(pc.scale));
+    merged_reset(0u);
+    for (uint c = span.x; c <= span.y; ++c) {
+        uvec2 range = chunk_range(first, n, c);
+        if (range.x >= range.y) return;  // a split item whose chunk the window misses
+        attend_reset(0u);
+        for (uint b = range.x / pc.block_size, start = b * pc.block_size; start < range.y; start += pc.block_size, ++b) {
+            uint block = uint(LD_I32(block_table, table_row + b));
+            uint j = range.x > start ? range.x - start : 0u;  // only the range's first block starts inside
+            uint kv_row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
+            uint count = min(pc.block_size, range.y - start);
+            for (; j < count; ++j, kv_row += pc.kv_dim4) {
+                LOAD_KV(kv_row);
+                attend_position(0u);
+            }
+        }
+        if (pc.chunks > 1u) attend_store_partial(0u, partial_row(i));
+        else merge_chunk(0u);
     }
-    attend_store(0u, CHUNK > 0u ? partial_row(i) : out_row, CHUNK > 0u);
+    if (pc.chunks == 1u) attend_store_merged(0u, out_row);
 }
 #endif

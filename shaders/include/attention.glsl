@@ -1,39 +1,47 @@
 // Attention with an online softmax in registers: the one definition of the per-position
-// score, the running-state update and the lanes' merge that paged_attention.comp,
-// paged_prefill.comp and attention.comp all call, so a row's rounding is the same in every
-// kernel that computes it (a decode row gets the same bits in a decode-only step and in a
-// step the tiled prefill kernel runs). `precise` keeps every product and sum rounded as
-// written: a compiler may otherwise fuse a * b + c into an fma in one kernel's context and
-// not in another's.
+// score, the running-state update, the lanes' merge and the chunks' merge that
+// paged_attention.comp and paged_attention_gqa.comp both call, so a row's rounding is the
+// same in every kernel that computes it (a decode row gets the same bits in a decode-only step
+// and beside a prefill, split over chunks or not). `precise` keeps every product and sum
+// rounded as written: a compiler may otherwise fuse a * b + c into an fma in one kernel's
+// context and not in another's.
 //
 // The including shader declares, before including this file:
-//   HD4 (head_dim / 4) and SOFTCAP (0 = off; c > 0 caps scores at c * tanh(s / c), and the
-//   shader includes softcap.glsl), both constants;
-//   ATTENTION_ROWS: rows of state per invocation (1, or the tiled kernel's tile);
-//   KEY(kv_row, d), VALUE(kv_row, d): the vec4 d of the key / value row at texel kv_row;
+//   HD4 (head_dim / 4), SOFTCAP (0 = off; c > 0 caps scores at c * tanh(s / c), and the
+//   shader includes softcap.glsl) and CHUNK (positions per chunk, 0 = one), all constants;
+//   ATTENTION_ROWS: rows of state per invocation (1, or the GQA kernel's query heads);
+//   vec4 k_row[HD4], v_row[HD4]: the key and value row of the position being folded;
 //   the bindings q (read with LD_F32X4) and o (vec4s); GL_EXT_control_flow_attributes;
-//   ATTENTION_SUBGROUP for the subgroup
-//   merge (subgroup arithmetic enabled); ATTENTION_PAGED for the paged walk's helpers (the
-//   bindings positions, and pc.window, pc.block_size, pc.max_blocks). Positions are folded in the order the shader visits them; that
-//   order alone fixes the rounding, so a row's output does not depend on what else shares
-//   the dispatch (batch invariance).
+//   ATTENTION_SUBGROUP for the subgroup merge (subgroup arithmetic enabled); ATTENTION_PAGED
+//   for the paged walk's helpers (the binding positions, and pc.window, pc.block_size,
+//   pc.max_blocks). Positions are folded in the order the shader visits them; that order
+//   alone fixes the rounding, so a row's output does not depend on what else shares the
+//   dispatch (batch invariance).
 
+#include "chunk_merge.glsl"
 const float LOG2E = 1.4426950408889634;
-#define NEG_INF uintBitsToFloat(0xFF800000u)
 
 vec4 q_reg[ATTENTION_ROWS * HD4];  // per row: the query, pre-scaled by attention_prescale()
 vec4 acc[ATTENTION_ROWS * HD4];    // per row: sum over positions of exp2(score - run_max) * v
 float run_max[ATTENTION_ROWS];     // per row: the largest score so far
 float run_sum[ATTENTION_ROWS];     // per row: sum over positions of exp2(score - run_max)
+// Per row, the chunks folded so far (a kernel that walks a row's chunks itself): the same
+// three parts, merged in chunk order by merge_weights().
+vec4 merged_acc[ATTENTION_ROWS * HD4];
+float merged_max[ATTENTION_ROWS];
+float merged_sum[ATTENTION_ROWS];
 
 // q's pre-scale: into the exp2 domain at once (scale * log2 e), unless scores are capped
 // first (then by scale alone, and each capped score is moved into the exp2 domain).
 float attention_prescale(float scale) { return SOFTCAP > 0.0 ? scale : scale * LOG2E; }
 
-// Reset row r's running state and load its query, q's vec4s from texel q_texel on, times
-// q_scale (attention_prescale).
-void attend_begin(uint r, uint q_texel, float q_scale) {
+// Load row r's query, q's vec4s from texel q_texel on, times q_scale (attention_prescale).
+void attend_load_q(uint r, uint q_texel, float q_scale) {
     for (uint d = 0u; d < HD4; ++d) q_reg[r * HD4 + d] = LD_F32X4(q, q_texel + d) * q_scale;
+}
+
+// Start row r's running state over a new chunk of positions.
+void attend_reset(uint r) {
     for (uint d = 0u; d < HD4; ++d) acc[r * HD4 + d] = vec4(0.0);
     run_max[r] = NEG_INF;  // the first position sets it
     run_sum[r] = 0.0;
@@ -49,30 +57,26 @@ float add_dot(float score, vec4 q, vec4 k) {
     return s;
 }
 
-// Fold into row r the position whose key and value rows start at texel kv_row. The loops over
+// Fold into row r the position whose key and value rows are in k_row, v_row. The loops over
 // the head are unrolled: llvmpipe stops any loop once a shader invocation has run 65535 loop
 // iterations in all (gallivm's loop limiter), and walking a long context through rolled
 // head_dim loops reached that (head_dim 256 past ~3800 positions per lane), returning garbage.
-void attend_position(uint r, uint kv_row) {
+// A new maximum rescales the running sums by `shrink`; otherwise shrink is exactly 1, and
+// multiplying by it unconditionally changes no bit while sparing a divergent branch (llvmpipe
+// runs both sides of one and blends every store).
+void attend_position(uint r) {
     uint base = r * HD4;
     precise float score = 0.0;
-    [[unroll]] for (uint d = 0u; d < HD4; ++d) score = add_dot(score, q_reg[base + d], KEY(kv_row, d));
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) score = add_dot(score, q_reg[base + d], k_row[d]);
     if (SOFTCAP > 0.0) score = softcap_f32(score, SOFTCAP) * LOG2E;
-    if (score > run_max[r]) {  // rescale the running sums to the new maximum
-        precise float shrink = exp2(run_max[r] - score);
-        precise float shrunk = run_sum[r] * shrink;
-        run_sum[r] = shrunk;
-        [[unroll]] for (uint d = 0u; d < HD4; ++d) {
-            precise vec4 a = acc[base + d] * shrink;
-            acc[base + d] = a;
-        }
-        run_max[r] = score;
-    }
+    bool rises = score > run_max[r];
+    precise float shrink = rises ? exp2(run_max[r] - score) : 1.0;
+    run_max[r] = rises ? score : run_max[r];
     precise float weight = exp2(score - run_max[r]);
-    precise float sum = run_sum[r] + weight;
+    precise float sum = run_sum[r] * shrink + weight;
     run_sum[r] = sum;
     [[unroll]] for (uint d = 0u; d < HD4; ++d) {
-        precise vec4 a = fma(vec4(weight), VALUE(kv_row, d), acc[base + d]);
+        precise vec4 a = fma(vec4(weight), v_row[d], acc[base + d] * shrink);
         acc[base + d] = a;
     }
 }
@@ -82,45 +86,73 @@ void attend_position(uint r, uint kv_row) {
 // positions[t] says, and the first position its window lets it see.
 uint context_end(uint t) { return min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size); }
 uint window_start(uint n) { return pc.window > 0u && n > pc.window ? n - pc.window : 0u; }
+// A row's context splits at absolute multiples of CHUNK (0: one chunk): the positions [lo, hi)
+// of chunk c for a window [first, n), empty where the window misses the chunk, and the
+// chunks the window touches.
+uvec2 chunk_range(uint first, uint n, uint c) {
+    return CHUNK > 0u ? uvec2(max(first, c * CHUNK), min(n, (c + 1u) * CHUNK)) : uvec2(first, n);
+}
+uvec2 chunk_span(uint first, uint n) { return CHUNK > 0u ? uvec2(first / CHUNK, (n - 1u) / CHUNK) : uvec2(0u); }
 #endif
 
 #ifdef ATTENTION_SUBGROUP
-// Row r's result over all lanes of the subgroup (each folded its own positions), stored by
-// lane 0 at o[out_row ..]: normalised, or with `partial` the state (max, sum, 0, 0) and the
-// unnormalised values (paged_attention_merge.comp folds those). Lane 0 saw the row's first
-// position, so the maximum is finite; a lane that saw nothing (max -inf) weighs 0. Called in
-// uniform control flow.
-void attend_store(uint r, uint out_row, bool partial) {
-    bool leader = gl_SubgroupInvocationID == 0u;
+// Row r's state over all lanes of the subgroup (each folded its own positions), left in every
+// lane: the maximum, and the sums rescaled to it. A lane that saw nothing (max -inf) weighs 0;
+// the chunk's first position is lane 0's, so the maximum is finite. Called in uniform control
+// flow.
+void attend_lanes_merge(uint r) {
     float m = subgroupMax(run_max[r]);
     precise float f = run_max[r] == NEG_INF ? 0.0 : exp2(run_max[r] - m);
     precise float lane_sum = run_sum[r] * f;
-    float sum = subgroupAdd(lane_sum);
-    if (partial) {
-        if (leader) o[out_row] = vec4(m, sum, 0.0, 0.0);
-        out_row += 1u;
-    }
-    precise float inv_sum = 1.0 / sum;
+    run_sum[r] = subgroupAdd(lane_sum);
+    run_max[r] = m;
     for (uint d = 0u; d < HD4; ++d) {
         precise vec4 lane_acc = acc[r * HD4 + d] * f;
-        vec4 total = subgroupAdd(lane_acc);
-        precise vec4 normalised = total * inv_sum;
-        if (leader) o[out_row + d] = partial ? total : normalised;
+        acc[r * HD4 + d] = subgroupAdd(lane_acc);
     }
 }
+bool attend_leader() { return gl_SubgroupInvocationID == 0u; }
 #else
-// Row r's result (one invocation folded all its positions) at o[out_row ..]: normalised, or
-// with `partial` the state (max, sum, 0, 0) and the unnormalised values.
-void attend_store(uint r, uint out_row, bool partial) {
-    if (partial) {
-        o[out_row] = vec4(run_max[r], run_sum[r], 0.0, 0.0);
-        for (uint d = 0u; d < HD4; ++d) o[out_row + 1u + d] = acc[r * HD4 + d];
+void attend_lanes_merge(uint r) {}  // one invocation folded every position
+bool attend_leader() { return true; }
+#endif
+
+// Row r's (merged) chunk state as a partial at o[out_row ..]: (max, sum, 0, 0), then the
+// unnormalised weighted values, for paged_attention_merge.comp.
+void attend_store_partial(uint r, uint out_row) {
+    if (!attend_leader()) return;
+    o[out_row] = vec4(run_max[r], run_sum[r], 0.0, 0.0);
+    for (uint d = 0u; d < HD4; ++d) o[out_row + 1u + d] = acc[r * HD4 + d];
+}
+
+// The chunks a row's walk folds itself: start with none, fold the current chunk's state, and
+// store the normalised result at o[out_row ..].
+void merged_reset(uint r) {
+    for (uint d = 0u; d < HD4; ++d) merged_acc[r * HD4 + d] = vec4(0.0);
+    merged_max[r] = NEG_INF;
+    merged_sum[r] = 0.0;
+}
+void merge_chunk(uint r) {
+    if (merged_max[r] == NEG_INF) {  // the first chunk
+        merged_max[r] = run_max[r];
+        merged_sum[r] = run_sum[r];
+        for (uint d = 0u; d < HD4; ++d) merged_acc[r * HD4 + d] = acc[r * HD4 + d];
         return;
     }
-    precise float inv_sum = 1.0 / run_sum[r];
+    vec2 w = merge_weights(merged_max[r], run_max[r]);
+    precise float sum = merged_sum[r] * w.x + run_sum[r] * w.y;
+    merged_sum[r] = sum;
+    merged_max[r] = max(merged_max[r], run_max[r]);
     for (uint d = 0u; d < HD4; ++d) {
-        precise vec4 normalised = acc[r * HD4 + d] * inv_sum;
+        precise vec4 a = merged_acc[r * HD4 + d] * w.x + acc[r * HD4 + d] * w.y;
+        merged_acc[r * HD4 + d] = a;
+    }
+}
+void attend_store_merged(uint r, uint out_row) {
+    if (!attend_leader()) return;
+    precise float inv_sum = 1.0 / merged_sum[r];
+    for (uint d = 0u; d < HD4; ++d) {
+        precise vec4 normalised = merged_acc[r * HD4 + d] * inv_sum;
         o[out_row + d] = normalised;
     }
 }
-#endif

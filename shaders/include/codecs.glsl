@@ -27,9 +27,6 @@ vec4 q8_0_values(uint quants, uint scales, uint shift) {
     int w = int(quants);
     return vec4(ivec4(w << 24, w << 16, w << 8, w) >> 24) * unpackHalf2x16(scales >> shift).x;
 }
-// Texel i (values 4i .. 4i + 3) of a q8_0 cache bound as u32 words (access.glsl's LD_U32).
-#define LD_Q8_0(cache, i) q8_0_values(LD_U32(cache, q8_0_quant_word(4u * (i))), \
-                                      LD_U32(cache, q8_0_scale_word(4u * (i))), q8_0_scale_shift(4u * (i)))
 
 #include "cast.glsl"
 // Quantize one block as llama.cpp's quantize_row_q8_0_ref does, term for term: d = max |x| / 127,

@@ -234,10 +234,10 @@ def _probe(select: Callable[[Any], Any]) -> Callable[[Any], Iterable[Any]]:
 @cache
 def reachable(family: str) -> dict[Any, DeviceCaps]:
     """Configuration -> a device that selects it, for `row` (norm lanes),
-    `sample` (sample_top_k lanes), `paged` (paged_attention's (variant, lanes)) and `prefill`
-    (the tiled prefill kernel's lanes, None where it does not run)."""
+    `sample` (sample_top_k lanes), `paged` (paged_attention's (variant, lanes)) and `gqa`
+    (the GQA attention kernel's lanes, None where it does not run)."""
     select: Callable[[Any], Any] = {"row": norm.row_workgroup, "sample": sample.sample_workgroup,
-                                    "paged": attention.paged_split, "prefill": attention.prefill_split}[family]
+                                    "paged": attention.paged_split, "gqa": attention.gqa_lanes}[family]
     _, devices = representatives(_probe(select))
     out: dict[Any, DeviceCaps] = {}
     for caps in devices:
@@ -247,7 +247,7 @@ def reachable(family: str) -> dict[Any, DeviceCaps]:
 
 def fields_of(family: str) -> tuple[str, ...]:
     select: Callable[[Any], Any] = {"row": norm.row_workgroup, "sample": sample.sample_workgroup,
-                                    "paged": attention.paged_split, "prefill": attention.prefill_split}[family]
+                                    "paged": attention.paged_split, "gqa": attention.gqa_lanes}[family]
     return representatives(_probe(select))[0]
 
 

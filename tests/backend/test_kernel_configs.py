@@ -310,6 +310,7 @@ def test_paged_attention_configuration(config: tuple[str, int, int], device_as: 
     """Each (variant, lanes, chunk): here when this device has that subgroup size, else in a
     child process whose llvmpipe is set to that vector width."""
     variant, lanes, chunk = config
+    monkeypatch.setattr(attention_kernels, "gqa_heads", lambda group, head_dim: 1)  # the paged kernel, GQA too
     here = vk_default.caps  # type: ignore[attr-defined]
     if variant == "sub" and lanes != here.subgroup_size:
         if "llvmpipe" not in here.name or lanes > attention_kernels.CPU_MAX_LANES:
@@ -333,6 +334,7 @@ def test_paged_attention_on_this_device(chunk: int, vk_default: Backend, rng: np
     """paged_attention with the split this device selects and `chunk` (the child process above)."""
     variant, lanes = attention_kernels.paged_split(vk_default.caps)  # type: ignore[attr-defined]
     monkeypatch.setattr(attention_kernels, "paged_chunk", lambda caps: chunk)
+    monkeypatch.setattr(attention_kernels, "gqa_heads", lambda group, head_dim: 1)
     dispatches = Dispatches(vk_default, monkeypatch)
     assert _paged_checks(vk_default, rng) == 3
     assert {spec[0] for spec in dispatches.of("paged_attention")} == {lanes}
@@ -397,17 +399,17 @@ def test_moe_grid_misses_no_configuration() -> None:
                 assert moe.expert_config(caps, tokens * k, experts, gated) in known, (tokens, k, experts, gated)
 
 
-# ------------------------------------------------------------------------- tiled prefill attention
+# ------------------------------------------------------------------------- GQA attention
 
-def _prefill_checks(vk: Backend, rng: np.random.Generator) -> int:
-    """paged_attention on prefill-shaped steps (the tiled kernel) vs its reference; returns cases."""
-    from tests.ops.test_prefill_attention import prefill_case, run, want
+def _gqa_checks(vk: Backend, rng: np.random.Generator) -> int:
+    """paged_attention on GQA steps (the GQA kernel) vs its reference; returns cases."""
+    from tests.ops.test_gqa_attention import prefill_case, run, want
 
     count = 0
     for seqs, heads, kv_heads, head_dim, kv, window in (([(0, 37), (5, 20)], 4, 2, 16, "f32", 0),
                                                         ([(0, 300)], 6, 2, 32, "f16", 0),
                                                         ([(40, 60), (0, 3)], 3, 1, 64, "f16", 24)):
-        # prefill-shaped (>= PREFILL_MIN_TOKENS per sequence) with 2 or 3 heads per tile
+        # 2 or 3 heads per tile
         c = prefill_case(rng, seqs, heads, kv_heads, head_dim, kv)
         scale = head_dim ** -0.5
         err = nmse(run(vk, c, kv, heads, kv_heads, scale, window), want(c, heads, kv_heads, scale, window))
@@ -416,13 +418,13 @@ def _prefill_checks(vk: Backend, rng: np.random.Generator) -> int:
     return count
 
 
-PREFILL_CASES = sorted(lanes for lanes in dc.reachable("prefill") if lanes is not None)
+GQA_CASES = sorted(lanes for lanes in dc.reachable("gqa") if lanes is not None)
 
 
-@pytest.mark.parametrize("lanes", PREFILL_CASES, ids=[f"sub{lanes}" for lanes in PREFILL_CASES])
-def test_prefill_attention_configuration(lanes: int, device_as: Any, vk_default: Backend,
+@pytest.mark.parametrize("lanes", GQA_CASES, ids=[f"sub{lanes}" for lanes in GQA_CASES])
+def test_gqa_attention_configuration(lanes: int, device_as: Any, vk_default: Backend,
                                          rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each lane count of the tiled prefill kernel: here when this device has that subgroup
+    """Each lane count of the GQA attention kernel: here when this device has that subgroup
     size, else in a child process whose llvmpipe is set to that vector width."""
     here = vk_default.caps  # type: ignore[attr-defined]
     if lanes != here.subgroup_size:
@@ -431,24 +433,24 @@ def test_prefill_attention_configuration(lanes: int, device_as: Any, vk_default:
                         f"; llvmpipe at most {attention_kernels.CPU_MAX_LANES})")
         env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": str(32 * lanes)}
         child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                                f"{Path(__file__).relative_to(REPO)}::test_prefill_attention_on_this_device"],
+                                f"{Path(__file__).relative_to(REPO)}::test_gqa_attention_on_this_device"],
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
-        assert f"paged_prefill ran sub{lanes}" in child.stdout, child.stdout[-2000:]
+        assert f"paged_attention_gqa ran sub{lanes}" in child.stdout, child.stdout[-2000:]
         return
-    caps = dc.reachable("prefill")[lanes]
-    vk = device_as(dc.device_fields(caps, dc.fields_of("prefill")))
+    caps = dc.reachable("gqa")[lanes]
+    vk = device_as(dc.device_fields(caps, dc.fields_of("gqa")))
     dispatches = Dispatches(vk, monkeypatch)
-    assert _prefill_checks(vk, rng) == 3
-    assert {spec[0] for spec in dispatches.of("paged_prefill")} == {lanes}
+    assert _gqa_checks(vk, rng) == 3
+    assert {spec[0] for spec in dispatches.of("paged_attention_gqa")} == {lanes}
 
 
-def test_prefill_attention_on_this_device(vk_default: Backend, rng: np.random.Generator,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiled prefill kernel with this device's lanes (the child process above)."""
-    lanes = attention_kernels.prefill_split(vk_default.caps)  # type: ignore[attr-defined]
-    assert lanes is not None, "this device does not run the tiled prefill kernel"
+def test_gqa_attention_on_this_device(vk_default: Backend, rng: np.random.Generator,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GQA attention kernel with this device's lanes (the child process above)."""
+    lanes = attention_kernels.gqa_lanes(vk_default.caps)  # type: ignore[attr-defined]
+    assert lanes is not None, "this device does not run the GQA attention kernel"
     dispatches = Dispatches(vk_default, monkeypatch)
-    assert _prefill_checks(vk_default, rng) == 3
-    assert {spec[0] for spec in dispatches.of("paged_prefill")} == {lanes}
-    print(f"paged_prefill ran sub{lanes}")
+    assert _gqa_checks(vk_default, rng) == 3
+    assert {spec[0] for spec in dispatches.of("paged_attention_gqa")} == {lanes}
+    print(f"paged_attention_gqa ran sub{lanes}")

@@ -55,7 +55,7 @@ LONG_NEW_TOKENS = 16
 
 def _long_prompt() -> list[int]:
     """2000 tokens of the model's own text: each golden prompt with its greedy continuation,
-    cycled. It crosses many KV blocks and prefill chunks, and the tiled prefill kernel."""
+    cycled. It crosses many KV blocks and prefill chunks, and the GQA attention kernel."""
     golden = json.loads((FIXTURES / "smollm2_golden.json").read_text())
     pieces = [case["prompt_ids_no_special"] + case["greedy_ids"] for case in golden["text_prompts"]]
     ids: list[int] = []

@@ -6,9 +6,9 @@ Bit-exact here means the cache's words: kv_write and qkv_rope_kv_write quantize 
 does term for term (`precise`, integer f16 encoding of the scale). Attention bound: the NMSE
 of tests/ops/test_attention.py (the reference decodes the same quants, so only the kernels'
 f32 summation differs). Lengths cross block (16), pair and chunk (256) edges; GQA 1, 3, 4, 8;
-head dims 64, 128, 256; windows and softcaps; both paged variants, the tiled prefill kernel and
-the split-over-the-context path. The tiled kernel's bit-equality with the paged kernel on q8_0
-caches is in tests/ops/test_prefill_attention.py.
+head dims 64, 128, 256; windows and softcaps; both paged variants, the GQA kernel and the
+split-over-the-context path. The GQA kernel's bit-equality with the paged kernel on q8_0 caches
+is in tests/ops/test_gqa_attention.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 
 from tests.conftest import nmse
 from tests.ops.test_attention import paged_variant  # noqa: F401  (fixture: "sub" and "seq")
+from tests.ops.test_gqa_attention import Modules, prefill_case
 from tests.ops.test_paged_attention_split import decode_case, run, upload, want
-from tests.ops.test_prefill_attention import Modules, prefill_case
 from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.errors import VkrtError
@@ -171,16 +171,16 @@ def test_paged_attention_windows_and_softcaps(vk: Backend, rng: np.random.Genera
     assert nmse(run(vk, case, "q8_0", *args), want(case, *args)) <= ATTENTION_NMSE
 
 
-def test_tiled_prefill_matches_reference(vk: Backend, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A long prompt, a continued prefill and decodes through the tiled kernel (SmolLM2's shape)."""
+def test_gqa_kernel_matches_reference(vk: Backend, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt, a continued prefill and decodes through the GQA kernel (SmolLM2's shape)."""
     from vkrt.backend.vulkan.kernels import attention as kernels
 
-    if kernels.prefill_split(vk.caps) is None:  # type: ignore[attr-defined]
-        pytest.skip(f"{vk.caps.name}: no subgroup split, prefill keeps the paged kernel")  # type: ignore[attr-defined]
+    if kernels.gqa_lanes(vk.caps) is None:  # type: ignore[attr-defined]
+        pytest.skip(f"{vk.caps.name}: no subgroup split, every step keeps the paged kernel")  # type: ignore[attr-defined]
     case = prefill_case(rng, [(0, 300), (40, 33), (77, 1)], 9, 3, 64, "q8_0")
     modules = Modules(vk, monkeypatch)
     got = run(vk, case, "q8_0", 9, 3, 0.125)
-    assert modules.families() == {"paged_prefill"}
+    assert modules.families() == {"paged_attention_gqa"}
     assert nmse(got, want(case, 9, 3, 0.125)) <= ATTENTION_NMSE
 
 
@@ -195,7 +195,8 @@ def test_split_over_the_context_matches_reference(vk: Backend, rng: np.random.Ge
     case["q"] *= 3.0
     modules = Modules(vk, monkeypatch)
     got = run(vk, case, "q8_0", 8, 2, 128 ** -0.5, 300)
-    assert modules.families() == {"paged_attention", "paged_attention_merge"}
+    kernel = "paged_attention_gqa" if kernels.gqa_lanes(vk.caps) else "paged_attention"  # type: ignore[attr-defined]
+    assert modules.families() == {kernel, "paged_attention_merge"}
     expected = want(case, 8, 2, 128 ** -0.5, 300)
     for s, n in enumerate(lengths):
         assert nmse(got[s], expected[s]) <= ATTENTION_NMSE, f"length {n}"

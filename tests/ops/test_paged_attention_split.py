@@ -1,10 +1,12 @@
 """paged_attention split over the context (flash-decoding) vs the numpy reference.
 
 A block table wider than PAGED_CHUNK positions splits each (token, head) into chunks of that
-many positions; each chunk writes its partial softmax state and paged_attention_merge folds
-them in chunk order. Only GPUs split (`paged_chunk`); these tests make this device split.
-Cases cross block (16) and chunk (256) boundaries up to 4096 positions,
-on both variants (subgroup split and one invocation per chunk) and both access paths. Bound:
+many positions; in a decode-shaped step each chunk writes its partial softmax state and
+paged_attention_merge folds them in chunk order. Only GPUs split (`paged_chunk`); these tests
+make this device split. Cases cross block (16) and chunk (256) boundaries up to 4096
+positions, on both kernels (the GQA kernel where a tile holds two or more heads, else the
+paged kernel), both paged variants (subgroup split and one invocation per chunk) and both
+access paths. Bound:
 tests/ops/test_attention.py's attention NMSE. Batch invariance is bit-exact: a sequence's
 output is the same alone (its own, narrower table: one chunk or fewer) as in a batch with
 sequences of other lengths.
@@ -88,6 +90,12 @@ def split_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "paged_chunk", lambda caps: kernels.PAGED_CHUNK)
 
 
+def kernel_for(variant: str, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """The attention kernel a step of this geometry runs under `variant` (tests.ops.test_attention)."""
+    tiles = variant == "sub" and kernels.gqa_heads(num_heads // num_kv_heads, head_dim) > 1
+    return "paged_attention_gqa" if tiles else "paged_attention"
+
+
 class Modules:
     """Module families of the shaders the backend runs."""
 
@@ -112,7 +120,7 @@ def test_split_matches_reference(vk: Backend, rng: np.random.Generator, paged_va
     case["q"] *= 3.0  # a peaked softmax: chunks' maxima differ, so the merge rescales
     modules = Modules(vk, monkeypatch)
     got = run(vk, case, kv_dtype, num_heads, num_kv_heads, head_dim ** -0.5)
-    assert modules.seen == ["paged_attention", "paged_attention_merge"]
+    assert modules.seen == [kernel_for(paged_variant, *geometry), "paged_attention_merge"]
     expected = want(case, num_heads, num_kv_heads, head_dim ** -0.5)
     for s, n in enumerate(LENGTHS):
         assert nmse(got[s], expected[s]) <= ATTENTION_NMSE, f"length {n}"

@@ -1,19 +1,22 @@
-"""kv_write, paged_attention: shaders/{kv_write,paged_attention}.comp.
+"""kv_write, paged_attention: shaders/{kv_write,paged_attention,paged_attention_gqa}.comp.
 
 Attention keeps q and the output accumulator in registers (head_dim / 4 vec4s, sized by
-specialisation constant 1) and runs an online softmax over the context.
-`paged_attention` (every model step) is one
-subgroup per (token, head) whose lanes split the positions round-robin and merge with
-subgroup max / add where the device has subgroup arithmetic (`paged_split`), else that same
-one-invocation walk; where `paged_chunk` allows (GPUs), a block table wider than PAGED_CHUNK
-positions also splits the context into fixed chunks whose partial states
-paged_attention_merge.comp folds (flash-decoding).
-A sliding window is a push constant (the walk starts at the window's first position); a
-logit softcap is specialisation constant 2, so layers without one run
-the same code as before. Either way the order depends only on per-device constants, so a
+specialisation constant 1) and runs an online softmax over the context; both kernels fold and
+merge with include/attention.glsl's functions, so a row gets the same bits from either.
+- `paged_attention_gqa` (GQA models: a KV head's query heads fit a tile, `gqa_heads`, on a
+  device with the subgroup split): one workgroup (a subgroup) per (token, query heads of one KV
+  head), loading each key / value row once for all of them.
+- `paged_attention` otherwise: one subgroup per (token, head) where the device has subgroup
+  arithmetic (`paged_split`), else one invocation per (token, head).
+Lanes split a row's positions round-robin and merge with subgroup max / add. Where
+`paged_chunk` says so (GPUs), a row's context splits at absolute multiples of PAGED_CHUNK
+positions (flash-decoding): decode-shaped steps give every chunk a workgroup and
+paged_attention_merge.comp folds their partial states; prefill-shaped steps (enough work
+already) walk a row's chunks in one workgroup and fold them in registers, in the same order
+with the same weights (include/chunk_merge.glsl). A sliding window is a push constant (the
+walk starts at the window's first position); a logit softcap is specialisation constant 2.
+Either way the order depends only on per-device constants and the row's own positions, so a
 token's result never depends on the rest of the batch.
-Prefill-shaped steps run shaders/paged_prefill.comp instead: a workgroup owns a tile of query
-rows sharing one KV head and loads each key / value row once for all of them (PREFILL_*).
 """
 
 from __future__ import annotations
@@ -49,12 +52,12 @@ PAGED_SCRATCH_BYTES = 16 << 20
 
 
 def paged_chunk(caps: Any) -> int:
-    """Positions per chunk where paged_attention splits the context, 0 where it never does.
+    """Positions per chunk of a row's context, 0 where the context is one chunk.
 
-    GPUs split: a decode step's few (token, head) workgroups would leave most compute units
-    idle. CPU devices do not: llvmpipe's threads (one per core) are already all busy with
-    the (token, head) workgroups, and the split's extra workgroups, partial-state stores and
-    merge dispatch measured slower there (docs/BENCHMARKS.md).
+    GPUs split: a decode step's few workgroups would leave most compute units idle. CPU
+    devices do not: llvmpipe's threads (one per core) are already busy with the decode
+    step's workgroups, and the split's extra workgroups and merge dispatch cost more than
+    they balance there (docs/BENCHMARKS.md).
     """
     return 0 if caps.device_type == "cpu" else PAGED_CHUNK
 
@@ -107,87 +110,79 @@ def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     return head_dim % 4 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
-def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    q, k_cache, v_cache, block_table, seq_index, positions = inputs
-    num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
-    tokens = q.shape[0]
-    prefill_lanes = prefill_split(backend.caps)
-    if (prefill_lanes is not None and tokens >= PREFILL_MIN_TOKENS * block_table.shape[0]
-            and prefill_heads(num_heads // num_kv_heads, q.shape[1] // num_heads) > 1):
-        return _paged_prefill(backend, inputs, params, out, prefill_lanes)
-    head_dim = q.shape[1] // num_heads
-    _, block_size, kv_dim = k_cache.shape
-    kind = KV_READ_KIND[k_cache.dtype]
-    y = backend.empty(out[0].shape, "f32")
-    split, lanes = paged_split(backend.caps)
-    chunk = paged_chunk(backend.caps)
-    chunks = -(-block_table.shape[1] * block_size // chunk) if chunk else 1
-    hd4 = head_dim // 4
-    slab = tokens if chunks == 1 else max(1, PAGED_SCRATCH_BYTES // (num_heads * chunks * (hd4 + 1) * 16))
-    for token0 in range(0, tokens, slab):
-        count = min(slab, tokens - token0)
-        partials = y if chunks == 1 else backend.empty((count * num_heads * chunks, 4 * (hd4 + 1)), "f32")
-        backend.run_shader(module(backend, "paged_attention", KV_VARIANT[k_cache.dtype], split),
-                           [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
-                            (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
-                            (partials, "f32x4", True)],
-                           grid_1d(count * num_heads * chunks, 1 if split == "sub" else lanes),
-                           ("<IIIIIIfIII", (count, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
-                                            block_table.shape[1], params["scale"], params.get("window", 0),
-                                            chunks, token0)),
-                           {0: lanes, 1: hd4, 2: float_bits(params.get("softcap", 0.0)),
-                            3: chunk if chunks > 1 else 0})
-        if chunks > 1:
-            backend.run_shader(module(backend, "paged_attention_merge"),
-                               [(partials, "f32x4", False), (seq_index, "i32", False), (y, "f32x4", True)],
-                               grid_1d(count * num_heads * hd4),
-                               ("<IIIII", (count, num_heads, hd4, chunks, token0)), local_size())
-    return (y,)
+# A step with fewer than SPLIT_TOKENS tokens per sequence (block-table row) is decode-shaped:
+# where rows have several chunks, each chunk gets a workgroup. Others walk a row's chunks in one.
+SPLIT_TOKENS = 4
+# Query heads per GQA tile: as many of a KV head's as hold GQA_ROW_FLOATS floats of query (the
+# most of the group that divides it; fewer than 2 heads share nothing, so such models keep the
+# paged kernel). Measured on llvmpipe (SmolLM2's 3 heads x 64 per KV head, 1024-token prompt):
+# 3 rows ran 2.2x faster than the paged kernel; 6 rows (2 tokens) spilled their state, 7x
+# slower, after 150 s of JIT.
+GQA_ROW_FLOATS = 256
 
 
-# Tiled prefill (shaders/paged_prefill.comp): a step with at least PREFILL_MIN_TOKENS query
-# tokens per sequence (block-table row) runs it. A tile is PREFILL_TILE tokens x the query heads
-# of one KV head, as many as hold PREFILL_ROW_FLOATS floats of query (the most of the GQA group
-# that divides it; fewer than 2 heads share nothing, so such models keep the paged kernel).
-# Measured on llvmpipe (SmolLM2's 3 heads x 64 per KV head, 1024-token prompt): 3 rows ran 2.2x
-# faster than the paged kernel; 6 rows (2 tokens) spilled their state, 7x slower, 150 s of JIT.
-PREFILL_MIN_TOKENS = 4
-PREFILL_TILE = 1
-PREFILL_ROW_FLOATS = 256
-
-
-def prefill_split(caps: Any) -> int | None:
-    """The tiled prefill kernel's lanes on this device, or None where every step keeps the paged
-    kernel: it splits each row's positions as the paged kernel's subgroup split does, so it runs
-    only where that split does, with its lane count."""
+def gqa_lanes(caps: Any) -> int | None:
+    """The GQA kernel's lanes on this device, or None where every step keeps the paged kernel:
+    it splits each row's positions as the paged kernel's subgroup split does, so it runs only
+    where that split does, with its lane count."""
     split, lanes = paged_split(caps)
     return lanes if split == "sub" else None
 
 
-def prefill_heads(group: int, head_dim: int) -> int:
-    """Query heads per tile: the largest divisor of the GQA group within PREFILL_ROW_FLOATS."""
-    return max(h for h in range(1, group + 1) if group % h == 0 and h * head_dim <= max(PREFILL_ROW_FLOATS, head_dim))
+def gqa_heads(group: int, head_dim: int) -> int:
+    """Query heads per tile: the largest divisor of the GQA group within GQA_ROW_FLOATS (1 where
+    the f16 cache's 8-half texels would not align: head_dim not a multiple of 8)."""
+    if head_dim % 8:
+        return 1
+    return max(h for h in range(1, group + 1) if group % h == 0 and h * head_dim <= max(GQA_ROW_FLOATS, head_dim))
 
 
-def _paged_prefill(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                   out: tuple[TensorSpec, ...], lanes: int) -> tuple[Tensor, ...]:
+def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     q, k_cache, v_cache, block_table, seq_index, positions = inputs
     num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
     tokens, head_dim = q.shape[0], q.shape[1] // num_heads
-    heads = prefill_heads(num_heads // num_kv_heads, head_dim)
+    group, hd4 = num_heads // num_kv_heads, head_dim // 4
     _, block_size, kv_dim = k_cache.shape
     kind = KV_READ_KIND[k_cache.dtype]
+    chunk = paged_chunk(backend.caps)
+    chunks = -(-block_table.shape[1] * block_size // chunk) if chunk else 1
+    split = chunks > 1 and tokens < SPLIT_TOKENS * block_table.shape[0]
+    lanes = gqa_lanes(backend.caps)
+    heads = gqa_heads(group, head_dim) if lanes is not None else 1
+    if heads > 1:  # a workgroup per (token, query heads of one KV head[, chunk])
+        shader = module(backend, "paged_attention_gqa", KV_VARIANT[k_cache.dtype])
+        items, per_group, spec = num_heads // heads, 1, {0: lanes, 4: heads}
+        if k_cache.dtype == "f16":
+            kind = "u32x4"  # 8 halves per texel
+    else:  # a workgroup (sub) or invocation (seq) per (token, head[, chunk])
+        variant, lanes = paged_split(backend.caps)
+        shader = module(backend, "paged_attention", KV_VARIANT[k_cache.dtype], variant)
+        items, per_group, spec = num_heads, 1 if variant == "sub" else lanes, {0: lanes}
+    spec |= {1: hd4, 2: float_bits(params.get("softcap", 0.0)), 3: chunk if chunks > 1 else 0}
     y = backend.empty(out[0].shape, "f32")
-    backend.run_shader(module(backend, "paged_prefill", KV_VARIANT[k_cache.dtype]),
-                       [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
-                        (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
-                        (y, "f32x4", True)],
-                       grid_1d(-(-tokens // PREFILL_TILE) * (num_heads // heads), 1),
-                       ("<IIIIIIfI", (tokens, num_heads, num_heads // num_kv_heads, kv_dim // 4, block_size,
-                                      block_table.shape[1], params["scale"], params.get("window", 0))),
-                       {0: lanes, 1: head_dim // 4, 2: float_bits(params.get("softcap", 0.0)), 3: PREFILL_TILE,
-                        4: heads})
+    step_chunks = chunks if split else 1  # chunks per row in the grid: 1 walks them all
+    slab = max(1, PAGED_SCRATCH_BYTES // (num_heads * chunks * (hd4 + 1) * 16)) if split else tokens
+    for token0 in range(0, tokens, slab):
+        count = min(slab, tokens - token0)
+        partials = backend.empty((count * num_heads * chunks, 4 * (hd4 + 1)), "f32") if split else y
+        backend.run_shader(shader,
+                           [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
+                            (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
+                            (partials, "f32x4", True)],
+                           grid_1d(count * items * step_chunks, per_group),
+                           ("<IIIIIIfIII", (count, num_heads, group, kv_dim // 4, block_size,
+                                            block_table.shape[1], params["scale"], params.get("window", 0),
+                                            step_chunks, token0)),
+                           spec)
+        if split:
+            backend.run_shader(module(backend, "paged_attention_merge"),
+                               [(partials, "f32x4", False), (seq_index, "i32", False), (positions, "i32", False),
+                                (y, "f32x4", True)],
+                               grid_1d(count * num_heads * hd4),
+                               ("<IIIIIIII", (count, num_heads, hd4, chunks, token0, chunk,
+                                              block_table.shape[1] * block_size, params.get("window", 0))),
+                               local_size())
     return (y,)
 
 

@@ -1,13 +1,14 @@
-"""paged_attention's tiled prefill kernel (shaders/paged_prefill.comp) vs the numpy reference.
+"""paged_attention's GQA kernel (shaders/paged_attention_gqa.comp) vs the numpy reference.
 
-Steps with many query tokens per sequence run the tiled kernel where a tile can hold two or
-more query heads of one KV head (GQA; 3 heads x 64 for SmolLM2); the `tiled` fixture forces it
-for every step so that short cases exercise it too, and checks it was dispatched. Bound: the
-attention NMSE of tests/ops/test_attention.py. Models whose heads share nothing in a tile (GQA
-ratio 1, head_dim 256) keep the paged kernel (test_selection_by_tokens_per_sequence).
-Every row of the tiled kernel equals the paged kernel's bit for bit (both fold and merge with
-include/attention.glsl's functions), so a decode row's result does not depend on whether a
-prefill shares its step (test_tiled_rows_equal_paged_rows). Caches in f32, f16 and q8_0
+Every step of a model whose KV head's query heads fit a tile (two or more: 3 heads x 64 for
+SmolLM2) runs the GQA kernel where the device has the subgroup split; the `gqa` fixture checks
+it was dispatched. Bound: the attention NMSE of tests/ops/test_attention.py. Models whose heads
+share nothing in a tile (GQA ratio 1, head_dim 256) keep the paged kernel (test_selection).
+Every row of the GQA kernel equals the paged kernel's bit for bit (both fold and merge with
+include/attention.glsl's functions), so which kernel a row runs never changes it
+(test_gqa_rows_equal_paged_rows), and a row's chunks merge to the same bits whether each chunk
+is a workgroup (decode-shaped steps) or one workgroup walks them all
+(test_chunks_split_or_walked_give_the_same_bits). Caches in f32, f16 and q8_0
 (vkrt/ops/kv_format.py; the reference reads the same quantized cache).
 """
 
@@ -59,18 +60,17 @@ class Modules:
 def kernels(vk: Backend) -> Any:
     from vkrt.backend.vulkan.kernels import attention
 
-    if attention.prefill_split(vk.caps) is None:  # type: ignore[attr-defined]
-        pytest.skip(f"{vk.caps.name}: no subgroup split, prefill keeps the paged kernel")  # type: ignore[attr-defined]
+    if attention.gqa_lanes(vk.caps) is None:  # type: ignore[attr-defined]
+        pytest.skip(f"{vk.caps.name}: no subgroup split, every step keeps the paged kernel")  # type: ignore[attr-defined]
     return attention
 
 
 @pytest.fixture
-def tiled(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Modules]:
-    """Every paged_attention call runs the tiled kernel; afterwards, it did."""
-    monkeypatch.setattr(kernels, "PREFILL_MIN_TOKENS", 0)
+def gqa(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Modules]:
+    """The test's paged_attention calls run the GQA kernel; afterwards, they did."""
     modules = Modules(vk, monkeypatch)
     yield modules
-    assert modules.families() == {"paged_prefill"}
+    assert modules.families() == {"paged_attention_gqa"}
 
 
 def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
@@ -95,9 +95,10 @@ def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_head
 
 def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kernel: str,
                case: dict[str, np.ndarray], kv_dtype: str, *args: Any) -> np.ndarray:
-    """paged_attention with `kernel` ("paged_attention" or "paged_prefill") forced; checks it ran."""
+    """paged_attention with `kernel` ("paged_attention" or "paged_attention_gqa") forced; checks it ran."""
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "PREFILL_MIN_TOKENS", 0 if kernel == "paged_prefill" else 1 << 30)
+        if kernel == "paged_attention":
+            patch.setattr(kernels, "gqa_heads", lambda group, head_dim: 1)
         modules = Modules(vk, patch)
         got = run(vk, case, kv_dtype, *args)
     assert modules.families() == {kernel}
@@ -105,29 +106,29 @@ def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kerne
 
 
 # Prompts and continued prefills across block (16) edges, and decode rows (one new token) at
-# block edges, which a mixed step hands to the tiled kernel with the prefills.
+# block edges, in one step.
 BIT_SEQS = [(0, 1), (0, 17), (5, 40), (16, 16), (30, 3), (0, 70), (100, 33), (15, 1), (16, 1), (47, 1), (200, 1)]
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
-def test_tiled_rows_equal_paged_rows(vk: Backend, rng: np.random.Generator, kernels: Any,
+def test_gqa_rows_equal_paged_rows(vk: Backend, rng: np.random.Generator, kernels: Any,
                                      monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
                                      geometry: tuple[int, int, int]) -> None:
-    """The same rows through the paged kernel and the tiled kernel: byte-equal outputs."""
+    """The same rows through the paged kernel and the GQA kernel: byte-equal outputs."""
     num_heads, num_kv_heads, head_dim = geometry
     case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
     args = (num_heads, num_kv_heads, head_dim ** -0.5)
     paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
-    tiled = run_kernel(vk, kernels, monkeypatch, "paged_prefill", case, kv_dtype, *args)
-    np.testing.assert_array_equal(tiled.view(np.uint32), paged.view(np.uint32))
-    assert nmse(tiled, want(case, *args)) <= ATTENTION_NMSE
+    gqa = run_kernel(vk, kernels, monkeypatch, "paged_attention_gqa", case, kv_dtype, *args)
+    np.testing.assert_array_equal(gqa.view(np.uint32), paged.view(np.uint32))
+    assert nmse(gqa, want(case, *args)) <= ATTENTION_NMSE
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)], ids=lambda v: str(v))
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
-def test_tiled_rows_equal_paged_rows_windows_softcaps(vk: Backend, rng: np.random.Generator, kernels: Any,
+def test_gqa_rows_equal_paged_rows_windows_softcaps(vk: Backend, rng: np.random.Generator, kernels: Any,
                                                       monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
                                                       geometry: tuple[int, int, int], window: int,
                                                       softcap: float) -> None:
@@ -137,14 +138,14 @@ def test_tiled_rows_equal_paged_rows_windows_softcaps(vk: Backend, rng: np.rando
     case["q"] *= 2.0  # peaked scores: the cap matters
     args = (num_heads, num_kv_heads, head_dim ** -0.5, window, softcap)
     paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
-    tiled = run_kernel(vk, kernels, monkeypatch, "paged_prefill", case, kv_dtype, *args)
-    np.testing.assert_array_equal(tiled.view(np.uint32), paged.view(np.uint32))
-    assert nmse(tiled, want(case, *args)) <= ATTENTION_NMSE
+    gqa = run_kernel(vk, kernels, monkeypatch, "paged_attention_gqa", case, kv_dtype, *args)
+    np.testing.assert_array_equal(gqa.view(np.uint32), paged.view(np.uint32))
+    assert nmse(gqa, want(case, *args)) <= ATTENTION_NMSE
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
-def test_mixed_prefills_in_one_step(vk: Backend, rng: np.random.Generator, tiled: Modules, kv_dtype: str,
+def test_mixed_prefills_in_one_step(vk: Backend, rng: np.random.Generator, gqa: Modules, kv_dtype: str,
                                     geometry: tuple[int, int, int]) -> None:
     """Fresh prompts of several lengths and prefills continuing cached prefixes (block edges
     inside and between tiles), one step."""
@@ -158,7 +159,7 @@ def test_mixed_prefills_in_one_step(vk: Backend, rng: np.random.Generator, tiled
     assert nmse(got, want(case, num_heads, num_kv_heads, scale)) <= ATTENTION_NMSE
 
 
-def test_prompt_lengths(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+def test_prompt_lengths(vk: Backend, rng: np.random.Generator, gqa: Modules) -> None:
     """One prompt per step, lengths on both sides of tile and block edges."""
     for length in (1, 2, 5, 15, 16, 17, 31, 33, 64, 129, 500):
         case = prefill_case(rng, [(0, length)], 9, 3, 64, "f16")
@@ -166,7 +167,7 @@ def test_prompt_lengths(vk: Backend, rng: np.random.Generator, tiled: Modules) -
         assert err <= ATTENTION_NMSE, f"length {length}: NMSE {err:.3g}"
 
 
-def test_prompt_of_4096_tokens(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+def test_prompt_of_4096_tokens(vk: Backend, rng: np.random.Generator, gqa: Modules) -> None:
     """The longest prompt the CLI's default context takes, with a peaked softmax so the running
     maximum keeps moving."""
     case = prefill_case(rng, [(0, 4096)], 2, 1, 64, "f16")
@@ -178,7 +179,7 @@ def test_prompt_of_4096_tokens(vk: Backend, rng: np.random.Generator, tiled: Mod
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
-def test_windows_and_softcaps(vk: Backend, rng: np.random.Generator, tiled: Modules, kv_dtype: str,
+def test_windows_and_softcaps(vk: Backend, rng: np.random.Generator, gqa: Modules, kv_dtype: str,
                               geometry: tuple[int, int, int], window: int, softcap: float) -> None:
     """Sliding windows (rows of one tile start their windows at different positions) and logit
     caps, as Mistral and Gemma 2/3 use them."""
@@ -190,7 +191,7 @@ def test_windows_and_softcaps(vk: Backend, rng: np.random.Generator, tiled: Modu
     assert nmse(got, want(case, num_heads, num_kv_heads, scale, window, softcap)) <= ATTENTION_NMSE
 
 
-def test_window_never_reads_blocks_left_behind(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+def test_window_never_reads_blocks_left_behind(vk: Backend, rng: np.random.Generator, gqa: Modules) -> None:
     """A sliding group may free blocks that left the window: their table entries are garbage."""
     case = prefill_case(rng, [(60, 10)], 4, 2, 64, "f16")
     expected = want(case, 4, 2, 0.125, window=20)  # positions 60..69 see 41..69: blocks 2..4
@@ -198,7 +199,7 @@ def test_window_never_reads_blocks_left_behind(vk: Backend, rng: np.random.Gener
     assert nmse(run(vk, case, "f16", 4, 2, 0.125, window=20), expected) <= ATTENTION_NMSE
 
 
-def test_interleaved_sequences_and_padding(vk: Backend, rng: np.random.Generator, tiled: Modules) -> None:
+def test_interleaved_sequences_and_padding(vk: Backend, rng: np.random.Generator, gqa: Modules) -> None:
     """Tiles need not align to sequences: tokens of two sequences alternate, with padding rows
     (seq_index -1, zero output) among them."""
     case = prefill_case(rng, [(10, 12), (0, 12)], 9, 3, 64, "f32")
@@ -212,7 +213,7 @@ def test_interleaved_sequences_and_padding(vk: Backend, rng: np.random.Generator
 
 
 def test_recorded_prefill_replays_with_new_positions(vk: Backend, rng: np.random.Generator,
-                                                     tiled: Modules) -> None:
+                                                     gqa: Modules) -> None:
     """positions, seq_index and the block table are read from buffers: a recorded step replays
     for another prefill of the same shape."""
     first = prefill_case(rng, [(0, 20), (4, 12)], 9, 3, 64, "f16")
@@ -230,9 +231,8 @@ def test_recorded_prefill_replays_with_new_positions(vk: Backend, rng: np.random
         assert nmse(out.numpy(), want(case, 9, 3, 0.125)) <= ATTENTION_NMSE
 
 
-def test_selection_by_tokens_per_sequence(vk: Backend, rng: np.random.Generator, kernels: Any,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill-shaped steps take the tiled kernel, decode steps and heads that share nothing in a
+def test_selection(vk: Backend, rng: np.random.Generator, kernels: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GQA steps, prefill- and decode-shaped, take the GQA kernel; heads that share nothing in a
     tile (GQA ratio 1, head_dim 256: Gemma-3-270M) the paged one; all match the reference."""
     modules = Modules(vk, monkeypatch)
     for seqs, geometry in (([(0, 40), (3, 30)], (4, 2, 64)), ([(0, 1), (9, 1), (40, 1)], (4, 2, 64)),
@@ -240,24 +240,61 @@ def test_selection_by_tokens_per_sequence(vk: Backend, rng: np.random.Generator,
         case = prefill_case(rng, seqs, *geometry, "f32")
         got = run(vk, case, "f32", geometry[0], geometry[1], 0.125)
         assert nmse(got, want(case, geometry[0], geometry[1], 0.125)) <= ATTENTION_NMSE
-    assert [name.split(".")[0] for name in modules.seen] == ["paged_prefill"] + ["paged_attention"] * 3
+    assert [name.split(".")[0] for name in modules.seen] == ["paged_attention_gqa"] * 2 + ["paged_attention"] * 2
 
 
-def test_prefill_split_policy() -> None:
-    """The tiled kernel runs where the paged kernel's subgroup split does, with its lanes, and
-    takes as many heads of a GQA group as fit PREFILL_ROW_FLOATS."""
+# Rows across chunk edges (chunks of CHUNK positions, forced here: CPU devices do not chunk):
+# long prompts continued, decode rows deep in the context, a padding row.
+CHUNK = 32
+CHUNK_SEQS = [(0, 1), (31, 1), (32, 1), (100, 1), (0, 70), (60, 40), (250, 3), (300, 1)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (40, 0.0), (0, 20.0)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kernel", ["paged_attention_gqa", "paged_attention", "seq"])
+def test_chunks_split_or_walked_give_the_same_bits(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                                   monkeypatch: pytest.MonkeyPatch, kernel: str, kv_dtype: str,
+                                                   window: int, softcap: float) -> None:
+    """With chunks, a step that gives each chunk a workgroup (and merges the partials in a
+    second pass) and one that walks a row's chunks in one workgroup (merging in registers) give
+    byte-equal rows: same chunk order, same weights. Per kernel (GQA, paged subgroup split,
+    paged one invocation per row)."""
+    monkeypatch.setattr(kernels, "paged_chunk", lambda caps: CHUNK)
+    if kernel != "paged_attention_gqa":
+        monkeypatch.setattr(kernels, "gqa_heads", lambda group, head_dim: 1)
+    if kernel == "seq":
+        monkeypatch.setattr(kernels, "paged_split", lambda caps: ("seq", kernels.ATTENTION_WORKGROUP))
+    case = prefill_case(rng, CHUNK_SEQS, 8, 2, 64, kv_dtype)
+    case["q"] *= 2.0  # peaked: chunks' maxima differ, so the merge rescales
+    case["seq_index"][5] = -1
+    args = (8, 2, 0.125, window, softcap)
+    got = {}
+    for split, tokens in (("split", 1 << 30), ("walked", 0)):
+        monkeypatch.setattr(kernels, "SPLIT_TOKENS", tokens)
+        modules = Modules(vk, monkeypatch)
+        got[split] = run(vk, case, kv_dtype, *args)
+        merged = modules.families() == {kernel.replace("seq", "paged_attention"), "paged_attention_merge"}
+        assert merged == (split == "split"), modules.seen
+    np.testing.assert_array_equal(got["split"].view(np.uint32), got["walked"].view(np.uint32))
+    assert not got["walked"][5].any()
+    assert nmse(got["walked"], want(case, *args)) <= ATTENTION_NMSE
+
+
+def test_gqa_policy() -> None:
+    """The GQA kernel runs where the paged kernel's subgroup split does, with its lanes, and
+    takes as many heads of a GQA group as fit GQA_ROW_FLOATS (head_dim a multiple of 8)."""
     from types import SimpleNamespace
 
-    from vkrt.backend.vulkan.kernels.attention import prefill_heads, prefill_split
+    from vkrt.backend.vulkan.kernels.attention import gqa_heads, gqa_lanes
 
     def caps(device_type: str, vendor: int, size: int, subgroup_ops: list[str]) -> Any:
         return SimpleNamespace(device_type=device_type, vendor_id=vendor, subgroup_size=size,
                                subgroup_ops=subgroup_ops)
 
     arith = ["basic", "arithmetic"]
-    assert prefill_split(caps("cpu", 0x10005, 8, arith)) == 8  # llvmpipe
-    assert prefill_split(caps("discrete", 0x10DE, 32, arith)) == 32  # NVIDIA
-    assert prefill_split(caps("discrete", 0x1002, 64, arith)) is None  # AMD: the paged kernel's seq split
-    assert prefill_split(caps("cpu", 0x10005, 8, ["basic"])) is None
-    assert [prefill_heads(g, d) for g, d in ((3, 64), (4, 64), (8, 64), (4, 128), (6, 64), (4, 256), (1, 64))] \
-        == [3, 4, 4, 2, 3, 1, 1]
+    assert gqa_lanes(caps("cpu", 0x10005, 8, arith)) == 8  # llvmpipe
+    assert gqa_lanes(caps("discrete", 0x10DE, 32, arith)) == 32  # NVIDIA
+    assert gqa_lanes(caps("discrete", 0x1002, 64, arith)) is None  # AMD: the paged kernel's seq split
+    assert gqa_lanes(caps("cpu", 0x10005, 8, ["basic"])) is None
+    assert [gqa_heads(g, d) for g, d in ((3, 64), (4, 64), (8, 64), (4, 128), (6, 64), (4, 256), (1, 64), (4, 36))] \
+        == [3, 4, 4, 2, 3, 1, 1, 1]
