@@ -60,16 +60,6 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray, head_dim: in
     return heads.reshape(t, -1)
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0) -> np.ndarray:
-    """One query head over its context: q [hd], k/v [L, hd] -> [hd]. softcap c > 0 maps each
-    score s to c * tanh(s / c) before the softmax (Gemma 2's attn_logit_softcapping)."""
-    s = (k.astype(np.float64) @ q.astype(np.float64)) * scale
-    if softcap > 0.0:
-        s = softcap * np.tanh(s / softcap)
-    p = np.exp(s - s.max())
-    return ((p / p.sum()) @ v.astype(np.float64)).astype(np.float32)
-
-
 def _kv_write_infer(k_cache: TensorSpec, v_cache: TensorSpec, k: TensorSpec, v: TensorSpec,
                     slots: TensorSpec) -> tuple[TensorSpec, ...]:
     specs = (k_cache, v_cache, k, v, slots)
@@ -120,6 +110,12 @@ def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_
     return (q,)
 
 
+# A long prompt is attended in chunks of its tokens so that one KV head's scores, [tokens * group,
+# context] float64, stay within 2 MiB: cache-resident, the fastest size measured on a 2048-token
+# prompt (0.33 s; 0.45 s at 512 KiB, 0.53 s at 32 MiB).
+SCORES_PER_CHUNK = 1 << 18
+
+
 @register_op("paged_attention", _paged_infer)
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_table: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
@@ -130,26 +126,54 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     window W > 0: only positions j with p - W < j <= p (HF's sliding window, Mistral/Gemma).
     softcap c > 0: scores become c * tanh(scores / c) before the softmax.
     """
-    block_size = k_cache.shape[1]
-    hd = q.shape[1] // num_heads
     group = num_heads // num_kv_heads
-    out = np.zeros_like(q, dtype=np.float32)
-    for t in range(q.shape[0]):
-        if seq_index[t] < 0:
-            continue  # padding row
-        n = int(positions[t]) + 1
-        first = max(0, n - window) if window > 0 else 0
-        pos = np.arange(first, n)
-        blocks = block_table[seq_index[t]]
-        slots = blocks[pos // block_size] * block_size + pos % block_size
-        keys = kv_format.read_rows(k_cache, slots)
-        values = kv_format.read_rows(v_cache, slots)
-        for h in range(num_heads):
-            kvh = h // group
-            out[t, h * hd:(h + 1) * hd] = _attend(q[t, h * hd:(h + 1) * hd],
-                                                  keys[:, kvh * hd:(kvh + 1) * hd],
-                                                  values[:, kvh * hd:(kvh + 1) * hd], scale, softcap)
+    out = np.zeros_like(q, dtype=np.float32)  # padding rows (seq_index < 0) stay zero
+    for seq in np.unique(seq_index[seq_index >= 0]):
+        tokens = np.flatnonzero(seq_index == seq)
+        per_chunk = max(1, SCORES_PER_CHUNK // (group * (int(positions[tokens].max()) + 1)))
+        for chunk in np.split(tokens, range(per_chunk, len(tokens), per_chunk)):
+            out[chunk] = _attend_sequence(q[chunk], positions[chunk], k_cache, v_cache, block_table[seq],
+                                          num_heads, num_kv_heads, scale, window, softcap)
     return out
+
+
+def _attend_sequence(q: np.ndarray, positions: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                     blocks: np.ndarray, num_heads: int, num_kv_heads: int, scale: float, window: int,
+                     softcap: float) -> np.ndarray:
+    """Tokens q [T, heads * hd] of one sequence (block-table row `blocks`) at `positions`, each
+    over the cached positions it sees -> [T, heads * hd]."""
+    t, hd = q.shape[0], q.shape[1] // num_heads
+    group = num_heads // num_kv_heads
+    pos = np.arange(int(positions.max()) + 1)
+    seen = pos <= positions[:, None]  # [T, L]
+    if window > 0:
+        seen &= pos > positions[:, None] - window
+    read = seen.any(axis=0)  # only positions some token sees: entries that left a window are NULL
+    pos, seen = pos[read], seen[:, read]
+    block_size = k_cache.shape[1]
+    slots = blocks[pos // block_size] * block_size + pos % block_size
+    keys, values = kv_format.read_rows(k_cache, slots), kv_format.read_rows(v_cache, slots)
+    seen_rows = np.repeat(seen, group, axis=0)  # rows (token, query head of the group)
+    out = np.empty((t, num_heads * hd), np.float32)
+    for kvh in range(num_kv_heads):  # read by query heads kvh * group .. (kvh + 1) * group - 1
+        kv_cols, q_cols = slice(kvh * hd, (kvh + 1) * hd), slice(kvh * group * hd, (kvh + 1) * group * hd)
+        heads = _attend(q[:, q_cols].reshape(t * group, hd), keys[:, kv_cols], values[:, kv_cols],
+                        seen_rows, scale, softcap)
+        out[:, q_cols] = heads.reshape(t, group * hd)
+    return out
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, seen: np.ndarray, scale: float,
+            softcap: float) -> np.ndarray:
+    """Query rows q [R, hd] over context k/v [L, hd], row r seeing the positions where seen[r]:
+    -> [R, hd], in float64. softcap c > 0 maps each score s to c * tanh(s / c) before the
+    softmax (Gemma 2's attn_logit_softcapping)."""
+    s = (q.astype(np.float64) @ k.astype(np.float64).T) * scale
+    if softcap > 0.0:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(seen, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return ((p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)).astype(np.float32)
 
 
 def _qkv_rope_kv_write_infer(qkv: TensorSpec, positions: TensorSpec, cos_sin: TensorSpec,
