@@ -111,9 +111,11 @@ def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_
 
 
 # A long prompt is attended in chunks of its tokens so that one KV head's scores, [tokens * group,
-# context] float64, stay within 2 MiB: cache-resident, the fastest size measured on a 2048-token
-# prompt (0.33 s; 0.45 s at 512 KiB, 0.53 s at 32 MiB).
-SCORES_PER_CHUNK = 1 << 18
+# context] float64, stay within 8 MiB. Smaller chunks run faster alone (2 MiB: 0.33 s against
+# 0.41 s on a 2048-token prompt) but make more BLAS calls, each stalling on its threads while
+# another process holds a core (a 2000-token prompt through SmolLM2 on 2 busy cores: 100 s
+# against 65 s).
+SCORES_PER_CHUNK = 1 << 20
 
 
 @register_op("paged_attention", _paged_infer)
