@@ -33,8 +33,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -42,10 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vkrt import ops  # noqa: E402
 from vkrt.backend import get_backend  # noqa: E402
-from vkrt.backend.base import Backend  # noqa: E402
 from vkrt.errors import VkrtError  # noqa: E402
 from vkrt.ops.formats import FORMATS as REGISTRY  # noqa: E402
 from vkrt.ops.quant import dequantize, f32_to_bf16, quantize  # noqa: E402
+
+if TYPE_CHECKING:  # the binding is imported when get_backend("vulkan") first runs
+    from vkrt.backend.vulkan import VulkanBackend
 
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 K_QUANTS = ("q4_k", "q6_k")
@@ -111,7 +114,7 @@ def median_ms(step: Callable[[], object], sync: Callable[[], None]) -> float:
 
 # Memory bandwidth in GB/s from the vendors' spec sheets, keyed by a word of the Vulkan
 # device name; the longest key found in the name wins ("H100 PCIe" before "H100").
-PEAK_GBPS = {
+PEAK_GBPS: dict[str, float] = {
     "H200": 4800, "H100": 3350, "H100 PCIe": 2000, "H100 NVL": 3900,
     "A100": 1555, "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935,
     "L40S": 864, "L40": 864, "L4": 300, "A10G": 600, "A10": 600, "T4": 320,
@@ -146,7 +149,7 @@ def random_storage(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.nda
     return blocks.reshape(n, -1)
 
 
-def stream_gbps(vk: Backend, x: Any, weights: list[Any], calls: int) -> tuple[float, dict[str, int]]:
+def stream_gbps(vk: VulkanBackend, x: Any, weights: list[Any], calls: int) -> tuple[float, dict[str, int]]:
     """GB/s of weight bytes over GPU time for `calls` matvecs rotating over `weights`."""
     vk.sync()
     before = vk.counters.snapshot()
@@ -158,7 +161,7 @@ def stream_gbps(vk: Backend, x: Any, weights: list[Any], calls: int) -> tuple[fl
     return nbytes / max(spent["gpu_us"], 1) / 1e3, spent
 
 
-def bandwidth(vk: Backend, formats: list[str], paths: list[str], n: int, k: int, working_set_mb: float,
+def bandwidth(vk: VulkanBackend, formats: list[str], paths: list[str], n: int, k: int, working_set_mb: float,
               repeats: int, target_ms: float, peak: float | None) -> list[dict[str, Any]]:
     """One row per (format, access path): matvec weight streaming at [n, k]."""
     rng = np.random.default_rng(0)
@@ -191,7 +194,8 @@ def bandwidth(vk: Backend, formats: list[str], paths: list[str], n: int, k: int,
                 first, _ = stream_gbps(vk, x, weights, len(weights))  # warm-up: pipelines, first touch
                 per_call_ms = weights[0].handle.size / max(first, 1e-3) / 1e6
                 calls = max(len(weights), min(2048, math.ceil(target_ms / max(per_call_ms, 1e-6))))
-                samples, spent = [], {}
+                samples: list[float] = []
+                spent: dict[str, int] = {}
                 for _ in range(repeats):
                     gbps, spent = stream_gbps(vk, x, weights, calls)
                     samples.append(gbps)
@@ -208,7 +212,7 @@ def bandwidth(vk: Backend, formats: list[str], paths: list[str], n: int, k: int,
 
 
 def bandwidth_main(args: argparse.Namespace) -> int:
-    vk = get_backend("vulkan")
+    vk = cast("VulkanBackend", get_backend("vulkan"))
     n, k = (int(v) for v in args.shape.lower().split("x"))
     peak, key = (args.peak_gbps, "--peak-gbps") if args.peak_gbps else peak_gbps(vk.caps.name)
     formats = [f for f in args.formats.split(",") if f] if args.formats else list(REGISTRY)
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return bandwidth_main(args)
     args.formats = args.formats or ",".join(FORMATS)
     args.paths = args.paths or "texel,ssbo"
-    vk = get_backend("vulkan")
+    vk = cast("VulkanBackend", get_backend("vulkan"))
     rng = np.random.default_rng(0)
     rows = []
     numpy_ms: dict[tuple[int, int, int], float] = {}
@@ -280,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                 x_host = rng.standard_normal((t, k)).astype(np.float32)
                 x = vk.upload(x_host)
                 kernel = vk.select("matmul", (x, w), {})
-                ms = median_ms(lambda x=x, w=w: ops.matmul(x, w), vk.sync)
+                ms = median_ms(partial(ops.matmul, x, w), vk.sync)
                 if (t, n, k) not in numpy_ms:
                     dense = dequantize(raw, fmt)
-                    numpy_ms[(t, n, k)] = median_ms(lambda d=dense, xh=x_host: xh @ d.T, lambda: None)
+                    numpy_ms[(t, n, k)] = median_ms(partial(np.matmul, x_host, dense.T), lambda: None)
                 rows.append({"format": fmt, "path": path, "kernel": kernel.name if kernel else "reference",
                              "T": t, "N": n, "K": k, "ms": round(ms, 3),
                              "weight_gb_s": round(w.handle.size / ms / 1e6, 2),
