@@ -50,7 +50,7 @@ step prerequisites "$PY" tools/check_prerequisites.py
 step spirv-fresh "$PY" -m spirv_gen --check
 step device-leakage "$PY" tools/check_device_leakage.py
 step ruff "$PY" -m ruff check .
-step mypy "$PY" -m mypy vkrt
+step mypy "$PY" -m mypy vkrt tools
 step pytest no_tests_is_failure "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 "$@"
 if [[ "$DRY_RUN" == 1 ]]; then
   printf '\n==> dry run: nothing was run\n'
