@@ -87,11 +87,15 @@ void main() {
     for (uint c = span.x; c <= span.y; ++c) {
         uvec2 range = chunk_range(first, n, c);
         [[unroll]] for (uint g = 0u; g < HEADS; ++g) attend_reset(g);
-        for (uint p = range.x + lane; p < range.y; p += LANES) {
-            uint block = uint(LD_I32(block_table, table_row + p / pc.block_size));
-            uint row = (block * pc.block_size + p % pc.block_size) * pc.kv_dim4 + head_texel;
-            LOAD_KV(row);
+        // Position p = b * block_size + off, advanced by LANES without a division per step.
+        uint start = range.x + lane;
+        uint b = start / pc.block_size, off = start % pc.block_size;
+        for (uint p = start; p < range.y; p += LANES) {
+            uint block = uint(LD_I32(block_table, table_row + b));
+            LOAD_KV((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
             [[unroll]] for (uint g = 0u; g < HEADS; ++g) attend_position(g);
+            off += LANES;
+            while (off >= pc.block_size) { off -= pc.block_size; ++b; }
         }
         [[unroll]] for (uint g = 0u; g < HEADS; ++g) {
             attend_lanes_merge(g);

@@ -2,7 +2,8 @@
 
 A block table wider than PAGED_CHUNK positions splits each (token, head) into chunks of that
 many positions; in a decode-shaped step each chunk writes its partial softmax state and
-paged_attention_merge folds them in chunk order. Only GPUs split (`paged_chunk`); these tests
+paged_attention_merge folds them in chunk order (a prefill-shaped step walks a row's chunks in
+one workgroup instead, to the same bits: test_walked_chunks_equal_split_chunks). Only GPUs split (`paged_chunk`); these tests
 make this device split. Cases cross block (16) and chunk (256) boundaries up to 4096
 positions, on both kernels (the GQA kernel where a tile holds two or more heads, else the
 paged kernel), both paged variants (subgroup split and one invocation per chunk) and both
@@ -124,6 +125,27 @@ def test_split_matches_reference(vk: Backend, rng: np.random.Generator, paged_va
     expected = want(case, num_heads, num_kv_heads, head_dim ** -0.5)
     for s, n in enumerate(LENGTHS):
         assert nmse(got[s], expected[s]) <= ATTENTION_NMSE, f"length {n}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
+def test_walked_chunks_equal_split_chunks(vk: Backend, rng: np.random.Generator, paged_variant: str,  # noqa: F811
+                                          monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
+                                          geometry: tuple[int, int, int]) -> None:
+    """The same decode rows with each chunk a workgroup (partials, merge pass) and with one
+    workgroup walking all of a row's chunks (what prefill-shaped steps do): byte-equal, at every
+    length up to 4096."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = decode_case(rng, LENGTHS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    case["q"] *= 3.0
+    args = (num_heads, num_kv_heads, head_dim ** -0.5)
+    split = run(vk, case, kv_dtype, *args)
+    monkeypatch.setattr(kernels, "SPLIT_TOKENS", 0)  # never split: walk
+    modules = Modules(vk, monkeypatch)
+    walked = run(vk, case, kv_dtype, *args)
+    assert modules.seen == [kernel_for(paged_variant, *geometry)]
+    np.testing.assert_array_equal(walked.view(np.uint32), split.view(np.uint32))
+    assert nmse(walked, want(case, *args)) <= ATTENTION_NMSE
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(100, 0.0), (300, 0.0), (1000, 0.0), (0, 30.0), (300, 20.0)],
