@@ -130,8 +130,10 @@ def gqa_lanes(caps: Any) -> int | None:
 
 
 def gqa_heads(group: int, head_dim: int) -> int:
-    """Query heads per tile: the largest divisor of the GQA group within GQA_ROW_FLOATS (1 where
-    the f16 cache's 8-half texels would not align: head_dim not a multiple of 8)."""
+    """Query heads per tile: the largest divisor of the GQA group within GQA_ROW_FLOATS; 1 (the
+    paged kernel) where head_dim is not a multiple of 8, since the GQA kernel reads an f16
+    cache 8 halves per texel (one rule for every cache format, so the format never picks the
+    kernel)."""
     if head_dim % 8:
         return 1
     return max(h for h in range(1, group + 1) if group % h == 0 and h * head_dim <= max(GQA_ROW_FLOATS, head_dim))
