@@ -35,17 +35,16 @@ void main() {
         o[out_index] = vec4(0.0);
         return;
     }
-    // the kernels' context_end, window_start and chunk_span
-    uint n = min(uint(LD_I32(positions, t)) + 1u, pc.table_positions);
-    uint first = pc.window > 0u && n > pc.window ? n - pc.window : 0u;
+    uint n = row_end(LD_I32(positions, t), pc.table_positions);
+    uvec2 span = row_chunks(row_first(n, pc.window), n, pc.chunk);
     uint stride = pc.hd4 + 1u;
     uint base = local_row * pc.chunks * stride;
-    uint c0 = first / pc.chunk;
+    uint c0 = span.x;
     vec2 state = LD_F32X4(partials, base + c0 * stride).xy;  // the first chunk, as it is
     float m = state.x;
     float sum = state.y;
     vec4 total = LD_F32X4(partials, base + c0 * stride + 1u + d);
-    for (uint c = c0 + 1u; c <= (n - 1u) / pc.chunk; ++c) {
+    for (uint c = c0 + 1u; c <= span.y; ++c) {
         state = LD_F32X4(partials, base + c * stride).xy;
         vec2 w = merge_weights(m, state.x);
         precise float s = sum * w.x + state.y * w.y;

@@ -82,17 +82,14 @@ void attend_position(uint r) {
 }
 
 #ifdef ATTENTION_PAGED
-// The end n = positions[t] + 1 of token t's context, never past the block table whatever
-// positions[t] says, and the first position its window lets it see.
-uint context_end(uint t) { return min(uint(LD_I32(positions, t)) + 1u, pc.max_blocks * pc.block_size); }
-uint window_start(uint n) { return pc.window > 0u && n > pc.window ? n - pc.window : 0u; }
-// A row's context splits at absolute multiples of CHUNK (0: one chunk): the positions [lo, hi)
-// of chunk c for a window [first, n), empty where the window misses the chunk, and the
-// chunks the window touches.
+// Token t's context end, its window's first position (include/chunk_merge.glsl), and the
+// positions [lo, hi) of chunk c of the window [first, n), empty where the window misses it.
+uint context_end(uint t) { return row_end(LD_I32(positions, t), pc.max_blocks * pc.block_size); }
+uint window_start(uint n) { return row_first(n, pc.window); }
+uvec2 chunk_span(uint first, uint n) { return row_chunks(first, n, CHUNK); }
 uvec2 chunk_range(uint first, uint n, uint c) {
     return CHUNK > 0u ? uvec2(max(first, c * CHUNK), min(n, (c + 1u) * CHUNK)) : uvec2(first, n);
 }
-uvec2 chunk_span(uint first, uint n) { return CHUNK > 0u ? uvec2(first / CHUNK, (n - 1u) / CHUNK) : uvec2(0u); }
 #endif
 
 #ifdef ATTENTION_SUBGROUP

@@ -1,9 +1,17 @@
-// Merging the softmax states of a row's chunks (flash-decoding), in chunk order: the one
-// definition paged_attention_merge.comp (chunks stored as partials by separate workgroups)
+// A row's chunks (flash-decoding) and the merge of their softmax states, in chunk order: the
+// one definition paged_attention_merge.comp (chunks stored as partials by separate workgroups)
 // and include/attention.glsl (a workgroup walking a row's chunks itself) both use, so a row's
 // result has the same bits whichever way its chunks were walked.
 
 #define NEG_INF uintBitsToFloat(0xFF800000u)
+
+// A row's window and chunks, which the attention kernels and the merge pass must agree on: the
+// end n of the context of a token at `position`, never past the block table's
+// table_positions whatever the position says; the first position a sliding window (0: none)
+// lets it see; the chunks of `chunk` positions (0: one chunk) that window touches.
+uint row_end(int position, uint table_positions) { return min(uint(position) + 1u, table_positions); }
+uint row_first(uint n, uint window) { return window > 0u && n > window ? n - window : 0u; }
+uvec2 row_chunks(uint first, uint n, uint chunk) { return chunk > 0u ? uvec2(first / chunk, (n - 1u) / chunk) : uvec2(0u); }
 
 // The weights that bring a merged state of maximum m_merged and the next chunk's state of
 // maximum m to their common maximum, for merged = merged * w.x + chunk * w.y (each product and
