@@ -95,13 +95,14 @@ void main() {
     }
     uint n = context_end(t), first = window_start(n);
     uvec2 span = item_chunks(i, first, n);
+    uvec2 first_chunk = chunk_range(first, n, span.x);
+    if (first_chunk.x >= first_chunk.y) return;  // a split item whose chunk the window misses (uniform)
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     attend_load_q(0u, out_row, attention_prescale(pc.scale));
     merged_reset(0u);
     for (uint c = span.x; c <= span.y; ++c) {
         uvec2 range = chunk_range(first, n, c);
-        if (range.x >= range.y) return;  // a split item whose chunk the window misses (uniform)
         attend_reset(0u);
         // Position p = b * block_size + off, advanced by LANES without a division per step.
         uint start = range.x + lane;
@@ -134,13 +135,14 @@ void main() {
     }
     uint n = context_end(t), first = window_start(n);
     uvec2 span = item_chunks(i, first, n);
+    uvec2 first_chunk = chunk_range(first, n, span.x);
+    if (first_chunk.x >= first_chunk.y) return;  // a split item whose chunk the window misses
     uint head_texel = (h / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     attend_load_q(0u, out_row, attention_prescale(pc.scale));
     merged_reset(0u);
     for (uint c = span.x; c <= span.y; ++c) {
         uvec2 range = chunk_range(first, n, c);
-        if (range.x >= range.y) return;  // a split item whose chunk the window misses
         attend_reset(0u);
         for (uint b = range.x / pc.block_size, start = b * pc.block_size; start < range.y; start += pc.block_size, ++b) {
             uint block = uint(LD_I32(block_table, table_row + b));

@@ -76,7 +76,8 @@ void main() {
     }
     uint n = context_end(t), first = window_start(n);
     uvec2 span = pc.chunks > 1u ? uvec2(i % pc.chunks) : chunk_span(first, n);
-    if (chunk_range(first, n, span.x).x >= chunk_range(first, n, span.x).y) return;  // a split tile whose chunk the window misses (uniform)
+    uvec2 first_chunk = chunk_range(first, n, span.x);
+    if (first_chunk.x >= first_chunk.y) return;  // a split tile whose chunk the window misses (uniform)
     uint head_texel = (head0 / pc.group) * HD4;
     uint table_row = uint(seq) * pc.max_blocks;
     float q_scale = attention_prescale(pc.scale);
