@@ -5,6 +5,7 @@
 #   bash tools/test.sh                 everything
 #   bash tools/test.sh -k rope -x      everything, with a narrower pytest run
 #   VKRT_TEST_DRY_RUN=1 bash tools/test.sh    print the steps without running them
+#   VKRT_TEST_WORKERS=1 bash tools/test.sh    pytest in one process (default: one per core, at most 4)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -51,7 +52,15 @@ step spirv-fresh "$PY" -m spirv_gen --check
 step device-leakage "$PY" tools/check_device_leakage.py
 step ruff "$PY" -m ruff check .
 step mypy "$PY" -m mypy vkrt tools
-step pytest no_tests_is_failure "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 "$@"
+# pytest in parallel processes (pytest-xdist), a whole test file to a process: from cold caches
+# most of the run is llvmpipe compiling pipelines, which takes one core per process, and a file's
+# tests share their pipelines and loaded models. At most 4: each process holds its own device
+# and models (~2.5 GB).
+WORKERS="${VKRT_TEST_WORKERS:-$(($(nproc) < 4 ? $(nproc) : 4))}"
+[[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "VKRT_TEST_WORKERS must be a number, got '$WORKERS'" >&2; exit 2; }
+PARALLEL=()
+((WORKERS > 1)) && PARALLEL=(-n "$WORKERS" --dist loadfile)
+step pytest no_tests_is_failure "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 "${PARALLEL[@]}" "$@"
 if [[ "$DRY_RUN" == 1 ]]; then
   printf '\n==> dry run: nothing was run\n'
 else
