@@ -52,9 +52,9 @@ step spirv-fresh "$PY" -m spirv_gen --check
 step device-leakage "$PY" tools/check_device_leakage.py
 step ruff "$PY" -m ruff check .
 step mypy "$PY" -m mypy vkrt tools
-# pytest in parallel processes (pytest-xdist), a whole test file to a process: from cold caches
-# most of the run is llvmpipe compiling pipelines, which takes one core per process, and a file's
-# tests share their pipelines and loaded models. At most 4: each process holds its own device
+# pytest in parallel processes (pytest-xdist), a whole test file to a process: one process kept
+# ~1.2 of 2 cores busy (llvmpipe compiles a shader, and the host runs Python, on one core), and a
+# file's tests share their pipelines and loaded models. At most 4: each process holds its own device
 # and models (~2.5 GB).
 WORKERS="${VKRT_TEST_WORKERS:-$(($(nproc) < 4 ? $(nproc) : 4))}"
 [[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "VKRT_TEST_WORKERS must be a number, got '$WORKERS'" >&2; exit 2; }
