@@ -73,13 +73,9 @@ def test_replayed_graph_is_one_submit_and_timed(timed: Backend, rng: np.random.G
     graph.release()
 
 
-def test_profile_attributes_time_to_module_names(timed: Backend, rng: np.random.Generator) -> None:
-    x = timed.upload(rng.standard_normal((64, 576)).astype(np.float32))
-    w = timed.upload(rng.standard_normal((2048, 576)).astype(np.float32))
-    s = timed.upload(rng.standard_normal(64).astype(np.float32))
-    ops.matmul(x, w).numpy()  # pipelines built before timing
-    ops.scale(ops.add(s, s), 0.5).numpy()
-    assert timed.enable_profiling(True)
+def _profiled_matmul_then_adds(timed: Backend, x, w, s) -> tuple[dict, dict]:
+    """One profiled run: a big matmul, three adds of 64 floats, two scales; (report, counters)."""
+    timed.profile_report(reset=True)
     before = timed.counters.snapshot()
     big = ops.matmul(x, w)
     a = s
@@ -89,22 +85,42 @@ def test_profile_attributes_time_to_module_names(timed: Backend, rng: np.random.
     m = ops.scale(m, 0.5)
     m.numpy()
     big.numpy()
-    delta = timed.counters.since(before)
-    report = timed.profile_report()
+    return timed.profile_report(), timed.counters.since(before)
+
+
+def test_profile_attributes_time_to_module_names(timed: Backend, rng: np.random.Generator) -> None:
+    x = timed.upload(rng.standard_normal((64, 576)).astype(np.float32))
+    w = timed.upload(rng.standard_normal((2048, 576)).astype(np.float32))
+    s = timed.upload(rng.standard_normal(64).astype(np.float32))
+    ops.matmul(x, w).numpy()  # pipelines built before timing
+    ops.scale(ops.add(s, s), 0.5).numpy()
+    assert timed.enable_profiling(True)
+    report, delta = _profiled_matmul_then_adds(timed, x, w, s)
     assert report["enabled"]
     phase = report["phases"]["all"]
     kernels = phase["kernels"]
     assert _named(kernels, "matmul")["calls"] == 1
     assert _named(kernels, "elementwise.add")["calls"] == 3
     assert _named(kernels, "elementwise.scale")["calls"] == 2
-    assert list(kernels)[0].startswith("matmul")  # sorted by total; the big one dominates
-    # Spans land on the dispatch that ran in them, not a neighbour: the matmul does ~2000x
-    # the work of an add of 64 floats.
-    assert _named(kernels, "matmul")["total_ms"] > 10 * _named(kernels, "elementwise.add")["total_ms"]
     # Kernel times add up to the submits' device time, which the counter also saw.
     assert phase["submits"] == delta["submits"]
     assert 0.8 * phase["gpu_ms"] <= phase["attributed_ms"] <= phase["gpu_ms"] + 1e-9
     assert abs(phase["gpu_ms"] * 1000 - delta["gpu_us"]) <= delta["submits"] + 1
+    # Spans land on the dispatch that ran in them, not a neighbour: the matmul does ~2000x
+    # the work of an add of 64 floats. On a CPU device another process can stall any one
+    # span (seen under parallel test processes: three adds took 3.8 ms), which only ever
+    # lengthens it, so the best of a few runs is taken. A span shifted onto the wrong
+    # dispatch would fail every run.
+    ratios = []
+    for attempt in range(5):
+        if attempt:
+            report, _ = _profiled_matmul_then_adds(timed, x, w, s)
+        kernels = _kernels(report)
+        ratios.append(_named(kernels, "matmul")["total_ms"] / max(_named(kernels, "elementwise.add")["total_ms"], 1e-9))
+        if ratios[-1] > 10 and list(kernels)[0].startswith("matmul"):  # sorted by total
+            break
+    else:
+        pytest.fail(f"matmul/add time ratios over 5 runs: {[round(r, 1) for r in ratios]}; expected > 10")
 
 
 def test_graph_captured_while_profiling_is_profiled_on_replay(timed: Backend, rng: np.random.Generator) -> None:
