@@ -159,8 +159,8 @@ void main() {
 #endif
         }
         [[unroll]] for (uint r = 0u; r < WROWS; r++) {
-            // Scale first: on llvmpipe every texel fetch is a call that clobbers all vector
-            // registers, so a fetch between the decode and the dots spilled all 32 weights.
+            // Scale first: when the texel path's loads were calls on llvmpipe (texelFetch), one
+            // between the decode and the dots spilled all 32 weights; imageLoad is inline.
             SCALE_T scale = load_scale(srow[r], b);
             vec4 wv[8];
             load_wblock(wrow[r], b, scale, wv);

@@ -12,7 +12,7 @@
 // with the same functions (include/attention.glsl: score, online-softmax update, lane merge,
 // chunk merge, all `precise`), so a row's output is bit-identical to that kernel's and depends
 // only on the device and its own sequence. A key / value row is loaded once per tile for all
-// its rows instead of once per row (on llvmpipe each load is a call). The rows'
+// its rows instead of once per row (a third of the loads for 3 heads). The rows'
 // online-softmax states stay in registers; scores exist one at a time. Keys and values are not
 // staged in shared memory: on llvmpipe shared-memory loads measured ~20x slower than texel
 // loads (docs/ARCHITECTURE.md), and the lanes read disjoint positions, so there is nothing to

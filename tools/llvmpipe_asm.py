@@ -6,7 +6,8 @@
 llvmpipe (Mesa 22.x) stores each compiled shader as a zstd-compressed ELF object in the
 Mesa disk cache. This writes every object and its `objdump -d` listing to --out, then
 prints, per object, each backward jump's loop body with more than --min instructions:
-its size, the calls in it (on llvmpipe every texel fetch is a call) and the commonest
+its size, the calls in it (a texelFetch from a uniform texel buffer is a call; the kernels'
+imageLoad is inline) and the commonest
 instructions (spills show up as vmovaps/vmovdqa to and from the stack). Needs the `zstd`
 and `objdump` commands (Debian: zstd, binutils).
 """

@@ -158,8 +158,8 @@ def probe(vk: Any, physical: Any, index: int) -> DeviceCaps:
 
 
 def default_access_path(caps: Any) -> str:
-    """Kernels read weights through uniform texel buffers on CPU devices, where storage-buffer
-    loads measured ~20x slower; GPUs take storage buffers (docs/ARCHITECTURE.md)."""
+    """Kernels read weights through read-only storage texel buffers on CPU devices, where
+    storage-buffer loads measured ~20x slower; GPUs take storage buffers (docs/ARCHITECTURE.md)."""
     return "texel" if caps.device_type == "cpu" else "ssbo"
 
 
