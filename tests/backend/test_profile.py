@@ -10,6 +10,7 @@ import pytest
 
 from vkrt import ops
 from vkrt.backend.base import Backend, Counters
+from vkrt.ops.tensor import Tensor
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_replayed_graph_is_one_submit_and_timed(timed: Backend, rng: np.random.G
     graph.release()
 
 
-def _profiled_matmul_then_adds(timed: Backend, x, w, s) -> tuple[dict, dict]:
+def _profiled_matmul_then_adds(timed: Backend, x: Tensor, w: Tensor, s: Tensor) -> tuple[dict, dict]:
     """One profiled run: a big matmul, three adds of 64 floats, two scales; (report, counters)."""
     timed.profile_report(reset=True)
     before = timed.counters.snapshot()
