@@ -9,24 +9,27 @@ FFN of 4 x 512 = 2048, so both run the same number of weights per token (the MoE
 others by the gguf package); norms and the router stay F32. The weights are random (normal,
 std 0.02), so the text is noise; the pair exists to time the MoE decode step and prefill
 against the dense one with `vkrt bench --model FILE` and `tools/bench_peers.py --model FILE`.
-Both files embed a small byte-level BPE vocabulary (`bench_vocabulary`), because llama.cpp
+Both files embed a small byte-level BPE vocabulary (tools/synthetic_model.py's `vocabulary`), because llama.cpp
 loads no GGUF without one; vkrt's bench feeds token ids and does not need it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf.quants import quantize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic_model import vocabulary  # noqa: E402
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 16, 4, 64, 8192
 EXPERTS, TOP_K, EXPERT_FFN = 32, 4, 512
 QUANTS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q8_0": gguf.GGMLQuantizationType.Q8_0,
           "q4_0": gguf.GGMLQuantizationType.Q4_0, "f16": gguf.GGMLQuantizationType.F16}
-EOS = "<|endoftext|>"
 
 
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
@@ -59,24 +62,6 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def bench_vocabulary() -> tuple[list[str], list[str]]:
-    """VOCAB tokens and their merges: GPT-2's 256 byte symbols, then lowercase pairs, the same
-    after a space, and triples, in that order of merge priority, then the end-of-text token."""
-    from string import ascii_lowercase as letters
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    extra = iter(range(256, 512))
-    symbols = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-    space = symbols[ord(" ")]
-    pairs = [(space, a) for a in letters] + [(a, b) for a in letters for b in letters]
-    pairs += [(space + a, b) for a in letters for b in letters]
-    pairs += [(a + b, c) for a in letters for b in letters for c in letters]
-    merges = pairs[: VOCAB - 256 - 1]
-    tokens = symbols + [left + right for left, right in merges] + [EOS]
-    return tokens, [f"{left} {right}" for left, right in merges]
-
-
 def _writer(path: Path, arch: str, layers: int, ffn: int) -> gguf.GGUFWriter:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
@@ -89,7 +74,7 @@ def _writer(path: Path, arch: str, layers: int, ffn: int) -> gguf.GGUFWriter:
     w.add_value_length(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
-    tokens, merges = bench_vocabulary()
+    tokens, merges = vocabulary(VOCAB)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
