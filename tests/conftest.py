@@ -25,6 +25,28 @@ PREREQUISITES = ("Vulkan unavailable", "default model unavailable", "shader comp
                  "glslangValidator")
 
 
+# The fixtures that hand tests a pulled model, by model name. VKRT_TEST_DESELECT_MODELS names
+# models (comma-separated) whose tests are deselected, for a machine that cannot have them
+# (tools/gpu_check.sh on an offline machine): pytest counts them as deselected, never as passed.
+MODEL_FIXTURES = {"smollm2-135m-instruct": "smollm2_path", "gemma-3-270m": "gemma3_path"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    names = [n.strip() for n in os.environ.get("VKRT_TEST_DESELECT_MODELS", "").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MODEL_FIXTURES))
+    if unknown:
+        raise pytest.UsageError(f"VKRT_TEST_DESELECT_MODELS: unknown model {', '.join(unknown)} "
+                                f"(known: {', '.join(MODEL_FIXTURES)})")
+    fixtures = {MODEL_FIXTURES[n] for n in names}
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (dropped if fixtures & set(getattr(item, "fixturenames", ())) else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def missing(what: str, detail: object) -> NoReturn:
     """Skip for a missing prerequisite on a developer machine; fail under CI=true."""
     message = f"{what} unavailable: {detail}"

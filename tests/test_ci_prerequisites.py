@@ -55,3 +55,25 @@ def test_prerequisite_check_names_what_is_missing() -> None:
                                capture_output=True, text=True, timeout=300)
         assert child.returncode == rc, child.stderr
         assert "Vulkan device unavailable" in child.stderr
+
+
+def _collect(deselect: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "VKRT_TEST_DESELECT_MODELS"}
+    env["VKRT_TEST_DESELECT_MODELS"] = deselect
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                           "tests/engine/test_token_exact.py", "tests/models/test_llama_golden.py"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_tests_needing_a_named_model_can_be_deselected_and_are_counted() -> None:
+    """VKRT_TEST_DESELECT_MODELS (an offline machine's gpu_check run) drops exactly the tests
+    whose fixtures need that model, and pytest reports how many it dropped."""
+    everything, dropped = _collect(""), _collect("smollm2-135m-instruct")
+    assert everything.returncode == dropped.returncode == 0, dropped.stdout[-2000:]
+    kept = [line for line in dropped.stdout.splitlines() if "::" in line]
+    assert kept and not any("smollm2" in line or "test_token_exact" in line for line in kept)
+    assert any("tiny_llama" in line for line in kept)
+    total = sum("::" in line for line in everything.stdout.splitlines())
+    assert f"{len(kept)}/{total} tests collected ({total - len(kept)} deselected)" in dropped.stdout
+    unknown = _collect("smollm2-135m-instruct,nonesuch")
+    assert unknown.returncode != 0 and "unknown model nonesuch" in unknown.stdout + unknown.stderr

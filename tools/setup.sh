@@ -4,6 +4,10 @@
 #
 #   VKRT_SETUP_SKIP_APT=1   never call apt-get (install the packages yourself)
 #   VKRT_VENV=DIR           virtualenv location (default: .venv in the repo root)
+#   VKRT_SETUP_EXTRAS=LIST  vkrt's extras to install (default: dev; test: only what the tests
+#                           need, for a machine that runs them but no linters or shader compiler)
+#   VKRT_SETUP_SYSTEM_SITE=1  a new virtualenv sees the system Python's packages (a machine
+#                           whose Python already has numpy and friends, installing offline)
 #
 # The pip step is skipped while pyproject.toml is unchanged since the last install;
 # delete "$VKRT_VENV/.vkrt-setup-stamp" to force it.
@@ -70,20 +74,30 @@ if [[ -x "$VENV/bin/python" ]]; then
   say "virtualenv: $VENV exists"
 else
   say "virtualenv: creating $VENV"
-  python3 -m venv "$VENV" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+  venv_flags=()
+  [[ "${VKRT_SETUP_SYSTEM_SITE:-}" == 1 ]] && venv_flags=(--system-site-packages)
+  python3 -m venv "${venv_flags[@]}" "$VENV" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
 fi
 PY="$VENV/bin/python"
 
 # --- python packages ----------------------------------------------------------------
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $ROOT"
+EXTRAS="${VKRT_SETUP_EXTRAS:-dev}"
+[[ "$EXTRAS" =~ ^[a-z,]*$ ]] || die "VKRT_SETUP_EXTRAS must be extras' names, comma-separated (got '$EXTRAS')"
+target="."
+[[ -n "$EXTRAS" ]] && target=".[$EXTRAS]"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $ROOT $target"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$PY" -c 'import vkrt' 2>/dev/null; then
   say "python packages: up to date"
 else
-  say "python packages: upgrading pip"
-  quietly "$PY" -m pip install --upgrade pip
-  say "python packages: pip install -e .[dev]"
-  quietly "$PY" -m pip install -e ".[dev]"
+  if [[ "${PIP_NO_INDEX:-}" == 1 ]]; then
+    say "python packages: offline (PIP_NO_INDEX=1), keeping this pip"
+  else
+    say "python packages: upgrading pip"
+    quietly "$PY" -m pip install --upgrade pip
+  fi
+  say "python packages: pip install -e $target"
+  quietly "$PY" -m pip install -e "$target"
   printf '%s\n' "$want" >"$STAMP"
 fi
 
