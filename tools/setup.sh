@@ -77,6 +77,16 @@ else
   venv_flags=()
   [[ "${VKRT_SETUP_SYSTEM_SITE:-}" == 1 ]] && venv_flags=(--system-site-packages)
   python3 -m venv "${venv_flags[@]}" "$VENV" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+  if ((${#venv_flags[@]})); then
+    # A venv made by a venv's python3 sees only the base interpreter's packages; a .pth file
+    # adds the making venv's own site-packages after the new venv's.
+    parent="$(python3 -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')"
+    if [[ -n "$parent" ]]; then
+      own="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      printf '%s\n' "$parent" >"$own/_vkrt_parent_site.pth"
+      say "virtualenv: also sees $(echo "$parent" | tr '\n' ' ')"
+    fi
+  fi
 fi
 PY="$VENV/bin/python"
 

@@ -62,6 +62,14 @@ def test_dry_run_plan_follows_the_flags() -> None:
     assert "peers-gemma3   not in this mode" in proc.stdout
 
 
+def test_dry_run_plans_synthetic_twins_and_an_offline_install() -> None:
+    proc = _run("--dry-run", "--synthetic-models", "--system-site-packages", "--wheels", str(REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert "synthetic twins (--synthetic-models): smollm2 gemma3" in proc.stdout
+    plain = _run("--dry-run")
+    assert "find or pull (else a synthetic twin): smollm2 gemma3" in plain.stdout
+
+
 def test_dry_run_fails_when_its_tools_are_missing(tmp_path: Path) -> None:
     (tmp_path / "tools").mkdir()
     lonely = tmp_path / "tools" / "gpu_check.sh"
@@ -88,7 +96,8 @@ def test_bad_flags_exit_2_with_a_reason(args: list[str], message: str) -> None:
 def test_help_says_how_to_install_offline() -> None:
     proc = _run("--help")
     assert proc.returncode == 0
-    for needle in ("--wheels DIR", "PIP_FIND_LINKS", "--no-index", "--allow-cpu", "Exit status"):
+    for needle in ("--wheels DIR", "PIP_FIND_LINKS", "--no-index", "--allow-cpu", "Exit status",
+                   "tools/make_wheelhouse.py", "--system-site-packages", "--synthetic-models"):
         assert needle in proc.stdout, needle
 
 
