@@ -24,7 +24,7 @@ import numpy as np
 from gguf.quants import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic_model import vocabulary  # noqa: E402
+from synthetic_model import add_vocabulary  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 16, 4, 64, 8192
 EXPERTS, TOP_K, EXPERT_FFN = 32, 4, 512
@@ -74,15 +74,7 @@ def _writer(path: Path, arch: str, layers: int, ffn: int) -> gguf.GGUFWriter:
     w.add_value_length(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
-    tokens, merges = vocabulary(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_bos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
+    add_vocabulary(w, VOCAB)
     return w
 
 

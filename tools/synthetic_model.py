@@ -82,6 +82,20 @@ def vocabulary(size: int) -> tuple[list[str], list[str]]:
     return tokens, [f"{left} {right}" for left, right in merges]
 
 
+def add_vocabulary(writer: gguf.GGUFWriter, size: int) -> None:
+    """Embed vocabulary(size) as a GPT-2 BPE tokenizer whose last token ends text (and begins
+    it: no BOS is added)."""
+    tokens, merges = vocabulary(size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(False)
+
+
 def _add_metadata(writer: gguf.GGUFWriter, key: str, entry: dict) -> None:
     kind, value = entry["type"], entry["value"]
     if kind.startswith("ARRAY"):
@@ -119,15 +133,7 @@ def write(card_path: Path, out: Path, seed: int) -> None:
         if key != "general.architecture":
             _add_metadata(writer, key, entry)
     writer.add_name(f"synthetic twin of {card['source']}")
-    tokens, merges = vocabulary(card["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 1)
-    writer.add_eos_token_id(len(tokens) - 1)
-    writer.add_add_bos_token(False)
+    add_vocabulary(writer, card["vocab_size"])
     rng = np.random.default_rng(seed)
     for name, shape, fmt in card["tensors"]:
         data, raw = tensor_data(name, shape, fmt, rng)

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+from tests.tools.conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_checker():
-    spec = importlib.util.spec_from_file_location(
-        "check_device_leakage", REPO / "tools" / "check_device_leakage.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+def _load_checker() -> ModuleType:
+    return load_tool("check_device_leakage")
 
 
 checker = _load_checker()

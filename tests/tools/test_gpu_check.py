@@ -3,12 +3,10 @@ mode of tools/bench_ops.py it calls (CI has no GPU: this keeps the script from r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import missing
+from tests.tools.conftest import load_tool
 from vkrt.ops.formats import FORMATS
 from vkrt.ops.tensor import storage_nbytes
 
@@ -32,12 +31,7 @@ def _run(*args: str, script: Path = SCRIPT, timeout: float = 120) -> subprocess.
 
 
 def _bench_ops() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_ops", REPO / "tools" / "bench_ops.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_ops")
 
 
 def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path: Path) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.tools.conftest import load_tool
 from vkrt.engine.config import EngineConfig
 from vkrt.engine.kv_groups import size_kv_pools
 from vkrt.loader import load_model
@@ -18,12 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kv_memory", REPO / "tools" / "kv_memory.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kv_memory"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("kv_memory")
 
 
 @pytest.mark.parametrize("fixture", ["tiny_gemma3", "tiny_llama"])

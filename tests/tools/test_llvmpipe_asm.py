@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.tools.conftest import load_tool
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("llvmpipe_asm", REPO / "tools" / "llvmpipe_asm.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _tool() -> ModuleType:
+    return load_tool("llvmpipe_asm")
 
 
 LISTING = """

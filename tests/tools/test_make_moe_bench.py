@@ -4,7 +4,6 @@ embedded vocabulary that round-trips text (llama.cpp, the peer, loads no GGUF wi
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -13,20 +12,14 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
+from tests.tools.conftest import load_tool
 from vkrt.loader import load_model
 from vkrt.ops.quant import dequantize
 from vkrt.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_moe_bench", REPO / "tools" / "make_moe_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_moe_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("make_moe_bench")
 
 
 def test_q4_k_encoder_round_trips(rng: np.random.Generator) -> None:

@@ -4,24 +4,19 @@ tags are every manylinux tag the target's glibc accepts."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import tomllib
 
+from tests.tools.conftest import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_wheelhouse", REPO / "tools" / "make_wheelhouse.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_wheelhouse"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("make_wheelhouse")
 
 
 def test_requirements_are_the_projects_own() -> None:

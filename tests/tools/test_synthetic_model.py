@@ -4,10 +4,8 @@ text; the committed cards cover the models tools/gpu_check.sh benchmarks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.models.conftest import Greedy
+from tests.tools.conftest import load_tool
 from vkrt.loader import load_model
 from vkrt.models import build_model
 from vkrt.tokenizer import Tokenizer
@@ -24,17 +23,8 @@ from vkrt.tokenizer import Tokenizer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _tool() -> ModuleType:
-    return _load("synthetic_model")
+    return load_tool("synthetic_model")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real-format model to record: tools/make_moe_bench.py's dense Qwen3, one layer
     (Q4_K matrices, F32 norms, a vocabulary of 8192)."""
     path = tmp_path_factory.mktemp("real") / "dense.gguf"
-    _load("make_moe_bench")._write(path, "qwen3", 1, "q4_k", np.random.default_rng(0))
+    load_tool("make_moe_bench")._write(path, "qwen3", 1, "q4_k", np.random.default_rng(0))
     return path
 
 
