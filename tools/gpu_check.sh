@@ -147,7 +147,7 @@ MATVEC_ARGS=(--paths ssbo,texel)
 PEER_MODELS=(smollm2 gemma3)
 if ((QUICK)); then
   CAP=([setup]=60 [peer-setup]=60 [devices]=30 [fetch]=40 [ops]=90 [models]=90
-       [models-alt]=60 [peers-smollm2]=90 [peers-gemma3]=1 [matvec]=40)
+       [models-alt]=90 [peers-smollm2]=90 [peers-gemma3]=1 [matvec]=40)
   OPS_TESTS=(tests/ops/test_rope.py)
   MODEL_TESTS=(tests/models/test_llama_golden.py -k "tiny_llama and logits")
   PEER_ARGS=(--prompt-tokens 32 --gen-tokens 16 --repeats 1)
@@ -407,10 +407,16 @@ make_peer() {  # the peer venv, kept apart from vkrt's; one this run made is rem
   local venv made=0
   venv="$(dirname "$(dirname "$PEER_PY")")"
   if [[ ! -x "$PEER_PY" ]]; then
-    python3 -m venv "$venv" || return 1
+    # without ensurepip (no python3-venv), a venv without pip, filled by vkrt's venv's pip
+    python3 -m venv "$venv" || python3 -m venv --without-pip "$venv" || return 1
     made=1
   fi
-  "$PEER_PY" -m pip install -q cyllama-vulkan && return 0  # the peer runs on the standard library and cyllama alone
+  # the peer runs on the standard library and cyllama alone
+  if "$PEER_PY" -m pip --version >/dev/null 2>&1; then
+    "$PEER_PY" -m pip install -q cyllama-vulkan && return 0
+  else
+    "$PY" -m pip --python "$PEER_PY" install -q cyllama-vulkan && return 0
+  fi
   ((made)) && rm -rf "$venv"
   return 1
 }
@@ -420,7 +426,7 @@ elif peer_ok; then
   record peer-setup passed 0 0 "present: $PEER_PY"
 else
   export -f make_peer
-  export PEER_PY
+  export PEER_PY PY
   run_stage peer-setup bash -c make_peer || true
   peer_ok || note peer-setup "llama.cpp (cyllama-vulkan) unavailable in $PEER_PY; vkrt is benchmarked alone"
 fi

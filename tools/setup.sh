@@ -75,7 +75,12 @@ if [[ -x "$VENV/bin/python" ]]; then
 else
   say "virtualenv: creating $VENV"
   venv_flags=()
-  [[ "${VKRT_SETUP_SYSTEM_SITE:-}" == 1 ]] && venv_flags=(--system-site-packages)
+  if [[ "${VKRT_SETUP_SYSTEM_SITE:-}" == 1 ]]; then
+    venv_flags=(--system-site-packages)
+    # A Python without ensurepip (Debian/Ubuntu without python3-venv) still makes a venv
+    # without pip; the system's pip, which it sees, installs into it.
+    have_ensurepip || venv_flags+=(--without-pip)
+  fi
   python3 -m venv "${venv_flags[@]}" "$VENV" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
   if ((${#venv_flags[@]})); then
     # A venv made by a venv's python3 sees only the base interpreter's packages; a .pth file
@@ -89,6 +94,8 @@ else
   fi
 fi
 PY="$VENV/bin/python"
+"$PY" -m pip --version >/dev/null 2>&1 \
+  || die "$VENV has no pip (python3 has no ensurepip and its packages hold no pip); install python3-venv or python3-pip"
 
 # --- python packages ----------------------------------------------------------------
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off
