@@ -453,10 +453,16 @@ gpu_vendors() {  # PCI display devices' vendors from sysfs (no lspci needed)
   command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && vendors+=(nvidia)
   printf '%s\n' "${vendors[@]}" | sort -u | tr '\n' ' '
 }
-nvidia_icd_fallback() {  # the driver's Vulkan library is there but no ICD manifest names it
-  local d
+nvidia_icd_fallback() {  # the driver's Vulkan library is there but the loader finds no manifest
+  local d m
   for d in /etc/vulkan/icd.d /usr/share/vulkan/icd.d /usr/local/share/vulkan/icd.d; do
     ls "$d"/nvidia*.json >/dev/null 2>&1 && return 1
+  done
+  # containers that mount the driver under /usr/local/nvidia keep its manifest there
+  for m in /usr/local/nvidia/share/vulkan/icd.d/nvidia*.json; do
+    [[ -f "$m" ]] || continue
+    export VK_ADD_DRIVER_FILES="$m${VK_ADD_DRIVER_FILES:+:$VK_ADD_DRIVER_FILES}"
+    return 0
   done
   ldconfig -p 2>/dev/null | grep -q 'libGLX_nvidia.so.0' || return 1
   printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "libGLX_nvidia.so.0", "api_version": "1.3"}}\n' \
@@ -476,7 +482,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 vendors="$(gpu_vendors)"
 dev_type="$(chosen_field device_type)"
 if [[ "$dev_type" == cpu || -z "$dev_type" ]] && [[ " $vendors " == *" nvidia "* ]] && nvidia_icd_fallback; then
-  note devices "NVIDIA GPU present but no Vulkan ICD manifest for it: tried libGLX_nvidia.so.0 through VK_ADD_DRIVER_FILES"
+  note devices "NVIDIA GPU present but the Vulkan loader found no ICD manifest for it: tried ${VK_ADD_DRIVER_FILES%%:*} through VK_ADD_DRIVER_FILES"
   devices_json || true
   dev_type="$(chosen_field device_type)"
 fi
