@@ -10,9 +10,10 @@ vocabulary size and every tensor's name, shape and format. `--like NAME` writes 
 tools/model_cards/NAME.json: that metadata, a synthetic byte-level BPE vocabulary of the same
 size (llama.cpp loads no GGUF without one; the text it tokenizes to is noise), and each tensor
 in its recorded format filled as tools/bench_ops.py fills timing weights (random quants, every
-f16 block field a small finite value; norm weights are 1). Speed does not depend on the
-weights' values for a dense model, so vkrt and llama.cpp timed on the twin time the real
-model's work; the text it writes is noise and no accuracy can be read from it.
+f16 block field a small finite value; norm weights are 1). vkrt and llama.cpp then run the
+real model's kernels over the same bytes, so a ratio between them measured on the twin stands
+for the real file's (docs/BENCHMARKS.md: how close vkrt's own speed came); the text it writes
+is noise and no accuracy can be read from it.
 """
 
 from __future__ import annotations
