@@ -47,9 +47,14 @@ def platform_tags(glibc: str, machine: str) -> list[str]:
     return tags + [f"manylinux2014_{machine}", "linux_" + machine]
 
 
+def normalise(name: str) -> str:
+    """A project name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
 def project_name(wheel: Path) -> str:
-    """A wheel file's project name, normalised (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+    """A wheel file's project name, normalised."""
+    return normalise(wheel.name.split("-")[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.returncode:
         print(f"make_wheelhouse: pip download failed (exit {result.returncode})", file=sys.stderr)
         return result.returncode
-    have = {re.sub(r"[-_.]+", "-", name.strip()).lower() for name in args.have.split(",") if name.strip()}
+    have = {normalise(name) for name in args.have.split(",") if name.strip()}
     have.discard("setuptools")  # pip's isolated build of vkrt installs it from DIR, not the system
     for wheel in sorted(args.out.glob("*.whl")):
         if project_name(wheel) in have:
