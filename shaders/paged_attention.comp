@@ -4,7 +4,7 @@
 #ifdef SPLIT_SUB
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-//! variants: KV=f32,f16,q8_0 SPLIT=seq,sub ACCESS=texel,ssbo
+//! variants: KV=f32,f16,f16x8,q8_0 SPLIT=seq,sub ACCESS=texel,ssbo
 // Paged causal GQA: token t of sequence seq_index[t] attends to positions 0..positions[t]
 // (with a sliding window W > 0 only to positions[t] - W < j <= positions[t]), whose keys and
 // values sit at cache slot block_table[seq, p / block_size] * block_size + p % block_size;
@@ -40,6 +40,12 @@ layout(constant_id = 2) const float SOFTCAP = 0.0;
 layout(constant_id = 3) const uint CHUNK = 0u;  // positions per chunk; 0: one chunk
 
 IN_F32X4(0, q);
+// KV=f16x8: an f16 cache read 8 halves per texel (head_dim a multiple of 8), as the GQA kernel
+// reads it: half the loads of KV=f16's 4 per texel, the same values (so the same bits).
+#ifdef KV_F16X8
+#define KV_F16
+#define KV_F16_WIDE
+#endif
 #include "kv_cache.glsl"
 IN_I32(3, block_table);
 IN_I32(4, seq_index);

@@ -141,6 +141,30 @@ def test_paged_attention_long_context_wide_heads(vk: Backend, rng: np.random.Gen
     assert nmse(got, want) <= ATTENTION_NMSE
 
 
+@pytest.mark.parametrize("head_dim", [12, 64])
+def test_paged_attention_f16_texel_width(vk: Backend, rng: np.random.Generator, paged_variant: str,
+                                         monkeypatch: pytest.MonkeyPatch, head_dim: int) -> None:
+    """The paged kernel reads an f16 cache 8 halves per texel where head_dim is a multiple of 8
+    (KV=f16x8), else 4 (KV=f16); both read the same values, so where both apply a row gets the
+    same bits from either."""
+    from vkrt.backend.vulkan.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "gqa_heads", lambda group, head_dim: 1)  # the paged kernel alone
+    seen: list[str] = []
+    run_shader = vk.run_shader  # type: ignore[attr-defined]
+    monkeypatch.setattr(vk, "run_shader", lambda name, *args: seen.append(name) or run_shader(name, *args))
+    case = _paged_case(rng, [1, 17, 40], 4, 2, head_dim, "f16")
+    got = _run_paged(vk, case, "f16", 4, 2, head_dim ** -0.5)
+    assert seen == [f"paged_attention.{'f16x8' if head_dim % 8 == 0 else 'f16'}.{paged_variant}.{vk.caps.access_path}"]  # type: ignore[attr-defined]
+    want = reference.paged_attention(**case, num_heads=4, num_kv_heads=2, scale=head_dim ** -0.5)
+    assert nmse(got, want) <= ATTENTION_NMSE
+    if head_dim % 8 == 0:
+        monkeypatch.setattr(kernels, "paged_kv_variant", lambda kv_dtype, head_dim: ("f16", "u32x2"))
+        narrow = _run_paged(vk, case, "f16", 4, 2, head_dim ** -0.5)
+        assert seen[-1] == f"paged_attention.f16.{paged_variant}.{vk.caps.access_path}"  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(narrow.view(np.uint32), got.view(np.uint32))
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 def test_chunked_prefill_through_kv_write(vk: Backend, rng: np.random.Generator, kv_dtype: str) -> None:
     """The model's order: kv_write the chunk, then paged_attention over prefix + chunk."""

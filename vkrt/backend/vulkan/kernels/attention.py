@@ -90,6 +90,15 @@ def float_bits(value: float) -> int:
     return int(struct.unpack("<i", struct.pack("<f", value))[0])
 
 
+def paged_kv_variant(kv_dtype: str, head_dim: int) -> tuple[str, str]:
+    """paged_attention's cache variant and the kind its cache binds as: an f16 cache whose
+    head_dim is a multiple of 8 is read 8 halves per texel (KV=f16x8: half the loads of 4 per
+    texel, the same values, so the same bits), as the GQA kernel always reads it."""
+    if kv_dtype == "f16" and head_dim % 8 == 0:
+        return "f16x8", "u32x4"
+    return KV_VARIANT[kv_dtype], KV_READ_KIND[kv_dtype]
+
+
 def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     k_cache, v_cache, k, v, slots = inputs
@@ -117,7 +126,8 @@ SPLIT_TOKENS = 4
 # most of the group that divides it; fewer than 2 heads share nothing, so such models keep the
 # paged kernel). Measured on llvmpipe (SmolLM2's 3 heads x 64 per KV head, 1024-token prompt):
 # 3 rows ran 2.2x faster than the paged kernel; 6 rows (2 tokens) spilled their state, 7x
-# slower, after 150 s of JIT.
+# slower, after 150 s of JIT. Gemma-3-270M's heads of 256 in tiles of 2 ran no faster than the
+# paged kernel reading f16 8 halves per texel, and took ~3x its JIT (docs/BENCHMARKS.md).
 GQA_ROW_FLOATS = 256
 
 
@@ -159,7 +169,8 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
             kind = "u32x4"  # 8 halves per texel
     else:  # a workgroup (sub) or invocation (seq) per (token, head[, chunk])
         variant, lanes = paged_split(backend.caps)
-        shader = module(backend, "paged_attention", KV_VARIANT[k_cache.dtype], variant)
+        kv_variant, kind = paged_kv_variant(k_cache.dtype, head_dim)
+        shader = module(backend, "paged_attention", kv_variant, variant)
         items, per_group, spec = num_heads, 1 if variant == "sub" else lanes, {0: lanes}
     spec |= {1: hd4, 2: float_bits(params.get("softcap", 0.0)), 3: chunk if chunks > 1 else 0}
     y = backend.empty(out[0].shape, "f32")
