@@ -9,6 +9,9 @@ only the modules that are built. A value that needs no separate module belongs i
 specialisation constant instead. An exclusion naming an unknown key or value, or one that
 drops nothing the lines above it left, is an error.
 `--check` recompiles in memory and fails, naming each stale module, on any byte of drift.
+Compiled modules are kept in <VKRT_CACHE>/spirv/, named by the hash of everything that makes
+them (compiler version, flags, defines, the shader and every include), so a rerun compiles
+only what changed since (a clean machine compiles all); `--no-cache` compiles everything.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spirv_gen.reflect import reflect
+from vkrt import config
 
 GLSLANG_VERSION = "13.1.1"
 # No debug info (it embeds paths), a fixed target environment: identical bytes everywhere.
@@ -113,13 +117,31 @@ def compile_variant(glslang: str, variant: Variant, shader_dir: Path, workdir: P
     return out.read_bytes()
 
 
-def build(root: Path) -> tuple[dict[str, bytes], dict]:
+def compile_cached(glslang: str, variant: Variant, shader_dir: Path, workdir: Path, inc: str,
+                   cache: Path | None) -> bytes:
+    """compile_variant, or the module a previous run compiled from the very same inputs."""
+    if cache is None:
+        return compile_variant(glslang, variant, shader_dir, workdir)
+    key = hashlib.sha256(json.dumps([GLSLANG_VERSION, FLAGS, variant.defines, inc]).encode()
+                         + variant.source.read_bytes()).hexdigest()
+    hit = cache / f"{key}.spv"
+    if hit.exists():
+        return hit.read_bytes()
+    blob = compile_variant(glslang, variant, shader_dir, workdir)
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = hit.with_suffix(f".{variant.module}.tmp")
+    partial.write_bytes(blob)
+    partial.replace(hit)  # whole or absent, even with two runs at once
+    return blob
+
+
+def build(root: Path, cache: Path | None = None) -> tuple[dict[str, bytes], dict]:
     shader_dir = root / "shaders"
     glslang = find_glslang()
     inc = include_hash(shader_dir)
     todo = variants(shader_dir)
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=4) as pool:
-        blobs = list(pool.map(lambda v: compile_variant(glslang, v, shader_dir, Path(tmp)), todo))
+        blobs = list(pool.map(lambda v: compile_cached(glslang, v, shader_dir, Path(tmp), inc, cache), todo))
     modules: dict[str, bytes] = {}
     manifest: dict = {"glslang": GLSLANG_VERSION, "flags": FLAGS, "modules": {}}
     for variant, blob in zip(todo, blobs, strict=True):
@@ -143,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spirv_gen", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if vkrt/spirv/ is stale")
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--no-cache", action="store_true", help="compile every module, reusing none")
     args = parser.parse_args(argv)
     out_dir = args.root / "vkrt" / "spirv"
-    modules, manifest = build(args.root)
+    modules, manifest = build(args.root, None if args.no_cache else config.cache_dir() / "spirv")
     if args.check:
         stale = []
         for name, blob in modules.items():

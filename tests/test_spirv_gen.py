@@ -37,9 +37,11 @@ def run_gen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def small_tree(glslang: str, tmp_path: Path) -> Path:
+def small_tree(glslang: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A generated copy of the tree holding one shader family (compiling all of shaders/
-    three times would dominate the suite on 2 cores); the code paths are the same."""
+    three times would dominate the suite on 2 cores); the code paths are the same. Its
+    compile cache is its own (<tmp_path>/cache/spirv), empty at first."""
+    monkeypatch.setenv("VKRT_CACHE", str(tmp_path / "cache"))
     (tmp_path / "shaders").mkdir()
     shutil.copy2(REPO / "shaders" / "elementwise.comp", tmp_path / "shaders")
     shutil.copytree(REPO / "shaders" / "include", tmp_path / "shaders" / "include")
@@ -81,6 +83,30 @@ def test_check_names_the_shader_whose_code_changed(small_tree: Path) -> None:
     assert commented.returncode == 1
     assert "(from shaders/" not in commented.stdout
     assert "manifest.json" in commented.stdout
+
+
+def test_reruns_compile_only_what_changed(small_tree: Path) -> None:
+    """Each compiled module is kept under the hash of its inputs: a rerun reuses them, an edit
+    to one shader compiles that shader's modules again (new entries), --no-cache reuses none,
+    and what the cache holds is what the compiler wrote."""
+    cache = small_tree / "cache" / "spirv"
+    modules = {v.module for v in gen.variants(small_tree / "shaders")}
+    first = set(cache.glob("*.spv"))
+    assert len(first) == len(modules)
+    committed = {(small_tree / "vkrt" / "spirv" / f"{m}.spv").read_bytes() for m in modules}
+    assert {p.read_bytes() for p in first} == committed
+
+    source = small_tree / "shaders" / "elementwise.comp"
+    source.write_text(source.read_text() + "// a comment: new inputs, the same bytes\n")
+    assert run_gen("--root", str(small_tree), cwd=small_tree).returncode == 0
+    second = set(cache.glob("*.spv"))
+    assert len(second - first) == len(modules)  # every module of the edited shader, again
+
+    for entry in second - first:  # a wrong entry would be trusted: --no-cache does not read it
+        entry.write_bytes(b"not spir-v")
+    assert run_gen("--check", "--root", str(small_tree), cwd=small_tree).returncode == 1
+    clean = run_gen("--check", "--no-cache", "--root", str(small_tree), cwd=small_tree)
+    assert clean.returncode == 0, clean.stdout
 
 
 # -- variant lists ----------------------------------------------------------------------------
