@@ -107,3 +107,34 @@ def test_every_subcommand_prints_its_help(command: str, capsys: pytest.CaptureFi
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: vkrt {command}"), out[:200]
+
+
+def test_bench_compares_prompt_lengths_round_by_round(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import FIXTURES
+
+    code, out, _ = run(capsys, "bench", "--model", str(FIXTURES / "tiny_llama"), "--device", "reference",
+                       "-p", "4,12", "-g", "3", "--repeat", "3", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert [p["prompt_tokens"] for p in report["prompts"]] == [4, 12]
+    assert report["gen_tokens"] == 3
+    first, second = (p["runs"] for p in report["prompts"])
+    assert len(first) == len(second) == 3
+    (ratio,) = report["vs_first"]
+    assert ratio["prompt_tokens"] == 12
+    for phase in ("prefill", "decode"):
+        key = f"{phase}_tok_s"
+        expected = [b[key] / a[key] for a, b in zip(first, second, strict=True)]
+        assert ratio[phase] == pytest.approx(expected)
+        assert ratio[f"{phase}_median"] == pytest.approx(sorted(expected)[1])
+    # Each length's best decode run is its headline figure, as with one length.
+    for p in report["prompts"]:
+        assert p["decode_tok_s"] == max(r["decode_tok_s"] for r in p["runs"])
+
+
+@pytest.mark.parametrize("value", ["0", "4,x", "4,,8", "-3"])
+def test_bench_rejects_bad_prompt_lengths(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "-p", value])
+    assert info.value.code == 2
+    assert "--prompt-tokens" in capsys.readouterr().err

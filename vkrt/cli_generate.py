@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from typing import Any
@@ -145,15 +146,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_lengths(text: str) -> list[int]:
+    """`-p 128` or `-p 128,2048`: prompt lengths in tokens, each at least 1."""
+    try:
+        lengths = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count or a comma-separated list of them: {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
+    return lengths
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from vkrt.engine.config import SamplingParams
 
+    lengths = args.prompt_tokens if isinstance(args.prompt_tokens, list) else [args.prompt_tokens]
     start = time.perf_counter()
     llm = _load(args, enable_prefix_caching=False)  # repeats must recompute the prompt
     load_s = time.perf_counter() - start
     vocab = llm.model_config.vocab_size
-    rng = random.Random(0)
-    prompt_ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(args.prompt_tokens)]
+    prompts = {}
+    for length in lengths:  # the same ids for a length whatever else is benchmarked
+        rng = random.Random(0)
+        prompts[length] = [rng.randrange(100, min(vocab, 30000)) for _ in range(length)]
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     backend = llm.engine.model.backend
     profiling = False
@@ -164,14 +179,68 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "no profile", file=sys.stderr)
         else:
             llm.engine.stats_listeners.append(lambda stats: backend.profile_commit(_step_phase(stats)))
-    results = []
-    for _ in range(max(1, args.repeat)):
+    # Several lengths run in turn within each repeat, so each round measures them all on the
+    # machine as it is then: their ratios hold where absolute speed drifts between runs. An
+    # untimed run first compiles the pipelines and records the decode steps, which would
+    # otherwise slow the first length's first round alone.
+    if len(lengths) > 1:
         llm.engine.reset_totals()
+        _run_once(llm, prompts[lengths[0]], params, stream=False)
         backend.profile_report(reset=True)
-        run = _measure(llm, prompt_ids, params, stream=False)
-        if profiling:
-            run["profile"] = backend.profile_report(reset=True)
-        results.append(run)
+    results: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
+    for _ in range(max(1, args.repeat)):
+        for length in lengths:
+            llm.engine.reset_totals()
+            backend.profile_report(reset=True)
+            run = _measure(llm, prompts[length], params, stream=False)
+            if profiling:
+                run["profile"] = backend.profile_report(reset=True)
+            results[length].append(run)
+    reports = [_bench_report(args, llm, length, results[length], load_s) for length in lengths]
+    report = reports[0]
+    if len(lengths) > 1:
+        common = ("model", "quant", "device", "backend", "access_path", "gen_tokens", "kv_cache_dtype",
+                  "kv_bytes_per_token", "load_s")
+        report = {key: reports[0][key] for key in common}
+        report["prompts"] = [{k: v for k, v in r.items() if k not in common} for r in reports]
+        report["vs_first"] = [_ratios(results[lengths[0]], results[length]) | {"prompt_tokens": length}
+                              for length in lengths[1:]]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{reports[0]['device']} ({reports[0]['backend']}), model {reports[0]['model']}")
+    for r in reports:
+        per_step = r["per_step"]
+        print(f"prefill {r['prompt_tokens']} tok: {r['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
+              f"{r['decode_tok_s']:.2f} tok/s | load {load_s:.2f} s")
+        print(f"per decode step: {per_step}")
+        gpu = per_step["gpu_ms"]
+        print(f"decode step {per_step['step_ms']:.2f} ms: device (timestamps) "
+              f"{'n/a' if gpu is None else f'{gpu:.2f} ms'}, host {per_step['host_ms']:.2f} ms")
+        for phase, table in (r.get("profile") or {}).get("phases", {}).items():
+            print(_profile_text(phase, table))
+    for ratio in report.get("vs_first", []):
+        print(f"prompt {ratio['prompt_tokens']} vs {lengths[0]}, median of {len(ratio['prefill'])} rounds: "
+              f"prefill {ratio['prefill_median']:.2f}x, decode {ratio['decode_median']:.2f}x "
+              f"(rounds: prefill {', '.join(f'{v:.2f}' for v in ratio['prefill'])}; "
+              f"decode {', '.join(f'{v:.2f}' for v in ratio['decode'])})")
+    return 0
+
+
+def _ratios(first: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tok/s of `other`'s runs over `first`'s, round by round, and their medians."""
+    out: dict[str, Any] = {}
+    for phase in ("prefill", "decode"):
+        key = f"{phase}_tok_s"
+        values = [b[key] / a[key] if a[key] else 0.0 for a, b in zip(first, other, strict=True)]
+        out[phase], out[f"{phase}_median"] = values, statistics.median(values)
+    return out
+
+
+def _bench_report(args: argparse.Namespace, llm: Any, prompt_tokens: int, results: list[dict[str, Any]],
+                  load_s: float) -> dict[str, Any]:
+    """One prompt length's report: its best run (by decode tok/s) and every run's speeds."""
+    backend = llm.engine.model.backend
     best = max(results, key=lambda r: r["decode_tok_s"])
     per_step = dict(best["decode_counters_per_step"])
     steps_s = 1.0 / best["decode_tok_s"] if best["decode_tok_s"] else 0.0
@@ -188,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "model": str(args.model or "default"), "quant": llm.engine.model.file_type,
         "device": device, "backend": backend.name,
         "access_path": desc.get("device", {}).get("access_path") if isinstance(desc.get("device"), dict) else None,
-        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "prompt_tokens": prompt_tokens, "gen_tokens": args.gen_tokens,
         "prefill_tok_s": best["prefill_tok_s"], "decode_tok_s": best["decode_tok_s"],
         "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "first_token_s", "seconds")} for r in results],
         "per_step": per_step, "per_step_max": best["decode_counters_max"],
@@ -201,19 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # Per-kernel device time of the best run, by phase; profiling adds a timestamp per
         # dispatch, so the tok/s of a profiled run are a little lower than unprofiled.
         report["profile"] = best.get("profile")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"{report['device']} ({report['backend']}), model {report['model']}")
-        print(f"prefill {args.prompt_tokens} tok: {report['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
-              f"{report['decode_tok_s']:.2f} tok/s | load {load_s:.2f} s")
-        print(f"per decode step: {report['per_step']}")
-        gpu = per_step["gpu_ms"]
-        print(f"decode step {per_step['step_ms']:.2f} ms: device (timestamps) "
-              f"{'n/a' if gpu is None else f'{gpu:.2f} ms'}, host {per_step['host_ms']:.2f} ms")
-        for phase, table in (report.get("profile") or {}).get("phases", {}).items():
-            print(_profile_text(phase, table))
-    return 0
+    return report
 
 
 def _step_phase(stats: Any) -> str:
@@ -279,9 +336,12 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("bench", help="measure prefill and decode throughput (JSON with --json)")
     _model_args(p)
-    p.add_argument("--prompt-tokens", "-p", type=int, default=128)
+    p.add_argument("--prompt-tokens", "-p", type=_prompt_lengths, default=[128], metavar="N[,N...]",
+                   help="prompt length; several (e.g. 128,2048) run in turn in each repeat and are "
+                        "compared with the first, round by round (default 128)")
     p.add_argument("--gen-tokens", "-g", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds; each length's best decode tok/s is reported (default 1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
