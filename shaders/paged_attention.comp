@@ -115,8 +115,7 @@ void main() {
         uint b = start / pc.block_size, off = start % pc.block_size;
         for (uint p = start; p < range.y; p += LANES) {
             uint block = uint(LD_I32(block_table, table_row + b));
-            LOAD_KV((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
-            attend_position(0u);
+            attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
             off += LANES;
             while (off >= pc.block_size) { off -= pc.block_size; ++b; }
         }
@@ -156,8 +155,7 @@ void main() {
             uint kv_row = (block * pc.block_size + j) * pc.kv_dim4 + head_texel;
             uint count = min(pc.block_size, range.y - start);
             for (; j < count; ++j, kv_row += pc.kv_dim4) {
-                LOAD_KV(kv_row);
-                attend_position(0u);
+                attend_position(kv_row);
             }
         }
         if (pc.chunks > 1u) attend_store_partial(0u, partial_row(i));

@@ -93,8 +93,7 @@ void main() {
         uint b = start / pc.block_size, off = start % pc.block_size;
         for (uint p = start; p < range.y; p += LANES) {
             uint block = uint(LD_I32(block_table, table_row + b));
-            LOAD_KV((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
-            [[unroll]] for (uint g = 0u; g < HEADS; ++g) attend_position(g);
+            attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
             off += LANES;
             while (off >= pc.block_size) { off -= pc.block_size; ++b; }
         }

@@ -11,6 +11,7 @@
 //   shader includes softcap.glsl) and CHUNK (positions per chunk, 0 = one), all constants;
 //   ATTENTION_ROWS: rows of state per invocation (1, or the GQA kernel's query heads);
 //   vec4 k_row[HD4], v_row[HD4]: the key and value row of the position being folded;
+//   include/kv_cache.glsl (the cache bindings and LOAD_ROW);
 //   the bindings q (read with LD_F32X4) and o (vec4s); GL_EXT_control_flow_attributes;
 //   ATTENTION_SUBGROUP for the subgroup merge (subgroup arithmetic enabled); ATTENTION_PAGED
 //   for the paged walk's helpers (the binding positions, and pc.window, pc.block_size,
@@ -37,12 +38,12 @@ float attention_prescale(float scale) { return SOFTCAP > 0.0 ? scale : scale * L
 
 // Load row r's query, q's vec4s from texel q_texel on, times q_scale (attention_prescale).
 void attend_load_q(uint r, uint q_texel, float q_scale) {
-    for (uint d = 0u; d < HD4; ++d) q_reg[r * HD4 + d] = LD_F32X4(q, q_texel + d) * q_scale;
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) q_reg[r * HD4 + d] = LD_F32X4(q, q_texel + d) * q_scale;
 }
 
 // Start row r's running state over a new chunk of positions.
 void attend_reset(uint r) {
-    for (uint d = 0u; d < HD4; ++d) acc[r * HD4 + d] = vec4(0.0);
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) acc[r * HD4 + d] = vec4(0.0);
     run_max[r] = NEG_INF;  // the first position sets it
     run_sum[r] = 0.0;
 }
@@ -57,28 +58,43 @@ float add_dot(float score, vec4 q, vec4 k) {
     return s;
 }
 
-// Fold into row r the position whose key and value rows are in k_row, v_row. The loops over
-// the head are unrolled: llvmpipe stops any loop once a shader invocation has run 65535 loop
-// iterations in all (gallivm's loop limiter), and walking a long context through rolled
-// head_dim loops reached that (head_dim 256 past ~3800 positions per lane), returning garbage.
-// A new maximum rescales the running sums by `shrink`; otherwise shrink is exactly 1, and
-// multiplying by it unconditionally changes no bit while sparing a divergent branch (llvmpipe
-// runs both sides of one and blends every store).
-void attend_position(uint r) {
-    uint base = r * HD4;
-    precise float score = 0.0;
-    [[unroll]] for (uint d = 0u; d < HD4; ++d) score = add_dot(score, q_reg[base + d], k_row[d]);
-    if (SOFTCAP > 0.0) score = softcap_f32(score, SOFTCAP) * LOG2E;
-    bool rises = score > run_max[r];
-    precise float shrink = rises ? exp2(run_max[r] - score) : 1.0;
-    run_max[r] = rises ? score : run_max[r];
-    precise float weight = exp2(score - run_max[r]);
-    precise float sum = run_sum[r] * shrink + weight;
-    run_sum[r] = sum;
-    [[unroll]] for (uint d = 0u; d < HD4; ++d) {
-        precise vec4 a = fma(vec4(weight), v_row[d], acc[base + d] * shrink);
-        acc[base + d] = a;
+// Fold into every row the position whose key and value rows start at cache texel `texel`
+// (LOAD_ROW, include/kv_cache.glsl). The head_dim loops run outermost: each key texel serves
+// every row's score while it is in registers, and the value row is loaded once the weights
+// are known, so neither row is held across the other's work (on llvmpipe that took a third of
+// the GQA loop's stack traffic). Each row's operations and their order are those of the row
+// alone, so the rows' count never changes their bits. The loops over the head are unrolled:
+// llvmpipe stops any loop once a shader invocation has run 65535 loop iterations in all
+// (gallivm's loop limiter), and walking a long context through rolled head_dim loops reached
+// that (head_dim 256 past ~3800 positions per lane), returning garbage.
+// A new maximum rescales the running sums by `shrink` and weighs the position 1; otherwise
+// shrink is exactly 1 and the weight exp2(score - max). So one exp2 serves both, and
+// multiplying by shrink unconditionally changes no bit while sparing a divergent branch
+// (llvmpipe runs both sides of one and blends every store).
+void attend_position(uint texel) {
+    LOAD_ROW(k_cache, k_row, texel);
+    precise float score[ATTENTION_ROWS];
+    [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) score[r] = 0.0;
+    [[unroll]] for (uint d = 0u; d < HD4; ++d)
+        [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) score[r] = add_dot(score[r], q_reg[r * HD4 + d], k_row[d]);
+    float shrink[ATTENTION_ROWS], weight[ATTENTION_ROWS];
+    [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) {
+        if (SOFTCAP > 0.0) score[r] = softcap_f32(score[r], SOFTCAP) * LOG2E;
+        float old_max = run_max[r];
+        bool rises = score[r] > old_max;
+        precise float e = exp2(rises ? old_max - score[r] : score[r] - old_max);
+        shrink[r] = rises ? e : 1.0;
+        weight[r] = rises ? 1.0 : e;
+        run_max[r] = rises ? score[r] : old_max;
+        precise float sum = run_sum[r] * shrink[r] + weight[r];
+        run_sum[r] = sum;
     }
+    LOAD_ROW(v_cache, v_row, texel);
+    [[unroll]] for (uint d = 0u; d < HD4; ++d)
+        [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) {
+            precise vec4 a = fma(vec4(weight[r]), v_row[d], acc[r * HD4 + d] * shrink[r]);
+            acc[r * HD4 + d] = a;
+        }
 }
 
 #ifdef ATTENTION_PAGED
@@ -103,7 +119,7 @@ void attend_lanes_merge(uint r) {
     precise float lane_sum = run_sum[r] * f;
     run_sum[r] = subgroupAdd(lane_sum);
     run_max[r] = m;
-    for (uint d = 0u; d < HD4; ++d) {
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) {
         precise vec4 lane_acc = acc[r * HD4 + d] * f;
         acc[r * HD4 + d] = subgroupAdd(lane_acc);
     }
@@ -119,13 +135,13 @@ bool attend_leader() { return true; }
 void attend_store_partial(uint r, uint out_row) {
     if (!attend_leader()) return;
     o[out_row] = vec4(run_max[r], run_sum[r], 0.0, 0.0);
-    for (uint d = 0u; d < HD4; ++d) o[out_row + 1u + d] = acc[r * HD4 + d];
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) o[out_row + 1u + d] = acc[r * HD4 + d];
 }
 
 // The chunks a row's walk folds itself: start with none, fold the current chunk's state, and
 // store the normalised result at o[out_row ..].
 void merged_reset(uint r) {
-    for (uint d = 0u; d < HD4; ++d) merged_acc[r * HD4 + d] = vec4(0.0);
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) merged_acc[r * HD4 + d] = vec4(0.0);
     merged_max[r] = NEG_INF;
     merged_sum[r] = 0.0;
 }
@@ -133,14 +149,14 @@ void merge_chunk(uint r) {
     if (merged_max[r] == NEG_INF) {  // the first chunk
         merged_max[r] = run_max[r];
         merged_sum[r] = run_sum[r];
-        for (uint d = 0u; d < HD4; ++d) merged_acc[r * HD4 + d] = acc[r * HD4 + d];
+        [[unroll]] for (uint d = 0u; d < HD4; ++d) merged_acc[r * HD4 + d] = acc[r * HD4 + d];
         return;
     }
     vec2 w = merge_weights(merged_max[r], run_max[r]);
     precise float sum = merged_sum[r] * w.x + run_sum[r] * w.y;
     merged_sum[r] = sum;
     merged_max[r] = max(merged_max[r], run_max[r]);
-    for (uint d = 0u; d < HD4; ++d) {
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) {
         precise vec4 a = merged_acc[r * HD4 + d] * w.x + acc[r * HD4 + d] * w.y;
         merged_acc[r * HD4 + d] = a;
     }
@@ -148,7 +164,7 @@ void merge_chunk(uint r) {
 void attend_store_merged(uint r, uint out_row) {
     if (!attend_leader()) return;
     precise float inv_sum = 1.0 / merged_sum[r];
-    for (uint d = 0u; d < HD4; ++d) {
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) {
         precise vec4 normalised = merged_acc[r * HD4 + d] * inv_sum;
         o[out_row + d] = normalised;
     }

@@ -1,7 +1,7 @@
 // The paged key / value caches, bindings 1 and 2, in the format of the KV_* define, and
-// LOAD_KV(row): the key and value rows that start at 4-value texel `row` into the vec4 arrays
-// k_row[HD4] and v_row[HD4], which the including shader declares (the rows
-// include/attention.glsl's KEY / VALUE read).
+// LOAD_ROW(cache, dst, row): the key or value row that starts at 4-value texel `row` into the
+// vec4 array dst[HD4] (k_row or v_row, which the including shader declares; include/
+// attention.glsl's attend_position loads them).
 //   KV_F32:  4 floats per texel.
 //   KV_F16:  4 halves per u32x2 texel, or with KV_F16_WIDE 8 halves per u32x4 texel (half the
 //            fetches; the host binds that view, which needs head_dim a multiple of 8).
@@ -42,4 +42,3 @@ IN_F32X4(1, k_cache);
 IN_F32X4(2, v_cache);
 #define LOAD_ROW(cache, dst, row) [[unroll]] for (uint d = 0u; d < HD4; ++d) dst[d] = LD_F32X4(cache, (row) + d)
 #endif
-#define LOAD_KV(row) LOAD_ROW(k_cache, k_row, row); LOAD_ROW(v_cache, v_row, row)
