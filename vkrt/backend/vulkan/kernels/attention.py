@@ -126,8 +126,8 @@ SPLIT_TOKENS = 4
 # most of the group that divides it; fewer than 2 heads share nothing, so such models keep the
 # paged kernel). Measured on llvmpipe (SmolLM2's 3 heads x 64 per KV head, 1024-token prompt):
 # 3 rows ran 2.2x faster than the paged kernel; 6 rows (2 tokens) spilled their state, 7x
-# slower, after 150 s of JIT. Gemma-3-270M's heads of 256 in tiles of 2 ran no faster than the
-# paged kernel reading f16 8 halves per texel, and took ~3x its JIT (docs/BENCHMARKS.md).
+# slower, after 150 s of JIT. Gemma-3-270M's heads of 256 in tiles of 2 decode no faster than the
+# paged kernel and prefill ~13% faster, but take ~3x its JIT (docs/BENCHMARKS.md).
 GQA_ROW_FLOATS = 256
 
 
