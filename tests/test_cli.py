@@ -132,7 +132,7 @@ def test_bench_compares_prompt_lengths_round_by_round(capsys: pytest.CaptureFixt
         assert p["decode_tok_s"] == max(r["decode_tok_s"] for r in p["runs"])
 
 
-@pytest.mark.parametrize("value", ["0", "4,x", "4,,8", "-3"])
+@pytest.mark.parametrize("value", ["0", "4,x", "4,,8", "-3", "8,8"])
 def test_bench_rejects_bad_prompt_lengths(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", "-p", value])

@@ -152,23 +152,24 @@ def _prompt_lengths(text: str) -> list[int]:
         lengths = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a token count or a comma-separated list of them: {text!r}") from None
-    if not lengths or min(lengths) < 1:
+    if min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
+    if len(set(lengths)) != len(lengths):
+        raise argparse.ArgumentTypeError(f"a prompt length is given twice: {text!r}")
     return lengths
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from vkrt.engine.config import SamplingParams
 
-    lengths = args.prompt_tokens if isinstance(args.prompt_tokens, list) else [args.prompt_tokens]
+    lengths = args.prompt_tokens
     start = time.perf_counter()
     llm = _load(args, enable_prefix_caching=False)  # repeats must recompute the prompt
     load_s = time.perf_counter() - start
     vocab = llm.model_config.vocab_size
-    prompts = {}
-    for length in lengths:  # the same ids for a length whatever else is benchmarked
-        rng = random.Random(0)
-        prompts[length] = [rng.randrange(100, min(vocab, 30000)) for _ in range(length)]
+    rng = random.Random(0)  # each length's prompt is a prefix of one fixed stream of ids
+    ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(max(lengths))]
+    prompts = {length: ids[:length] for length in lengths}
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     backend = llm.engine.model.backend
     profiling = False

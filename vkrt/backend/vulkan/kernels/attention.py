@@ -125,8 +125,9 @@ SPLIT_TOKENS = 4
 # Query heads per GQA tile: as many of a KV head's as hold GQA_ROW_FLOATS floats of query (the
 # most of the group that divides it; fewer than 2 heads share nothing, so such models keep the
 # paged kernel). Measured on llvmpipe (SmolLM2's 3 heads x 64 per KV head, 1024-token prompt):
-# 3 rows ran 2.2x faster than the paged kernel; 6 rows (2 tokens) spilled their state, 7x
-# slower, after 150 s of JIT. Gemma-3-270M's heads of 256 in tiles of 2 decode no faster than the
+# 3 rows ran 2.2x faster than the paged kernel. Tiles of 6 rows first spilled (7x slower, 150 s
+# of JIT); since the position loop stopped spilling they run 11-15% faster per row than 3 (12
+# rows slower), but a tile holds one token, so SmolLM2 keeps its 3. Gemma-3-270M's heads of 256 in tiles of 2 decode no faster than the
 # paged kernel and prefill ~13% faster, but take ~3x its JIT (docs/BENCHMARKS.md).
 GQA_ROW_FLOATS = 256
 
