@@ -5,8 +5,8 @@
 One decode token at context depth N (--depth, the default: 2048, a 4096-position block table
 as a recorded decode step has) or one prompt of N tokens (--prompt); --shape is heads, KV heads
 and head_dim (default SmolLM2-135M's 9,3,64; Gemma-3-270M's is 4,1,256), f16 cache. Each kernel
-(`gqa`: shaders/paged_attention_gqa.comp with the heads per tile `gqa_heads` picks, `gqaN`: N
-heads per tile, `paged`: shaders/paged_attention.comp; append `-split` to force chunks of
+(`gqa`: shaders/paged_attention_gqa.comp with the heads and tokens per tile `gqa_heads` and
+`gqa_tokens` pick, `gqaN`: N heads per tile, `gqaNxT`: and T tokens per tile, `paged`: shaders/paged_attention.comp; append `-split` to force chunks of
 PAGED_CHUNK positions, split over workgroups in a decode step) runs once untimed (pipeline
 JIT), then the kernels alternate; prints each one's median and fastest device time per call
 (timestamp queries) and whether it gave the first kernel's bits (kernels with the same chunking
@@ -32,9 +32,9 @@ from vkrt.backend import get_backend  # noqa: E402
 from vkrt.backend.vulkan.kernels import attention  # noqa: E402
 
 
-def fixed_tile(tile: int, group: int, head_dim: int) -> int:
-    """gqa_heads forced to `tile` heads per tile (1: the paged kernel)."""
-    return tile
+def fixed(value: int, *args: int) -> int:
+    """gqa_heads or gqa_tokens forced to `value` (heads 1: the paged kernel)."""
+    return value
 
 
 def main() -> None:
@@ -51,15 +51,16 @@ def main() -> None:
     case = (prefill_case(rng, [(0, args.prompt)], heads, kv_heads, head_dim, "f16") if args.prompt
             else decode_case(rng, [args.depth], heads, kv_heads, head_dim, "f16", width=4096 // 16))
     t = upload(vk, case, "f16")
-    gqa_heads, paged_chunk = attention.gqa_heads, attention.paged_chunk
+    gqa_heads, gqa_tokens, paged_chunk = attention.gqa_heads, attention.gqa_tokens, attention.paged_chunk
     names = args.kernels.split(",")
     times: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, np.ndarray] = {}
     for repeat in range(args.repeats + 1):
         for name in names:
             kernel = name.removesuffix("-split")
-            tile = 1 if kernel == "paged" else int(kernel[3:]) if kernel[3:] else None
-            attention.gqa_heads = gqa_heads if tile is None else functools.partial(fixed_tile, tile)
+            tile, _, tokens = ("1" if kernel == "paged" else kernel[3:]).partition("x")
+            attention.gqa_heads = functools.partial(fixed, int(tile)) if tile else gqa_heads
+            attention.gqa_tokens = functools.partial(fixed, int(tokens)) if tokens else gqa_tokens
             attention.paged_chunk = (lambda caps: attention.PAGED_CHUNK) if name.endswith("-split") else paged_chunk
             before = vk.counters.gpu_us
             outputs[name] = ops.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["seq_index"],

@@ -9,7 +9,7 @@
 // The including shader declares, before including this file:
 //   HD4 (head_dim / 4), SOFTCAP (0 = off; c > 0 caps scores at c * tanh(s / c), and the
 //   shader includes softcap.glsl) and CHUNK (positions per chunk, 0 = one), all constants;
-//   ATTENTION_ROWS: rows of state per invocation (1, or the GQA kernel's query heads);
+//   ATTENTION_ROWS: rows of state per invocation (1, or the GQA kernel's query heads x tokens);
 //   vec4 k_row[HD4], v_row[HD4]: the key and value row of the position being folded;
 //   include/kv_cache.glsl (the cache bindings and LOAD_ROW);
 //   the bindings q (read with LD_F32X4) and o (vec4s); GL_EXT_control_flow_attributes;
@@ -71,31 +71,37 @@ float add_dot(float score, vec4 q, vec4 k) {
 // shrink is exactly 1 and the weight exp2(score - max). So one exp2 serves both, and
 // multiplying by shrink unconditionally changes no bit while sparing a divergent branch
 // (llvmpipe runs both sides of one and blends every store).
-void attend_position(uint texel) {
+// Only the rows whose bit is set in `live` take the position; the others keep their state as
+// it was (selected, never scaled by 1 and added 0, which a non-finite value would change).
+// With every bit set (attend_position) the selects fold away at compile time.
+void attend_position_rows(uint texel, uint live) {
     LOAD_ROW(k_cache, k_row, texel);
     precise float score[ATTENTION_ROWS];
     [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) score[r] = 0.0;
     [[unroll]] for (uint d = 0u; d < HD4; ++d)
         [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) score[r] = add_dot(score[r], q_reg[r * HD4 + d], k_row[d]);
     float shrink[ATTENTION_ROWS], weight[ATTENTION_ROWS];
+    bool on[ATTENTION_ROWS];
     [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) {
+        on[r] = ((live >> r) & 1u) != 0u;
         if (SOFTCAP > 0.0) score[r] = softcap_f32(score[r], SOFTCAP) * LOG2E;
         float old_max = run_max[r];
         bool rises = score[r] > old_max;
         precise float e = exp2(rises ? old_max - score[r] : score[r] - old_max);
         shrink[r] = rises ? e : 1.0;
         weight[r] = rises ? 1.0 : e;
-        run_max[r] = rises ? score[r] : old_max;
+        run_max[r] = on[r] && rises ? score[r] : old_max;
         precise float sum = run_sum[r] * shrink[r] + weight[r];
-        run_sum[r] = sum;
+        run_sum[r] = on[r] ? sum : run_sum[r];
     }
     LOAD_ROW(v_cache, v_row, texel);
     [[unroll]] for (uint d = 0u; d < HD4; ++d)
         [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) {
             precise vec4 a = fma(vec4(weight[r]), v_row[d], acc[r * HD4 + d] * shrink[r]);
-            acc[r * HD4 + d] = a;
+            acc[r * HD4 + d] = on[r] ? a : acc[r * HD4 + d];
         }
 }
+void attend_position(uint texel) { attend_position_rows(texel, ~0u); }
 
 #ifdef ATTENTION_PAGED
 // Token t's context end, its window's first position (include/chunk_merge.glsl), and the

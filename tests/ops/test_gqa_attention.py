@@ -280,12 +280,75 @@ def test_chunks_split_or_walked_give_the_same_bits(vk: Backend, rng: np.random.G
     assert nmse(got["walked"], want(case, *args)) <= ATTENTION_NMSE
 
 
+def run_tiles(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, tokens: int,
+              case: dict[str, np.ndarray], kv_dtype: str, *args: Any) -> np.ndarray:
+    """paged_attention with the GQA kernel and `tokens` tokens per tile forced; checks they ran."""
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "gqa_tokens", lambda heads, head_dim, window: tokens)
+        specs: list[dict[int, int]] = []
+        original = vk.run_shader  # type: ignore[attr-defined]
+
+        def spy(name: str, *rest: Any) -> Any:
+            specs.append(rest[-1] if name.startswith("paged_attention_gqa") else {})
+            return original(name, *rest)
+
+        patch.setattr(vk, "run_shader", spy)
+        got = run(vk, case, kv_dtype, *args)
+    assert [spec.get(5) for spec in specs] == [tokens], specs
+    return got
+
+
+# Tiles of two tokens meet every pairing: neighbours of one prompt (same walk), a prompt's last
+# token beside the next sequence's first, decode rows beside decode rows, a padding row, and an
+# odd count (the last tile's second token is past the step).
+PAIR_SEQS = [(0, 17), (5, 40), (16, 1), (0, 2), (30, 3), (47, 1), (100, 33), (200, 1), (0, 1)]
+
+
+@pytest.mark.parametrize(("geometry", "kv_dtype"), [(g, "f16") for g in GEOMETRIES] + [(GEOMETRIES[0], "f32"),
+                                                                                     (GEOMETRIES[0], "q8_0")],
+                         ids=[f"{g}-f16" for g in GEOMETRY_IDS] + [f"{GEOMETRY_IDS[0]}-f32", f"{GEOMETRY_IDS[0]}-q8_0"])
+def test_two_token_tiles_equal_one_token_tiles(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                               monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
+                                               geometry: tuple[int, int, int]) -> None:
+    """A prefill step in tiles of 2 tokens and of 1: byte-equal rows (each row folds its own
+    positions on the same lanes in the same order; a partner's extra positions leave it as it
+    was)."""
+    num_heads, num_kv_heads, head_dim = geometry
+    case = prefill_case(rng, PAIR_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    case["seq_index"][20] = -1
+    assert case["positions"].size % 2 == 1
+    args = (num_heads, num_kv_heads, head_dim ** -0.5)
+    one = run_tiles(vk, kernels, monkeypatch, 1, case, kv_dtype, *args)
+    two = run_tiles(vk, kernels, monkeypatch, 2, case, kv_dtype, *args)
+    np.testing.assert_array_equal(two.view(np.uint32), one.view(np.uint32))
+    assert not two[20].any()
+    assert nmse(two, want(case, *args)) <= ATTENTION_NMSE
+
+
+@pytest.mark.parametrize(("window", "softcap", "chunk"), [(7, 0.0, 0), (40, 0.0, 0), (0, 50.0, 0), (0, 0.0, CHUNK),
+                                                          (40, 0.0, CHUNK)], ids=lambda v: str(v))
+def test_two_token_tiles_windows_softcaps_chunks(vk: Backend, rng: np.random.Generator, kernels: Any,
+                                                 monkeypatch: pytest.MonkeyPatch, window: int, softcap: float,
+                                                 chunk: int) -> None:
+    """Byte-equal too where neighbours' windows start apart (they walk one after the other),
+    with a cap, and where a prefill walks chunks of CHUNK positions in one workgroup (a token
+    whose partner ends in the next chunk)."""
+    monkeypatch.setattr(kernels, "paged_chunk", lambda caps: chunk)
+    case = prefill_case(rng, PAIR_SEQS + [(0, 70), (60, 40)], 9, 3, 64, "f16")
+    case["q"] *= 2.0  # peaked scores: the cap matters and chunks' maxima differ
+    args = (9, 3, 0.125, window, softcap)
+    one = run_tiles(vk, kernels, monkeypatch, 1, case, "f16", *args)
+    two = run_tiles(vk, kernels, monkeypatch, 2, case, "f16", *args)
+    np.testing.assert_array_equal(two.view(np.uint32), one.view(np.uint32))
+    assert nmse(two, want(case, *args)) <= ATTENTION_NMSE
+
+
 def test_gqa_policy() -> None:
     """The GQA kernel runs where the paged kernel's subgroup split does, with its lanes, and
     takes as many heads of a GQA group as fit GQA_ROW_FLOATS (head_dim a multiple of 8)."""
     from types import SimpleNamespace
 
-    from vkrt.backend.vulkan.kernels.attention import gqa_heads, gqa_lanes
+    from vkrt.backend.vulkan.kernels.attention import gqa_heads, gqa_lanes, gqa_tokens
 
     def caps(device_type: str, vendor: int, size: int, subgroup_ops: list[str]) -> Any:
         return SimpleNamespace(device_type=device_type, vendor_id=vendor, subgroup_size=size,
@@ -298,3 +361,5 @@ def test_gqa_policy() -> None:
     assert gqa_lanes(caps("cpu", 0x10005, 8, ["basic"])) is None
     assert [gqa_heads(g, d) for g, d in ((3, 64), (4, 64), (8, 64), (4, 128), (6, 64), (4, 256), (1, 64), (4, 36))] \
         == [3, 4, 4, 2, 3, 1, 1, 1]
+    assert [gqa_tokens(h, d, w) for h, d, w in ((3, 64, 0), (2, 64, 0), (3, 64, 4096), (4, 64, 0), (2, 128, 0))] \
+        == [2, 2, 1, 1, 1]

@@ -5,7 +5,8 @@ specialisation constant 1) and runs an online softmax over the context; both ker
 merge with include/attention.glsl's functions, so a row gets the same bits from either.
 - `paged_attention_gqa` (GQA models: a KV head's query heads fit a tile, `gqa_heads`, on a
   device with the subgroup split): one workgroup (a subgroup) per (token, query heads of one KV
-  head), loading each key / value row once for all of them.
+  head), loading each key / value row once for all of them; in prefill-shaped steps a tile
+  takes 2 consecutive tokens where `gqa_tokens` says so.
 - `paged_attention` otherwise: one subgroup per (token, head) where the device has subgroup
   arithmetic (`paged_split`), else one invocation per (token, head).
 Lanes split a row's positions round-robin and merge with subgroup max / add. Where
@@ -125,11 +126,15 @@ SPLIT_TOKENS = 4
 # Query heads per GQA tile: as many of a KV head's as hold GQA_ROW_FLOATS floats of query (the
 # most of the group that divides it; fewer than 2 heads share nothing, so such models keep the
 # paged kernel). Measured on llvmpipe (SmolLM2's 3 heads x 64 per KV head, 1024-token prompt):
-# 3 rows ran 2.2x faster than the paged kernel. Tiles of 6 rows first spilled (7x slower, 150 s
-# of JIT); since the position loop stopped spilling they run 11-15% faster per row than 3 (12
-# rows slower), but a tile holds one token, so SmolLM2 keeps its 3. Gemma-3-270M's heads of 256 in tiles of 2 decode no faster than the
-# paged kernel and prefill ~13% faster, but take ~3x its JIT (docs/BENCHMARKS.md).
+# 3 rows ran 2.2x faster than the paged kernel. Gemma-3-270M's heads of 256 in tiles of 2
+# decode no faster than the paged kernel and prefill ~13% faster, but take ~3x its JIT
+# (docs/BENCHMARKS.md).
 GQA_ROW_FLOATS = 256
+# A prefill-shaped step's tile takes 2 consecutive tokens where their rows hold at most this
+# many floats of query: SmolLM2's 2 tokens x 3 heads x 64, whose 2048-token prompt's attention
+# runs ~15% faster than in tiles of 1 token on llvmpipe; 12 rows of 64 ran slower than 6
+# (docs/BENCHMARKS.md), and larger heads are unmeasured.
+GQA_TILE_FLOATS = 384
 
 
 def gqa_lanes(caps: Any) -> int | None:
@@ -150,6 +155,12 @@ def gqa_heads(group: int, head_dim: int) -> int:
     return max(h for h in range(1, group + 1) if group % h == 0 and h * head_dim <= max(GQA_ROW_FLOATS, head_dim))
 
 
+def gqa_tokens(heads: int, head_dim: int, window: int) -> int:
+    """Tokens per GQA tile in a prefill-shaped step: 2 where their rows fit GQA_TILE_FLOATS and
+    no sliding window moves each token's first position (neighbours would walk apart), else 1."""
+    return 2 if 2 * heads * head_dim <= GQA_TILE_FLOATS and not window else 1
+
+
 def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     q, k_cache, v_cache, block_table, seq_index, positions = inputs
@@ -163,9 +174,12 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     split = chunks > 1 and tokens < SPLIT_TOKENS * block_table.shape[0]
     lanes = gqa_lanes(backend.caps)
     heads = gqa_heads(group, head_dim) if lanes is not None else 1
-    if heads > 1:  # a workgroup per (token, query heads of one KV head[, chunk])
+    step_chunks = chunks if split else 1  # chunks per row in the grid: 1 walks them all
+    if heads > 1:  # a workgroup per (tokens, query heads of one KV head[, chunk])
         shader = module(backend, "paged_attention_gqa", KV_VARIANT[k_cache.dtype])
-        items, per_group, spec = num_heads // heads, 1, {0: lanes, 4: heads}
+        prefill = tokens >= SPLIT_TOKENS * block_table.shape[0]
+        tile_tokens = gqa_tokens(heads, head_dim, params.get("window", 0)) if prefill else 1  # never split
+        items, per_group, spec = num_heads // heads, 1, {0: lanes, 4: heads, 5: tile_tokens}
         if k_cache.dtype == "f16":
             kind = "u32x4"  # 8 halves per texel
     else:  # a workgroup (sub) or invocation (seq) per (token, head[, chunk])
@@ -173,9 +187,9 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
         kv_variant, kind = paged_kv_variant(k_cache.dtype, head_dim)
         shader = module(backend, "paged_attention", kv_variant, variant)
         items, per_group, spec = num_heads, 1 if variant == "sub" else lanes, {0: lanes}
+        tile_tokens = 1
     spec |= {1: hd4, 2: float_bits(params.get("softcap", 0.0)), 3: chunk if chunks > 1 else 0}
     y = backend.empty(out[0].shape, "f32")
-    step_chunks = chunks if split else 1  # chunks per row in the grid: 1 walks them all
     slab = max(1, PAGED_SCRATCH_BYTES // (num_heads * chunks * (hd4 + 1) * 16)) if split else tokens
     for token0 in range(0, tokens, slab):
         count = min(slab, tokens - token0)
@@ -184,7 +198,7 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
                            [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
                             (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
                             (partials, "f32x4", True)],
-                           grid_1d(count * items * step_chunks, per_group),
+                           grid_1d(-(-count // tile_tokens) * items * step_chunks, per_group),
                            ("<IIIIIIfIII", (count, num_heads, group, kv_dim // 4, block_size,
                                             block_table.shape[1], params["scale"], params.get("window", 0),
                                             step_chunks, token0)),
