@@ -132,6 +132,31 @@ def test_bench_compares_prompt_lengths_round_by_round(capsys: pytest.CaptureFixt
         assert p["decode_tok_s"] == max(r["decode_tok_s"] for r in p["runs"])
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-warmup"]], ids=["warmup", "no-warmup"])
+def test_bench_warms_up_untimed_unless_told_not_to(flags: list[str], capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One untimed run of the first length before the timed ones (pipeline creation and step
+    recording out of the figures), as llama-bench does; --no-warmup times the first run too."""
+    from tests.conftest import FIXTURES
+    from vkrt import cli_generate
+
+    calls: list[int] = []
+    original = cli_generate._run_once
+
+    def counting(llm: Any, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(prompt))
+        return original(llm, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(cli_generate, "_run_once", counting)
+    code, out, _ = run(capsys, "bench", "--model", str(FIXTURES / "tiny_llama"), "--device", "reference",
+                       "-p", "5", "-g", "2", "--repeat", "2", "--json", *flags)
+    assert code == 0
+    report = json.loads(out)
+    assert report["warmup"] is not flags
+    assert len(report["runs"]) == 2
+    assert calls == [5] * (2 if flags else 3)
+
+
 @pytest.mark.parametrize("value", ["0", "4,x", "4,,8", "-3", "8,8"])
 def test_bench_rejects_bad_prompt_lengths(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -15,7 +15,9 @@ never touches vkrt's (see --peer-python). It runs as one long-lived subprocess
 (tools/peer_llamacpp.py): it loads the model with every layer offloaded, does one untimed
 warm-up (ggml-vulkan compiles its pipelines then: about a minute or more on llvmpipe; reported
 as warmup_s) and then answers one timed run per repeat. vkrt runs as
-`<vkrt python> -m vkrt.cli bench --json ...`, one fresh process per repeat.
+`<vkrt python> -m vkrt.cli bench --json ...`, one fresh process per repeat, which likewise
+makes one untimed warm-up run (creating its pipelines, recording its decode steps) before the
+timed one.
 
 Device: by default each runtime picks its own (vkrt: VKRT_DEVICE or its ranking; llama.cpp:
 its default GPUs, or GGML_VK_VISIBLE_DEVICES=0 when it finds none because it skips CPU-type

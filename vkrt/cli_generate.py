@@ -182,9 +182,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             llm.engine.stats_listeners.append(lambda stats: backend.profile_commit(_step_phase(stats)))
     # Several lengths run in turn within each repeat, so each round measures them all on the
     # machine as it is then: their ratios hold where absolute speed drifts between runs. An
-    # untimed run first compiles the pipelines and records the decode steps, which would
-    # otherwise slow the first length's first round alone.
-    if len(lengths) > 1:
+    # untimed run first (as llama-bench's warm-up) creates the pipelines and records the decode
+    # steps, which would otherwise slow the first round alone (~40% of a 128-token prefill).
+    if not args.no_warmup:
         llm.engine.reset_totals()
         _run_once(llm, prompts[lengths[0]], params, stream=False)
         backend.profile_report(reset=True)
@@ -201,7 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = reports[0]
     if len(lengths) > 1:
         common = ("model", "quant", "device", "backend", "access_path", "gen_tokens", "kv_cache_dtype",
-                  "kv_bytes_per_token", "load_s")
+                  "kv_bytes_per_token", "load_s", "warmup")
         report = {key: reports[0][key] for key in common}
         report["prompts"] = [{k: v for k, v in r.items() if k not in common} for r in reports]
         report["vs_first"] = [_ratios(results[lengths[0]], results[length]) | {"prompt_tokens": length}
@@ -265,7 +265,7 @@ def _bench_report(args: argparse.Namespace, llm: Any, prompt_tokens: int, result
         "resident_bytes": memory.get("reserved_bytes"), "memory": memory,
         "kv_cache_dtype": llm.config.kv_dtype,
         "kv_bytes_per_token": llm.engine.model.kv_bytes_per_block(1, llm.config.kv_dtype),
-        "load_s": load_s, "first_token_s": best["first_token_s"],
+        "load_s": load_s, "first_token_s": best["first_token_s"], "warmup": not args.no_warmup,
     }
     if args.profile:
         # Per-kernel device time of the best run, by phase; profiling adds a timestamp per
@@ -343,6 +343,9 @@ def register(sub: Any) -> None:
     p.add_argument("--gen-tokens", "-g", type=int, default=128)
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds; each length's best decode tok/s is reported (default 1)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="time the first run too (by default an untimed run of the first length comes first: "
+                        "pipeline creation and decode-step recording are not timed)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
