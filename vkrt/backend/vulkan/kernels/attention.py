@@ -132,8 +132,8 @@ SPLIT_TOKENS = 4
 GQA_ROW_FLOATS = 256
 # A prefill-shaped step's tile takes 2 consecutive tokens where their rows hold at most this
 # many floats of query: SmolLM2's 2 tokens x 3 heads x 64, whose 2048-token prompt's attention
-# runs ~15% faster than in tiles of 1 token on llvmpipe; 12 rows of 64 ran slower than 6
-# (docs/BENCHMARKS.md), and larger heads are unmeasured.
+# runs ~15% faster than in tiles of 1 token on llvmpipe; 3 or 4 tokens (9, 12 rows) ran slower
+# than 2 (docs/BENCHMARKS.md), and larger heads are unmeasured.
 GQA_TILE_FLOATS = 384
 
 
