@@ -39,8 +39,9 @@ layout(constant_id = 4) const uint HEADS = 1u;  // query heads per tile, all of 
 // the later tokens alone see (positions past an earlier token's end) with the earlier tokens'
 // rows held unchanged, so each row folds exactly its own positions, on the same lanes in the
 // same order as alone. Tokens that share no walk (a sequence boundary, a padding row, sliding
-// windows) walk one after another with the others' rows held. A row's bits never depend on
-// its tile partners.
+// windows) walk one after another: every walk resets the running states and merges only its
+// own rows, so the rows it does not own may fold anything meanwhile. A row's bits never depend
+// on its tile partners.
 layout(constant_id = 5) const uint TOKENS = 1u;
 
 IN_F32X4(0, q);
@@ -106,34 +107,31 @@ void main() {
     uint walked = ~real & ((1u << TOKENS) - 1u);
     [[dont_unroll]] while (walked != (1u << TOKENS) - 1u) {
         uint lead = findLSB(~walked);
-        uint walk = 0u, live = 0u, end_all = n[lead], end_any = n[lead];
+        uint walk = 0u, end_all = n[lead], end_any = n[lead];
         [[unroll]] for (uint j = 0u; j < TOKENS; ++j)
             if ((walked >> j & 1u) == 0u && seq[j] == seq[lead] && first[j] == first[lead]) {
                 walk |= 1u << j;
-                live |= token_rows(j);
                 end_all = min(end_all, n[j]);
                 end_any = max(end_any, n[j]);
             }
         walked |= walk;
-        // Every row outside the walk belongs to no token (past the step's end): nothing needs holding.
-        bool whole = (walk | ~real & ((1u << TOKENS) - 1u)) == (1u << TOKENS) - 1u;
         uvec2 span = pc.chunks > 1u ? uvec2(i % pc.chunks) : chunk_span(first[lead], end_any);
         uint table_row = uint(seq[lead]) * pc.max_blocks;
         for (uint c = span.x; c <= span.y; ++c) {
             uvec2 range = chunk_range(first[lead], end_any, c);  // token j's: [range.x, min(n[j], range.y))
             if (range.x >= range.y) return;  // a split tile whose chunk the window misses (uniform; TOKENS 1)
+            // Every row's running state starts here; only the walk's rows are merged below, so
+            // the other rows' running states are dead and may take any position.
             [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) attend_reset(r);
             uint shared_end = min(end_all, range.y);
             // Position p = b * block_size + off, advanced by LANES without a division per step.
             uint p = range.x + lane;
             uint b = p / pc.block_size, off = p % pc.block_size;
-            if (whole) {
-                for (; p < shared_end; p += LANES) {
-                    uint block = uint(LD_I32(block_table, table_row + b));
-                    attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
-                    off += LANES;
-                    while (off >= pc.block_size) { off -= pc.block_size; ++b; }
-                }
+            for (; p < shared_end; p += LANES) {  // positions every token of the walk sees
+                uint block = uint(LD_I32(block_table, table_row + b));
+                attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
+                off += LANES;
+                while (off >= pc.block_size) { off -= pc.block_size; ++b; }
             }
             // Rows of the walk's tokens that still see p (a tile of one token saw them all).
             if (TOKENS > 1u) for (; p < range.y; p += LANES) {
