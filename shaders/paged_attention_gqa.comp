@@ -3,24 +3,23 @@
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 //! variants: KV=f32,f16,q8_0 ACCESS=texel,ssbo
-// paged_attention for GQA models, every step: the math and the buffers are
-// paged_attention.comp's (same bindings, window, softcap and chunk rules, padding rows); what
-// differs is who loads what. One workgroup = one subgroup of LANES invocations owns a tile:
-// TOKENS consecutive tokens x HEADS query heads that share one KV head. Lane l folds, for every row of the
-// tile, the positions range.x + l, range.x + l + LANES, ... of each chunk of the row's window,
-// exactly the positions and order paged_attention.comp's SPLIT_SUB lane l folds for that row,
-// with the same functions (include/attention.glsl: score, online-softmax update, lane merge,
-// chunk merge, all `precise`), so a row's output is bit-identical to that kernel's and depends
-// only on the device and its own sequence. A key / value row is loaded once per tile for all
-// its rows instead of once per row (a third of the loads for 3 heads). The rows'
-// online-softmax states stay in registers; scores exist one at a time. Keys and values are not
-// staged in shared memory: on llvmpipe shared-memory loads measured ~20x slower than texel
-// loads (docs/ARCHITECTURE.md), and the lanes read disjoint positions, so there is nothing to
-// share across lanes.
+// paged_attention for GQA models, every step: the math and the buffers are paged_attention.comp's
+// (same bindings, window, softcap and chunk rules, padding rows); what differs is who loads what.
+// One workgroup = one subgroup of LANES invocations owns a tile: TOKENS consecutive tokens x HEADS
+// query heads that share one KV head. Lane l folds, for every row of the tile, the positions
+// range.x + l, range.x + l + LANES, ... of each chunk of the row's window, exactly the positions
+// and order paged_attention.comp's SPLIT_SUB lane l folds for that row, with the same functions
+// (include/attention.glsl: score, online-softmax update, lane merge, chunk merge, all `precise`),
+// so a row's output is bit-identical to that kernel's and depends only on the device and its own
+// sequence. A key / value row is loaded once per tile for all its rows instead of once per row (a
+// third of the loads for 3 heads). The rows' online-softmax states stay in registers; scores exist
+// one at a time. Keys and values are not staged in shared memory: on llvmpipe shared-memory loads
+// measured ~20x slower than texel loads (docs/ARCHITECTURE.md), and the lanes read disjoint
+// positions, so there is nothing to share across lanes.
 // Chunks (CHUNK > 0, specialisation constant 3): with pc.chunks == 1 a tile walks every chunk
 // its window touches and merges them in registers; with pc.chunks > 1 (decode-shaped steps)
-// tile i (of one token) walks chunk i % pc.chunks alone and stores its rows' partial states for
-// paged_attention_merge.comp (the layout of paged_attention.comp's partials). Everything that
+// tile i (of one token) walks chunk i % pc.chunks alone and stores its rows' partial states
+// for paged_attention_merge.comp (the layout of paged_attention.comp's partials). Everything that
 // changes per step (positions, seq_index, block_table) is read from buffers: a recorded step
 // can be replayed.
 #include "access.glsl"
@@ -57,7 +56,7 @@ OUT_F32X4(6, o);
 layout(push_constant) uniform Push {
     uint tokens; uint num_heads; uint group; uint kv_dim4;
     uint block_size; uint max_blocks; float scale; uint window;
-    uint chunks; uint token0;  // chunks per tile (1: the tile walks them all; TOKENS 1 otherwise); first token handled
+    uint chunks; uint token0;  // chunks per tile (1: it walks them all; else TOKENS is 1); first token
 } pc;
 
 // The rows' states are include/attention.glsl's arrays with a row per (token, query head) of

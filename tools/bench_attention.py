@@ -2,15 +2,15 @@
 
     python tools/bench_attention.py [--depth N | --prompt N] [--shape H,KV,D] [--kernels gqa,paged] [--repeats R]
 
-One decode token at context depth N (--depth, the default: 2048, a 4096-position block table
-as a recorded decode step has) or one prompt of N tokens (--prompt); --shape is heads, KV heads
-and head_dim (default SmolLM2-135M's 9,3,64; Gemma-3-270M's is 4,1,256), f16 cache. Each kernel
-(`gqa`: shaders/paged_attention_gqa.comp with the heads and tokens per tile `gqa_heads` and
-`gqa_tokens` pick, `gqaN`: N heads per tile, `gqaNxT`: and T tokens per tile, `paged`: shaders/paged_attention.comp; append `-split` to force chunks of
-PAGED_CHUNK positions, split over workgroups in a decode step) runs once untimed (pipeline
-JIT), then the kernels alternate; prints each one's median and fastest device time per call
-(timestamp queries) and whether it gave the first kernel's bits (kernels with the same chunking
-do). A measurement, not a test.
+One decode token at context depth N (--depth, the default: 2048, a 4096-position block table as a
+recorded decode step has) or one prompt of N tokens (--prompt); --shape is heads, KV heads and
+head_dim (default SmolLM2-135M's 9,3,64; Gemma-3-270M's is 4,1,256), f16 cache. Each kernel (`gqa`:
+shaders/paged_attention_gqa.comp with the heads and tokens per tile `gqa_heads` and `gqa_tokens`
+pick, `gqaN`: N heads per tile, `gqaNxT`: and T tokens per tile, `paged`:
+shaders/paged_attention.comp; append `-split` to force chunks of PAGED_CHUNK positions, split over
+workgroups in a decode step) runs once untimed (pipeline JIT), then the kernels alternate; prints
+each one's median and fastest device time per call (timestamp queries) and whether it gave the
+first kernel's bits (kernels with the same chunking do). A measurement, not a test.
 """
 
 from __future__ import annotations

@@ -171,13 +171,13 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     kind = KV_READ_KIND[k_cache.dtype]
     chunk = paged_chunk(backend.caps)
     chunks = -(-block_table.shape[1] * block_size // chunk) if chunk else 1
-    split = chunks > 1 and tokens < SPLIT_TOKENS * block_table.shape[0]
+    prefill = tokens >= SPLIT_TOKENS * block_table.shape[0]  # else decode-shaped
+    split = chunks > 1 and not prefill
     lanes = gqa_lanes(backend.caps)
     heads = gqa_heads(group, head_dim) if lanes is not None else 1
     step_chunks = chunks if split else 1  # chunks per row in the grid: 1 walks them all
     if heads > 1:  # a workgroup per (tokens, query heads of one KV head[, chunk])
         shader = module(backend, "paged_attention_gqa", KV_VARIANT[k_cache.dtype])
-        prefill = tokens >= SPLIT_TOKENS * block_table.shape[0]
         tile_tokens = gqa_tokens(heads, head_dim, params.get("window", 0)) if prefill else 1  # never split
         items, per_group, spec = num_heads // heads, 1, {0: lanes, 4: heads, 5: tile_tokens}
         if k_cache.dtype == "f16":
