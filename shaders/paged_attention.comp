@@ -110,15 +110,10 @@ void main() {
     for (uint c = span.x; c <= span.y; ++c) {
         uvec2 range = chunk_range(first, n, c);
         attend_reset(0u);
-        // Position p = b * block_size + off, advanced by LANES without a division per step.
-        uint start = range.x + lane;
+        uint start = range.x + lane;  // = b * block_size + off
         uint b = start / pc.block_size, off = start % pc.block_size;
-        for (uint p = start; p < range.y; p += LANES) {
-            uint block = uint(LD_I32(block_table, table_row + b));
-            attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
-            off += LANES;
-            while (off >= pc.block_size) { off -= pc.block_size; ++b; }
-        }
+        for (uint p = start; p < range.y; p += LANES)
+            attend_position(next_texel(table_row, head_texel, b, off, LANES));
         attend_lanes_merge(0u);
         if (pc.chunks > 1u) attend_store_partial(0u, partial_row(i));
         else merge_chunk(0u);

@@ -123,24 +123,16 @@ void main() {
             // the other rows' running states are dead and may take any position.
             [[unroll]] for (uint r = 0u; r < ATTENTION_ROWS; ++r) attend_reset(r);
             uint shared_end = min(end_all, range.y);
-            // Position p = b * block_size + off, advanced by LANES without a division per step.
-            uint p = range.x + lane;
+            uint p = range.x + lane;  // = b * block_size + off
             uint b = p / pc.block_size, off = p % pc.block_size;
-            for (; p < shared_end; p += LANES) {  // positions every token of the walk sees
-                uint block = uint(LD_I32(block_table, table_row + b));
-                attend_position((block * pc.block_size + off) * pc.kv_dim4 + head_texel);
-                off += LANES;
-                while (off >= pc.block_size) { off -= pc.block_size; ++b; }
-            }
+            for (; p < shared_end; p += LANES)  // positions every token of the walk sees
+                attend_position(next_texel(table_row, head_texel, b, off, LANES));
             // Rows of the walk's tokens that still see p (a tile of one token saw them all).
             if (TOKENS > 1u) for (; p < range.y; p += LANES) {
                 uint rows = 0u;
                 [[unroll]] for (uint j = 0u; j < TOKENS; ++j)
                     if ((walk >> j & 1u) != 0u && p < n[j]) rows |= token_rows(j);
-                uint block = uint(LD_I32(block_table, table_row + b));
-                attend_position_rows((block * pc.block_size + off) * pc.kv_dim4 + head_texel, rows);
-                off += LANES;
-                while (off >= pc.block_size) { off -= pc.block_size; ++b; }
+                attend_position_rows(next_texel(table_row, head_texel, b, off, LANES), rows);
             }
             [[unroll]] for (uint j = 0u; j < TOKENS; ++j) {
                 if ((walk >> j & 1u) == 0u || range.x >= n[j]) continue;  // uniform: chunk c is past token j's end

@@ -112,6 +112,15 @@ uvec2 chunk_span(uint first, uint n) { return row_chunks(first, n, CHUNK); }
 uvec2 chunk_range(uint first, uint n, uint c) {
     return CHUNK > 0u ? uvec2(max(first, c * CHUNK), min(n, (c + 1u) * CHUNK)) : uvec2(first, n);
 }
+// The cache texel where the key / value rows of the position at block b, offset off of the
+// sequence's block-table row (from table_row) start; then b, off move on by `step` positions
+// without a division.
+uint next_texel(uint table_row, uint head_texel, inout uint b, inout uint off, uint step) {
+    uint texel = (uint(LD_I32(block_table, table_row + b)) * pc.block_size + off) * pc.kv_dim4 + head_texel;
+    off += step;
+    while (off >= pc.block_size) { off -= pc.block_size; ++b; }
+    return texel;
+}
 #endif
 
 #ifdef ATTENTION_SUBGROUP
