@@ -35,6 +35,9 @@ it, in stages, each with a timeout, within a total budget (default 470 s, under 
                pp512 / tg128, one model each (vkrt alone when the peer is unavailable)
   matvec       tools/bench_ops.py --bandwidth: matvec GB/s per weight format vs the
                device's peak memory bandwidth
+  attention    tools/bench_attention.py: the attention kernels' device time per call
+               (the GQA tile vs one head per workgroup; decode at depth, a long prefill)
+               on SmolLM2's shape and a Llama-3-8B-like one: what picks the GPU's tiles
 
 Correctness stages (setup, devices, ops, models, models-alt) run first and run with
 CI=true, so a test skipped for a missing prerequisite fails. Benchmark stages that fail
@@ -114,7 +117,7 @@ while (($#)); do
   esac
 done
 
-ALL_STAGES="setup peer-setup devices fetch ops models models-alt peers-smollm2 peers-gemma3 matvec"
+ALL_STAGES="setup peer-setup devices fetch ops models models-alt peers-smollm2 peers-gemma3 matvec attention"
 CORRECTNESS="setup devices ops models models-alt"
 if [[ -z "$BUDGET" ]]; then BUDGET=$((QUICK ? 240 : 470)); fi
 [[ "$BUDGET" =~ ^[0-9]+$ ]] && ((BUDGET >= 30)) || die_usage "--budget must be a whole number of seconds >= 30"
@@ -139,19 +142,21 @@ wanted() {  # devices always runs; fetch whenever a peers stage does
 
 # Per-stage caps in seconds (the budget cuts them further). Correctness first.
 declare -A CAP=([setup]=150 [peer-setup]=120 [devices]=45 [fetch]=120 [ops]=170 [models]=110
-                [models-alt]=80 [peers-smollm2]=110 [peers-gemma3]=110 [matvec]=90)
+                [models-alt]=80 [peers-smollm2]=110 [peers-gemma3]=110 [matvec]=90 [attention]=60)
 OPS_TESTS=(tests/ops)
 MODEL_TESTS=(tests/models tests/engine/test_token_exact.py)
 PEER_ARGS=(--prompt-tokens 512 --gen-tokens 128 --repeats 1)
 MATVEC_ARGS=(--paths ssbo,texel)
+ATTENTION_ARGS=(--depth 512,4096 --prompt 2048 --shape '9,3,64;32,8,128' --kernels gqa,paged --repeats 5)
 PEER_MODELS=(smollm2 gemma3)
 if ((QUICK)); then
   CAP=([setup]=60 [peer-setup]=60 [devices]=30 [fetch]=40 [ops]=90 [models]=90
-       [models-alt]=90 [peers-smollm2]=90 [peers-gemma3]=1 [matvec]=40)
+       [models-alt]=90 [peers-smollm2]=90 [peers-gemma3]=1 [matvec]=40 [attention]=40)
   OPS_TESTS=(tests/ops/test_rope.py)
   MODEL_TESTS=(tests/models/test_llama_golden.py -k "tiny_llama and logits")
   PEER_ARGS=(--prompt-tokens 32 --gen-tokens 16 --repeats 1)
   MATVEC_ARGS=(--shape 256x512 --working-set-mb 2 --repeats 2 --target-ms 5)
+  ATTENTION_ARGS=(--depth 256 --prompt 32 --shape '9,3,64' --kernels gqa,paged --repeats 2)
   PEER_MODELS=(smollm2)
 fi
 declare -A MODEL_NAME=([smollm2]=smollm2-135m-instruct [gemma3]=gemma-3-270m)
@@ -164,7 +169,8 @@ problems=()
 command -v python3 >/dev/null && python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
   || problems+=("python3 >= 3.10 not found")
 command -v timeout >/dev/null || problems+=("timeout (coreutils) not found")
-for f in tools/setup.sh tools/bench_peers.py tools/peer_llamacpp.py tools/bench_ops.py tools/synthetic_model.py \
+for f in tools/setup.sh tools/bench_peers.py tools/peer_llamacpp.py tools/bench_ops.py tools/bench_attention.py \
+         tools/synthetic_model.py \
          tests/ops tests/models tests/engine/test_token_exact.py; do
   [[ -e "$ROOT/$f" ]] || problems+=("missing $f")
 done
@@ -189,6 +195,7 @@ print_plan() {
       peers-*) [[ " ${PEER_MODELS[*]} " == *" ${s#peers-} "* ]] || { printf '  %-14s %s\n' "$s" "not in this mode"; continue; }
                what="tools/bench_peers.py ${PEER_ARGS[*]} --model <${MODEL_NAME[${s#peers-}]}>" ;;
       matvec) what="tools/bench_ops.py --bandwidth ${MATVEC_ARGS[*]}${PEAK:+ --peak-gbps $PEAK}" ;;
+      attention) what="tools/bench_attention.py ${ATTENTION_ARGS[*]}" ;;
     esac
     wanted "$s" || what="not selected (--stages)"
     printf '  %-14s cap %3ds  %s\n' "$s" "${CAP[$s]}" "$what"
@@ -315,6 +322,7 @@ if isinstance(devices, dict) and devices.get("vulkan"):
 peers = {p.stem.removeprefix("peers-"): load(p.name) for p in sorted(work.glob("peers-*.json"))}
 synthetic = (work / "synthetic.txt").read_text().split() if (work / "synthetic.txt").is_file() else []
 matvec = load("matvec.json")
+attention = load("attention.json")
 
 def git(*args):
     try:
@@ -335,7 +343,7 @@ report = {
     "gpu_hint": (work / "gpu_hint.txt").read_text().strip() if (work / "gpu_hint.txt").is_file() else None,
     "nvidia_smi": (work / "nvidia_smi.txt").read_text().strip() if (work / "nvidia_smi.txt").is_file() else None,
     "device": chosen, "devices": devices, "stages": stages, "notes": notes,
-    "peers": peers, "matvec": matvec,
+    "peers": peers, "matvec": matvec, "attention": attention,
     # models benchmarked on their synthetic twins (tools/synthetic_model.py): speed, not text
     "synthetic_models": synthetic,
     # the GPU targets of the long-context issue, next to what this run measured
@@ -380,6 +388,11 @@ if isinstance(matvec, dict) and matvec.get("rows"):
             print(f"    {r['format']:<7} {r['path']:<5} {r['gb_s']:>9.2f}{share}")
         else:
             print(f"    {r['format']:<7} {r.get('path', '-'):<5} {r.get('error') or r.get('kernel')}")
+if isinstance(attention, dict) and attention.get("rows"):
+    print("  attention, device ms per call (median):")
+    for r in attention["rows"]:
+        case = f"prompt {r['tokens']}" if r["case"] == "prefill" else f"depth {r['depth']}"
+        print(f"    {r['shape']:<9} {case:<12} {r['kernel']:<6} {r['median_ms']:>9.3f}")
 for n in notes:
     print(f"  note ({n['stage']}): {n['note']}")
 print(f"  report: {out}")
@@ -626,6 +639,8 @@ for m in "${PEER_MODELS[@]}"; do
 done
 run_stage matvec bash -c '"$@" >"$0"' "$WORK/matvec.json" "$PY" tools/bench_ops.py --bandwidth --json \
   "${MATVEC_ARGS[@]}" ${PEAK:+--peak-gbps "$PEAK"} || note matvec "bench_ops --bandwidth failed; see $LOGS/matvec.log"
+run_stage attention bash -c '"$@" >"$0"' "$WORK/attention.json" "$PY" tools/bench_attention.py --json \
+  "${ATTENTION_ARGS[@]}" || note attention "bench_attention failed; see $LOGS/attention.log"
 
 # --- verdict ------------------------------------------------------------------------------
 code=0

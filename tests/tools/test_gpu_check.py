@@ -21,7 +21,7 @@ from vkrt.ops.tensor import storage_nbytes
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
 STAGES = ("setup", "peer-setup", "devices", "fetch", "ops", "models", "models-alt",
-          "peers-smollm2", "peers-gemma3", "matvec")
+          "peers-smollm2", "peers-gemma3", "matvec", "attention")
 
 
 def _run(*args: str, script: Path = SCRIPT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -42,6 +42,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path: Path) -> None:
         assert f"  {stage} " in proc.stdout, stage
     assert "tools/bench_peers.py --prompt-tokens 512 --gen-tokens 128" in proc.stdout
     assert "tools/bench_ops.py --bandwidth" in proc.stdout
+    assert "tools/bench_attention.py --depth 512,4096 --prompt 2048" in proc.stdout
     assert "prerequisites: bash" in proc.stdout and "dry run: nothing was run" in proc.stdout
     assert not (tmp_path / "gpu").exists(), "a dry run must not create the report's directory"
 
@@ -149,3 +150,20 @@ def test_bandwidth_rows_time_real_dispatches(vk_default) -> None:
         assert r["copies"] >= 2 and r["calls"] >= r["copies"]
         assert r["dispatches_per_call"] >= 1 and r["drains"] == 0, r
         assert r["gb_s"] > 0 and r["of_peak"] == pytest.approx(r["gb_s"] / 100.0, abs=1e-3)
+
+
+def test_attention_rows_time_each_kernel_and_restore_the_policy(vk_default) -> None:
+    """tools/bench_attention.py's rows (the gpu_check attention stage): each forced kernel ran
+    (device time spent), the GQA tile and one head per workgroup give the same bits, as their
+    shared fold order promises, and the tile policy is the kernels' own again afterwards."""
+    from tests.ops.test_paged_attention_split import decode_case
+    from vkrt.backend.vulkan.kernels import attention
+
+    bench = load_tool("bench_attention")
+    policy = (attention.gqa_heads, attention.gqa_tokens, attention.paged_chunk)
+    case = decode_case(np.random.default_rng(1), [40], 9, 3, 64, "f16", width=8)
+    rows = bench.time_case(vk_default, case, "f16", 9, 3, 64, ["gqa", "paged", "gqa1"], 1)
+    assert [r["kernel"] for r in rows] == ["gqa", "paged", "gqa1"]
+    assert all(r["median_ms"] > 0 and r["fastest_ms"] == r["median_ms"] for r in rows), rows
+    assert all(r["same_bits_as_first"] for r in rows), rows
+    assert (attention.gqa_heads, attention.gqa_tokens, attention.paged_chunk) == policy
