@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         raise SystemExit("bench_attention: --repeats must be at least 1")
-    names = [n for n in args.kernels.split(",") if n]
+    names = list(dict.fromkeys(n for n in args.kernels.split(",") if n))  # each kernel once
     depths = lengths(args.depth, "--depth") if args.depth else ([] if args.prompt else [2048])
     prompts = lengths(args.prompt, "--prompt") if args.prompt else []
     vk = cast("VulkanBackend", get_backend("vulkan"))
