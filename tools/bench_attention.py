@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the binding is imported when get_backend("vulkan") first ru
     from vkrt.backend.vulkan import VulkanBackend
 
 TABLE_POSITIONS = 4096  # the decode case's block table width at least, in positions
+KERNEL = re.compile(r"(gqa([1-9][0-9]*(x[1-9][0-9]*)?)?|paged)(-split)?")
 
 
 def fixed(value: int, *args: int) -> int:
@@ -113,6 +115,10 @@ def main() -> None:
     if args.repeats < 1:
         raise SystemExit("bench_attention: --repeats must be at least 1")
     names = list(dict.fromkeys(n for n in args.kernels.split(",") if n))  # each kernel once
+    bad = [n for n in names if not KERNEL.fullmatch(n)]
+    if bad or not names:
+        raise SystemExit(f"bench_attention: unknown kernel {', '.join(bad) or '(none)'}: gqa, gqaN, gqaNxT or paged, "
+                         "each optionally with -split")
     depths = lengths(args.depth, "--depth") if args.depth else ([] if args.prompt else [2048])
     prompts = lengths(args.prompt, "--prompt") if args.prompt else []
     vk = cast("VulkanBackend", get_backend("vulkan"))
