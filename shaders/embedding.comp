@@ -4,7 +4,7 @@
 // Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
 // reading the weight device layout (layouts.py) through one 32-bit view of the table.
 // Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
-// uncontracted f32 operations (`precise`), the order vkrt/ops/quant.py computes them in.
+// uncontracted f32 operations (`precise`), the order vkrt/core/quant.py computes them in.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 

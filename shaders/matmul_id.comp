@@ -15,7 +15,7 @@
 //   decoded once for all of them (an expert nobody chose only scans the ids).
 // Every output is reduced by quant.glsl's helpers in its fixed block order, as matmul_vec
 // reduces it, so a pair's result does not depend on the mode, on TOKENS or on which other
-// tokens chose the same expert (batch invariance, DESIGN invariant 9).
+// tokens chose the same expert (batch invariance, ARCHITECTURE.md invariant 9).
 // GATES = 2 (moe_matmul_gated): each expert's matrix stacks N gate rows over N up rows; an
 // invocation reduces its ROWS gate rows and the matching ROWS up rows of the pair's expert
 // exactly as the plain mode does and writes act(g) * u, with matmul_vec's gated epilogue

@@ -14,8 +14,8 @@
 // slices' sums meet in the halving tree (slice j + half into j, half = SPLIT / 2 ... 1) and
 // the epilogue is matmul_vec's expressions. The host gives this kernel the split that
 // matmul_vec runs on the device for this K, so decode (matmul_vec) and prefill (here) give a
-// token the same bits, whatever T and wherever the token sits in the batch (DESIGN invariant
-// 9).
+// token the same bits, whatever T and wherever the token sits in the batch
+// (docs/ARCHITECTURE.md, invariant 9).
 //
 // Work split. LANES neighbouring invocations share each output; lane l carries slices l,
 // l + LANES, ... as SETS = SPLIT / LANES register accumulators. Each group of LANES owns

@@ -10,7 +10,7 @@
 // llvmpipe: 20-30% faster than holding ROWS decoded weight blocks and streaming tokens,
 // and a TOKENS-token pass costs far less than TOKENS one-token passes.)
 // Reduction order: quant.glsl's contract, so results are bit-identical across T, ROWS,
-// TOKENS and workgroup size (DESIGN invariant 9).
+// TOKENS and workgroup size (ARCHITECTURE.md invariant 9).
 // GATES = 2 (matmul_silu_and_mul): w stacks N gate rows over N up rows; an invocation
 // reduces its ROWS gate rows and the matching ROWS up rows exactly as the plain matmul does
 // (so g and u are bit-identical to its outputs) and writes y[t, n] = silu(g) * u in

@@ -4,7 +4,7 @@
 // Row norms of x [rows, dim], one row per workgroup of W lanes (spec constant 0), two-pass:
 // first the row statistic (sum of squares, or mean then centred sum of squares), then the
 // normalise pass reads the row again. Reductions follow include/reduce.glsl, whose order is
-// independent of the row count. 1.0/sqrt, not inversesqrt (DESIGN invariant 8).
+// independent of the row count. 1.0/sqrt, not inversesqrt (ARCHITECTURE.md invariant 8).
 //   rms:     y = x / sqrt(mean(x^2) + eps) * w
 //   rms_add: y = residual + rms(x) * w (a post-norm's residual step; `precise` keeps the
 //            product rounded before the add, so it equals rms then add bit for bit)

@@ -13,7 +13,7 @@
 // 3. k rounds of workgroup_argmax over the lists' heads yield the k candidates in order;
 //    the winner's lane (its index mod W) pops its head;
 // 4. lane 0 weighs the candidates and draws, in the reference's order of float32 operations.
-// Selection is exact, so the ids depend on nothing but the row: not on the batch (DESIGN
+// Selection is exact, so the ids depend on nothing but the row: not on the batch (ARCHITECTURE.md
 // invariant 9), nor on W. Arithmetic feeding a weight or sum is `precise` (no fma).
 #include "access.glsl"
 #include "reduce.glsl"

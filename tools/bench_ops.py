@@ -14,7 +14,7 @@ includes the ~0.1 ms per-call recording cost). GB/s is weight bytes in their dev
 layout per call. numpy runs x @ w.T with the weights dequantized to f32 beforehand.
 
 `--bandwidth` measures weight streaming instead: one matvec (T=1) per call at one large
-shape for every format in vkrt/ops/formats.py's registry, timed by the device's own
+shape for every format in vkrt/core/formats.py's registry, timed by the device's own
 timestamps (`Counters.gpu_us`, so host recording is not counted). The calls of a batch
 rotate over copies of the matrix until the copies exceed --working-set-mb, so the weights
 come from memory, not from a cache. GB/s is device-layout weight bytes per second of GPU
@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vkrt import ops  # noqa: E402
 from vkrt.backend import get_backend  # noqa: E402
+from vkrt.core.formats import FORMATS as REGISTRY  # noqa: E402
+from vkrt.core.quant import dequantize, f32_to_bf16, quantize  # noqa: E402
 from vkrt.errors import VkrtError  # noqa: E402
-from vkrt.ops.formats import FORMATS as REGISTRY  # noqa: E402
-from vkrt.ops.quant import dequantize, f32_to_bf16, quantize  # noqa: E402
 
 if TYPE_CHECKING:  # the binding is imported when get_backend("vulkan") first runs
     from vkrt.backend.vulkan import VulkanBackend

@@ -26,11 +26,11 @@ sys.path.insert(0, str(REPO))
 
 from tests.models.conftest import Greedy  # noqa: E402
 from vkrt.backend import get_backend  # noqa: E402
+from vkrt.core.kv_format import KV_DTYPES, bytes_per_value  # noqa: E402
 from vkrt.engine import LLM, SamplingParams  # noqa: E402
 from vkrt.loader import load_model  # noqa: E402
 from vkrt.loader.pull import find_model  # noqa: E402
 from vkrt.models import build_model  # noqa: E402
-from vkrt.ops.kv_format import KV_DTYPES, bytes_per_value  # noqa: E402
 
 GOLDENS = {"smollm2-135m-instruct": "smollm2_golden.json", "gemma-3-270m": "gemma3_270m_golden.json"}
 

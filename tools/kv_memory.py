@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vkrt.core.kv_format import KV_DTYPES, bytes_per_value, unsupported  # noqa: E402
 from vkrt.engine.config import EngineConfig  # noqa: E402
 from vkrt.engine.kv_groups import blocks_per_sequence  # noqa: E402
-from vkrt.ops.kv_format import KV_DTYPES, bytes_per_value, unsupported  # noqa: E402
 
 
 @dataclass(frozen=True)

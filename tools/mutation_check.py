@@ -74,7 +74,7 @@ MUTANTS = [
            "#define LD_F32X4(n, i) n[i]", "#define LD_F32X4(n, i) n[i].yxzw",
            ("tests/models/test_golden_paths.py", "-k", "prefill and ssbo and tiny_llama]")),
     # Host-side numerics.
-    Mutant("numpy q4_0 dequant offset -8 -> -7", "vkrt/ops/formats.py",
+    Mutant("numpy q4_0 dequant offset -8 -> -7", "vkrt/core/formats.py",
            "(_nibbles(b[:, 2:18]).astype(np.float32) - 8.0)", "(_nibbles(b[:, 2:18]).astype(np.float32) - 7.0)",
            ("tests/ops/test_formats.py",)),
     Mutant("linear RoPE scaling ignored", "vkrt/models/rope.py",

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import random_storage  # noqa: E402
 
-from vkrt.ops.formats import by_gguf_type  # noqa: E402
+from vkrt.core.formats import by_gguf_type  # noqa: E402
 
 CARDS = Path(__file__).resolve().parent / "model_cards"
 EOS = "<|endoftext|>"

@@ -50,6 +50,7 @@ step setup bash tools/setup.sh
 step prerequisites "$PY" tools/check_prerequisites.py
 step spirv-fresh "$PY" -m spirv_gen --check
 step device-leakage "$PY" tools/check_device_leakage.py
+step layers "$PY" tools/check_layers.py
 step ruff "$PY" -m ruff check .
 step mypy "$PY" -m mypy vkrt tools
 # pytest in parallel processes (pytest-xdist), a whole test file to a process: one process kept

@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from vkrt.backend import BACKEND_NAMES
+from vkrt.core.kv_format import KV_DTYPES
 from vkrt.errors import VkrtError
-from vkrt.ops.kv_format import KV_DTYPES
 
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_MAX_MODEL_LEN = 4096  # generate/chat/bench: min(model's context, this) unless given

@@ -14,7 +14,7 @@ uint f32_to_bf16(float f) {
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
-// q8_0 KV cache (vkrt/ops/kv_format.py is the spec): GGUF Q8_0 blocks of 32 values, each an f16
+// q8_0 KV cache (vkrt/core/kv_format.py is the spec): GGUF Q8_0 blocks of 32 values, each an f16
 // scale d and 32 int8 quants q (value = q * d), paired along the cache; a pair is 17 u32 words:
 // its 64 quants (value j in byte j % 4 of word j / 4), then the even block's scale (low half)
 // and the odd block's (high half). Value e of the cache (flat index, e % 4 == 0 for a word):

@@ -15,7 +15,7 @@
 // of 2-bit "crumbs" (crumbs()) plus its super-block's scale|min texel and f16 d|dmin word;
 // q3_k the same crumbs, a word of high bits and its super-block's scales|d texel.
 //
-// Reduction contract (batch invariance, DESIGN invariant 9): every matmul kernel reduces one
+// Reduction contract (batch invariance, ARCHITECTURE.md invariant 9): every matmul kernel reduces one
 // output as  acc = 0; for each block b in order: p = block_part(w_b, x_b); acc = combine(...)
 // with the helpers below, in `precise` arithmetic, so the result never depends on how many
 // tokens or rows an invocation handles nor on which kernel (vec / tiled) ran. q6_k, whose
@@ -65,7 +65,7 @@ void q5_block(uvec4 t, uint qh, out vec4 w[8]) {
     w[4] = q5_vals(t.x >> 4, qh, 16u); w[5] = q5_vals(t.y >> 4, qh, 20u);
     w[6] = q5_vals(t.z >> 4, qh, 24u); w[7] = q5_vals(t.w >> 4, qh, 28u);
 }
-// iq4_nl / iq4_xs: q4's nibbles index the 16 non-linear levels of vkrt.ops.formats.IQ4_LEVELS
+// iq4_nl / iq4_xs: q4's nibbles index the 16 non-linear levels of vkrt.core.formats.IQ4_LEVELS
 // (-127 ... 113), computed, not looked up: the degree-4 minimax polynomial through them
 // (IQ4_POLY, highest power first) is within 0.433 of every level, so rounding it gives each
 // level exactly (tests/ops/test_formats.py checks all 16, with and without fma). Measured on
@@ -242,7 +242,7 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
 #endif
 
 // q4_k: sub-block s's (d*sc, -dmin*m) from its super-block's header texel (f16 d, f16 dmin,
-// then GGUF's 12 bytes of 6-bit scales and mins; the unpacking of vkrt.ops.quant).
+// then GGUF's 12 bytes of 6-bit scales and mins; the unpacking of vkrt.core.quant).
 vec2 q4_k_scale(uvec4 h, uint s) {
     uint sh = 8u * (s & 3u);
     uint a = (h.y >> sh) & 0xFFu, m = (h.z >> sh) & 0xFFu, c = (h.w >> sh) & 0xFFu;

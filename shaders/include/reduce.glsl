@@ -2,7 +2,7 @@
 // workgroup, lane l accumulates columns l, l + W, l + 2W, ... in order, then the W partials
 // combine in a fixed tree (l with l + s for s = W/2, ..., 1). The order depends only on W, a
 // per-device specialisation constant, never on how many rows are in flight: batch invariance
-// (DESIGN invariant 9). W must be a power of two. Every lane of the workgroup must call these
+// (ARCHITECTURE.md invariant 9). W must be a power of two. Every lane of the workgroup must call these
 // (they contain barriers), so callers only return early for a whole workgroup.
 // ROW_LANES repeats spec constant 0 (the workgroup size, DECLARE_LOCAL_SIZE) because glslang
 // sizes an array declared with gl_WorkGroupSize.x from its default, 1; llama.cpp does the same.

@@ -25,8 +25,8 @@ from typing import Any
 from vkrt.backend.vulkan.device import DeviceCaps
 from vkrt.backend.vulkan.kernels import attention, norm, sample
 from vkrt.backend.vulkan.kernels import matmul as mm
-from vkrt.ops.formats import FLOAT_FORMATS
-from vkrt.ops.formats import FORMATS as WEIGHT_FORMATS
+from vkrt.core.formats import FLOAT_FORMATS
+from vkrt.core.formats import FORMATS as WEIGHT_FORMATS
 
 DEVICE_TYPES = ("cpu", "discrete", "integrated", "virtual", "other")
 VENDORS = (0x10DE, 0x1002, 0x8086, 0x106B, 0x13B5, 0x5143, 0x10005)  # NVIDIA AMD Intel Apple ARM Qualcomm Mesa

@@ -11,8 +11,9 @@ import pytest
 import vkrt.backend
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.ops.registry import OPS, dispatch, register_op, require
-from vkrt.ops.tensor import TensorSpec
+from vkrt.core.op import OPS, register_op, require
+from vkrt.core.tensor import TensorSpec
+from vkrt.ops.dispatch import dispatch
 
 
 def _square_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:

@@ -10,7 +10,7 @@ import pytest
 
 from vkrt import ops
 from vkrt.backend.base import Backend, Counters
-from vkrt.ops.tensor import Tensor
+from vkrt.core.tensor import Tensor
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from vkrt.backend.vulkan.kernels.layouts import (
     quants_bytes,
     row_texels,
 )
-from vkrt.ops.quant import quantize
-from vkrt.ops.tensor import BLOCK_LAYOUT
+from vkrt.core.quant import quantize
+from vkrt.core.tensor import BLOCK_LAYOUT
 
 FORMATS = tuple(LAYOUTS)
 

@@ -15,9 +15,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from vkrt.backend import get_backend
+from vkrt.core.tensor import Tensor
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
-from vkrt.ops.tensor import Tensor
 from vkrt.tokenizer import Tokenizer, _unicode_to_byte
 
 EOS = 256

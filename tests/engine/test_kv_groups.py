@@ -17,6 +17,7 @@ import pytest
 from engine_fakes import FakeLM, byte_tokenizer
 
 from tests.conftest import FIXTURES
+from vkrt.core.tensor import Tensor
 from vkrt.engine import LLM, SamplingParams
 from vkrt.engine.config import EngineConfig
 from vkrt.engine.kv_cache import NULL_BLOCK, BlockManager
@@ -24,7 +25,6 @@ from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.request import Request
 from vkrt.loader.config import LayerConfig
 from vkrt.models.base import KVCache, KVGroup, StepTensors
-from vkrt.ops.tensor import Tensor
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,4 +1,4 @@
-"""The GGUF loader reads every format of the registry (vkrt/ops/formats.py) as its storage
+"""The GGUF loader reads every format of the registry (vkrt/core/formats.py) as its storage
 bytes, one row of blocks per output row, and names the file and tensor for a type it lacks."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from tests.ops.test_formats import random_blocks
+from vkrt.core.formats import BLOCK_FORMATS, FORMATS
+from vkrt.core.quant import dequantize
 from vkrt.errors import UnsupportedModelError
 from vkrt.loader import gguf_loader
-from vkrt.ops.formats import BLOCK_FORMATS, FORMATS
-from vkrt.ops.quant import dequantize
 
 
 def _write(path: Path, tensors: dict[str, tuple[np.ndarray, int, tuple[int, int]]]) -> None:

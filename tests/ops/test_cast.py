@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import vkrt.ops as ops
+from vkrt.core.quant import f32_to_bf16
 from vkrt.errors import VkrtError
-from vkrt.ops.quant import f32_to_bf16
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 

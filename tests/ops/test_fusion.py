@@ -11,9 +11,9 @@ import pytest
 
 from vkrt import ops
 from vkrt.backend.base import Backend
+from vkrt.core.tensor import Tensor
 from vkrt.ops import fusion
 from vkrt.ops.attention import rope_cos_sin
-from vkrt.ops.tensor import Tensor
 
 pytestmark = pytest.mark.fusion
 

@@ -9,7 +9,7 @@ include/attention.glsl's functions), so which kernel a row runs never changes it
 (test_gqa_rows_equal_paged_rows), and a row's chunks merge to the same bits whether each chunk
 is a workgroup (decode-shaped steps) or one workgroup walks them all
 (test_chunks_split_or_walked_give_the_same_bits). Caches in f32, f16 and q8_0
-(vkrt/ops/kv_format.py; the reference reads the same quantized cache).
+(vkrt/core/kv_format.py; the reference reads the same quantized cache).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.conftest import nmse
 from tests.ops.test_paged_attention_split import run, upload, want
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.ops import kv_format
+from vkrt.core import kv_format
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 

@@ -1,4 +1,4 @@
-"""The q8_0 KV cache (vkrt/ops/kv_format.py): its numpy spec against the gguf package, the
+"""The q8_0 KV cache (vkrt/core/kv_format.py): its numpy spec against the gguf package, the
 cache-writing kernels bit-exact against the spec, and paged attention over a q8_0 cache
 against the reference reading the same cache.
 
@@ -25,10 +25,10 @@ from tests.ops.test_gqa_attention import Modules, prefill_case
 from tests.ops.test_paged_attention_split import decode_case, run, upload, want
 from vkrt import ops
 from vkrt.backend.base import Backend
+from vkrt.core import kv_format
+from vkrt.core.quant import dequantize
+from vkrt.core.tensor import KV_Q8_0
 from vkrt.errors import VkrtError
-from vkrt.ops import kv_format
-from vkrt.ops.quant import dequantize
-from vkrt.ops.tensor import KV_Q8_0
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 

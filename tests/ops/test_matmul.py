@@ -20,9 +20,9 @@ from tests.conftest import nmse
 from tests.ops.test_formats import random_blocks
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
-from vkrt.ops.formats import FORMATS as REGISTRY
-from vkrt.ops.quant import dequantize, f32_to_bf16, quantize
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.formats import FORMATS as REGISTRY
+from vkrt.core.quant import dequantize, f32_to_bf16, quantize
+from vkrt.core.tensor import Tensor, TensorSpec
 
 FORMATS = tuple(REGISTRY)  # every registered format runs natively
 K_QUANTS = tuple(f for f in FORMATS if REGISTRY[f].block_values == 256)  # 256-value super-blocks

@@ -32,7 +32,7 @@ from tests.ops.test_matmul import make_weight
 from tests.ops.test_matmul_gated import k_for, kernel
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.tensor import Tensor, TensorSpec
 
 CASES = [("texel", "f32"), ("texel", "q4_1"), ("texel", "q6_k"), ("ssbo", "q4_1")]
 TOKENS = {"vec": (1, 3), "tiled": (13,)}

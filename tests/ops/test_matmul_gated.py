@@ -14,7 +14,7 @@ from tests.conftest import nmse
 from tests.ops.test_matmul import FORMATS, K_QUANTS, is_block, make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.tensor import Tensor, TensorSpec
 
 NMSE_BOUND = 1e-9
 TOKENS = (1, 3, 8, 13)

@@ -26,7 +26,7 @@ from tests.ops.test_attention import paged_variant  # noqa: F401  (fixture: "sub
 from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels import attention as kernels
-from vkrt.ops import kv_format
+from vkrt.core import kv_format
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 

@@ -11,8 +11,9 @@ import pytest
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
 from vkrt.backend.reference import ReferenceBackend
+from vkrt.core.op import OPS, OpError
 from vkrt.errors import VkrtError
-from vkrt.ops.registry import OPS, OpError, dispatch
+from vkrt.ops.dispatch import dispatch
 
 
 def f32(b: Backend, *shape: int) -> Any:

@@ -17,7 +17,7 @@ from tests.conftest import nmse
 from tests.ops.test_matmul import make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.ops.tensor import Tensor
+from vkrt.core.tensor import Tensor
 
 OP = "rms_norm_qkv_rope_kv_write"
 H, KVH, K, EPS = 4, 2, 64, 1e-5

@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import missing
 from tests.tools.conftest import load_tool
-from vkrt.ops.formats import FORMATS
-from vkrt.ops.tensor import storage_nbytes
+from vkrt.core.formats import FORMATS
+from vkrt.core.tensor import storage_nbytes
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "gpu_check.sh"

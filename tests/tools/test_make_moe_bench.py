@@ -13,8 +13,8 @@ import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
 from tests.tools.conftest import load_tool
+from vkrt.core.quant import dequantize
 from vkrt.loader import load_model
-from vkrt.ops.quant import dequantize
 from vkrt.tokenizer import Tokenizer
 
 

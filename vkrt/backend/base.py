@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from vkrt.ops.quant import dequantize
-from vkrt.ops.registry import OpDef
-from vkrt.ops.tensor import (
+from vkrt.core.op import OpDef
+from vkrt.core.quant import dequantize
+from vkrt.core.tensor import (
     KV_Q8_0,
     NUMPY_DTYPES,
     Tensor,
@@ -75,6 +75,7 @@ class Backend(ABC):
         self.selections: Counter[tuple[str, str]] = Counter()
         self._kernels: dict[str, list[Kernel]] = {}
         self._warned_fallback: set[str] = set()
+        self._sync_hooks: list[Callable[[], None]] = []
 
     # -- kernels ---------------------------------------------------------------
     def register_kernel(self, kernel: Kernel) -> None:
@@ -92,8 +93,10 @@ class Backend(ABC):
         return None
 
     def execute(self, op: OpDef, inputs: tuple[Tensor, ...], params: dict[str, Any],
-                out_specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-        kernel = self.select(op.name, inputs, params)
+                out_specs: tuple[TensorSpec, ...], kernel: Kernel | None = None) -> tuple[Tensor, ...]:
+        """Run op on its native kernel (`kernel`, when the caller selected it already) or the reference."""
+        if kernel is None:
+            kernel = self.select(op.name, inputs, params)
         if kernel is None:
             self.selections[(op.name, "reference-fallback")] += 1
             return self.fallback(op, inputs, params, out_specs)
@@ -162,8 +165,18 @@ class Backend(ABC):
         """Upload a weight in its storage format (the backend may repack it, never dequantize)."""
         return self.upload(array.reshape(shape) if not is_block_format(dtype) else array, dtype, "weights")
 
-    def sync(self) -> None:  # noqa: B027 (an optional hook: nothing to submit by default)
+    def on_sync(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` before every sync and before a captured step ends (the fusion layer
+        registers one that runs the ops it has deferred on this backend)."""
+        self._sync_hooks.append(hook)
+
+    def run_sync_hooks(self) -> None:
+        for hook in self._sync_hooks:
+            hook()
+
+    def sync(self) -> None:
         """Submit pending work and wait for it."""
+        self.run_sync_hooks()
 
     # Backends that can record a step once and re-submit it (see VulkanBackend.capture).
     supports_replay: bool = False
@@ -205,9 +218,9 @@ def as_storage_array(array: np.ndarray, dtype: str) -> np.ndarray:
     if is_block_format(dtype):
         return np.ascontiguousarray(array, dtype=np.uint8)
     if dtype == "bf16" and array.dtype != np.uint16:
-        raise TypeError("bf16 tensors are uploaded as uint16 bits (vkrt.ops.quant.f32_to_bf16)")
+        raise TypeError("bf16 tensors are uploaded as uint16 bits (vkrt.core.quant.f32_to_bf16)")
     if dtype == KV_Q8_0 and array.dtype != np.uint32:
-        raise TypeError(f"{KV_Q8_0} tensors are uploaded as their uint32 words (vkrt.ops.kv_format.encode)")
+        raise TypeError(f"{KV_Q8_0} tensors are uploaded as their uint32 words (vkrt.core.kv_format.encode)")
     return np.ascontiguousarray(array, dtype=host_numpy_dtype(dtype))
 
 

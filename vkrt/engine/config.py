@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vkrt.core.kv_format import KV_DTYPES
 from vkrt.engine.guided import GuidedDecoding
 from vkrt.errors import RequestError, VkrtError
-from vkrt.ops.kv_format import KV_DTYPES
 
 # Most top/scored logprobs one request may ask for per position (OpenAI caps top_logprobs at 20).
 MAX_LOGPROBS = 20
@@ -32,7 +32,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None: sized below
     num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
-    kv_dtype: str = "f16"  # KV cache format (vkrt.ops.kv_format); f32 where tests compare against goldens tightly
+    kv_dtype: str = "f16"  # KV cache format (vkrt.core.kv_format); f32 where tests compare against goldens tightly
     enable_prefix_caching: bool = True
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0

@@ -77,7 +77,7 @@ class ModelConfig:
 class WeightData:
     """One weight as stored on disk: `shape` is logical (out_features, in_features) or (n,).
 
-    `fmt` is a row of vkrt.ops.formats.FORMATS: float formats hold typed arrays (bf16 as
+    `fmt` is a row of vkrt.core.formats.FORMATS: float formats hold typed arrays (bf16 as
     uint16), block formats the GGUF bytes, one row of blocks per output row."""
 
     name: str

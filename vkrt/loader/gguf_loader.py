@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType, LlamaFileType
 
+from vkrt.core.formats import FORMATS, by_gguf_type
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader import validate
 from vkrt.loader.arch import (
@@ -24,7 +25,6 @@ from vkrt.loader.arch import (
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
 from vkrt.loader.normalize import gguf_family_config
-from vkrt.ops.formats import FORMATS, by_gguf_type
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt.backend.base import Backend
+from vkrt.core import kv_format
+from vkrt.core.tensor import Tensor, storage_nbytes
 from vkrt.errors import UnsupportedModelError
 from vkrt.loader.config import LoadedModel, ModelConfig
-from vkrt.ops import kv_format
-from vkrt.ops.tensor import Tensor, storage_nbytes
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class KVCache:
     values: list[Tensor]
     num_blocks: list[int]  # per KV group
     block_size: int
-    dtype: str  # the --kv-cache-dtype (f32, f16, q8_0; vkrt.ops.kv_format)
+    dtype: str  # the --kv-cache-dtype (f32, f16, q8_0; vkrt.core.kv_format)
     groups: list[KVGroup] = field(default_factory=list)
     layer_group: list[int] = field(default_factory=list)  # KV group of each layer
 
@@ -171,7 +171,7 @@ class CausalLM(ABC):
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
                           max_len: int | None = None) -> KVCache:
         """K and V tensors of every layer; `num_blocks` per KV group (one int: the same for all);
-        `dtype` is a --kv-cache-dtype (vkrt.ops.kv_format)."""
+        `dtype` is a --kv-cache-dtype (vkrt.core.kv_format)."""
         c = self.config
         self.check_kv_dtype(dtype)
         groups = self.kv_groups()

@@ -16,12 +16,12 @@ import numpy as np
 
 from vkrt import ops
 from vkrt.backend.base import Backend
+from vkrt.core.quant import dequantize
+from vkrt.core.tensor import Tensor
 from vkrt.errors import ModelFormatError, OutOfDeviceMemory, UnsupportedModelError, VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import rope_table
-from vkrt.ops.quant import dequantize
-from vkrt.ops.tensor import Tensor
 
 GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkrt.core.op import OPS, OpDef, OpError
+from vkrt.core.tensor import Tensor, TensorSpec
 from vkrt.ops import attention as _attention
 from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
@@ -12,8 +14,7 @@ from vkrt.ops import moe as _moe
 from vkrt.ops import norm as _norm
 from vkrt.ops import sampling as _sampling
 from vkrt.ops.attention import rope_cos_sin
-from vkrt.ops.registry import OPS, OpDef, OpError, dispatch
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.ops.dispatch import dispatch
 
 del _attention, _elementwise, _linear, _moe, _norm  # imported for their registrations
 

@@ -1,7 +1,7 @@
 """Rotary embedding, the paged KV cache write and paged attention.
 
 Layouts: activations are [T, heads * head_dim]. The KV cache of one layer is
-[num_blocks, block_size, kv_heads * head_dim] in f32, f16 or q8_0 (vkrt/ops/kv_format.py, the
+[num_blocks, block_size, kv_heads * head_dim] in f32, f16 or q8_0 (vkrt/core/kv_format.py, the
 formats' spec); a token's slot is block * block_size + offset. `block_table[s]` lists sequence s's blocks in order; token t of the batch belongs to
 sequence `seq_index[t]` at position `positions[t]` and attends to positions 0..positions[t].
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops import kv_format
+from vkrt.core import kv_format
+from vkrt.core.op import register_op, require
+from vkrt.core.tensor import KV_Q8_0, TensorSpec
 from vkrt.ops.linear import _rms_norm_matmul_infer, rms_norm_matmul
 from vkrt.ops.norm import rms_norm
-from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import KV_Q8_0, TensorSpec
 
 KV_DTYPES = ("f32", "f16", KV_Q8_0)  # cache tensor dtypes (kv_format.tensor_dtype of each format)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops.quant import bf16_to_f32, f32_to_bf16
-from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import TensorSpec
+from vkrt.core.op import register_op, require
+from vkrt.core.quant import bf16_to_f32, f32_to_bf16
+from vkrt.core.tensor import TensorSpec
 
 CAST_DTYPES = ("f32", "f16", "bf16")
 

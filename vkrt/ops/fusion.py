@@ -18,10 +18,13 @@ one fused op, if the backend has a kernel for that call:
     qkv_rope_kv_write(rms_norm_matmul(...))   -> rms_norm_qkv_rope_kv_write(...)
 
 Anything else that touches a pending tensor's storage (another op, a read, a write) runs
-the producer first, and `flush()` runs every pending tensor still alive: backends call it
-before a captured step ends and before they sync, so nothing pending escapes a recording. A
-pending tensor nobody touches is never computed. A producer folded into a consumer and also
-used elsewhere runs again there: correct, only slower.
+the producer first (`Tensor.handle` realises it: the one door to a tensor's storage). Each
+backend's pending tensors are its own: the first deferral on a backend registers a sync hook
+(`Backend.on_sync`) that runs that backend's pending tensors still alive, which the backend
+calls before it syncs and before a captured step ends, so nothing pending escapes a recording.
+A pending tensor nobody touches is never computed. A producer folded into a consumer and also
+used elsewhere runs again there: correct, only slower. The kernel a fold was checked against
+is the one that runs: `Kernel.supports` is asked once per fused call.
 
 This is safe because the deferred ops read only activations and weights, which no op
 mutates in place (in-place ops write KV caches only): running a producer later than it was
@@ -39,16 +42,40 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.op import OPS
+from vkrt.core.tensor import Tensor, TensorBackend, TensorSpec
 
 Call = tuple[str, tuple[Tensor, ...], dict[str, Any]]
 
 # Producers whose result may be folded into the op that consumes it.
 DEFERRED_OPS = frozenset({"matmul", "rms_norm", "rms_norm_matmul", "moe_matmul"})
 
-_pending: weakref.WeakSet[Tensor] = weakref.WeakSet()
 _dispatch_order = itertools.count()
 _disabled = 0
+
+
+class _Deferred:
+    """One backend's pending tensors (weakly held: one nobody can touch is never run)."""
+
+    def __init__(self) -> None:
+        self.pending: weakref.WeakSet[Tensor] = weakref.WeakSet()
+
+    def flush(self) -> None:
+        """Run every pending tensor still alive, oldest first (their order of dispatch)."""
+        for tensor in sorted(self.pending, key=lambda t: t.pending.seq if isinstance(t.pending, Pending) else -1):
+            if tensor.pending is not None:
+                tensor.pending.realize(tensor)
+
+
+_states: weakref.WeakKeyDictionary[TensorBackend, _Deferred] = weakref.WeakKeyDictionary()
+
+
+def _state(backend: TensorBackend) -> _Deferred:
+    state = _states.get(backend)
+    if state is None:
+        state = _states[backend] = _Deferred()
+        backend.on_sync(state.flush)
+    return state
 
 
 @contextlib.contextmanager
@@ -70,38 +97,40 @@ def enabled() -> bool:
 
 @dataclass
 class Pending:
-    """An op dispatched but not run yet; `realize` runs it into the tensor that stands for it."""
+    """An op dispatched but not run yet; `realize` runs it into the tensor that stands for it
+    (with `kernel`, when a fold has chosen it already)."""
 
     op: str
     inputs: tuple[Tensor, ...]
     params: dict[str, Any]
     spec: TensorSpec
+    kernel: Any = None
     seq: int = field(default_factory=lambda: next(_dispatch_order))
 
     def realize(self, tensor: Tensor) -> None:
-        from vkrt.ops.registry import OPS
-
         tensor.pending = None
-        _pending.discard(tensor)
         backend = self.inputs[0].backend
-        (real,) = backend.execute(OPS[self.op], self.inputs, self.params, (self.spec,))
+        _state(backend).pending.discard(tensor)
+        (real,) = backend.execute(OPS[self.op], self.inputs, self.params, (self.spec,), self.kernel)
         tensor.handle = real.handle
         tensor.base = real  # owns the storage (its finaliser frees it)
 
 
-def defer(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any], spec: TensorSpec) -> Tensor:
+def defer(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any], spec: TensorSpec,
+          kernel: Any = None) -> Tensor:
     """A pending tensor standing for op(inputs) with output `spec`."""
-    tensor = Tensor(spec.shape, spec.dtype, inputs[0].backend, None)
-    tensor.pending = Pending(op, inputs, params, spec)
-    _pending.add(tensor)
+    backend = inputs[0].backend
+    tensor = Tensor(spec.shape, spec.dtype, backend, None)
+    tensor.pending = Pending(op, inputs, params, spec, kernel)
+    _state(backend).pending.add(tensor)
     return tensor
 
 
-def flush() -> None:
-    """Run every pending tensor still alive, oldest first (their order of dispatch)."""
-    for tensor in sorted(_pending, key=lambda t: t.pending.seq if t.pending else -1):
-        if tensor.pending is not None:
-            tensor.pending.realize(tensor)
+def flush(backend: TensorBackend | None = None) -> None:
+    """Run the pending tensors of `backend` (None: of every backend)."""
+    states = list(_states.values()) if backend is None else [_states[backend]] if backend in _states else []
+    for state in states:
+        state.flush()
 
 
 def _producer(t: Tensor, op: str) -> Pending | None:
@@ -179,8 +208,8 @@ FOLDS: dict[str, Callable[..., Call | None]] = {
 }
 
 
-def fold(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any]) -> Call | None:
-    """The fused call that replaces op(inputs) on this backend, or None."""
+def fold(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any]) -> tuple[Call, Any] | None:
+    """The fused call that replaces op(inputs) on this backend and the kernel that runs it, or None."""
     rule = FOLDS.get(op)
     if rule is None:
         return None
@@ -188,7 +217,7 @@ def fold(op: str, inputs: tuple[Tensor, ...], params: dict[str, Any]) -> Call | 
     if call is None:
         return None
     name, fused_inputs, fused_params = call
-    if inputs[0].backend.select(name, fused_inputs, fused_params) is None:
+    kernel = inputs[0].backend.select(name, fused_inputs, fused_params)
+    if kernel is None:
         return None  # no native kernel takes it: run the unfused ops natively instead
-    return call
-
+    return call, kernel

@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from vkrt.core.op import register_op, require
+from vkrt.core.quant import bf16_to_f32
+from vkrt.core.tensor import BLOCK_LAYOUT, FLOAT_WEIGHT_DTYPES, TensorSpec
 from vkrt.ops.elementwise import gelu_tanh_and_mul, silu_and_mul
 from vkrt.ops.elementwise import scale as scale_op
 from vkrt.ops.norm import rms_norm
-from vkrt.ops.quant import bf16_to_f32
-from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import BLOCK_LAYOUT, FLOAT_WEIGHT_DTYPES, TensorSpec
 
 WEIGHT_DTYPES = FLOAT_WEIGHT_DTYPES + tuple(BLOCK_LAYOUT)
 

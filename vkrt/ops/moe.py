@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkrt.core.op import register_op, require
+from vkrt.core.tensor import TensorSpec
 from vkrt.ops.elementwise import gelu_tanh_and_mul, silu_and_mul
 from vkrt.ops.linear import WEIGHT_DTYPES, _weight_values
-from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import TensorSpec
 
 
 def _router_infer(logits: TensorSpec, top_k: int, normalize: bool) -> tuple[TensorSpec, ...]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import TensorSpec
+from vkrt.core.op import register_op, require
+from vkrt.core.tensor import TensorSpec
 
 
 def _check_rows(name: str, x: TensorSpec, *rest: TensorSpec) -> None:

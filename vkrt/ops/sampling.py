@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops.registry import register_op, require
-from vkrt.ops.tensor import TensorSpec
+from vkrt.core.op import register_op, require
+from vkrt.core.tensor import TensorSpec
 
 MAX_TOP_K = 64
 # Columns of the params operand, per row.

@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+import vkrt.ops  # noqa: F401 (declares every op, so OPS is complete)
 from vkrt.backend.base import Backend, Kernel, as_storage_array, infer_dtype
-from vkrt.ops.quant import dequantize
-from vkrt.ops.registry import OPS, OpError
-from vkrt.ops.tensor import (
+from vkrt.core.op import OPS, OpError
+from vkrt.core.quant import dequantize
+from vkrt.core.tensor import (
     Tensor,
     TensorSpec,
     host_numpy_dtype,
@@ -35,7 +36,7 @@ class _Weight:
         self.values = dequantize(raw, dtype).reshape(shape).astype(np.float64)
 
 
-def _run_reference(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run_reference(backend: ReferenceBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                    out_specs: tuple[TensorSpec, ...], *, op: str) -> tuple[Tensor, ...]:
     opdef = OPS[op]
     arrays = [backend.reference_array(t) for t in inputs]

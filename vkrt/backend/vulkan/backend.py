@@ -19,10 +19,8 @@ from vkrt.backend.vulkan.batch import CommandBatch, RecordedCommands
 from vkrt.backend.vulkan.descriptors import DescriptorCache
 from vkrt.backend.vulkan.memory import Allocation, MemoryManager, format_bytes
 from vkrt.backend.vulkan.pipelines import PipelineCache
-from vkrt.errors import OutOfDeviceMemory, VkrtError
-from vkrt.ops import fusion
-from vkrt.ops.registry import OpError
-from vkrt.ops.tensor import (
+from vkrt.core.op import OpError
+from vkrt.core.tensor import (
     NUMPY_DTYPES,
     Tensor,
     host_numpy_dtype,
@@ -31,6 +29,7 @@ from vkrt.ops.tensor import (
     logical_shape,
     storage_nbytes,
 )
+from vkrt.errors import OutOfDeviceMemory, VkrtError
 
 log = logging.getLogger("vkrt")
 
@@ -251,7 +250,7 @@ class VulkanBackend(Backend):
         return raw.view(host_numpy_dtype(t.dtype)).reshape(host_shape(t.shape, t.dtype))
 
     def sync(self) -> None:
-        fusion.flush()
+        self.run_sync_hooks()
         self.batch.flush()
 
     # -- dispatch --------------------------------------------------------------------
@@ -309,7 +308,7 @@ class VulkanBackend(Backend):
             graph.recorded = self.batch.end_capture()
             graph.release()
             raise
-        fusion.flush()  # ops still pending belong to this step: record them before it ends
+        self.run_sync_hooks()  # ops still pending belong to this step: record them before it ends
         self._graph_tensors = None
         graph.recorded = self.batch.end_capture()
 

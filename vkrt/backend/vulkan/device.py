@@ -157,7 +157,7 @@ def probe(vk: Any, physical: Any, index: int) -> DeviceCaps:
     return caps
 
 
-def default_access_path(caps: Any) -> str:
+def default_access_path(caps: DeviceCaps) -> str:
     """Kernels read weights through read-only storage texel buffers on CPU devices, where
     storage-buffer loads measured ~20x slower; GPUs take storage buffers (docs/ARCHITECTURE.md)."""
     return "texel" if caps.device_type == "cpu" else "ssbo"

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from vkrt.backend.vulkan.device import DeviceCaps
 from vkrt.errors import OutOfDeviceMemory
 
 log = logging.getLogger("vkrt")
@@ -73,7 +74,7 @@ def format_bytes(n: int) -> str:
 
 
 class MemoryManager:
-    def __init__(self, vk: Any, device: Any, physical: Any, caps: Any, force_staging: bool) -> None:
+    def __init__(self, vk: Any, device: Any, physical: Any, caps: DeviceCaps, force_staging: bool) -> None:
         self.vk, self.device, self.caps = vk, device, caps
         props = vk.vkGetPhysicalDeviceMemoryProperties(physical)
         self._types = [(props.memoryTypes[i].propertyFlags, props.memoryTypes[i].heapIndex)

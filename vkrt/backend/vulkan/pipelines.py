@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vkrt import config
+from vkrt.backend.vulkan.device import DeviceCaps
 from vkrt.errors import VkrtError
 
 log = logging.getLogger("vkrt")
@@ -47,7 +48,7 @@ class Pipeline:
 class PipelineCache:
     """Shader modules, layouts and pipelines, created on first use and kept."""
 
-    def __init__(self, vk: Any, device: Any, caps: Any) -> None:
+    def __init__(self, vk: Any, device: Any, caps: DeviceCaps) -> None:
         self.vk, self.device, self.caps = vk, device, caps
         self.manifest = load_manifest()
         self.modules_meta: dict[str, Any] = self.manifest["modules"]

@@ -9,6 +9,8 @@ import importlib
 import pkgutil
 from typing import Any
 
+from vkrt.backend.vulkan.kernels.common import KernelBackend
+
 
 def families() -> list[Any]:
     found = []
@@ -19,6 +21,6 @@ def families() -> list[Any]:
     return found
 
 
-def register_all(backend: Any) -> None:
+def register_all(backend: KernelBackend) -> None:
     for family in families():
         family.register(backend)

@@ -26,8 +26,9 @@ import struct
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.ops.tensor import KV_Q8_0, Tensor, TensorSpec
+from vkrt.backend.vulkan.device import DeviceCaps
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
+from vkrt.core.tensor import KV_Q8_0, Tensor, TensorSpec
 
 # Invocations per workgroup for attention: llvmpipe's SIMD width (subgroup size 8), so a
 # decode step of a few heads still spreads over more than one workgroup (and CPU thread).
@@ -52,7 +53,7 @@ PAGED_CHUNK = 256
 PAGED_SCRATCH_BYTES = 16 << 20
 
 
-def paged_chunk(caps: Any) -> int:
+def paged_chunk(caps: DeviceCaps) -> int:
     """Positions per chunk of a row's context, 0 where the context is one chunk.
 
     GPUs split: a decode step's few workgroups would leave most compute units idle. CPU
@@ -63,7 +64,7 @@ def paged_chunk(caps: Any) -> int:
     return 0 if caps.device_type == "cpu" else PAGED_CHUNK
 
 
-def paged_split(caps: Any) -> tuple[str, int]:
+def paged_split(caps: DeviceCaps) -> tuple[str, int]:
     """paged_attention's variant and workgroup size on this device.
 
     ("sub", subgroup size) where compute shaders have subgroup arithmetic and a workgroup of
@@ -100,7 +101,7 @@ def paged_kv_variant(kv_dtype: str, head_dim: int) -> tuple[str, str]:
     return KV_VARIANT[kv_dtype], KV_READ_KIND[kv_dtype]
 
 
-def _kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _kv_write(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     k_cache, v_cache, k, v, slots = inputs
     tokens, kv_dim = k.shape
@@ -137,7 +138,7 @@ GQA_ROW_FLOATS = 256
 GQA_TILE_FLOATS = 384
 
 
-def gqa_lanes(caps: Any) -> int | None:
+def gqa_lanes(caps: DeviceCaps) -> int | None:
     """The GQA kernel's lanes on this device, or None where every step keeps the paged kernel:
     it splits each row's positions as the paged kernel's subgroup split does, so it runs only
     where that split does, with its lane count."""
@@ -161,7 +162,7 @@ def gqa_tokens(heads: int, head_dim: int, window: int) -> int:
     return 2 if 2 * heads * head_dim <= GQA_TILE_FLOATS and not window else 1
 
 
-def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     q, k_cache, v_cache, block_table, seq_index, positions = inputs
     num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
@@ -177,6 +178,7 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     heads = gqa_heads(group, head_dim) if lanes is not None else 1
     step_chunks = chunks if split else 1  # chunks per row in the grid: 1 walks them all
     if heads > 1:  # a workgroup per (tokens, query heads of one KV head[, chunk])
+        assert lanes is not None  # gqa_heads > 1 only where the GQA kernel runs
         shader = module(backend, "paged_attention_gqa", KV_VARIANT[k_cache.dtype])
         tile_tokens = gqa_tokens(heads, head_dim, params.get("window", 0)) if prefill else 1  # never split
         items, per_group, spec = num_heads // heads, 1, {0: lanes, 4: heads, 5: tile_tokens}
@@ -214,7 +216,7 @@ def _paged_attention(backend: Any, inputs: tuple[Tensor, ...], params: dict[str,
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("kv_write", "kv_write", _kv_write))
     backend.register_kernel(Kernel("paged_attention", "paged_attention", _paged_attention,
                                    supports=_supports))

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
+from vkrt.core.tensor import Tensor, TensorSpec
 
 FORMAT_CODES = {"f32": 0, "f16": 1, "bf16": 2}  # spec constants SRC (1) and DST (2) of cast.comp
 
 
-def _convert(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _convert(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
              out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     # Same-dtype casts run the codecs too: bf16 -> bf16 quietens NaNs like the reference.
     (x,) = inputs
@@ -23,7 +23,7 @@ def _convert(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def _copy(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _copy(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
           out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     (x,) = inputs
     y = backend.empty(out[0].shape, out[0].dtype)
@@ -33,6 +33,6 @@ def _copy(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("cast", "cast.convert", _convert))
     backend.register_kernel(Kernel("copy", "cast.copy", _copy))

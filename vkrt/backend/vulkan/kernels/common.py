@@ -1,9 +1,32 @@
-"""Helpers shared by kernel families: grid sizes, module names, the workgroup spec constant."""
+"""Helpers shared by kernel families: what a family needs of the backend, grid sizes, module
+names, the workgroup spec constant."""
 
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Protocol, cast
+
+from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.device import DeviceCaps
+from vkrt.core.tensor import Tensor
+
+
+class KernelBackend(Protocol):
+    """What kernel families use of the Vulkan backend (VulkanBackend implements it)."""
+
+    caps: DeviceCaps
+
+    def register_kernel(self, kernel: Kernel) -> None: ...
+
+    def empty(self, shape: tuple[int, ...], dtype: str, purpose: str = "activations") -> Tensor: ...
+
+    def run_shader(self, module: str, bindings: list[tuple[Tensor, str, bool]], groups: tuple[int, int, int],
+                   push: tuple[str, tuple] | None = None, spec: dict[int, int] | None = None) -> None: ...
+
+
+def backend_of(t: Tensor) -> KernelBackend:
+    """The Vulkan backend a tensor lives on, as kernel code sees it (in `supports` checks)."""
+    return cast(KernelBackend, t.backend)
 
 MAX_GROUPS_X = 65535
 WORKGROUP = 64  # default elementwise workgroup; spec constant 0 of every shader
@@ -21,7 +44,7 @@ def grid_1d(n: int, workgroup: int = WORKGROUP) -> tuple[int, int, int]:
     return (x, -(-groups // x), 1)
 
 
-def module(backend: Any, family: str, *variant: str) -> str:
+def module(backend: KernelBackend, family: str, *variant: str) -> str:
     """Module name of a shader variant on this device's access path."""
     return ".".join((family, *variant, backend.caps.access_path))
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
+from vkrt.core.tensor import Tensor, TensorSpec
 
 
-def _concat(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _concat(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     a, b, *rest = inputs
     c = rest[0] if rest else b  # two parts: b bound again with width 0, never read
@@ -21,5 +21,5 @@ def _concat(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("concat_columns", "concat", _concat))

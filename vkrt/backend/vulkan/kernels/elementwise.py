@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
+from vkrt.core.tensor import Tensor, TensorSpec
 
 
 def _binary(variant: str):
-    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+    def run(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
         a, b = inputs
         y = backend.empty(out[0].shape, "f32")
@@ -23,7 +23,7 @@ def _binary(variant: str):
 
 
 def _gated(variant: str):
-    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+    def run(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
         (x,) = inputs
         y = backend.empty(out[0].shape, "f32")
@@ -37,7 +37,7 @@ def _gated(variant: str):
 
 
 def _unary(variant: str, param: str):
-    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+    def run(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
         (x,) = inputs
         y = backend.empty(out[0].shape, "f32")
@@ -48,7 +48,7 @@ def _unary(variant: str, param: str):
     return run
 
 
-def _gather(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _gather(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, index = inputs
     y = backend.empty(out[0].shape, "f32")
@@ -58,7 +58,7 @@ def _gather(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
     backend.register_kernel(Kernel("scale", "elementwise.scale", _unary("scale", "factor")))

@@ -5,16 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
+from vkrt.backend.vulkan.kernels.common import (
+    KernelBackend,
+    backend_of,
+    grid_1d,
+    local_size,
+    module,
+)
 from vkrt.backend.vulkan.kernels.layouts import LAYOUTS, TILE_ROWS, padded_rows, quants_bytes
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.tensor import Tensor, TensorSpec
 
 FORMATS = tuple(LAYOUTS)  # the shader reads every format that has a device layout
 
 
 def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     table = inputs[0]
-    backend: Any = table.backend
+    backend = backend_of(table)
     caps = backend.caps
     if caps.access_path == "texel":
         fits = table.handle.size // 4 <= caps.max_texel_elements
@@ -23,7 +29,7 @@ def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     return table.dtype in FORMATS and fits
 
 
-def _run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
          out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     table, ids = inputs
     v, d = table.shape
@@ -42,5 +48,5 @@ def _run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("embedding", "embedding", _run, supports=_supports))

@@ -6,7 +6,7 @@ Nothing is dequantized.
 
 Block formats are split into a quants region (one uvec4 texel per 16 bytes of quants) and
 a scales region, so every load is aligned: GGUF's 18/20/22/24/34-byte blocks are not. For
-the 32-value block formats both derive from the registry row (vkrt/ops/formats.py): the
+the 32-value block formats both derive from the registry row (vkrt/core/formats.py): the
 `qs` field is the quants, the other fields, in order, the scales entry (f16 fields packed
 two to a word, bit fields word-aligned: q8_0/q4_0/iq4_nl one word d, q4_1 one word d|m,
 q5_0 two words d, qh, q5_1 two words d|m, qh). Kernels bind an entry of one word as u32
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vkrt.ops.formats import FORMATS, WeightFormat
+from vkrt.core.formats import FORMATS, WeightFormat
 
 TILE_ROWS = 64  # rows per tile; the kernels get it as specialisation constant 7 (TILE)
 
@@ -213,7 +213,7 @@ def _k_fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 def _q2_k_planes(qs: np.ndarray) -> np.ndarray:
     """GGUF q2_k / q3_k 2-bit planes [rows, super-blocks, 64] -> [..., 8 sub-blocks, 32] values
-    (each 128-value half reads 32 bytes at shifts 0, 2, 4, 6: vkrt.ops.formats._crumbs)."""
+    (each 128-value half reads 32 bytes at shifts 0, 2, 4, 6: vkrt.core.formats._crumbs)."""
     q = qs.reshape(qs.shape[:2] + (2, 1, 32)) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     return (q & 3).reshape(qs.shape[:2] + (8, 32))
 
@@ -240,7 +240,7 @@ def _q3_k_high_words(bits: np.ndarray) -> np.ndarray:
 
 def _q6_k_quants(blocks: np.ndarray) -> np.ndarray:
     """GGUF q6_k ql/qh -> [rows, super-blocks, 192 bytes]: 8 texels of low nibbles, then 4
-    texels of 2-bit highs (the order vkrt.ops.formats decodes q6_k in)."""
+    texels of 2-bit highs (the order vkrt.core.formats decodes q6_k in)."""
     shape = blocks.shape[:2]
     ql = blocks[..., 0:128].reshape(shape + (2, 64))
     qh = blocks[..., 128:192].reshape(shape + (2, 32))

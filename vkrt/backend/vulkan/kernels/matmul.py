@@ -38,9 +38,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import float_bits, module
+from vkrt.backend.vulkan.device import DeviceCaps
+from vkrt.backend.vulkan.kernels.common import KernelBackend, backend_of, float_bits, module
 from vkrt.backend.vulkan.kernels.layouts import LAYOUTS, TILE_ROWS, quants_bytes, row_texels
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.tensor import Tensor, TensorSpec
 
 FORMATS = tuple(LAYOUTS)  # the shader decodes every format that has a device layout
 MAX_GROUPS = 65535
@@ -64,12 +65,12 @@ def _pow2_at_least(t: int) -> int:
     return 1 << max(0, t - 1).bit_length()
 
 
-def max_tokens(caps: Any) -> int:
+def max_tokens(caps: DeviceCaps) -> int:
     """Largest token tile: `matmul.vec` takes T up to this, `matmul.tiled` the rest."""
     return 8 if caps.device_type == "cpu" else 4
 
 
-def config_for(caps: Any, dtype: str, n: int, t: int, prefill: bool = False) -> MatmulConfig:
+def config_for(caps: DeviceCaps, dtype: str, n: int, t: int, prefill: bool = False) -> MatmulConfig:
     """Choose sizes for weights of `dtype` with n rows and t tokens (measured reasons inline)."""
     tokens = max_tokens(caps) if prefill else min(_pow2_at_least(t), max_tokens(caps))
     if caps.device_type == "cpu":
@@ -109,13 +110,13 @@ STAGED = MatmulConfig(workgroup=128, rows=8, tokens=16, split=32, shader="matmul
                       lane_tokens=2)
 
 
-def staged_device(caps: Any) -> bool:
+def staged_device(caps: DeviceCaps) -> bool:
     """Whether prefill takes matmul_tiled.comp here: GPUs only (llvmpipe's shared memory is
     slow; tests force it there by replacing this function)."""
     return caps.device_type in ("discrete", "integrated")
 
 
-def dispatch_config(caps: Any, dtype: str, n: int, k: int, t: int, tiled: bool, gated: bool = False,
+def dispatch_config(caps: DeviceCaps, dtype: str, n: int, k: int, t: int, tiled: bool, gated: bool = False,
                     qkv: bool = False, norm_and_add: bool = False) -> MatmulConfig:
     """The configuration `dispatch_matmul` runs for n weight rows, K = k and t tokens on `caps`:
     `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K; prefill
@@ -142,7 +143,7 @@ def dispatch_config(caps: Any, dtype: str, n: int, k: int, t: int, tiled: bool, 
     return cfg
 
 
-def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
+def _fits(backend: KernelBackend, w: Tensor, x: Tensor) -> bool:
     """Whether the device can bind these operands whole (texel-count or range limits)."""
     caps = backend.caps
     size = w.handle.size
@@ -153,7 +154,7 @@ def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
 
 def supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     x, w = inputs
-    return w.dtype in FORMATS and _fits(w.backend, w, x)
+    return w.dtype in FORMATS and _fits(backend_of(w), w, x)
 
 
 def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
@@ -178,7 +179,7 @@ class QkvEpilogue:
     interleaved: bool
 
 
-def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool = False,
+def dispatch_matmul(backend: KernelBackend, x: Tensor, w: Tensor, tiled: bool, gated: bool = False,
                     norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None,
                     qkv: QkvEpilogue | None = None, activation: str = "silu", scale: float = 1.0) -> Tensor:
     """Record y = x @ w.T with the decode (vec) or prefill (tiled) sizes; any T works with either.
@@ -250,7 +251,7 @@ def dispatch_matmul(backend: Any, x: Tensor, w: Tensor, tiled: bool, gated: bool
 FUSE_CODES = {"none": 0, "rms": 1, "add": 2}  # matmul_tiled.comp's FUSE (spec constant 6)
 
 
-def _dispatch_tiled(backend: Any, cfg: MatmulConfig, dtype: str, fuse: int, bindings: list,
+def _dispatch_tiled(backend: KernelBackend, cfg: MatmulConfig, dtype: str, fuse: int, bindings: list,
                     push: tuple[str, tuple], gates: int, activation: str, scale: float, n: int, t: int,
                     bias: bool = False) -> None:
     """Record matmul_tiled.comp: a workgroup per tile of cfg.rows rows x cfg.tokens tokens."""
@@ -274,7 +275,7 @@ Runner = Callable[[Any, tuple[Tensor, ...], dict[str, Any], tuple[TensorSpec, ..
 
 def _runner(op: str, tiled: bool) -> Runner:
     """The kernel body of `op` at the vec (decode) or tiled (prefill) sizes."""
-    def run(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+    def run(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
         if op == "rms_norm_matmul":
             x, g, w = inputs
@@ -300,7 +301,7 @@ def _operands(op: str, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
 def _supports(op: str, vec: bool) -> Callable[[tuple[Tensor, ...], dict[str, Any]], bool]:
     def check(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
         x, w = _operands(op, inputs)
-        backend: Any = w.backend
+        backend = backend_of(w)
         if vec and x.shape[0] > max_tokens(backend.caps):
             return False
         return supports((x, w), params)
@@ -329,7 +330,7 @@ def _qkv_fused_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> b
     return inputs[5].dtype in ("f32", "f16") and _qkv_shapes_fit(inputs, params) and supports((x, w), params)
 
 
-def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run_qkv_fused(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """One dispatch: FUSE=qkv (an f32 or f16 cache, spec constant 9)."""
     x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
@@ -339,7 +340,7 @@ def _run_qkv_fused(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, A
                             norm=(g, params["eps"]), qkv=epilogue),)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     # Higher priority first: vec for T <= max_tokens, tiled for the rest.
     for op in OPS:
         backend.register_kernel(Kernel(op, f"{op}.vec", _runner(op, tiled=False), priority=10,

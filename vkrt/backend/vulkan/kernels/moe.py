@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import MAX_GROUPS_X, grid_1d, local_size, module
+from vkrt.backend.vulkan.device import DeviceCaps
+from vkrt.backend.vulkan.kernels.common import (
+    MAX_GROUPS_X,
+    KernelBackend,
+    backend_of,
+    grid_1d,
+    local_size,
+    module,
+)
 from vkrt.backend.vulkan.kernels.layouts import (
     LAYOUTS,
     TILE_ROWS,
@@ -28,7 +36,7 @@ from vkrt.backend.vulkan.kernels.layouts import (
     row_texels,
 )
 from vkrt.backend.vulkan.kernels.matmul import max_tokens
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.core.tensor import Tensor, TensorSpec
 
 # The formats shaders/matmul_id.comp's variants line lists (a test keeps the two equal).
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k",
@@ -45,7 +53,7 @@ class ExpertConfig:
     by_expert: bool  # workgroup y = expert (gather its pairs), else y = pair
 
 
-def expert_config(caps: Any, pairs: int, experts: int, gated: bool = False) -> ExpertConfig:
+def expert_config(caps: DeviceCaps, pairs: int, experts: int, gated: bool = False) -> ExpertConfig:
     """The work split for `pairs` (token, chosen expert) pairs over `experts` experts.
 
     Per pair while pairs are few (a decode step: each pair is one matvec, nothing to share);
@@ -64,13 +72,13 @@ def expert_config(caps: Any, pairs: int, experts: int, gated: bool = False) -> E
                         by_expert)
 
 
-def binding_limit(caps: Any) -> int:
+def binding_limit(caps: DeviceCaps) -> int:
     """The most bytes of an expert weight one dispatch binds whole on the current access path
     (the scales view reads it as 4-byte texels)."""
     return 4 * caps.max_texel_elements if caps.access_path == "texel" else caps.max_storage_range
 
 
-def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
+def _fits(backend: KernelBackend, w: Tensor, x: Tensor) -> bool:
     caps = backend.caps
     x_limit = caps.max_texel_elements if caps.access_path == "texel" else caps.max_storage_range // 4
     return w.handle.size <= binding_limit(caps) and x.numel <= x_limit
@@ -78,22 +86,22 @@ def _fits(backend: Any, w: Tensor, x: Tensor) -> bool:
 
 def _matmul_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     x, w, _ = inputs
-    return w.dtype in FORMATS and _fits(w.backend, w, x)
+    return w.dtype in FORMATS and _fits(backend_of(w), w, x)
 
 
-def _run_matmul(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run_matmul(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                 out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, ids = inputs
     return (dispatch_expert_matmul(backend, x, w, ids),)
 
 
-def _run_matmul_gated(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run_matmul_gated(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                       out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, ids = inputs
     return (dispatch_expert_matmul(backend, x, w, ids, gated=True, activation=params.get("activation", "silu")),)
 
 
-def dispatch_expert_matmul(backend: Any, x: Tensor, w: Tensor, ids: Tensor, gated: bool = False,
+def dispatch_expert_matmul(backend: KernelBackend, x: Tensor, w: Tensor, ids: Tensor, gated: bool = False,
                            activation: str = "silu") -> Tensor:
     """Record y [T, k, N] = x through each pair's expert of w [E, N, K] (gated: w [E, 2N, K]
     = [gate; up] per expert, y = act(gate) * up, gelu_tanh for activation "gelu_tanh")."""
@@ -131,7 +139,7 @@ def dispatch_expert_matmul(backend: Any, x: Tensor, w: Tensor, ids: Tensor, gate
     return y
 
 
-def _run_router(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run_router(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                 out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     (logits,) = inputs
     tokens, experts = logits.shape
@@ -145,7 +153,7 @@ def _run_router(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
     return ids, weights
 
 
-def _run_combine(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _run_combine(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """moe_combine, or moe_combine_shared with the shared expert's output and gate logit."""
     y, weights, *shared = inputs
@@ -159,7 +167,7 @@ def _run_combine(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any
     return (mixed,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("moe_router", "moe.router", _run_router))
     backend.register_kernel(Kernel("moe_matmul", "matmul_id", _run_matmul, supports=_matmul_supports))
     backend.register_kernel(Kernel("moe_matmul_gated", "matmul_id.gated", _run_matmul_gated,

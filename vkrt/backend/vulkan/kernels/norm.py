@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, module
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.backend.vulkan.device import DeviceCaps
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, module
+from vkrt.core.tensor import Tensor, TensorSpec
 
 
-def row_workgroup(caps: Any) -> int:
+def row_workgroup(caps: DeviceCaps) -> int:
     """Lanes per row for the row-reduction shader (norm.comp): spec constant 0.
 
     Must be a power of two (include/reduce.glsl's tree). On llvmpipe, whose workgroups each
@@ -27,7 +28,7 @@ def _row_grid(rows: int) -> tuple[int, int, int]:
     return grid_1d(rows, 1)  # one workgroup per row
 
 
-def _rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _rms_norm(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w = inputs
     rows, dim = x.shape
@@ -39,7 +40,7 @@ def _rms_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def _rms_norm_add(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _rms_norm_add(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, residual = inputs
     rows, dim = x.shape
@@ -51,7 +52,7 @@ def _rms_norm_add(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, An
     return (y,)
 
 
-def _layer_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _layer_norm(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                 out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, w, b = inputs
     rows, dim = x.shape
@@ -63,7 +64,7 @@ def _layer_norm(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any]
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("rms_norm", "norm.rms", _rms_norm))
     backend.register_kernel(Kernel("rms_norm_add", "norm.rms_add", _rms_norm_add))
     backend.register_kernel(Kernel("layer_norm", "norm.layer", _layer_norm))

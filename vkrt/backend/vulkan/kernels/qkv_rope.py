@@ -14,9 +14,9 @@ from typing import Any
 
 from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.kernels.attention import KV_VARIANT
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
 from vkrt.backend.vulkan.kernels.norm import row_workgroup
-from vkrt.ops.tensor import KV_Q8_0, Tensor, TensorSpec
+from vkrt.core.tensor import KV_Q8_0, Tensor, TensorSpec
 
 KV_ELEMS = {"f32": 1, "f16": 2, KV_Q8_0: 32}  # cache values per item of the `none` variant
 
@@ -25,7 +25,7 @@ def _supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
     return params["head_dim"] % 2 == 0
 
 
-def _qkv_rope_kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _qkv_rope_kv_write(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                        out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     qkv, positions, cos_sin, k_cache, v_cache, slots = inputs
     head_dim = params["head_dim"]
@@ -45,7 +45,7 @@ def _qkv_rope_kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[st
     return (q,)
 
 
-def _qkv_norm_rope_kv_write(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _qkv_norm_rope_kv_write(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     qkv, q_norm, k_norm, positions, cos_sin, k_cache, v_cache, slots = inputs
     head_dim = params["head_dim"]
@@ -65,7 +65,7 @@ def _qkv_norm_rope_kv_write(backend: Any, inputs: tuple[Tensor, ...], params: di
     return (q,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("qkv_rope_kv_write", "qkv_rope_kv_write", _qkv_rope_kv_write,
                                    supports=_supports))
     backend.register_kernel(Kernel("qkv_norm_rope_kv_write", "qkv_norm_rope_kv_write", _qkv_norm_rope_kv_write,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, local_size, module
-from vkrt.ops.tensor import Tensor, TensorSpec
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
+from vkrt.core.tensor import Tensor, TensorSpec
 
 
-def _rope(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _rope(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
           out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, positions, cos_sin = inputs
     max_positions, rot_dim = cos_sin.shape
@@ -23,5 +23,5 @@ def _rope(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
     return (y,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("rope", "rope", _rope))

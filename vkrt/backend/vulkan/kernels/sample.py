@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from vkrt.backend.base import Kernel
-from vkrt.backend.vulkan.kernels.common import grid_1d, module
+from vkrt.backend.vulkan.device import DeviceCaps
+from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, module
 from vkrt.backend.vulkan.kernels.norm import row_workgroup
+from vkrt.core.tensor import Tensor, TensorSpec
 from vkrt.ops.sampling import MAX_TOP_K
-from vkrt.ops.tensor import Tensor, TensorSpec
 
 CHUNK = 32  # the shader's CHUNK: columns per lane noted between list insertions
 
@@ -30,7 +31,7 @@ MIN_LANES = 8
 LOOP_BUDGET = 40000
 
 
-def sample_workgroup(caps: Any, vocab: int = 0) -> int:
+def sample_workgroup(caps: DeviceCaps, vocab: int = 0) -> int:
     """The row workgroup (spec constant 0): the row kernels' lanes but at least MIN_LANES
     (on a CPU device, more for a vocab too large for llvmpipe's loop limit), halved until
     the per-lane lists fit in shared memory (a 256-lane GPU row would need 165 KiB; 16 lanes
@@ -44,7 +45,7 @@ def sample_workgroup(caps: Any, vocab: int = 0) -> int:
     return lanes
 
 
-def _sample_top_k(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, Any],
+def _sample_top_k(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                   out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     logits, sample_params, uniforms, mask = inputs
     rows, n = logits.shape
@@ -56,5 +57,5 @@ def _sample_top_k(backend: Any, inputs: tuple[Tensor, ...], params: dict[str, An
     return (ids,)
 
 
-def register(backend: Any) -> None:
+def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("sample_top_k", "sample_top_k", _sample_top_k))

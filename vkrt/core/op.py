@@ -1,4 +1,5 @@
-"""Op declarations: name, signature check, numpy reference. Backends add native kernels."""
+"""Op declarations: name, signature check, numpy reference (the spec). vkrt.ops declares the
+ops and dispatches them; backends add native kernels for them."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vkrt.core.tensor import TensorSpec
 from vkrt.errors import VkrtError
-from vkrt.ops import fusion
-from vkrt.ops.tensor import Tensor, TensorSpec
 
 InferFn = Callable[..., tuple[TensorSpec, ...]]
 
@@ -55,28 +55,3 @@ def require(cond: bool, op: str, specs: tuple[TensorSpec, ...], what: str) -> No
     if not cond:
         got = ", ".join(f"{s.dtype}{list(s.shape)}" for s in specs)
         raise OpError(f"{op}: {what} (got {got})")
-
-
-def dispatch(name: str, *inputs: Tensor, **params: Any) -> Any:
-    """Validate and run op `name` on the backend its inputs live on."""
-    opdef = OPS[name]
-    if not inputs:
-        raise OpError(f"{name}: no input tensors")
-    backend = inputs[0].backend
-    for t in inputs:
-        if not isinstance(t, Tensor):
-            raise OpError(f"{name}: inputs must be Tensors, got {type(t).__name__}")
-        if t.backend is not backend:
-            raise OpError(f"{name}: inputs live on different backends ({backend.name}, {t.backend.name})")
-    out_specs = opdef.infer(*[t.spec for t in inputs], **params)
-    if fusion.enabled():
-        fused = fusion.fold(name, inputs, params)
-        if fused is not None:  # the fused op has the same outputs as the one it replaces
-            name, inputs, params = fused
-            opdef = OPS[name]
-        if name in fusion.DEFERRED_OPS:
-            return fusion.defer(name, inputs, params, out_specs[0])
-    outputs = backend.execute(opdef, inputs, params, out_specs)
-    if not out_specs:
-        return None  # a purely in-place op
-    return outputs[0] if len(outputs) == 1 else outputs

@@ -9,14 +9,14 @@ attention head (q8_0 needs head_dim % 32 == 0) and pair up along the row (kv_dim
 pair is stored as its 64 int8 quants (16 u32 words, value j in byte j % 4 of word j / 4), then
 one word holding the even block's f16 scale in its low half and the odd block's in its high
 half, so every load a shader makes is a whole aligned word. The numpy array of a q8_0 cache is
-those words, [blocks, block_size, kv_dim / 64 * 17] uint32 (vkrt.ops.tensor.KV_Q8_0).
+those words, [blocks, block_size, kv_dim / 64 * 17] uint32 (vkrt.core.tensor.KV_Q8_0).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops.tensor import KV_Q8_0, KV_Q8_0_PAIR_VALUES, KV_Q8_0_PAIR_WORDS
+from vkrt.core.tensor import KV_Q8_0, KV_Q8_0_PAIR_VALUES, KV_Q8_0_PAIR_WORDS
 
 KV_DTYPES = ("f16", "f32", "q8_0")  # --kv-cache-dtype choices, the default first
 Q8_0_BLOCK = 32

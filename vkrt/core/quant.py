@@ -1,11 +1,11 @@
 """Weight-format conversions: dequantize any storage format (the decoders are the rows of
-vkrt/ops/formats.py), the bf16 codecs, and simple quantizers for tests and tools."""
+vkrt/core/formats.py), the bf16 codecs, and simple quantizers for tests and tools."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from vkrt.ops.formats import decode_rows
+from vkrt.core.formats import decode_rows
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The weight-format registry (vkrt/ops/formats.py): each row agrees with the `gguf`
+"""The weight-format registry (vkrt/core/formats.py): each row agrees with the `gguf`
 package (type id, block size and bytes), and each numpy decoder equals
 `gguf.quants.dequantize` bit for bit on random blocks."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
-from vkrt.ops.formats import BLOCK_FORMATS, FORMATS, IQ4_LEVELS, by_gguf_type, weight_format
-from vkrt.ops.quant import dequantize
-from vkrt.ops.tensor import storage_nbytes
+from vkrt.core.formats import BLOCK_FORMATS, FORMATS, IQ4_LEVELS, by_gguf_type, weight_format
+from vkrt.core.quant import dequantize
+from vkrt.core.tensor import storage_nbytes
 
 
 def random_blocks(rng: np.random.Generator, name: str, rows: int, blocks_per_row: int,

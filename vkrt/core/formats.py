@@ -3,7 +3,7 @@
 A row says what a format is: its name, its GGUF type id, how many values a block holds
 and in how many bytes, the byte fields of a block, and its numpy decoding (the readable
 spec the shaders are tested against; each equals the `gguf` package's dequantize bit for
-bit). Everything else derives from the rows: storage sizes (`vkrt.ops.tensor`), the
+bit). Everything else derives from the rows: storage sizes (`vkrt.core.tensor`), the
 formats the loaders accept, the shader define (`WFMT_<NAME>`), and the Vulkan device
 layouts (`vkrt/backend/vulkan/kernels/layouts.py`, which repacks blocks from `fields`).
 

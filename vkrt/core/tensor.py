@@ -1,16 +1,22 @@
-"""`Tensor`: an array that lives on one backend, in one storage format."""
+"""`Tensor`: an array that lives on one backend, in one storage format.
+
+The floor every layer stands on: a tensor knows its backend only through `TensorBackend`,
+the few methods ops and tensors call on it, so nothing here (or in vkrt.ops) imports a
+backend; vkrt.backend implements the protocol.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from vkrt.ops.formats import BLOCK_FORMATS, FLOAT_FORMATS, FORMATS
+from vkrt.core.formats import BLOCK_FORMATS, FLOAT_FORMATS, FORMATS
 
 if TYPE_CHECKING:
-    from vkrt.backend.base import Backend
+    from vkrt.core.op import OpDef
 
 # Activation dtypes and how numpy holds them (bf16 as its raw uint16 bits).
 NUMPY_DTYPES: dict[str, Any] = {
@@ -21,12 +27,12 @@ NUMPY_DTYPES: dict[str, Any] = {
     "u32": np.uint32,
 }
 
-# Bytes per block and values per block of the block formats (vkrt/ops/formats.py).
+# Bytes per block and values per block of the block formats (vkrt/core/formats.py).
 BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
     name: (FORMATS[name].block_bytes, FORMATS[name].block_values) for name in BLOCK_FORMATS
 }
 FLOAT_WEIGHT_DTYPES = FLOAT_FORMATS
-# The quantised KV-cache storage (`--kv-cache-dtype q8_0`; vkrt/ops/kv_format.py is its spec):
+# The quantised KV-cache storage (`--kv-cache-dtype q8_0`; vkrt/core/kv_format.py is its spec):
 # a cache [blocks, block_size, kv_dim] of GGUF q8_0 blocks (32 values: an f16 scale, 32 int8),
 # paired, each pair stored as KV_Q8_0_PAIR_WORDS u32 words: its 64 quants, then its two
 # scales. numpy holds it as those words, [blocks, block_size, kv_dim / 64 * 17] uint32.
@@ -78,7 +84,7 @@ def storage_nbytes(shape: tuple[int, ...], dtype: str) -> int:
 
 def resolve_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     """`shape` with its -1 filled in, checked to hold t's elements (OpError otherwise)."""
-    from vkrt.ops.registry import OpError
+    from vkrt.core.op import OpError
 
     dims = tuple(int(d) for d in shape)
     if t.dtype not in NUMPY_DTYPES:
@@ -99,6 +105,31 @@ class TensorSpec:
     dtype: str
 
 
+class PendingOp(Protocol):
+    """An op dispatched but not run yet (vkrt.ops.fusion.Pending)."""
+
+    def realize(self, tensor: Tensor) -> None: ...
+
+
+class TensorBackend(Protocol):
+    """What tensors and ops need of the backend a tensor lives on (vkrt.backend.Backend)."""
+
+    name: str
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor: ...
+
+    def view(self, t: Tensor, shape: tuple[int, ...]) -> Tensor: ...
+
+    def read(self, t: Tensor) -> np.ndarray: ...
+
+    def select(self, op: str, inputs: tuple[Tensor, ...], params: dict[str, Any]) -> Any: ...
+
+    def execute(self, op: OpDef, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                out_specs: tuple[TensorSpec, ...], kernel: Any = None) -> tuple[Tensor, ...]: ...
+
+    def on_sync(self, hook: Callable[[], None]) -> None: ...
+
+
 class Tensor:
     """A handle to backend storage. `shape` is logical; block formats pack rows of blocks.
 
@@ -110,7 +141,7 @@ class Tensor:
 
     __slots__ = ("shape", "dtype", "backend", "_handle", "pending", "base", "__weakref__")
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, backend: Backend, handle: Any,
+    def __init__(self, shape: tuple[int, ...], dtype: str, backend: TensorBackend, handle: Any,
                  base: Tensor | None = None) -> None:
         if dtype not in ALL_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}")
@@ -118,7 +149,7 @@ class Tensor:
         self.dtype = dtype
         self.backend = backend
         self._handle = handle
-        self.pending: Any = None  # a vkrt.ops.fusion.Pending until realised
+        self.pending: PendingOp | None = None  # set by the fusion layer until the op runs
         self.base = base
 
     @property
