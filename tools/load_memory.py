@@ -36,6 +36,7 @@ def measure(model: str, device: str) -> dict[str, Any]:
     import gc
 
     rss: dict[str, float] = {"start": _status_mib("VmRSS")}
+    import vkrt
     from vkrt.backend import get_backend
     from vkrt.loader import load_model
     from vkrt.loader.pull import resolve_model
@@ -56,7 +57,7 @@ def measure(model: str, device: str) -> dict[str, Any]:
             # what the steady resident set is made of: anonymous memory (Python, copies, and on a
             # unified-memory device the device allocations) and pages of mapped files
             "steady_anon_mib": round(_status_mib("RssAnon"), 1), "steady_file_mib": round(_status_mib("RssFile"), 1),
-            "device_weights_mib": round(weights, 1), "vkrt": str(Path(__import__("vkrt").__file__).parent)}
+            "device_weights_mib": round(weights, 1), "vkrt": str(Path(vkrt.__file__ or "").parent)}
 
 
 def main(argv: list[str] | None = None) -> int:
