@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tests.ops.test_gqa_attention import prefill_case  # noqa: E402
-from tests.ops.test_paged_attention_split import BLOCK, decode_case, upload  # noqa: E402
+from attention_cases import BLOCK, decode_case, prefill_case, upload  # noqa: E402
+
 from vkrt import ops  # noqa: E402
 from vkrt.backend import get_backend  # noqa: E402
 from vkrt.backend.vulkan.kernels import attention  # noqa: E402

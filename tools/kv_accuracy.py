@@ -24,13 +24,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.models.conftest import Greedy  # noqa: E402
 from vkrt.backend import get_backend  # noqa: E402
 from vkrt.core.kv_format import KV_DTYPES, bytes_per_value  # noqa: E402
 from vkrt.engine import LLM, SamplingParams  # noqa: E402
 from vkrt.loader import load_model  # noqa: E402
 from vkrt.loader.pull import find_model  # noqa: E402
-from vkrt.models import build_model  # noqa: E402
+from vkrt.models import ForwardBatch, StepTensors, build_model  # noqa: E402
 
 GOLDENS = {"smollm2-135m-instruct": "smollm2_golden.json", "gemma-3-270m": "gemma3_270m_golden.json"}
 
@@ -43,11 +42,15 @@ def golden_cases(name: str) -> list[tuple[list[int], list[int]]]:
 
 
 def teacher_forced(model, kv_dtype: str, prompt: list[int], continuation: list[int]) -> np.ndarray:
-    """Logits [len(prompt) + len(continuation) - 1, vocab] of one forward over the cache."""
-    ids = prompt + continuation[:-1]
-    driver = Greedy(model, max_len=len(ids))
-    driver.kv = model.allocate_kv_cache(-(-len(ids) // 16), 16, kv_dtype)
-    return driver.step(ids, 0, all_logits=True)
+    """Logits [len(prompt) + len(continuation) - 1, vocab] of one forward over a fresh cache in
+    `kv_dtype`, one sequence in blocks 0, 1, ... of 16 positions."""
+    ids = np.array(prompt + continuation[:-1], np.int32)
+    n = ids.size
+    kv = model.allocate_kv_cache(-(-n // 16), 16, kv_dtype)
+    positions = np.arange(n, dtype=np.int32)
+    batch = ForwardBatch(ids, positions, np.zeros(n, np.int32), positions, np.arange(-(-n // 16), dtype=np.int32)[None],
+                         positions)
+    return model.forward(StepTensors.upload(model.backend, batch), kv).numpy()
 
 
 def nmse(got: np.ndarray, want: np.ndarray) -> float:

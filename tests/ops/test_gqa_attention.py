@@ -23,11 +23,12 @@ import pytest
 
 from tests.conftest import nmse
 from tests.ops.test_paged_attention_split import run, upload, want
+from tests.tools.conftest import load_tool
 from vkrt import ops
 from vkrt.backend.base import Backend
-from vkrt.core import kv_format
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
+prefill_case = load_tool("attention_cases").prefill_case  # random inputs (tools/attention_cases.py)
 
 ATTENTION_NMSE = 5e-11  # tests/ops/test_attention.py's bound
 GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 3, 4, 8 (4 and 8 heads per tile)
@@ -71,26 +72,6 @@ def gqa(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     modules = Modules(vk, monkeypatch)
     yield modules
     assert modules.families() == {"paged_attention_gqa"}
-
-
-def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
-                 head_dim: int, kv_dtype: str, block_size: int = 16) -> dict[str, np.ndarray]:
-    """Sequences given as (cached positions, new tokens): every position's K/V is in the cache
-    (the model writes a chunk's K/V before attending), in shuffled blocks; the step's tokens are
-    each sequence's new positions, sequence after sequence."""
-    max_blocks = max(-(-(cached + new) // block_size) for cached, new in seqs)
-    num_blocks = len(seqs) * max_blocks + 3
-    kv_dim = num_kv_heads * head_dim
-    order = rng.permutation(num_blocks).astype(np.int32)
-    positions = np.concatenate([np.arange(cached, cached + new) for cached, new in seqs]).astype(np.int32)
-    return {
-        "q": rng.standard_normal((positions.size, num_heads * head_dim)).astype(np.float32) * 2.0,
-        "k_cache": kv_format.encode(rng.standard_normal((num_blocks, block_size, kv_dim)), kv_dtype),
-        "v_cache": kv_format.encode(rng.standard_normal((num_blocks, block_size, kv_dim)), kv_dtype),
-        "block_table": order[: len(seqs) * max_blocks].reshape(len(seqs), max_blocks),
-        "seq_index": np.concatenate([np.full(new, s) for s, (_, new) in enumerate(seqs)]).astype(np.int32),
-        "positions": positions,
-    }
 
 
 def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kernel: str,

@@ -23,15 +23,17 @@ import pytest
 
 from tests.conftest import nmse
 from tests.ops.test_attention import paged_variant  # noqa: F401  (fixture: "sub" and "seq")
+from tests.tools.conftest import load_tool
 from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels import attention as kernels
-from vkrt.core import kv_format
+
+_cases = load_tool("attention_cases")  # the random inputs (tools/attention_cases.py)
+BLOCK, decode_case, upload = _cases.BLOCK, _cases.decode_case, _cases.upload
 
 reference = importlib.import_module("vkrt.ops.attention")  # the numpy specs
 
 ATTENTION_NMSE = 5e-11  # tests/ops/test_attention.py's bound
-BLOCK = 16
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 1000, 2048, 2049, 4095, 4096]
 GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3, 4, 8; head dims 64, 128, 256
     (4, 4, 64),
@@ -39,36 +41,6 @@ GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3, 4, 8; he
     (8, 2, 128),
     (8, 1, 256),
 ]
-
-
-def decode_case(rng: np.random.Generator, lengths: list[int], num_heads: int, num_kv_heads: int,
-                head_dim: int, kv_dtype: str, width: int | None = None) -> dict[str, np.ndarray]:
-    """One decode token per sequence at its last position; each sequence's blocks shuffled over
-    the cache; table rows `width` blocks wide (default: the longest sequence's), padded with 0."""
-    counts = [-(-n // BLOCK) for n in lengths]
-    width = width or max(counts)
-    num_blocks = sum(counts) + 3
-    order = rng.permutation(num_blocks).astype(np.int32)
-    table = np.zeros((len(lengths), width), np.int32)
-    start = 0
-    for s, count in enumerate(counts):
-        table[s, :count] = order[start:start + count]
-        start += count
-    kv_dim = num_kv_heads * head_dim
-    return {
-        "q": rng.standard_normal((len(lengths), num_heads * head_dim)).astype(np.float32),
-        "k_cache": kv_format.encode(rng.standard_normal((num_blocks, BLOCK, kv_dim)), kv_dtype),
-        "v_cache": kv_format.encode(rng.standard_normal((num_blocks, BLOCK, kv_dim)), kv_dtype),
-        "block_table": table,
-        "seq_index": np.arange(len(lengths), dtype=np.int32),
-        "positions": np.array(lengths, np.int32) - 1,
-    }
-
-
-def upload(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str) -> dict[str, Any]:
-    """The case's arrays as tensors; the caches in format `kv_dtype` (f32, f16, q8_0)."""
-    cache = kv_format.tensor_dtype(kv_dtype)
-    return {name: vk.upload(a, cache if name.endswith("cache") else None) for name, a in case.items()}
 
 
 def run(vk: Backend, case: dict[str, np.ndarray], kv_dtype: str, num_heads: int, num_kv_heads: int,
