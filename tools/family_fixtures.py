@@ -107,6 +107,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                             shared_expert_intermediate_size=48, norm_topk_prob=False),
                            "q/k/v biases; every layer sparse: 7 experts of width 16, top-2, weights not "
                            "renormalised, and a shared expert of width 48 behind a sigmoid gate"),
+        # RoPE variants (after the mixtures of experts, so the seeds above stay as they were).
+        "tiny_phi3_partial": ("Phi3", dict(BASE, tie_word_embeddings=False, eos_token_id=None, partial_rotary_factor=0.5,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5}),
+                              "partial rotary: RoPE on the first 8 of each head's 16 dims, the rest passed "
+                              "through (partial_rotary_factor 0.5)"),
+        "tiny_ernie4_5": ("Ernie4_5", dict(BASE, tie_word_embeddings=True, rope_parameters={
+                              "rope_type": "default", "rope_theta": 5e5}),
+                          "ERNIE 4.5: Llama's layout with RoPE on interleaved pairs (2i, 2i + 1), tied, "
+                          "rope_theta 5e5"),
     }
 
 

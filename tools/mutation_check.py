@@ -76,7 +76,7 @@ MUTANTS = [
     # Host-side numerics.
     Mutant("numpy q4_0 dequant offset -8 -> -7", "vkrt/core/formats.py",
            "(_nibbles(b[:, 2:18]).astype(np.float32) - 8.0)", "(_nibbles(b[:, 2:18]).astype(np.float32) - 7.0)",
-           ("tests/ops/test_formats.py",)),
+           ("tests.core.test_formats.py",)),
     Mutant("linear RoPE scaling ignored", "vkrt/models/rope.py",
            'return inv / float(scaling["factor"])', "return inv",
            ("tests/models/test_rope_scaling.py",)),

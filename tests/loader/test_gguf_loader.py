@@ -11,7 +11,7 @@ from loader_fixtures import TINY, converter_permute, hf_weights, write_llama_ggu
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import load_model
-from vkrt.loader.gguf_loader import unpermute_qk_rows
+from vkrt.loader.gguf_loader import unpermuted_qk_order
 
 Q = gguf.GGMLQuantizationType
 
@@ -57,7 +57,7 @@ def test_unpermute_matches_converter_on_a_single_head() -> None:
     hf = np.arange(8, dtype=np.float32).reshape(8, 1)  # head_dim 8: halves [0..3], [4..7]
     gguf_rows = converter_permute(hf, 1)
     assert gguf_rows.ravel().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # interleaved pairs
-    np.testing.assert_array_equal(unpermute_qk_rows(gguf_rows, 1), hf)
+    np.testing.assert_array_equal(gguf_rows[unpermuted_qk_order(8, 1)], hf)
 
 
 def test_q_and_k_rows_come_back_in_hf_order(tmp_path: Path) -> None:
@@ -68,7 +68,10 @@ def test_q_and_k_rows_come_back_in_hf_order(tmp_path: Path) -> None:
     model = load_model(path)
     for i in range(TINY.layers):
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            np.testing.assert_array_equal(model.weights[f"layers.{i}.{proj}"].data, weights[f"layers.{i}.{proj}"])
+            np.testing.assert_array_equal(model.weights[f"layers.{i}.{proj}"].rows(), weights[f"layers.{i}.{proj}"])
+    # The file's rows are not copied to reorder them: q is read in HF order from the map.
+    q = model.weights["layers.0.q_proj"]
+    assert q.row_order is not None and not q.data.flags.owndata
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K])
@@ -85,7 +88,7 @@ def test_block_bytes_preserved(tmp_path: Path, qtype: Q) -> None:
     assert up.data.dtype == np.uint8 and up.data.shape == (TINY.intermediate, TINY.hidden // block * size)
     np.testing.assert_array_equal(up.data, stored["layers.0.up_proj"])
     # q/k block rows are reordered whole: the result equals the stored rows un-permuted.
-    q = model.weights["layers.1.q_proj"].data
+    q = model.weights["layers.1.q_proj"].rows()
     assert not np.array_equal(q, stored["layers.1.q_proj"])
     np.testing.assert_array_equal(converter_permute(q, TINY.heads), stored["layers.1.q_proj"])
     if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):  # row-wise quantization commutes with the row order
@@ -104,7 +107,7 @@ def test_f16_and_bf16_storage(tmp_path: Path) -> None:
     np.testing.assert_array_equal(gate.data, weights["layers.0.gate_proj"].astype(np.float16))
     assert up.fmt == "bf16" and up.data.dtype == np.uint16 and up.shape == up.data.shape
     np.testing.assert_array_equal(up.data, weights["layers.0.up_proj"].view(np.uint32) >> 16)
-    np.testing.assert_array_equal(k.data, weights["layers.0.k_proj"].view(np.uint32) >> 16)
+    np.testing.assert_array_equal(k.rows(), weights["layers.0.k_proj"].view(np.uint32) >> 16)
 
 
 def test_tied_and_untied(tmp_path: Path) -> None:

@@ -114,6 +114,25 @@ def test_legacy_su_rope_type_is_longrope(tmp_path: Path) -> None:
     assert load_model(d).config.layers == load_model(FIXTURES / "tiny_phi3").config.layers
 
 
+def test_partial_rotary_and_interleaved_pairs() -> None:
+    """Phi-3's partial_rotary_factor 0.5 rotates 8 of 16 dims per head (top level and in
+    rope_parameters alike); ERNIE 4.5 rotates interleaved pairs; the other families neither."""
+    partial = load_model(FIXTURES / "tiny_phi3_partial").config
+    assert (partial.rotary_dim, partial.rope_interleaved) == (8, False)
+    ernie = load_model(FIXTURES / "tiny_ernie4_5").config
+    assert (ernie.rotary_dim, ernie.rope_interleaved, ernie.tie_word_embeddings) == (0, True, True)
+    assert (load_model(FIXTURES / "tiny_phi3").config.rotary_dim, load_model(FIXTURES / "tiny_llama").config.rope_interleaved) == (0, False)
+
+
+@pytest.mark.parametrize(("factor", "error"), [(0.3125, "rotates 5 of 16 dims"), (1.5, "must be a number in (0, 1]")])
+def test_partial_rotary_that_cannot_rope_is_refused(tmp_path: Path, factor: float, error: str) -> None:
+    d = _copy("tiny_phi3_partial", tmp_path)
+    _edit_config(d, partial_rotary_factor=factor)
+    with pytest.raises(VkrtError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "partial_rotary_factor", error)
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

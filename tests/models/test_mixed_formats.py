@@ -22,6 +22,7 @@ from tests.models.conftest import Greedy
 from vkrt.backend.base import Backend
 from vkrt.loader import load_model
 from vkrt.models.decoder import DecoderModel
+from vkrt.models.weights import Mlp
 
 APART = ("attn_v.weight", "ffn_up.weight")
 # Same numbers through other kernels (f16 vs f32 matvec, one concat): measured ~1e-6.
@@ -65,8 +66,10 @@ def test_projections_apart_mean_what_stacked_ones_mean(fixture: str, device: str
     _write(src, tmp_path / "stacked.gguf", np.float32)
     apart = DecoderModel(load_model(tmp_path / "apart.gguf"), backend)
     stacked = DecoderModel(load_model(tmp_path / "stacked.gguf"), backend)
-    assert all(b.qkv_parts is not None and b.gate_up_parts is not None for b in apart.blocks)
-    assert all(b.qkv is not None and b.gate_up is not None for b in stacked.blocks)
+    assert all(len(layer.attention.qkv.parts) == 3 and isinstance(layer.mlp, Mlp) and len(layer.mlp.gate_up.parts) == 2
+               for layer in apart.weights.layers)
+    assert all(len(layer.attention.qkv.parts) == 1 and isinstance(layer.mlp, Mlp) and len(layer.mlp.gate_up.parts) == 1
+               for layer in stacked.weights.layers)
     prompt = [3, 17, 42, 7, 99, 5, 61, 23, 11, 2, 80, 31]
     got = Greedy(apart, max_len=64).step(prompt, 0, all_logits=True)
     want = Greedy(stacked, max_len=64).step(prompt, 0, all_logits=True)

@@ -27,6 +27,7 @@ from vkrt.backend.base import Backend
 from vkrt.errors import ModelFormatError, VkrtError
 from vkrt.loader import load_model
 from vkrt.models import build_model
+from vkrt.models.weights import Experts
 
 MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe"]
 LOGIT_ATOL = 2e-4
@@ -203,8 +204,8 @@ def _write_moe_gguf(path: Path, tensors: dict[str, np.ndarray], fixture: str = "
     for name, value in tensors.items():
         if value.dtype == np.uint8:  # Q8_0 blocks
             w.add_tensor(name, value, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(value, np.float32))
+        else:  # F16 where the array is float16, else F32
+            w.add_tensor(name, np.ascontiguousarray(value, np.float16 if value.dtype == np.float16 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -257,6 +258,46 @@ def test_quantized_experts_stay_quantized(tmp_path: Path, device: str, request: 
     assert drivers[0].step_counters[0]["drains"] == 0
 
 
+@pytest.mark.parametrize("device", ["reference", "vulkan"])
+def test_gate_and_up_experts_in_different_formats_stay_apart(tmp_path: Path, device: str,
+                                                               request: pytest.FixtureRequest) -> None:
+    """A GGUF whose gate and up expert stacks differ in format keeps each in its own (they are
+    not dequantized to stack them): two expert matmuls whose outputs sit side by side, meaning
+    exactly what one stacked gate|up of the same numbers means; natively, 0 drains."""
+    backend: Backend = request.getfixturevalue("ref" if device == "reference" else "vk_default")
+    tensors, same = _moe_gguf_tensors(), _moe_gguf_tensors()
+    for name in [n for n in tensors if n.endswith("gate_exps.weight")]:
+        tensors[name] = tensors[name].astype(np.float16)
+        same[name] = tensors[name].astype(np.float32)  # the same numbers, stored as f32
+    _write_moe_gguf(tmp_path / "mixed.gguf", tensors)
+    _write_moe_gguf(tmp_path / "f32.gguf", same)
+    mixed, stacked = (build_model(load_model(tmp_path / name), backend) for name in ("mixed.gguf", "f32.gguf"))
+    sparse = [layer.mlp for layer in mixed.weights.layers if isinstance(layer.mlp, Experts)]  # type: ignore[attr-defined]
+    assert sparse and all([w.dtype for w in e.gate_up] == ["f16", "f32"] for e in sparse)
+    assert all(len(layer.mlp.gate_up) == 1 for layer in stacked.weights.layers  # type: ignore[attr-defined]
+               if isinstance(layer.mlp, Experts))
+    case = _golden("tiny_qwen3_moe")["cases"][-1]
+    drivers = [Greedy(m, max_len=MAX_LEN) for m in (mixed, stacked)]
+    logits = [d.step(case["input_ids"], 0, all_logits=True) for d in drivers]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-5)
+    assert drivers[0].step_counters[0]["drains"] == 0
+
+
+def test_hf_experts_of_one_projection_in_different_formats_are_refused(tmp_path: Path, ref: Backend) -> None:
+    """HF's one tensor per expert: experts of one projection in different dtypes cannot form
+    one stacked weight, so the build names the odd tensor (it is not silently dequantized)."""
+    from safetensors.numpy import load_file, save_file
+
+    d = _hf_copy(tmp_path)
+    weights = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    weights[name] = weights[name].astype(np.float16)
+    save_file(weights, str(d / "model.safetensors"))
+    with pytest.raises(VkrtError) as exc:
+        build_model(load_model(d), ref)
+    _one_line(exc, "layers.1.experts.3.up_proj is f16", "share a storage format")
+
+
 # -- bad input: one line naming the tensor ----------------------------------------------------
 
 def _one_line(exc: pytest.ExceptionInfo[VkrtError], *needles: str) -> None:
@@ -284,10 +325,11 @@ def test_gguf_expert_count_disagrees_with_router(tmp_path: Path) -> None:
     _one_line(exc, "count.gguf", "layers.1.router", "(8, 64)", "(6, 64)")
 
 
-@pytest.mark.parametrize(("experts", "used", "needle"), [(8, 9, "num_experts_per_tok"),
-                                                         ((1 << 32) - 1, 2, "num_experts must be")])
+@pytest.mark.parametrize(("experts", "used", "needle"), [(8, 9, "qwen3moe.expert_used_count"),
+                                                         ((1 << 32) - 1, 2, "qwen3moe.expert_count must be")])
 def test_gguf_bad_expert_counts(tmp_path: Path, experts: int, used: int, needle: str) -> None:
-    """k above E, and an expert count no model has (refused before any loop over experts)."""
+    """k above E, and an expert count no model has (refused before any loop over experts),
+    each naming the metadata key as the file spells it."""
     path = tmp_path / "bad.gguf"
     _write_moe_gguf(path, _moe_gguf_tensors(), experts=experts, used=used)
     with pytest.raises(ModelFormatError) as exc:

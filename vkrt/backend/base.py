@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from vkrt.core.host_weight import HostWeight
 from vkrt.core.op import OpDef
 from vkrt.core.quant import dequantize
 from vkrt.core.tensor import (
@@ -162,8 +163,13 @@ class Backend(ABC):
         return storage_nbytes(shape, dtype)
 
     def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
-        """Upload a weight in its storage format (the backend may repack it, never dequantize)."""
-        return self.upload(array.reshape(shape) if not is_block_format(dtype) else array, dtype, "weights")
+        """Upload one stored array as a weight of `shape` in storage format `dtype`."""
+        return self.upload_host_weight(HostWeight.of(array, dtype, shape))
+
+    @abstractmethod
+    def upload_host_weight(self, weight: HostWeight) -> Tensor:
+        """Upload a weight in its storage format (the backend may repack it, never dequantize).
+        Its stacked pieces are joined as they are uploaded, never copied together first."""
 
     def on_sync(self, hook: Callable[[], None]) -> None:
         """Call `hook()` before every sync and before a captured step ends (the fusion layer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vkrt.errors import ModelFormatError
@@ -45,47 +45,6 @@ def _alternating(i: int, cfg: dict[str, Any]) -> bool:
 def _gemma3_sliding(i: int, cfg: dict[str, Any]) -> bool:
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
     return (i + 1) % pattern != 0  # Gemma 3: five local layers, then one global
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """How one architecture family is named in GGUF and HF checkpoints, and what it computes."""
-
-    name: str  # ModelConfig.architecture
-    gguf_archs: tuple[str, ...]  # values of GGUF `general.architecture`
-    hf_archs: tuple[str, ...]  # entries of config.json `architectures`
-    gguf_global: dict[str, str]  # GGUF tensor name -> canonical name
-    gguf_layer: dict[str, str]  # GGUF per-layer suffix (after "blk.{i}.") -> canonical
-    hf_global: dict[str, str]
-    hf_layer: dict[str, str]  # HF per-layer suffix (after "model.layers.{i}.") -> canonical
-    layer_weights: tuple[str, ...] = LAYER_WEIGHTS  # required per layer
-    # llama.cpp's converter interleaves the RoPE halves of q/k rows for this family.
-    gguf_qk_permuted: bool = False
-    # Tensors present in some checkpoints that carry no information vkrt needs.
-    hf_ignored: re.Pattern[str] = re.compile(r"^$")
-    # -- family traits (ModelConfig fields of the same names) --
-    activation: str = "silu"  # MLP gate when config.json names none (GGUF never does)
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    sandwich_norms: bool = False
-    hf_norm_offset: float = 0.0  # HF checkpoints store norm weights as w of (1 + w)
-    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
-    # Which layers are sliding when config.json has no `layer_types` (None: none are).
-    default_sliding: Callable[[int, dict[str, Any]], bool] | None = None
-    # Local layers' rope base when the file names none (Gemma 3: 10000); 0 = the global base.
-    local_rope_theta: float = 0.0
-    # llama.cpp scales Gemma queries by 1/sqrt(hidden/heads) for the 27B models (this many
-    # layers) and by 1/sqrt(head_dim) otherwise; GGUF files carry no query_pre_attn_scalar.
-    gguf_wide_query_layers: int = 0
-    # The rope scaling of the file applies to global layers only (Gemma 3).
-    scaling_global_only: bool = False
-    # QK-norm over each head (Qwen3, Gemma 3) or over all of q and all of k (OLMoE).
-    qk_norm_per_head: bool = True
-    # Mixture of experts: whether the k router weights are renormalised when the file does
-    # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
-    norm_topk_prob: bool = False
-    # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
-    shared_expert: bool = False
 
 
 def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
@@ -143,7 +102,7 @@ _HF_LAYER = {
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
 }
-_ROTARY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_ROTARY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a cached table, recomputed from the config
 # Sparse MLPs: the router [E, hidden], then the experts, either stacked [E, out, in] as
 # llama.cpp writes them (gate and up separate) or one tensor per expert as HF saves them.
 _MOE_GGUF = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate_proj",
@@ -181,28 +140,63 @@ _GEMMA_HF = {
     "post_feedforward_layernorm.weight": "post_ffn_norm",
 }
 
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one architecture family is named in GGUF and HF checkpoints, and what it computes."""
+
+    name: str  # ModelConfig.architecture
+    gguf_archs: tuple[str, ...]  # values of GGUF `general.architecture`
+    hf_archs: tuple[str, ...]  # entries of config.json `architectures`
+    # Tensor names: GGUF global names and per-layer suffixes (after "blk.{i}."), HF's (after
+    # "model.layers.{i}."), each -> vkrt's canonical name. Llama's unless a row says otherwise.
+    gguf_global: dict[str, str] = field(default_factory=lambda: dict(_GGUF_GLOBAL))
+    gguf_layer: dict[str, str] = field(default_factory=lambda: dict(_GGUF_LAYER))
+    hf_global: dict[str, str] = field(default_factory=lambda: dict(_HF_GLOBAL))
+    hf_layer: dict[str, str] = field(default_factory=lambda: dict(_HF_LAYER))
+    layer_weights: tuple[str, ...] = LAYER_WEIGHTS  # required per layer
+    # llama.cpp's converter interleaves the RoPE halves of q/k rows for this family.
+    gguf_qk_permuted: bool = False
+    # Tensors present in some checkpoints that carry no information vkrt needs.
+    hf_ignored: re.Pattern[str] = _ROTARY
+    # -- family traits (ModelConfig fields of the same names) --
+    activation: str = "silu"  # MLP gate when config.json names none (GGUF never does)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    hf_norm_offset: float = 0.0  # HF checkpoints store norm weights as w of (1 + w)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
+    # Which layers are sliding when config.json has no `layer_types` (None: none are).
+    default_sliding: Callable[[int, dict[str, Any]], bool] | None = None
+    # Local layers' rope base when the file names none (Gemma 3: 10000), which also keeps the
+    # file's rope scaling to the global layers; 0 = local layers rope as global ones do.
+    local_rope_theta: float = 0.0
+    # llama.cpp scales Gemma queries by 1/sqrt(hidden/heads) for the 27B models (this many
+    # layers) and by 1/sqrt(head_dim) otherwise; GGUF files carry no query_pre_attn_scalar.
+    gguf_wide_query_layers: int = 0
+    # QK-norm over each head (Qwen3, Gemma 3) or over all of q and all of k (OLMoE).
+    qk_norm_per_head: bool = True
+    # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
+    rope_interleaved: bool = False
+    # Mixture of experts: whether the k router weights are renormalised when the file does
+    # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
+    norm_topk_prob: bool = False
+    # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
+    shared_expert: bool = False
+
+
 _LLAMA = ArchSpec(
     name="llama",
     gguf_archs=("llama",),
     hf_archs=("LlamaForCausalLM",),
     # Llama 3.1-style GGUFs bake the rope scaling into per-frequency factors.
     gguf_global={**_GGUF_GLOBAL, "rope_freqs.weight": "rope_freqs"},
-    gguf_layer=_GGUF_LAYER,
-    hf_global=_HF_GLOBAL,
-    hf_layer=_HF_LAYER,
     gguf_qk_permuted=True,
-    hf_ignored=_ROTARY,
 )
 
 _MISTRAL = ArchSpec(
     name="mistral",
     gguf_archs=(),  # llama.cpp writes Mistral as "llama" (no window in the metadata)
     hf_archs=("MistralForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
-    gguf_layer=_GGUF_LAYER,
-    hf_global=_HF_GLOBAL,
-    hf_layer=_HF_LAYER,
-    hf_ignored=_ROTARY,
     default_sliding=_all_sliding,
 )
 
@@ -210,12 +204,9 @@ _QWEN2 = ArchSpec(
     name="qwen2",
     gguf_archs=("qwen2",),
     hf_archs=("Qwen2ForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_QKV_BIAS_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias"),
-    hf_ignored=_ROTARY,
     qkv_bias=True,
     default_sliding=_qwen2_sliding,
 )
@@ -224,12 +215,9 @@ _QWEN3 = ArchSpec(
     name="qwen3",
     gguf_archs=("qwen3",),
     hf_archs=("Qwen3ForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_QK_NORM_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
-    hf_ignored=_ROTARY,
     qk_norm=True,
     default_sliding=_qwen2_sliding,
 )
@@ -238,12 +226,9 @@ _GEMMA2 = ArchSpec(
     name="gemma2",
     gguf_archs=("gemma2",),
     hf_archs=("Gemma2ForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_GEMMA_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_GEMMA_HF},
     layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm"),
-    hf_ignored=_ROTARY,
     activation="gelu_tanh",
     sandwich_norms=True,
     hf_norm_offset=1.0,
@@ -256,12 +241,9 @@ _GEMMA3 = ArchSpec(
     name="gemma3",
     gguf_archs=("gemma3",),
     hf_archs=("Gemma3ForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_GEMMA_GGUF, **_QK_NORM_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF},
     layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm"),
-    hf_ignored=_ROTARY,
     activation="gelu_tanh",
     qk_norm=True,
     sandwich_norms=True,
@@ -270,7 +252,6 @@ _GEMMA3 = ArchSpec(
     default_sliding=_gemma3_sliding,
     local_rope_theta=10000.0,
     gguf_wide_query_layers=62,
-    scaling_global_only=True,
 )
 
 # SmolLM3 is Llama with every 4th layer unrotated (NoPE); config.json lists which.
@@ -278,11 +259,6 @@ _SMOLLM3 = ArchSpec(
     name="smollm3",
     gguf_archs=(),  # llama.cpp's smollm3 GGUFs are not read yet (no fixture to check them by)
     hf_archs=("SmolLM3ForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
-    gguf_layer=_GGUF_LAYER,
-    hf_global=_HF_GLOBAL,
-    hf_layer=_HF_LAYER,
-    hf_ignored=_ROTARY,
     default_sliding=_qwen2_sliding,
 )
 
@@ -291,11 +267,6 @@ _GRANITE = ArchSpec(
     name="granite",
     gguf_archs=(),  # llama.cpp's granite GGUFs are not read yet (no fixture to check them by)
     hf_archs=("GraniteForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
-    gguf_layer=_GGUF_LAYER,
-    hf_global=_HF_GLOBAL,
-    hf_layer=_HF_LAYER,
-    hf_ignored=_ROTARY,
 )
 
 # Phi-3 checkpoints fuse q/k/v and gate/up; both stay stacked, the layout vkrt computes in.
@@ -309,12 +280,10 @@ _PHI3 = ArchSpec(
     gguf_layer={"attn_norm.weight": "attn_norm", "attn_qkv.weight": "qkv_proj",
                 "attn_output.weight": "o_proj", "ffn_norm.weight": "ffn_norm",
                 "ffn_up.weight": "gate_up_proj", "ffn_down.weight": "down_proj"},
-    hf_global=_HF_GLOBAL,
     hf_layer={"input_layernorm.weight": "attn_norm", "self_attn.qkv_proj.weight": "qkv_proj",
               "self_attn.o_proj.weight": "o_proj", "post_attention_layernorm.weight": "ffn_norm",
               "mlp.gate_up_proj.weight": "gate_up_proj", "mlp.down_proj.weight": "down_proj"},
     layer_weights=_PHI3_FUSED,
-    hf_ignored=_ROTARY,
     default_sliding=_all_sliding,
 )
 
@@ -323,12 +292,9 @@ _QWEN3_MOE = ArchSpec(
     name="qwen3_moe",
     gguf_archs=("qwen3moe",),
     hf_archs=("Qwen3MoeForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
-    hf_ignored=_ROTARY,
     qk_norm=True,
     default_sliding=_qwen2_sliding,
     norm_topk_prob=True,
@@ -340,12 +306,9 @@ _QWEN2_MOE = ArchSpec(
     name="qwen2_moe",
     gguf_archs=("qwen2moe",),
     hf_archs=("Qwen2MoeForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_MOE_HF, **_SHARED_EXPERT_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias"),
-    hf_ignored=_ROTARY,
     qkv_bias=True,
     default_sliding=_qwen2_sliding,
     shared_expert=True,
@@ -356,12 +319,8 @@ _MIXTRAL = ArchSpec(
     name="mixtral",
     gguf_archs=(),  # llama.cpp writes Mixtral as "llama" with expert tensors; not read yet
     hf_archs=("MixtralForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_MOE_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_MIXTRAL_HF},
-    layer_weights=LAYER_WEIGHTS,
-    hf_ignored=_ROTARY,
     default_sliding=_all_sliding,
     norm_topk_prob=True,  # Mixtral always renormalises (its config has no such key)
 )
@@ -371,18 +330,23 @@ _OLMOE = ArchSpec(
     name="olmoe",
     gguf_archs=(),  # llama.cpp's olmoe GGUFs are not read yet (no fixture to check them by)
     hf_archs=("OlmoeForCausalLM",),
-    gguf_global=_GGUF_GLOBAL,
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
-    hf_global=_HF_GLOBAL,
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
-    hf_ignored=_ROTARY,
     qk_norm=True,
     qk_norm_per_head=False,
 )
 
+# ERNIE 4.5 (dense): Llama's layout and math with RoPE on interleaved pairs.
+_ERNIE4_5 = ArchSpec(
+    name="ernie4_5",
+    gguf_archs=(),  # llama.cpp's ernie4_5 GGUFs are not read yet (no fixture to check them by)
+    hf_archs=("Ernie4_5ForCausalLM",),
+    rope_interleaved=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from vkrt.core.host_weight import RowBlock
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class ModelConfig:
     residual_scale: float = 1.0  # attention and MLP outputs times this before the residual add (Granite)
     logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     qk_norm_per_head: bool = True  # QK-norm over each head; False: over all of q and of k (OLMoE)
+    rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head (partial rotary); 0 = all
+    rope_interleaved: bool = False  # RoPE pairs (2i, 2i + 1) instead of (i, i + rotated / 2) (ERNIE 4.5)
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense
     num_experts_per_tok: int = 0  # k experts per token
@@ -78,12 +85,24 @@ class WeightData:
     """One weight as stored on disk: `shape` is logical (out_features, in_features) or (n,).
 
     `fmt` is a row of vkrt.core.formats.FORMATS: float formats hold typed arrays (bf16 as
-    uint16), block formats the GGUF bytes, one row of blocks per output row."""
+    uint16), block formats the GGUF bytes, one row of blocks per output row. `data` is the
+    file's bytes (a view of its memory map); `row_order`, when set, is the order its rows take
+    in vkrt's layout (row j of the weight is data[row_order[j]]), applied when the rows are
+    read (`rows()`, `block()`), so the file's rows are never copied to reorder them."""
 
     name: str
     fmt: str
     shape: tuple[int, ...]
     data: np.ndarray  # float formats: float32/float16/uint16(bf16); block formats: uint8 [rows, row_bytes]
+    row_order: np.ndarray | None = None
+
+    def rows(self) -> np.ndarray:
+        """The weight's rows in vkrt's order (a view of `data` unless they are reordered)."""
+        return self.data if self.row_order is None else self.data[self.row_order]
+
+    def block(self) -> RowBlock:
+        """The weight as a row block of a HostWeight (no copy)."""
+        return RowBlock(self.data, self.row_order)
 
 
 @dataclass
@@ -95,3 +114,32 @@ class LoadedModel:
     weights: dict[str, WeightData]
     file_type: str = ""  # e.g. "Q4_1", "F32", "BF16"
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def release_pages(self, weights: Iterable[WeightData] | None = None) -> None:
+        """Once weights are uploaded: drop the resident pages of the file bytes they map (all
+        the files' pages when `weights` is None). The weights stay readable (a page comes back
+        from its file when read), but the process no longer holds the file's bytes beside their
+        device copy, which on a unified-memory device is host memory too."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # not Linux: leave the pages to the kernel
+            return
+        for w in self.weights.values() if weights is None else weights:
+            mapped, root = _mapping_of(w.data)
+            if mapped is None or root is None:
+                continue  # not a view of a file (a copy, or an array made in memory)
+            start = 0 if weights is None else w.data.ctypes.data - root.ctypes.data
+            length = len(mapped) if weights is None else w.data.nbytes
+            first = start - start % mmap.PAGESIZE
+            with contextlib.suppress(OSError, ValueError):  # a closed map, or a kernel that refuses
+                mapped.madvise(mmap.MADV_DONTNEED, first, min(len(mapped), start + length) - first)
+
+
+def _mapping_of(array: np.ndarray) -> tuple[mmap.mmap | None, np.ndarray | None]:
+    """The file map an array views, and the array at the map's first byte (numpy keeps the map
+    as `_mmap` on every view of a memmap; the loaders map whole files from offset 0)."""
+    mapped = getattr(array, "_mmap", None)
+    if not isinstance(mapped, mmap.mmap):
+        return None, None
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return mapped, root

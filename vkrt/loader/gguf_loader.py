@@ -22,9 +22,9 @@ from vkrt.loader.arch import (
     check_weights,
     supported_gguf_archs,
 )
-from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
-from vkrt.loader.normalize import gguf_family_config
+from vkrt.loader.normalize import gguf_fields, model_config
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +99,20 @@ def _weight(path: Path, name: str, tensor: GGUFTensor) -> WeightData:
     return WeightData(name=name, fmt=fmt.name, shape=shape, data=data)
 
 
-def unpermute_qk_rows(data: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation, giving back HF (rotate-half) row order.
+def unpermuted_qk_order(rows: int, n_heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's q/k row permutation (HF's rotate-half order):
+    HF row j is GGUF row order[j].
 
     The converter views each head's rows as [2, head_dim/2] (the two RoPE halves) and
     transposes them to [head_dim/2, 2], interleaving the halves pairwise. Only whole rows
     move, so this works unchanged on block-quantized rows.
     """
-    rows = data.shape[0]
     head_dim = rows // n_heads
     if n_heads * head_dim != rows or head_dim % 2:
         raise ModelFormatError(f"q/k weight with {rows} rows does not split into {n_heads} heads of even size")
     # gguf_row[j] == hf_row[to_gguf[j]]  =>  hf_row == gguf_row[argsort(to_gguf)]
     to_gguf = np.arange(rows).reshape(n_heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
-    return np.ascontiguousarray(data[np.argsort(to_gguf)])
+    return np.argsort(to_gguf)
 
 
 def _canonical_name(spec: ArchSpec, gguf_name: str) -> str | None:
@@ -137,76 +137,14 @@ def _token_count(source: str, reader: GGUFFile) -> int | None:
     return validate.gguf_token_list(source, tokens.value) if tokens is not None else None
 
 
-def _config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
-            weights: dict[str, WeightData]) -> ModelConfig:
-    def key(suffix: str, default: Any = None, required: bool = False) -> Any:
-        value = meta.get(f"{arch}.{suffix}", default)
-        if required and value is None:
-            raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
-        return value
-
-    hidden = int(key("embedding_length", required=True))
-    for k in ("attention.head_count", "attention.head_count_kv"):
-        field = reader.fields.get(f"{arch}.{k}")
-        if field is not None and field.types[0] == GGUFValueType.ARRAY:
-            raise UnsupportedModelError(f"{path}: per-layer '{arch}.{k}' is not supported")
-    heads = key("attention.head_count", required=True)
-    kv_heads = key("attention.head_count_kv", heads)
-    heads, kv_heads = int(heads), int(kv_heads)
-    head_dim = int(key("attention.key_length", hidden // heads))
-    rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise UnsupportedModelError(
-            f"{path}: partial rotary embedding (rope.dimension_count {rope_dim} < head_dim {head_dim}) "
-            "is not supported"
-        )
-
+def _vocab_size(path: Path, reader: GGUFFile, weights: dict[str, WeightData]) -> int:
+    """The vocabulary: the token list's length, or the embedding's rows where they disagree."""
     embed_rows = weights["embed_tokens"].shape[0] if "embed_tokens" in weights else 0
     vocab = _token_count(str(path), reader) or embed_rows
     if embed_rows and vocab != embed_rows:
         log.warning("%s: %d tokens but %d embedding rows; using the embedding size", path, vocab, embed_rows)
         vocab = embed_rows
-
-    rope_scaling: dict[str, Any] | None = None
-    scaling_type = key("rope.scaling.type")
-    if scaling_type is None and key("rope.scale_linear") is not None:  # pre-2024 key
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scale_linear"))}
-    elif scaling_type not in (None, "none"):
-        rope_scaling = {"rope_type": scaling_type}
-        for gguf_key, hf_key in (
-            ("rope.scaling.factor", "factor"),
-            ("rope.scaling.original_context_length", "original_max_position_embeddings"),
-            ("rope.scaling.attn_factor", "attention_factor"),
-            ("rope.scaling.yarn_beta_fast", "beta_fast"),
-            ("rope.scaling.yarn_beta_slow", "beta_slow"),
-        ):
-            if key(gguf_key) is not None:
-                rope_scaling[hf_key] = key(gguf_key)
-
-    eos_ids: list[int] = []
-    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if isinstance(meta.get(k), int) and meta[k] not in eos_ids:
-            eos_ids.append(meta[k])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-
-    return ModelConfig(
-        architecture=spec.name,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length", required=True)),
-        num_layers=int(key("block_count", required=True)),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(key("context_length", 2048)),
-        tie_word_embeddings="lm_head" not in weights,
-        bos_token_id=int(bos) if isinstance(bos, int) else None,
-        eos_token_ids=tuple(eos_ids),
-        name=str(meta.get("general.name", path.stem)),
-    )
+    return vocab
 
 
 def load_gguf(path: str | Path) -> LoadedModel:
@@ -238,15 +176,15 @@ def load_gguf(path: str | Path) -> LoadedModel:
 
     if f"{arch}.block_count" in meta:  # checked before anything loops over the layers
         validate.layer_count(str(path), meta[f"{arch}.block_count"], weights)
-    config = _config(path, spec, arch, meta, reader, weights)
-    config = gguf_family_config(path, spec, arch, meta, reader, weights, config)
-    config = validate.model_config(str(path), config, weights)
+    fields = gguf_fields(path, spec, arch, meta, reader, weights, _vocab_size(path, reader, weights))
+    config = model_config(fields, spec, name=str(meta.get("general.name", path.stem)))
+    validate.model_config(str(path), config, weights)
     if spec.gguf_qk_permuted:
         for i in range(config.num_layers):
             for proj, n_heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
                 w = weights.get(f"layers.{i}.{proj}")
-                if w is not None:
-                    w.data = unpermute_qk_rows(w.data, n_heads)
+                if w is not None:  # read in HF order when uploaded; the file's rows are not copied
+                    w.row_order = unpermuted_qk_order(w.shape[0], n_heads)
     check_weights(str(path), config, weights)
     return LoadedModel(
         path=str(path),

@@ -23,7 +23,7 @@ from vkrt.loader.arch import (
     supported_hf_archs,
 )
 from vkrt.loader.config import LoadedModel, WeightData
-from vkrt.loader.normalize import hf_model_config
+from vkrt.loader.normalize import hf_fields, model_config
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
         validate.layer_count(str(config_path), cfg["num_hidden_layers"], weights)
     gen_path = model_dir / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
-    config = hf_model_config(config_path, spec, cfg, generation, str(cfg.get("_name_or_path") or model_dir.name))
+    config = model_config(hf_fields(config_path, cfg), spec, str(cfg.get("_name_or_path") or model_dir.name), generation)
     if config.tie_word_embeddings:
         weights.pop("lm_head", None)  # some exports save the tied copy too; the embedding is the source of truth
     if not config.tie_word_embeddings and "lm_head" not in weights:
@@ -156,7 +156,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             f"{model_dir}: config.json says tie_word_embeddings is false but there is no "
             "lm_head.weight; the checkpoint is incomplete"
         )
-    config = validate.model_config(str(model_dir), config, weights)
+    validate.model_config(str(model_dir), config, weights)
     check_weights(str(model_dir), config, weights)
     dtype_counts = Counter(w.fmt.upper() for w in weights.values() if len(w.shape) > 1)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""

@@ -1,19 +1,30 @@
 """config.json and GGUF metadata -> one ModelConfig, with per-layer attention and rope.
 
+One normalisation serves both formats. A GGUF file's metadata is first read into config.json's
+field names (`gguf_fields`, as transformers' GGUF loader maps them, with the layer pattern,
+query scale and sparse layers llama.cpp derives spelled as config.json would), then
+`model_config` builds the ModelConfig from those fields once, taking each family trait from the
+ArchSpec row once. Errors name a field as its file spells it (`ConfigFields.name`).
+
 Both spellings of config.json's rope settings are read: the top-level `rope_theta` /
 `rope_scaling` (and Gemma 3's `rope_local_base_freq`) of transformers < 5, and
 transformers 5's `rope_parameters`, either one dict or one per layer type
 (`{"full_attention": {...}, "sliding_attention": {...}}`). Whatever the source, a model
 sees `ModelConfig.layers`: each layer's window, rope base and rope scaling.
+
+Adding a family: its ArchSpec row (vkrt/loader/arch.py: names, traits); a trait the file
+spells goes into `model_config` here (and, if GGUF spells it differently, into `gguf_fields`);
+the model reads the ModelConfig field where it computes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from gguf import GGUFValueType
@@ -23,33 +34,74 @@ from vkrt.loader.arch import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFFile
 
+log = logging.getLogger(__name__)
+
+# The rope scaling types vkrt computes (vkrt/models/rope.py), checked here once for both formats.
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Numbers each type needs, and numbers that must be positive where given (transformers' names).
+_ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
+                                           "llama3": ("factor", "original_max_position_embeddings"),
+                                           "longrope": ("short_factor", "long_factor")}
+_ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                  "attention_factor", "beta_fast", "beta_slow")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
+MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
 
 
-def _rope_scaling(source: str, fieldname: str, params: dict[str, Any] | None, max_positions: int,
-                  cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """transformers' rope parameters (one layer type) -> vkrt's scaling dict, or None for plain RoPE."""
+@dataclass(frozen=True)
+class ConfigFields:
+    """A model's hyper-parameters under config.json's names: a config.json as it is, or GGUF
+    metadata read into those names. `spelled` maps a name to how the file spells it (GGUF
+    metadata keys), for messages; `norm_offset_stored`: the file's norm weights already hold
+    the family's (1 + w) offset (llama.cpp folds it; HF Gemma does not)."""
+
+    source: str
+    values: dict[str, Any]
+    spelled: dict[str, str] = field(default_factory=dict)
+    norm_offset_stored: bool = False
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def name(self, key: str) -> str:
+        return self.spelled.get(key, key)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | None, max_positions: int,
+                  ) -> dict[str, Any] | None:
+    """transformers' rope parameters (one layer type) -> vkrt's scaling dict, or None for plain
+    RoPE; every check of a scaling is here."""
     if not params:
         return None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     kind = params.get("rope_type", params.get("type", "default"))
     kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
+    type_name = src.name(f"{fieldname}.rope_type")
+    if not isinstance(kind, str):
+        raise ModelFormatError(f"{src.source}: {type_name} is {kind!r}, but it must be a string; the model's "
+                               "config is corrupt")
     if kind not in ROPE_TYPES:
-        raise UnsupportedModelError(f"{source}: {fieldname}.rope_type {kind!r} is not supported "
+        raise UnsupportedModelError(f"{src.source}: {type_name} {kind!r} is not supported "
                                     f"(supported: {', '.join(ROPE_TYPES)})")
-    if float(scaling.pop("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise UnsupportedModelError(f"{source}: {fieldname}.partial_rotary_factor < 1 is not supported")
+    for key in _ROPE_POSITIVE:
+        value = scaling.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or value <= 0):
+            raise ModelFormatError(f"{src.source}: {src.name(f'{fieldname}.{key}')} is {value!r}, but it must be "
+                                   "a positive number; the model's config is corrupt")
     if kind == "default":
         return None
     scaling["rope_type"] = kind
-    need: tuple[str, ...] = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
-                             "longrope": ("short_factor", "long_factor")}[kind]
     if kind == "longrope":
-        orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-        if not isinstance(orig, int) or orig <= 0:
-            raise ModelFormatError(f"{source}: {fieldname}: longrope needs original_max_position_embeddings")
+        orig = scaling.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
+        if not _is_int(orig) or orig <= 0:
+            raise ModelFormatError(f"{src.source}: {fieldname}: longrope needs original_max_position_embeddings")
         scaling["original_max_position_embeddings"] = orig
         # transformers: factor defaults to the context extension, the attention factor to
         # sqrt(1 + ln(factor) / ln(original context)) (1 when nothing is extended).
@@ -57,190 +109,134 @@ def _rope_scaling(source: str, fieldname: str, params: dict[str, Any] | None, ma
         scaling["factor"] = factor
         if scaling.get("attention_factor") is None:
             scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    for key in need:
+    for key in _ROPE_NEEDS[kind]:
         if scaling.get(key) is None:
-            raise ModelFormatError(f"{source}: {fieldname} of rope_type {kind!r} has no {key!r}")
+            raise ModelFormatError(f"{src.source}: {fieldname} of rope_type {kind!r} has no {key!r}")
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
+        raise ModelFormatError(f"{src.source}: {fieldname}.high_freq_factor must differ from low_freq_factor; "
+                               "the model's config is corrupt")
     return scaling
 
 
-def _rope_by_layer_type(source: str, spec: ArchSpec, cfg: dict[str, Any],
+def _rope_by_layer_type(src: ConfigFields, spec: ArchSpec,
                         max_positions: int) -> dict[bool, tuple[float, dict[str, Any] | None]]:
     """{is_sliding: (rope_theta, scaling)} from either spelling of the rope settings."""
-    params = cfg.get("rope_parameters")
+    params = src.get("rope_parameters")
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         per_type = {sliding: params.get(name) or {} for name, sliding in _LAYER_TYPES.items()}
         field_of = {sliding: f"rope_parameters.{name}" for name, sliding in _LAYER_TYPES.items()}
     else:
-        base = dict(params) if isinstance(params, dict) else dict(cfg.get("rope_scaling") or {})
-        base.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        base = dict(params) if isinstance(params, dict) else dict(src.get("rope_scaling") or {})
+        base.setdefault("rope_theta", src.get("rope_theta", 10000.0))
         local = dict(base)
         if spec.local_rope_theta:  # Gemma 3: its own local base; the scaling is global only
-            local = {"rope_theta": cfg.get("rope_local_base_freq", spec.local_rope_theta)}
+            local = {"rope_theta": src.get("rope_local_base_freq", spec.local_rope_theta)}
         per_type = {False: base, True: local}
         name = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
         field_of = {False: name, True: name}
     out: dict[bool, tuple[float, dict[str, Any] | None]] = {}
     for sliding, p in per_type.items():
-        theta = p.get("rope_theta", cfg.get("rope_theta"))
+        theta = p.get("rope_theta", src.get("rope_theta"))
         if theta is None:
             theta = spec.local_rope_theta if sliding and spec.local_rope_theta else 10000.0
-        out[sliding] = (float(theta), _rope_scaling(source, field_of[sliding], p, max_positions, cfg))
+        out[sliding] = (float(theta), _rope_scaling(src, field_of[sliding], p, max_positions))
     return out
 
 
-def _sliding_layers(source: str, spec: ArchSpec, cfg: dict[str, Any], num_layers: int) -> list[bool]:
-    types = cfg.get("layer_types")
+def _rotary_dim(src: ConfigFields, head_dim: int) -> int:
+    """Dims of each head that RoPE rotates: head_dim times `partial_rotary_factor` (top level
+    or in the rope parameters), as transformers computes it; 0 when every dim rotates."""
+    params = src.get("rope_parameters")
+    factor = src.get("partial_rotary_factor")
+    if factor is None and isinstance(params, dict):
+        inner = params.get("full_attention", params)
+        factor = inner.get("partial_rotary_factor") if isinstance(inner, dict) else None
+    if factor is None or factor == 1.0:
+        return 0
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ModelFormatError(f"{src.source}: {src.name('partial_rotary_factor')} is {factor!r}, but it must "
+                               "be a number in (0, 1]; the model's config is corrupt")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise UnsupportedModelError(f"{src.source}: {src.name('partial_rotary_factor')} {factor} rotates "
+                                    f"{rotary} of {head_dim} dims per head; RoPE needs an even number")
+    return 0 if rotary == head_dim else rotary
+
+
+def _sliding_layers(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[bool]:
+    types = src.get("layer_types")
     if types is None:
         rule: Callable[[int, dict[str, Any]], bool] | None = spec.default_sliding
-        return [bool(rule and rule(i, cfg)) for i in range(num_layers)]
+        return [bool(rule and rule(i, src.values)) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
-        raise ModelFormatError(f"{source}: layer_types must list one type per layer ({num_layers})")
+        raise ModelFormatError(f"{src.source}: layer_types must list one type per layer ({num_layers})")
     for t in types:
         if t not in _LAYER_TYPES:
-            raise UnsupportedModelError(f"{source}: layer_types entry {t!r} is not supported "
+            raise UnsupportedModelError(f"{src.source}: layer_types entry {t!r} is not supported "
                                         f"(supported: {', '.join(_LAYER_TYPES)})")
     return [_LAYER_TYPES[t] for t in types]
 
 
-def _rotated_layers(source: str, cfg: dict[str, Any], num_layers: int) -> list[bool]:
+def _rotated_layers(src: ConfigFields, num_layers: int) -> list[bool]:
     """SmolLM3's `no_rope_layers`: 1 where the layer uses RoPE, 0 where it does not (NoPE)."""
-    flags = cfg.get("no_rope_layers")
+    flags = src.get("no_rope_layers")
     if flags is None:
         return [True] * num_layers
     if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) for f in flags):
-        raise ModelFormatError(f"{source}: no_rope_layers must list 0 or 1 for each of the {num_layers} layers")
+        raise ModelFormatError(f"{src.source}: no_rope_layers must list 0 or 1 for each of the {num_layers} layers")
     return [bool(f) for f in flags]
 
 
-MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
-
-
-def _moe_fields(source: str, experts: Any, per_token: Any, expert_ffn: Any) -> tuple[int, int, int]:
+def _moe_fields(src: ConfigFields) -> tuple[int, int, int]:
     """ModelConfig's expert count, experts per token and expert FFN width, checked (0s: dense)."""
+    experts = src.get("num_experts", src.get("num_local_experts"))
     if experts in (None, 0):
         return 0, 0, 0
+    per_token = src.get("num_experts_per_tok")
+    expert_ffn = src.get("moe_intermediate_size") or src.get("intermediate_size")
     for key, value, top in (("num_experts", experts, MAX_EXPERTS), ("num_experts_per_tok", per_token, experts),
                             ("moe_intermediate_size", expert_ffn, None)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top is not None and value > top):
+        if not _is_int(value) or value < 1 or (top is not None and value > top):
             bound = f" and at most {top}" if top is not None else ""
-            raise ModelFormatError(f"{source}: {key} must be a positive integer{bound}, got {value!r}")
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer{bound}, got {value!r}")
     return experts, per_token, expert_ffn
 
 
-def _shared_expert_width(source: str, spec: ArchSpec, key: str, value: Any, experts: int) -> int:
+def _shared_expert_width(src: ConfigFields, spec: ArchSpec, experts: int) -> int:
     """The shared expert's FFN width of a family that has one (0: none), checked."""
     if not (spec.shared_expert and experts):
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelFormatError(f"{source}: {key} must be a positive integer, got {value!r}")
+    value = src.get("shared_expert_intermediate_size")
+    if not _is_int(value) or value < 1:
+        raise ModelFormatError(f"{src.source}: {src.name('shared_expert_intermediate_size')} must be a positive "
+                               f"integer, got {value!r}")
     return value
 
 
-def _hf_sparse_layers(source: str, cfg: dict[str, Any], num_layers: int) -> list[bool]:
+def _sparse_layers(src: ConfigFields, num_layers: int) -> list[bool]:
     """Qwen3-MoE's rule: layer i is sparse unless listed in mlp_only_layers, every
     decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE)."""
-    step = cfg.get("decoder_sparse_step") or 1
-    dense = cfg.get("mlp_only_layers") or []
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ModelFormatError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
-    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
-        raise ModelFormatError(f"{source}: mlp_only_layers must be a list of layer indices")
+    step = src.get("decoder_sparse_step") or 1
+    dense = src.get("mlp_only_layers") or []
+    if not _is_int(step) or step < 1:
+        raise ModelFormatError(f"{src.source}: decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(dense, list) or any(not _is_int(i) for i in dense):
+        raise ModelFormatError(f"{src.source}: mlp_only_layers must be a list of layer indices")
     return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
 
 
-def _positive(source: str, cfg: dict[str, Any], key: str) -> float:
-    """An optional positive multiplier of config.json (0.0 when absent)."""
-    value = cfg.get(key)
+def _positive(src: ConfigFields, key: str) -> float:
+    """An optional positive multiplier (0.0 when absent)."""
+    value = src.get(key)
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ModelFormatError(f"{source}: {key} must be a positive number, got {value!r}")
+        raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive number, got {value!r}")
     return float(value)
 
 
 def _softcap(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
-
-
-def hf_model_config(config_path: Path, spec: ArchSpec, cfg: dict[str, Any], generation: dict[str, Any],
-                    name: str) -> ModelConfig:
-    """config.json (+ generation_config.json) of family `spec` -> ModelConfig."""
-    source = str(config_path)
-
-    def need(key: str) -> Any:
-        if cfg.get(key) is None:
-            raise ModelFormatError(f"{source}: required field {key!r} is missing")
-        return cfg[key]
-
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    num_layers = int(need("num_hidden_layers"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    max_positions = int(cfg.get("max_position_embeddings", 2048))
-    act_field = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
-    act = str(cfg.get(act_field) or spec.activation)
-    if act not in ACTIVATIONS:
-        raise UnsupportedModelError(f"{source}: {act_field} {act!r} is not supported "
-                                    f"(supported: {', '.join(ACTIVATIONS)})")
-    rope = _rope_by_layer_type(source, spec, cfg, max_positions)
-    window = cfg.get("sliding_window")
-    window = int(window) if isinstance(window, int) and window > 0 else 0
-    moe = _moe_fields(source, cfg.get("num_experts", cfg.get("num_local_experts")), cfg.get("num_experts_per_tok"),
-                      cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
-    if moe[0] and cfg.get("clip_qkv") is not None:
-        raise UnsupportedModelError(f"{source}: clip_qkv is not supported")
-    sparse = _hf_sparse_layers(source, cfg, num_layers) if moe[0] else [False] * num_layers
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe)
-                   for sliding, rotated, is_moe in zip(_sliding_layers(source, spec, cfg, num_layers),
-                                                       _rotated_layers(source, cfg, num_layers), sparse, strict=True))
-    scalar = cfg.get("query_pre_attn_scalar")
-    query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
-    embedding_scale = math.sqrt(hidden) if spec.scale_embeddings else 1.0
-    # Granite's multipliers (absent elsewhere): the attention one is the score scale itself.
-    query_scale = _positive(source, cfg, "attention_multiplier") or query_scale
-    embedding_scale = _positive(source, cfg, "embedding_multiplier") or embedding_scale
-    logits_scaling = _positive(source, cfg, "logits_scaling")
-    eos_ids: list[int] = []
-    for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
-        eos_ids += [i for i in _int_list(value) if i not in eos_ids]
-    bos = cfg.get("bos_token_id")
-    return ModelConfig(
-        architecture=spec.name,
-        vocab_size=int(need("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope[False][0],
-        rope_scaling=rope[False][1],
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        hidden_act=ACTIVATIONS[act],
-        bos_token_id=bos if isinstance(bos, int) else None,
-        eos_token_ids=tuple(eos_ids),
-        name=name,
-        layers=layers,
-        qkv_bias=spec.qkv_bias,
-        qk_norm=spec.qk_norm,
-        sandwich_norms=spec.sandwich_norms,
-        norm_offset=spec.hf_norm_offset,
-        embedding_scale=embedding_scale,
-        query_scale=query_scale,
-        attn_softcap=_softcap(cfg.get("attn_logit_softcapping")),
-        final_softcap=_softcap(cfg.get("final_logit_softcapping")),
-        residual_scale=_positive(source, cfg, "residual_multiplier") or 1.0,
-        logit_scale=1.0 / logits_scaling if logits_scaling else 1.0,
-        qk_norm_per_head=spec.qk_norm_per_head,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", spec.norm_topk_prob)),
-        num_experts=moe[0],
-        num_experts_per_tok=moe[1],
-        moe_intermediate_size=moe[2],
-        shared_expert_intermediate_size=_shared_expert_width(
-            source, spec, "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), moe[0]),
-    )
 
 
 def _int_list(value: Any) -> list[int]:
@@ -251,92 +247,218 @@ def _int_list(value: Any) -> list[int]:
     return []
 
 
-def _gguf_sliding_layers(reader: GGUFFile, arch: str, spec: ArchSpec, num_layers: int) -> list[bool]:
-    """Per-layer sliding flags: the file's `attention.sliding_window_pattern` (a period n, every
-    n-th layer global, as llama.cpp reads it; or one bool per layer), else the family's rule."""
-    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    if f is not None:
-        value = f.value
-        if f.types and f.types[0] == GGUFValueType.ARRAY and isinstance(value, list) and len(value) == num_layers:
-            return [bool(v) for v in value]
-        if isinstance(value, int) and value >= 0:
-            return [value == 0 or i % value < value - 1 for i in range(num_layers)]
-        raise ModelFormatError(f"{arch}.attention.sliding_window_pattern: expected a period or "
-                               f"{num_layers} flags")
-    rule = spec.default_sliding
-    return [bool(rule and rule(i, {})) for i in range(num_layers)]
+def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[str, Any] | None = None,
+                 ) -> ModelConfig:
+    """The one normalisation: `src`'s fields (+ generation_config.json) of family `spec` -> ModelConfig."""
 
+    def need(key: str) -> Any:
+        if src.get(key) is None:
+            raise ModelFormatError(f"{src.source}: required field {key!r} is missing")
+        return src.values[key]
 
-def _gguf_longrope(path: Path, arch: str, meta: dict[str, Any], weights: dict[str, WeightData],
-                   config: ModelConfig) -> dict[str, Any] | None:
-    """Phi-3's longrope: llama.cpp stores the factors as tensors, the rest as metadata."""
-    if "rope_factors_long" not in weights or "rope_factors_short" not in weights:
-        return config.rope_scaling
-
-    def factors(name: str) -> list[float]:
-        w = weights.pop(name)
-        if w.fmt not in ("f32", "f16"):
-            raise ModelFormatError(f"{path}: tensor {name!r} must be F32 or F16, not {w.fmt}")
-        return [float(v) for v in np.asarray(w.data, dtype=np.float64).reshape(-1)]
-
-    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if not isinstance(orig, int) or orig <= 0:
-        raise ModelFormatError(f"{path}: rope_factors tensors need '{arch}.rope.scaling.original_context_length'")
-    params: dict[str, Any] = {"rope_type": "longrope", "long_factor": factors("rope_factors_long"),
-                              "short_factor": factors("rope_factors_short"),
-                              "original_max_position_embeddings": orig}
-    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
-    if isinstance(attn, (int, float)):
-        params["attention_factor"] = float(attn)
-    return _rope_scaling(str(path), f"{arch}.rope.scaling", params, config.max_position_embeddings, {})
-
-
-def gguf_family_config(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
-                       weights: dict[str, WeightData], config: ModelConfig) -> ModelConfig:
-    """Add the family traits and per-layer attention of a GGUF file to its base ModelConfig."""
-    def key(suffix: str) -> Any:
-        return meta.get(f"{arch}.{suffix}")
-
-    scaling = config.rope_scaling
-    if scaling is not None:
-        kind = scaling.get("rope_type")
-        if kind not in ROPE_TYPES:
-            raise UnsupportedModelError(f"{path}: metadata '{arch}.rope.scaling.type' {kind!r} is not "
-                                        f"supported (supported: {', '.join(ROPE_TYPES)})")
-    scaling = _gguf_longrope(path, arch, meta, weights, config)
-    window = key("attention.sliding_window")
-    window = int(window) if isinstance(window, int) and window > 0 else 0
-    local_theta = key("rope.freq_base_swa") or spec.local_rope_theta or config.rope_theta
-    moe = _moe_fields(str(path), key("expert_count"), key("expert_used_count"),
-                      key("expert_feed_forward_length") or config.intermediate_size)
-    layers = tuple(dataclasses.replace(
-        LayerConfig(window, float(local_theta), None if spec.scaling_global_only else scaling)
-        if sliding and window else LayerConfig(0, config.rope_theta, scaling),
-        moe=bool(moe[0]) and f"layers.{i}.router" in weights)  # llama.cpp: a layer with a router is sparse
-        for i, sliding in enumerate(_gguf_sliding_layers(reader, arch, spec, config.num_layers)))
-    query_scale = 0.0
-    if spec.gguf_wide_query_layers:
-        wide = config.num_layers == spec.gguf_wide_query_layers
-        query_scale = (config.hidden_size / config.num_heads if wide else config.head_dim) ** -0.5
-    return dataclasses.replace(
-        config,
-        rope_scaling=scaling,
-        hidden_act=spec.activation,
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    num_layers = int(need("num_hidden_layers"))
+    head_dim = int(src.get("head_dim") or hidden // heads)
+    max_positions = int(src.get("max_position_embeddings", 2048))
+    if max_positions > MAX_POSITIONS:
+        log.warning("%s: context length %d is beyond 32-bit positions; capped at %d (--max-model-len "
+                    "decides what is used)", src.source, max_positions, MAX_POSITIONS)
+        max_positions = MAX_POSITIONS
+    act_field = "hidden_activation" if src.get("hidden_activation") else "hidden_act"
+    act = str(src.get(act_field) or spec.activation)
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{src.source}: {act_field} {act!r} is not supported "
+                                    f"(supported: {', '.join(ACTIVATIONS)})")
+    rope = _rope_by_layer_type(src, spec, max_positions)
+    window = src.get("sliding_window")
+    window = int(window) if _is_int(window) and window > 0 else 0
+    moe = _moe_fields(src)
+    if moe[0] and src.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
+    sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe)
+                   for sliding, rotated, is_moe in zip(_sliding_layers(src, spec, num_layers),
+                                                       _rotated_layers(src, num_layers), sparse, strict=True))
+    scalar = src.get("query_pre_attn_scalar")
+    query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
+    embedding_scale = math.sqrt(hidden) if spec.scale_embeddings else 1.0
+    # Granite's multipliers (absent elsewhere): the attention one is the score scale itself.
+    query_scale = _positive(src, "attention_multiplier") or query_scale
+    embedding_scale = _positive(src, "embedding_multiplier") or embedding_scale
+    logits_scaling = _positive(src, "logits_scaling")
+    eos_ids: list[int] = []
+    for value in (src.get("eos_token_id"), (generation or {}).get("eos_token_id")):
+        eos_ids += [i for i in _int_list(value) if i not in eos_ids]
+    bos = src.get("bos_token_id")
+    return ModelConfig(
+        architecture=spec.name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(src.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(src.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope[False][0],
+        rope_scaling=rope[False][1],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(src.get("tie_word_embeddings", False)),
+        hidden_act=ACTIVATIONS[act],
+        bos_token_id=bos if _is_int(bos) else None,
+        eos_token_ids=tuple(eos_ids),
+        name=name,
         layers=layers,
+        rotary_dim=_rotary_dim(src, head_dim),
+        rope_interleaved=spec.rope_interleaved,
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
-        embedding_scale=math.sqrt(config.hidden_size) if spec.scale_embeddings else 1.0,
+        norm_offset=0.0 if src.norm_offset_stored else spec.hf_norm_offset,
+        embedding_scale=embedding_scale,
         query_scale=query_scale,
-        attn_softcap=_softcap(key("attn_logit_softcapping")),
-        final_softcap=_softcap(key("final_logit_softcapping")),
+        attn_softcap=_softcap(src.get("attn_logit_softcapping")),
+        final_softcap=_softcap(src.get("final_logit_softcapping")),
+        residual_scale=_positive(src, "residual_multiplier") or 1.0,
+        logit_scale=1.0 / logits_scaling if logits_scaling else 1.0,
         qk_norm_per_head=spec.qk_norm_per_head,
-        norm_topk_prob=bool(key("expert_weights_norm") if key("expert_weights_norm") is not None
-                            else spec.norm_topk_prob),
+        norm_topk_prob=bool(src.get("norm_topk_prob", spec.norm_topk_prob)),
         num_experts=moe[0],
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
-        shared_expert_intermediate_size=_shared_expert_width(
-            str(path), spec, f"{arch}.expert_shared_feed_forward_length", key("expert_shared_feed_forward_length"),
-            moe[0]),
+        shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
     )
+
+
+def hf_fields(config_path: Path, cfg: dict[str, Any]) -> ConfigFields:
+    """A config.json as the normalisation reads it."""
+    return ConfigFields(str(config_path), cfg)
+
+
+# ---- GGUF metadata -> config.json's names -------------------------------------------------
+
+# GGUF key (after "<arch>.") -> config.json field, for the values that only change their name.
+_GGUF_NAMES = {
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "rope.freq_base_swa": "rope_local_base_freq",
+    "context_length": "max_position_embeddings",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
+}
+_GGUF_REQUIRED = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
+# rope.scaling.* -> rope_scaling's keys
+_GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+                      "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
+                      "yarn_beta_slow": "beta_slow"}
+
+
+def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
+                weights: dict[str, WeightData], vocab: int) -> ConfigFields:
+    """A GGUF file's metadata under config.json's names, with what llama.cpp derives from the
+    file (layer pattern, query scale, sparse layers, tied head, longrope factors) spelled as
+    config.json spells it. Pops the longrope factor tensors from `weights`."""
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for suffix in _GGUF_REQUIRED:
+        if meta.get(f"{arch}.{suffix}") is None:
+            raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
+    for suffix in ("attention.head_count", "attention.head_count_kv"):
+        f = reader.fields.get(f"{arch}.{suffix}")
+        if f is not None and f.types[0] == GGUFValueType.ARRAY:
+            raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
+    for suffix, key in _GGUF_NAMES.items():
+        spelled[key] = f"{arch}.{suffix}"
+        if meta.get(f"{arch}.{suffix}") is not None:
+            values[key] = meta[f"{arch}.{suffix}"]
+    values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    rope_dim = meta.get(f"{arch}.rope.dimension_count")
+    if _is_int(rope_dim) and head_dim > 0 and rope_dim != head_dim:  # head_dim 0 is refused by the checks
+        values["partial_rotary_factor"] = rope_dim / head_dim
+        spelled["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
+    values["vocab_size"] = vocab
+    values["tie_word_embeddings"] = "lm_head" not in weights
+    scaling = _gguf_rope_scaling(path, arch, meta, weights)
+    if scaling is not None:
+        values["rope_scaling"] = scaling
+    spelled["rope_scaling.rope_type"] = f"{arch}.rope.scaling.type"
+    spelled |= {f"rope_scaling.{key}": f"{arch}.rope.scaling.{suffix}" for suffix, key in _GGUF_ROPE_SCALING.items()}
+    pattern = _gguf_sliding_pattern(reader, arch, values["num_hidden_layers"])
+    if pattern is not None:
+        values["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    if spec.gguf_wide_query_layers:  # llama.cpp's query scale for Gemma (GGUF has no query_pre_attn_scalar)
+        wide = values["num_hidden_layers"] == spec.gguf_wide_query_layers
+        values["query_pre_attn_scalar"] = values["hidden_size"] / values["num_attention_heads"] if wide else head_dim
+    if values.get("num_experts"):  # llama.cpp: a layer with a router is sparse
+        values["mlp_only_layers"] = [i for i in range(values["num_hidden_layers"])
+                                     if f"layers.{i}.router" not in weights]
+    eos: list[int] = []
+    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if _is_int(meta.get(k)) and meta[k] not in eos:
+            eos.append(meta[k])
+    values["eos_token_id"] = eos
+    values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    return ConfigFields(str(path), values, spelled, norm_offset_stored=True)
+
+
+def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],
+                       weights: dict[str, WeightData]) -> dict[str, Any] | None:
+    """rope_scaling from `rope.scaling.*` (or the pre-2024 `rope.scale_linear`), or Phi-3's
+    longrope, whose factors llama.cpp stores as tensors."""
+    if "rope_factors_long" in weights and "rope_factors_short" in weights:
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if not _is_int(orig) or orig <= 0:
+            raise ModelFormatError(f"{path}: rope_factors tensors need '{arch}.rope.scaling.original_context_length'")
+        params: dict[str, Any] = {"rope_type": "longrope", "long_factor": _factors(path, weights, "rope_factors_long"),
+                                  "short_factor": _factors(path, weights, "rope_factors_short"),
+                                  "original_max_position_embeddings": orig}
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if isinstance(attn, (int, float)):
+            params["attention_factor"] = float(attn)
+        return params
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None and meta.get(f"{arch}.rope.scale_linear") is not None:  # pre-2024 key
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scale_linear"])}
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind}
+    for suffix, key in _GGUF_ROPE_SCALING.items():
+        if meta.get(f"{arch}.rope.scaling.{suffix}") is not None:
+            scaling[key] = meta[f"{arch}.rope.scaling.{suffix}"]
+    return scaling
+
+
+def _factors(path: Path, weights: dict[str, WeightData], name: str) -> list[float]:
+    w = weights.pop(name)
+    if w.fmt not in ("f32", "f16"):
+        raise ModelFormatError(f"{path}: tensor {name!r} must be F32 or F16, not {w.fmt}")
+    return [float(v) for v in np.asarray(w.data, dtype=np.float64).reshape(-1)]
+
+
+def _gguf_sliding_pattern(reader: GGUFFile, arch: str, num_layers: int) -> list[bool] | None:
+    """Per-layer sliding flags from `attention.sliding_window_pattern` (a period n, every n-th
+    layer global, as llama.cpp reads it; or one bool per layer); None: the file has none (the
+    family's rule applies)."""
+    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if f is None:
+        return None
+    value = f.value
+    if f.types and f.types[0] == GGUFValueType.ARRAY and isinstance(value, list) and len(value) == num_layers:
+        return [bool(v) for v in value]
+    if _is_int(value) and value >= 0:
+        return [value == 0 or i % value < value - 1 for i in range(num_layers)]
+    raise ModelFormatError(f"{arch}.attention.sliding_window_pattern: expected a period or {num_layers} flags")

@@ -9,7 +9,6 @@ names the `arch` tables map them to, hyper-parameters through `ModelConfig`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import stat
@@ -26,7 +25,6 @@ from vkrt.loader.config import ModelConfig, WeightData
 
 log = logging.getLogger(__name__)
 
-MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
 GGML_MAX_DIMS = 4
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
 
@@ -311,17 +309,6 @@ def safetensors_header(source: Path, header: Any, data_size: int) -> list[Safete
 
 # ---- the normalised model --------------------------------------------------------------
 
-# rope_scaling numbers each scaling type needs (transformers' names).
-_ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "llama3": ("factor", "original_max_position_embeddings"),
-    "yarn": ("factor",),
-}
-_ROPE_SCALING_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
-                         "attention_factor", "beta_fast", "beta_slow")
-
-
 def _config(source: str, c: ModelConfig) -> None:
     def bad(field: str, value: Any, need: str) -> ModelFormatError:
         return ModelFormatError(f"{source}: {field} is {_show(value)}, but it must be {need}; "
@@ -340,20 +327,6 @@ def _config(source: str, c: ModelConfig) -> None:
         raise bad("rms_norm_eps", c.rms_norm_eps, "a number between 0 and 1")
     if not _is_number(c.rope_theta) or c.rope_theta <= 0:
         raise bad("rope_theta", c.rope_theta, "a positive number")
-    scaling = c.rope_scaling
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if not isinstance(kind, str):
-            raise bad("rope_scaling type", kind, "a string")
-        for key in _ROPE_SCALING_KEYS.get(kind, ()):
-            if key not in scaling:
-                raise bad(f"rope_scaling {key}", None, f"set for {kind} scaling")
-        for key in _ROPE_SCALING_NUMBERS:
-            if key in scaling and (not _is_number(scaling[key]) or scaling[key] <= 0):
-                raise bad(f"rope_scaling {key}", scaling[key], "a positive number")
-        if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
-            raise bad("rope_scaling high_freq_factor", scaling.get("high_freq_factor"),
-                      "different from low_freq_factor")
     ids = [("bos_token_id", c.bos_token_id)] if c.bos_token_id is not None else []
     token_ids(source, ids + [("eos_token_id", i) for i in c.eos_token_ids], c.vocab_size)
 
@@ -384,9 +357,10 @@ def layer_count(source: str, num_layers: int, weights: Mapping[str, WeightData])
         )
 
 
-def model_config(source: str, config: ModelConfig, weights: Mapping[str, WeightData]) -> ModelConfig:
-    """`config` once it is in range and its layer count agrees with the tensors, with a
-    context beyond 32-bit positions capped (the engine's max_model_len sizes what it uses).
+def model_config(source: str, config: ModelConfig, weights: Mapping[str, WeightData]) -> None:
+    """Raise unless `config` is in range and its layer count agrees with the tensors (the
+    normalisation, vkrt/loader/normalize.py, has checked the fields it read, rope scaling
+    included, and capped a context beyond 32-bit positions).
 
     Runs before anything loops over layers; per-weight shapes are checked after it
     (`arch.check_weights`).
@@ -397,9 +371,3 @@ def model_config(source: str, config: ModelConfig, weights: Mapping[str, WeightD
     if freqs is not None and freqs.shape != (config.head_dim // 2,):
         raise ModelFormatError(f"{source}: rope_freqs has shape {freqs.shape}, but head_dim "
                                f"{config.head_dim} needs ({config.head_dim // 2},); the file is corrupt")
-    if config.max_position_embeddings > MAX_POSITIONS:
-        log.warning("%s: context length %d is beyond 32-bit positions; capped at %d (--max-model-len "
-                    "decides what is used)", source, config.max_position_embeddings, MAX_POSITIONS)
-        config = dataclasses.replace(config, max_position_embeddings=MAX_POSITIONS)
-    return config
-

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from vkrt.backend.base import Backend
 from vkrt.errors import UnsupportedModelError
+from vkrt.loader.arch import ARCHS
 from vkrt.loader.config import LoadedModel
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.models.decoder import DecoderModel
 
-# Every family is a configuration of the generic decoder (vkrt/loader/normalize.py).
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    name: DecoderModel for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
-                                    "granite", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-}
+# Every family the loader reads (an ArchSpec row) is a configuration of the generic decoder.
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {spec.name: DecoderModel for spec in ARCHS}
 
 
 def build_model(loaded: LoadedModel, backend: Backend) -> CausalLM:

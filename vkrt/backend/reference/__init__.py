@@ -9,6 +9,7 @@ import numpy as np
 
 import vkrt.ops  # noqa: F401 (declares every op, so OPS is complete)
 from vkrt.backend.base import Backend, Kernel, as_storage_array, infer_dtype
+from vkrt.core.host_weight import HostWeight
 from vkrt.core.op import OPS, OpError
 from vkrt.core.quant import dequantize
 from vkrt.core.tensor import (
@@ -63,8 +64,9 @@ class ReferenceBackend(Backend):
             raise TypeError("block-format tensors are uploaded with upload_weight")
         return Tensor(logical_shape(data.shape, dtype), dtype, self, data.copy())
 
-    def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
-        raw = as_storage_array(np.asarray(array), dtype)
+    def upload_host_weight(self, weight: HostWeight) -> Tensor:
+        dtype, shape = weight.dtype, weight.shape
+        raw = as_storage_array(weight.array(), dtype)  # this backend's weights are host arrays
         if raw.nbytes != storage_nbytes(shape, dtype):
             raise ValueError(f"{dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
         raw = raw.reshape(shape[0], -1) if is_block_format(dtype) else raw.reshape(shape)

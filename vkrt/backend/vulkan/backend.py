@@ -19,6 +19,7 @@ from vkrt.backend.vulkan.batch import CommandBatch, RecordedCommands
 from vkrt.backend.vulkan.descriptors import DescriptorCache
 from vkrt.backend.vulkan.memory import Allocation, MemoryManager, format_bytes
 from vkrt.backend.vulkan.pipelines import PipelineCache
+from vkrt.core.host_weight import HostWeight
 from vkrt.core.op import OpError
 from vkrt.core.tensor import (
     NUMPY_DTYPES,
@@ -88,7 +89,7 @@ class VulkanBackend(Backend):
                                   timestamp_bits=self.caps.timestamp_valid_bits,
                                   timestamp_period_ns=self.caps.timestamp_period_ns)
         self.supports_gpu_timing = self.caps.timestamp_valid_bits > 0
-        self._weight_sources: dict[int, np.ndarray] = {}
+        self._weight_sources: dict[int, HostWeight] = {}
         self._checked_layouts: set[tuple[str, tuple[bool, ...]]] = set()
         self._closed = False
         self._graph_tensors: list[Tensor] | None = None
@@ -155,23 +156,36 @@ class VulkanBackend(Backend):
         self._write_bytes(tensor.handle, data.view(np.uint8).reshape(-1))
         return tensor
 
-    def upload_weight(self, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Tensor:
-        """Weights keep their storage format; kernels' device layouts may repack blocks."""
-        from vkrt.backend.vulkan.kernels.layouts import device_layout
+    def upload_host_weight(self, weight: HostWeight) -> Tensor:
+        """Weights keep their storage format; kernels' device layouts may repack blocks.
 
-        raw = as_storage_array(np.asarray(array), dtype)
-        if raw.nbytes != storage_nbytes(shape, dtype):
-            raise VkrtError(f"weight {dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {raw.nbytes}")
-        matrix = len(shape) == 2  # matrices are row-tiled for the matmul kernels, 1-D weights not
+        Each matrix (one, or E of an expert stack) is laid out and written into its place in
+        the allocation as it is read, its stacked pieces joined there, so the host holds at most
+        one matrix's device image at a time; `read()` joins the pieces again from `weight`,
+        which holds views of the loader's memory map, not a copy."""
+        from vkrt.backend.vulkan.kernels.layouts import write_device_image
+
+        dtype, shape = weight.dtype, weight.shape
+        stored = sum(storage_nbytes((b.num_rows, shape[-1]) if len(shape) > 1 else shape, dtype)
+                     for m in weight.matrices for b in m)
+        if stored != storage_nbytes(shape, dtype):
+            raise VkrtError(f"weight {dtype}{list(shape)} needs {storage_nbytes(shape, dtype)} bytes, got {stored}")
+        matrix = len(shape) >= 2  # matrices are row-tiled for the matmul kernels, 1-D weights not
+        nbytes = self.weight_nbytes(dtype, shape) - self.memory.alignment
         if len(shape) == 3:  # stacked experts [E, out, in]: E matrices one after another, each tiled
-            packed = np.concatenate([device_layout(m, dtype) for m in raw.reshape(shape[0], shape[1], -1)])
-            self._check_expert_binding(packed.nbytes, dtype, shape)
-        else:
-            packed = device_layout(raw.reshape(shape[0], -1) if matrix else raw.reshape(1, -1), dtype, tiled=matrix)
+            self._check_expert_binding(nbytes, dtype, shape)
         self._host_safe()
-        tensor = self._new_tensor(tuple(shape), dtype, "weights", nbytes=packed.nbytes)
-        self._write_bytes(tensor.handle, packed)
-        self._weight_sources[tensor.handle.id] = raw  # for read(): the storage-format bytes
+        tensor = self._new_tensor(tuple(shape), dtype, "weights", nbytes=nbytes)
+        offset = 0
+
+        def write(start: int, piece: np.ndarray) -> None:
+            self._write_bytes(tensor.handle, piece, offset + start)
+
+        for m in range(weight.num_matrices):
+            rows = as_storage_array(weight.matrix(m), dtype)
+            offset += write_device_image(rows.reshape(rows.shape[0], -1) if matrix else rows.reshape(1, -1), dtype,
+                                         write, tiled=matrix)
+        self._weight_sources[tensor.handle.id] = weight  # for read(): joined from the loader's map
         return tensor
 
     def _check_expert_binding(self, nbytes: int, dtype: str, shape: tuple[int, ...]) -> None:
@@ -205,7 +219,8 @@ class VulkanBackend(Backend):
     def tensor_nbytes(self, shape: tuple[int, ...], dtype: str) -> int:
         return self.memory.footprint(storage_nbytes(shape, dtype))
 
-    def _write_bytes(self, alloc: Allocation, data: np.ndarray) -> None:
+    def _write_bytes(self, alloc: Allocation, data: np.ndarray, offset: int = 0) -> None:
+        """Write `data` (uint8) into `alloc` from byte `offset` on."""
         in_flight = self.batch.in_flight
         if in_flight is not None and alloc.id not in in_flight.late_inputs:
             raise VkrtError("while a replayed step runs, the host may write only its late inputs "
@@ -213,11 +228,11 @@ class VulkanBackend(Backend):
         if alloc.id in self.batch.referenced:
             self.batch.flush()  # a recorded dispatch still needs the old contents
         if alloc.host_visible:
-            alloc.host_view()[: data.nbytes] = data
+            alloc.host_view()[offset : offset + data.nbytes] = data
         else:
             staging = self.memory.alloc(data.nbytes, "staging")
             staging.host_view()[: data.nbytes] = data
-            self.batch.copy(staging, alloc, data.nbytes)
+            self.batch.copy(staging, alloc, data.nbytes, dst_offset=offset)
             self.batch.defer_free(staging)
         self.counters.bytes_up += data.nbytes
 
@@ -230,8 +245,9 @@ class VulkanBackend(Backend):
     def read(self, t: Tensor) -> np.ndarray:
         alloc: Allocation = t.handle
         source = self._weight_sources.get(alloc.id)
-        if source is not None:
-            return source.copy()
+        if source is not None:  # storage-format bytes, joined from the loader's map
+            return as_storage_array(source.array(), t.dtype).copy().reshape(
+                (source.shape[0], -1) if is_block_format(t.dtype) else source.shape)
         nbytes = t.nbytes
         if self.batch.in_flight is not None:
             raise VkrtError("the host work of a replayed step cannot read device tensors; the "

@@ -169,11 +169,12 @@ class CommandBatch:
         self.recorded += 1
         self.counters.dispatches += 1
 
-    def copy(self, src: Allocation, dst: Allocation, size: int) -> None:
+    def copy(self, src: Allocation, dst: Allocation, size: int, dst_offset: int = 0) -> None:
+        """Record a copy of `size` bytes from the start of `src` to `dst` at byte `dst_offset`."""
         self._begin()
         self._hazards((src.id,), (dst.id,))
         region = self._copy_region
-        region.srcOffset, region.dstOffset, region.size = src.offset, dst.offset, size
+        region.srcOffset, region.dstOffset, region.size = src.offset, dst.offset + dst_offset, size
         self.lib.vkCmdCopyBuffer(self.cmd, src.block.buffer, dst.block.buffer, 1, region)
         if self.profiling and self._timeline is not None:
             self._timeline.mark(self.cmd, COPY_LABEL)

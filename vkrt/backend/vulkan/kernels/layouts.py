@@ -54,6 +54,7 @@ word give four byte lanes of consecutive elements (quant.glsl's crumb_vals):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,14 +155,48 @@ def device_nbytes(dtype: str, rows: int, k: int) -> int:
 def device_layout(raw: np.ndarray, dtype: str, tiled: bool = True) -> np.ndarray:
     """Storage-format rows [rows, ...] -> the flat uint8 device image (row-tiled unless
     `tiled` is False: a 1-D weight, read as one plain row)."""
+    parts = device_regions(raw, dtype, tiled)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+# Rows laid out at a time by write_device_image: 64 tiles, a few MiB of image for most formats.
+CHUNK_ROWS = 64 * TILE_ROWS
+
+
+def write_device_image(raw: np.ndarray, dtype: str, write: Callable[[int, np.ndarray], None],
+                       tiled: bool = True) -> int:
+    """Lay `raw` out as device_layout does, CHUNK_ROWS rows at a time, handing each piece of
+    each region to `write(offset, bytes)`: the host never holds the whole image (laying out a
+    262k-row embedding in one go held three copies of it). Returns the image's size.
+
+    A region is tiled on its own, so the pieces of a chunk of whole tiles are consecutive runs
+    of each region, at the chunk's first row times the region's bytes per row."""
+    rows = raw.shape[0]
+    if not tiled or rows <= CHUNK_ROWS or dtype not in LAYOUTS:
+        image = device_layout(raw, dtype, tiled)
+        write(0, image)
+        return image.nbytes
+    per_row: list[int] = []  # each region's device bytes per (padded) row
+    starts: list[int] = []
+    for first in range(0, rows, CHUNK_ROWS):
+        pieces = device_regions(raw[first : first + CHUNK_ROWS], dtype, tiled)
+        if not per_row:
+            per_row = [piece.nbytes // CHUNK_ROWS for piece in pieces]
+            starts = list(np.cumsum([0] + [n * padded_rows(rows) for n in per_row[:-1]]))
+        for start, row_bytes, piece in zip(starts, per_row, pieces, strict=True):
+            write(int(start) + first * row_bytes, piece)
+    return sum(n * padded_rows(rows) for n in per_row)
+
+
+def device_regions(raw: np.ndarray, dtype: str, tiled: bool = True) -> list[np.ndarray]:
+    """device_layout's regions (the quants, then the scales region(s)), each flat uint8."""
     rows = raw.shape[0]
 
-    def regions(*parts: np.ndarray) -> np.ndarray:  # each [rows, units, unit_bytes]
-        flat = [_tiled(p) if tiled else np.ascontiguousarray(p).reshape(-1) for p in parts]
-        return np.concatenate(flat) if len(flat) > 1 else flat[0]
+    def regions(*parts: np.ndarray) -> list[np.ndarray]:  # each [rows, units, unit_bytes]
+        return [_tiled(p) if tiled else np.ascontiguousarray(p).reshape(-1) for p in parts]
 
     if dtype not in LAYOUTS:  # no kernel reads it: the storage bytes as they are
-        return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        return [np.ascontiguousarray(raw).view(np.uint8).reshape(-1)]
     if dtype == "f32":
         return regions(_pad_cols(raw.astype(np.float32), 32).view(np.uint8).reshape(rows, -1, 128))
     if dtype in ("f16", "bf16"):

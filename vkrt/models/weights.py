@@ -1,0 +1,302 @@
+"""The parameters layer: a checkpoint's tensors as the typed records a model computes with.
+
+`build_weights(loaded, backend)` stands between the loader and the model. It reads the
+LoadedModel once and decides, from the config and what the file holds, how each projection
+is stored: q, k and v (or gate and up) become one stacked matrix when they share a storage
+format, or stay parts in their own formats, whose outputs the model concatenates (a GGUF may
+mix Q5_0 q/k with Q8_0 v; nothing is dequantized to stack them). Every tensor is uploaded
+once, in its storage format, its stacked pieces joined as it is uploaded (`HostWeight`), and
+the records hold only what the forward computes with: the model never asks which tensors a
+file had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from vkrt.core.host_weight import HostWeight, RowBlock
+from vkrt.core.quant import dequantize
+from vkrt.core.tensor import Tensor
+from vkrt.errors import ModelFormatError, OutOfDeviceMemory, UnsupportedModelError
+from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+
+
+@dataclass(frozen=True)
+class Linear:
+    """x @ W.T (+ bias): W one matrix, or row parts in different storage formats whose outputs
+    are concatenated; a bias (f32 [rows]) per part or none."""
+
+    parts: tuple[Tensor, ...]
+    biases: tuple[Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class Attention:
+    """q|k|v as one projection ([T, (H + 2 KVH) * head_dim]; its parts are q, k and v when they
+    differ in format or a QK-norm spans every head), the output projection, the QK-norms."""
+
+    qkv: Linear
+    o: Linear
+    q_norm: Tensor | None  # [head_dim] per head, or [H * head_dim] over all of q (OLMoE)
+    k_norm: Tensor | None
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """down(act(gate(x)) * up(x)): gate rows over up rows in one projection."""
+
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts: the router [E, hidden], each expert's gate|up [E, 2F, hidden] (or
+    gate and up apart, [E, F, hidden] each, when their formats differ) and down [E, hidden, F],
+    and maybe a shared expert with its sigmoid gate [1, hidden] (Qwen2-MoE)."""
+
+    router: Linear
+    gate_up: tuple[Tensor, ...]
+    down: Tensor
+    shared: Mlp | None = None
+    shared_gate: Linear | None = None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One block's weights: the norms (post-norms with sandwich norms), attention, MLP or experts."""
+
+    attn_norm: Tensor
+    attention: Attention
+    ffn_norm: Tensor
+    mlp: Mlp | Experts
+    post_attn_norm: Tensor | None = None
+    post_ffn_norm: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Everything a decoder computes with; `lm_head` is `embed_tokens` when they are tied."""
+
+    embed_tokens: Tensor
+    layers: tuple[Layer, ...]
+    final_norm: Tensor
+    lm_head: Tensor
+    rope_freqs: np.ndarray | None  # host f32 [head_dim / 2]: llama3 scaling baked per frequency (GGUF)
+
+
+@dataclass(frozen=True)
+class _ExpertStack:
+    """One projection of a layer's experts as stored: format, each expert's row blocks, one
+    block's [out, in], and the stored tensors they view."""
+
+    fmt: str
+    blocks: list[list[RowBlock]]
+    shape: tuple[int, ...]
+    stored: list[WeightData]
+
+
+class WeightSink(Protocol):
+    """Where the builder puts tensors: a backend, or `_Sizes` (which only counts them)."""
+
+    def upload_host_weight(self, weight: HostWeight) -> Tensor: ...
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor: ...
+
+    def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int: ...
+
+
+def build_weights(loaded: LoadedModel, backend: Any) -> Weights:
+    """Upload `loaded`'s weights to `backend` as a model's records, reserving their device memory first."""
+    sizes = _Sizes(backend)
+    sizing = _Builder(loaded, sizes)
+    sizing.build()  # the same decisions, uploading nothing: exact sizes
+    try:
+        backend.reserve("weights", sizes.total)
+    except OutOfDeviceMemory as exc:
+        raise sizes.out_of_memory(loaded.path, exc, sizing.expert_weights) from None
+    weights = _Builder(loaded, backend, release=True).build()
+    loaded.release_pages()  # every weight uploaded: the files' other pages need not stay resident either
+    return weights
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB"
+
+
+class _Sizes:
+    """Counts the device bytes each upload would take on `backend` (uploads nothing)."""
+
+    name = "sizes"
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.total = 0
+
+    def upload_host_weight(self, weight: HostWeight) -> Tensor:
+        self.total += self.backend.weight_nbytes(weight.dtype, weight.shape)
+        return Tensor(weight.shape, weight.dtype, self, None)  # type: ignore[arg-type]  # never used
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, purpose: str = "activations") -> Tensor:
+        self.total += self.backend.weight_nbytes("f32", array.shape)
+        return Tensor(array.shape, "f32", self, None)  # type: ignore[arg-type]
+
+    def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int:
+        return int(self.backend.weight_nbytes(dtype, shape))
+
+    def out_of_memory(self, path: str, exc: OutOfDeviceMemory, experts: list[tuple[str, HostWeight]]
+                      ) -> OutOfDeviceMemory:
+        """The reservation failed: say how much of it the stacked `experts` are and name the largest."""
+        if not experts:
+            return exc
+        sized = [(self.backend.weight_nbytes(w.dtype, w.shape), name, w) for name, w in experts]
+        size, name, largest = max(sized, key=lambda entry: entry[:2])  # ties: the later name
+        return OutOfDeviceMemory(
+            f"{path}: the weights need {_mib(self.total)} on the device, {_mib(sum(e[0] for e in sized))} "
+            f"of it in {len(sized)} stacked expert tensors (the largest: {name}, {largest.dtype} "
+            f"{list(largest.shape)}, {_mib(size)}): {exc}", requested=exc.requested, purpose="weights")
+
+
+class _Builder:
+    """Reads one LoadedModel into Weights on one sink (a backend, or `_Sizes`)."""
+
+    def __init__(self, loaded: LoadedModel, sink: WeightSink, release: bool = False) -> None:
+        self.config: ModelConfig = loaded.config
+        self.sink = sink
+        self.path = loaded.path
+        self.stored = loaded.weights
+        self.release = loaded.release_pages if release else None  # after each upload
+        self.expert_weights: list[tuple[str, HostWeight]] = []  # stacked expert weights, by canonical name
+
+    def build(self) -> Weights:
+        c = self.config
+        embed = self.matrix([self.raw("embed_tokens")])
+        freqs = self.stored.get("rope_freqs")
+        return Weights(
+            embed_tokens=embed,
+            layers=tuple(self.layer(i) for i in range(c.num_layers)),
+            final_norm=self.norm("final_norm"),
+            lm_head=embed if c.tie_word_embeddings else self.matrix([self.raw("lm_head")]),
+            rope_freqs=None if freqs is None else dequantize(freqs.data, freqs.fmt).reshape(-1),
+        )
+
+    def layer(self, i: int) -> Layer:
+        c = self.config
+        p = f"layers.{i}."
+        sandwich = c.sandwich_norms
+        return Layer(
+            attn_norm=self.norm(p + "attn_norm"),
+            attention=self.attention(p),
+            ffn_norm=self.norm(p + "ffn_norm"),
+            mlp=self.experts(p) if c.layer(i).moe else self.mlp(p),
+            post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
+            post_ffn_norm=self.norm(p + "post_ffn_norm") if sandwich else None,
+        )
+
+    def attention(self, p: str) -> Attention:
+        c = self.config
+        if p + "qkv_proj" in self.stored:  # a fused checkpoint (Phi-3): stacked as stored
+            qkv = self.linear([p + "qkv_proj"])
+        else:  # a norm over all of q and of k (OLMoE) needs their outputs apart
+            qkv = self.linear([p + n for n in ("q_proj", "k_proj", "v_proj")],
+                              biases=[p + n for n in ("q_bias", "k_bias", "v_bias")] if c.qkv_bias else (),
+                              apart=c.qk_norm and not c.qk_norm_per_head)
+        q_norm = self.norm(p + "q_norm") if c.qk_norm else None
+        k_norm = self.norm(p + "k_norm") if c.qk_norm else None
+        return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm)
+
+    def mlp(self, p: str) -> Mlp:
+        gate_up = [p + "gate_up_proj"] if p + "gate_up_proj" in self.stored else [p + "gate_proj", p + "up_proj"]
+        return Mlp(self.linear(gate_up), self.linear([p + "down_proj"]))
+
+    def experts(self, p: str) -> Experts:
+        gate, up, down = (self.expert_stack(p, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        if gate.fmt == up.fmt:  # one [E, 2F, K] stack, gate over up per expert
+            both = _ExpertStack(gate.fmt, [g + u for g, u in zip(gate.blocks, up.blocks, strict=True)], gate.shape,
+                                gate.stored + up.stored)
+            gate_up: tuple[Tensor, ...] = (self.experts_weight(p + "experts.gate_up_proj", both),)
+        else:  # kept in their own formats: two expert matmuls whose outputs are concatenated
+            gate_up = (self.experts_weight(p + "experts.gate_proj", gate), self.experts_weight(p + "experts.up_proj", up))
+        shared = None
+        if self.config.shared_expert_intermediate_size:
+            shared = self.mlp(p + "shared_expert.")
+        return Experts(router=self.linear([p + "router"]), gate_up=gate_up,
+                       down=self.experts_weight(p + "experts.down_proj", down),
+                       shared=shared, shared_gate=self.linear([p + "shared_expert_gate"]) if shared else None)
+
+    # -- pieces ---------------------------------------------------------------------------
+    def raw(self, name: str) -> WeightData:
+        try:
+            return self.stored[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing weight {name!r}") from None
+
+    def linear(self, names: Sequence[str], biases: Sequence[str] = (), apart: bool = False) -> Linear:
+        """One projection from its stored pieces: one stacked matrix when they share a storage
+        format (and need not stay apart), else one matrix per piece; a bias per piece or none."""
+        parts = [self.raw(n) for n in names]
+        bias_values = [self.vector(n) for n in biases]
+        if len(parts) == 1 or (not apart and len({w.fmt for w in parts}) == 1):
+            bias = self.f32(np.concatenate(bias_values)) if bias_values else None
+            return Linear((self.matrix(parts),), (bias,))
+        return Linear(tuple(self.matrix([w]) for w in parts),
+                      tuple(self.f32(b) for b in bias_values) if bias_values else (None,) * len(parts))
+
+    def matrix(self, parts: list[WeightData]) -> Tensor:
+        """Matrices of one format stacked along their rows, as one device tensor."""
+        first = parts[0]
+        shape = (sum(w.shape[0] for w in parts), *first.shape[1:])
+        return self.upload(HostWeight(first.fmt, shape, (tuple(w.block() for w in parts),)),
+                           "+".join(w.name for w in parts), parts)
+
+    def expert_stack(self, p: str, projection: str) -> _ExpertStack:
+        """One projection of layer p's experts: from llama.cpp's stacked [E, out, in] tensor or
+        HF's one tensor per expert (all in one format, else refused naming the odd one)."""
+        experts = self.config.num_experts
+        stacked = self.stored.get(f"{p}experts.{projection}")
+        if stacked is not None:
+            per_expert = stacked.data.reshape(experts, stacked.shape[1], -1)
+            return _ExpertStack(stacked.fmt, [[RowBlock(m)] for m in per_expert], stacked.shape[1:], [stacked])
+        tensors = [self.raw(f"{p}experts.{e}.{projection}") for e in range(experts)]
+        odd = next((w for w in tensors if w.fmt != tensors[0].fmt), None)
+        if odd is not None:
+            raise UnsupportedModelError(
+                f"{self.path}: expert weight {odd.name} is {odd.fmt} while {tensors[0].name} is {tensors[0].fmt}; "
+                "the experts of one projection must share a storage format (convert the checkpoint to one dtype)")
+        return _ExpertStack(tensors[0].fmt, [[w.block()] for w in tensors], tensors[0].shape, tensors)
+
+    def experts_weight(self, name: str, stack: _ExpertStack) -> Tensor:
+        """One stacked [E, rows, in] expert weight from each expert's row blocks."""
+        rows = sum(b.num_rows for b in stack.blocks[0])
+        weight = HostWeight(stack.fmt, (len(stack.blocks), rows, stack.shape[-1]), tuple(map(tuple, stack.blocks)))
+        self.expert_weights.append((name, weight))
+        return self.upload(weight, name, stack.stored)
+
+    def upload(self, weight: HostWeight, name: str, stored: list[WeightData]) -> Tensor:
+        """Upload `weight`, then release the file pages of the `stored` tensors it was made of
+        (the peak then holds one weight's file pages at a time, not the whole file's)."""
+        try:
+            tensor = self.sink.upload_host_weight(weight)
+        except OutOfDeviceMemory as exc:
+            size = self.sink.weight_nbytes(weight.dtype, weight.shape)
+            raise OutOfDeviceMemory(f"{self.path}: weight {name} ({weight.dtype} {list(weight.shape)}, {_mib(size)} on "
+                                    f"the device) does not fit: {exc}", requested=exc.requested,
+                                    purpose="weights") from None
+        if self.release is not None:
+            self.release(stored)
+        return tensor
+
+    def vector(self, name: str) -> np.ndarray:
+        w = self.raw(name)
+        return dequantize(w.data, w.fmt).reshape(-1).astype(np.float32)
+
+    def f32(self, values: np.ndarray) -> Tensor:
+        return self.sink.upload(np.ascontiguousarray(values, dtype=np.float32), "f32", purpose="weights")
+
+    def norm(self, name: str) -> Tensor:
+        """A norm's scale as f32; HF Gemma stores w of (1 + w), folded here once."""
+        return self.f32(self.vector(name) + np.float32(self.config.norm_offset))
