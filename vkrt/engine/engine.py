@@ -199,26 +199,28 @@ class EngineCore:
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled token, as the host's would).
         sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
-        logits = self.runner.execute(batch, sampling, masks)
+        result = self.runner.execute(batch, sampling, masks)
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens
             self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
-        for request, row, position, count in layout.prompt_rows:
-            assert request.prompt_logprobs is not None
-            for k in range(count):
-                entry = token_logprobs(logits[row + k], request.prompt_token_ids[position + k],
-                                       request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
-                self.outputs.fill_text(entry)
-                request.prompt_logprobs.append(entry)
+        rows = [row for _, row in layout.sample_rows]
+        if result.token_ids is not None:  # sampled on the device (no prompt rows then)
+            sampled = SamplerOutput([int(t) for t in result.token_ids[rows]], [None] * len(rows))
+        else:
+            logits = result.logits
+            assert logits is not None
+            for request, row, position, count in layout.prompt_rows:
+                assert request.prompt_logprobs is not None
+                for k in range(count):
+                    entry = token_logprobs(logits[row + k], request.prompt_token_ids[position + k],
+                                           request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
+                    self.outputs.fill_text(entry)
+                    request.prompt_logprobs.append(entry)
+            sampled = self.sampler.sample(logits[rows], requests, None if masks is None else masks.masks)
 
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted),
                                mask_seconds=None if masks is None else masks.seconds)
-        rows = [row for _, row in layout.sample_rows]
-        if sampling is not None:  # the runner returned each row's token
-            sampled = SamplerOutput([int(t) for t in logits[rows]], [None] * len(rows))
-        else:
-            sampled = self.sampler.sample(logits[rows], requests, None if masks is None else masks.masks)
         failed = {} if masks is None else masks.failed
         results: list[RequestOutput] = []
         for i, (request, token_id, logprobs) in enumerate(zip(requests, sampled.token_ids, sampled.logprobs,
