@@ -82,7 +82,7 @@ def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
         {"role": "user", "content": args.prompt}]
     from vkrt.engine.prompts import render_chat
 
-    _, ids = render_chat(llm.tokenizer, messages, None)
+    _, ids = render_chat(llm.tokenizer, messages)
     return ids
 
 

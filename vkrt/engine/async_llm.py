@@ -135,7 +135,7 @@ class AsyncLLM:
 
     def render_chat(self, messages: Messages, chat_template_kwargs: dict[str, Any] | None = None,
                     tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        return render_chat(self.tokenizer, messages, chat_template_kwargs, tools)
+        return render_chat(self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError now for what add_request would reject (call before streaming starts)."""

@@ -65,7 +65,8 @@ class LLM:
         """Generate replies to one conversation (a list of messages) or to several."""
         single = len(messages) > 0 and isinstance(messages[0], dict)
         conversations = [cast(Messages, messages)] if single else cast(Sequence[Messages], messages)
-        return self._run([render_chat(self.tokenizer, m, chat_template_kwargs) for m in conversations], params)
+        return self._run([render_chat(self.tokenizer, m, chat_template_kwargs=chat_template_kwargs)
+                          for m in conversations], params)
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield an update per generated token (deltas in `outputs[0].delta_text`), the last finished."""

@@ -18,6 +18,7 @@ from vkrt.server.choices import CandidateSet, merged_updates, run_all, start_can
 from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.middleware import request_id_of
+from vkrt.server.prompts import chat_prompt, check_request_text
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.reasoning import ReasoningSplitter, split_reasoning, starts_inside, template_thinks
 from vkrt.server.responses import (
@@ -29,7 +30,7 @@ from vkrt.server.responses import (
     now_s,
     sse,
 )
-from vkrt.server.sampling import chat_prompt, check_request_text, check_unsupported, sampling_params
+from vkrt.server.sampling import check_unsupported, sampling_params
 from vkrt.server.tools import (
     ToolCall,
     ToolCallStream,

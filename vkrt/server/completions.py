@@ -28,6 +28,7 @@ from vkrt.server.logprobs import (
     prompt_logprobs_json,
 )
 from vkrt.server.middleware import request_id_of
+from vkrt.server.prompts import check_request_text, completion_prompts
 from vkrt.server.protocol import CompletionRequest
 from vkrt.server.responses import (
     check_model,
@@ -38,12 +39,7 @@ from vkrt.server.responses import (
     now_s,
     sse,
 )
-from vkrt.server.sampling import (
-    check_request_text,
-    check_unsupported,
-    completion_prompts,
-    sampling_params,
-)
+from vkrt.server.sampling import check_unsupported, sampling_params
 from vkrt.tokenizer import Tokenizer
 
 
