@@ -67,11 +67,24 @@ def test_bad_request_raises_and_the_engine_keeps_serving(engine: AsyncLLM) -> No
         with pytest.raises(RequestError) as info:
             await collect(engine, "x", SamplingParams(max_tokens=0))
         assert info.value.param == "max_tokens"
-        with pytest.raises(RequestError, match="context length"):
+        with pytest.raises(RequestError, match="context length") as info:
             await collect(engine, "y" * 200, GREEDY)
+        assert info.value.code == "context_length_exceeded"
         return await collect(engine, "still here", GREEDY)
 
     assert asyncio.run(main())[-1].finished
+
+
+def test_a_bad_request_raises_from_generate_itself_before_any_stream(engine: AsyncLLM) -> None:
+    """The server calls generate before it sends a response, so its errors must come from the
+    call, not from the first iteration; and a stream never iterated queues nothing."""
+    with pytest.raises(RequestError) as info:
+        engine.generate("z" * 120, GREEDY)  # 120 + 10 > 128
+    assert info.value.param == "max_tokens" and info.value.code == "context_length_exceeded"
+    unstarted = engine.generate("fine", GREEDY, "never-iterated")
+    assert not engine.engine.has_unfinished() and engine.metrics().num_waiting == 0
+    del unstarted
+    assert asyncio.run(collect(engine, "fine", GREEDY, "never-iterated"))[-1].finished  # the id was never taken
 
 
 def test_duplicate_request_id_is_rejected(engine: AsyncLLM) -> None:

@@ -1,21 +1,24 @@
 """A deterministic stand-in for AsyncLLM: byte tokens, letters as output, no model.
 
-It follows AsyncLLM's contract (generate / abort / check_request / metrics / is_ready), so
-server logic is tested without loading a model. Output token i is the letter
+It follows AsyncLLM's contract (generate / abort / metrics / is_ready), so server logic is
+tested without loading a model: `generate` makes the request through the engine's own
+RequestProcessor, so the server sees the engine's errors. Output token i is the letter
 'a' + (i % 26), one per step of `step_delay` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.config import SamplingParams
+from vkrt.engine.guided import GrammarCompiler
+from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
-from vkrt.errors import RequestError
 
 EOS = 256
 SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
@@ -100,18 +103,19 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError("prompt too long", param="prompt")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
-            raise RequestError("prompt token id outside the vocabulary", param="prompt")
-        params.validate(self.tokenizer.vocab_size, self.max_model_len)
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 *, prompt_text: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(ids, params)
-        rid = request_id or "fake"
+        processor = RequestProcessor(self.tokenizer.vocab_size, self.max_model_len, (EOS,),
+                                     GrammarCompiler(None, self.tokenizer.vocab_size, (EOS,)))
+        # The fake has no tokenizer llguidance could index: a grammar is checked for form only.
+        if params.guided_decoding is not None:
+            params.guided_decoding.validate()
+        processor.make_request(request_id or "fake", ids, dataclasses.replace(params, guided_decoding=None))
+        return self._stream(request_id or "fake", ids, params, prompt_text)
+
+    async def _stream(self, rid: str, ids: list[int], params: SamplingParams,
+                      prompt_text: str | None) -> AsyncGenerator[RequestOutput, None]:
         self.requests.append((rid, ids, params, prompt_text))
         self.active.add(rid)
         out_ids: list[int] = []

@@ -104,6 +104,16 @@ def _lower_thread_priority() -> None:
 
 
 @dataclass
+class Candidate:
+    """One engine request of a response: made (validated) by the engine, not yet started."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    outputs: AsyncIterator[RequestOutput]  # the engine's stream; iterating it starts the request
+
+
+@dataclass
 class Update:
     """What one engine output added."""
 
@@ -135,17 +145,16 @@ class Generation:
     runs when the updates end, when `run()` returns, or when the route gives up early.
     """
 
-    def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float, prompt_text: str | None = None) -> None:
+    def __init__(self, state: ServerState, candidate: Candidate, arrival_time: float) -> None:
         state.admit()
         self._admitted = True
         self.state = state
-        self.prompt_text = prompt_text
-        self.request_id = request_id
-        self.params = params
+        self.request_id = candidate.request_id
+        self.params = candidate.params
+        self.outputs = candidate.outputs
         self.arrival_time = arrival_time
-        self.result = Result(prompt_token_ids=list(prompt_token_ids),
-                             logprobs=[] if params.logprobs is not None else None)
+        self.result = Result(prompt_token_ids=list(candidate.prompt_token_ids),
+                             logprobs=[] if candidate.params.logprobs is not None else None)
 
     def release(self) -> None:
         if self._admitted:
@@ -154,13 +163,10 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[Update]:
         state, result = self.state, self.result
-        engine = state.require_engine()
         last_token_time: float | None = None
         failed = False
         try:
-            outputs = engine.generate(list(result.prompt_token_ids), self.params, self.request_id,
-                                      prompt_text=self.prompt_text)
-            async for output in outputs:
+            async for output in self.outputs:
                 update = self._absorb(output)
                 if update.token_ids:
                     now = time.monotonic()

@@ -111,7 +111,7 @@ def completion_prompts(engine: EngineClient, body: CompletionRequest,
         if isinstance(prompt, str):
             ids = require_tokenizer(engine, param).encode(prompt, add_special_tokens=body.add_special_tokens)
             prompts.append((ids, prompt))
-        else:  # ids outside the vocabulary are refused by engine.check_request
+        else:  # ids outside the vocabulary are refused by the engine when it makes the request
             ids = list(prompt)
             prompts.append((ids, None))
         if not ids:  # the engine would refuse it too, but under "prompt" rather than this one's place

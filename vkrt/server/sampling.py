@@ -1,4 +1,9 @@
-"""OpenAI request fields -> a validated SamplingParams (prompts are server/prompts.py's)."""
+"""OpenAI request fields -> SamplingParams, and the engine's errors back to those fields.
+
+This is a mapping and nothing more: the engine validates the parameters, with the prompt,
+when it makes the request (vkrt/engine/processor.py), and `field_error` names the request
+field behind whatever it refuses.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import PARAM as GUIDED_PARAM
 from vkrt.engine.guided import GuidedDecoding
 from vkrt.errors import RequestError
-from vkrt.server.engine_client import EngineClient
 from vkrt.server.errors import APIError, shown
 from vkrt.server.protocol import (
     ChatCompletionRequest,
@@ -45,18 +49,6 @@ def check_unsupported(body: SamplingFields) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise _bad("top_logprobs", "requires logprobs=true")
-
-
-def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the "
-                       f"prompt has {num_prompt_tokens} tokens; shorten it", param=param,
-                       code="context_length_exceeded")
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; you asked "
-                       f"for {num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
-                       f"{max_tokens} to generate); lower max_tokens", param="max_tokens",
-                       code="context_length_exceeded")
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
@@ -120,25 +112,18 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
     return found[0] if found else None
 
 
-def sampling_params(engine: EngineClient, body: SamplingFields, prompt_ids: list[int],
-                    prompt_param: str) -> SamplingParams:
-    """Map the OpenAI fields onto SamplingParams; the engine validates them with the prompt."""
-    max_model_len = engine.max_model_len
-    num_prompt_tokens = len(prompt_ids)
+def sampling_params(body: SamplingFields) -> SamplingParams:
+    """The OpenAI fields as SamplingParams (400 only for what cannot be mapped at all)."""
     if isinstance(body, ChatCompletionRequest):
+        # None: until the context is full.
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         assert isinstance(body, CompletionRequest)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         logprobs = body.logprobs
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad("max_tokens", f"must be >= 1, got {max_tokens}")
-    check_prompt_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param)
-    if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
     constraint = guided_decoding(body)
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -160,12 +145,18 @@ def sampling_params(engine: EngineClient, body: SamplingFields, prompt_ids: list
         n=1,  # each choice is its own engine request (server/choices.py)
         guided_decoding=constraint[0] if constraint else None,
     )
-    try:
-        engine.check_request(prompt_ids, params)
-    except RequestError as exc:
-        if constraint is not None and exc.param == GUIDED_PARAM:
-            # Name the request field, not the engine's parameter.
+
+
+def field_error(exc: RequestError, body: SamplingFields, prompt_param: str) -> APIError:
+    """The engine's refusal of a request as the client's 400, named by the field the client
+    sent: the one that asked for the output constraint (the engine calls it guided_decoding),
+    and `prompt_param` for the prompt (a chat request's is its messages)."""
+    error = APIError.from_request_error(exc)
+    if exc.param == GUIDED_PARAM:
+        constraint = guided_decoding(body)  # the mapping again, on this error path only
+        if constraint is not None:
             message = str(exc).removeprefix(f"{GUIDED_PARAM}: ")
-            raise _bad(constraint[1], message) from exc
-        raise APIError.from_request_error(exc) from exc
-    return params
+            return _bad(constraint[1], message)
+    if exc.param == "prompt" and prompt_param != "prompt":
+        error.param = prompt_param
+    return error
