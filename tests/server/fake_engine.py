@@ -2,7 +2,8 @@
 
 It follows AsyncLLM's contract (generate / abort / metrics / is_ready), so server logic is
 tested without loading a model: `generate` makes the request through the engine's own
-RequestProcessor, so the server sees the engine's errors. Output token i is the letter
+RequestProcessor (so the server sees the engine's errors) and streams delta outputs, text
+that may start a stop string held back as the engine holds it. Output token i is the letter
 'a' + (i % 26), one per step of `step_delay` seconds.
 """
 
@@ -118,34 +119,35 @@ class FakeEngine:
                       prompt_text: str | None) -> AsyncGenerator[RequestOutput, None]:
         self.requests.append((rid, ids, params, prompt_text))
         self.active.add(rid)
-        out_ids: list[int] = []
-        logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        text = ""
+        num_tokens = 0
+        text, sent = "", 0
         finished = False
         try:
             max_tokens = params.max_tokens or self.max_model_len - len(ids)
             while not finished:
                 await asyncio.sleep(self.step_delay)
-                if self.fail_with is not None and len(out_ids) >= self.fail_after:
+                if self.fail_with is not None and num_tokens >= self.fail_after:
                     raise self.fail_with
-                token = ord("a") + len(out_ids) % 26
-                out_ids.append(token)
+                token = ord("a") + num_tokens % 26
+                num_tokens += 1
                 self.generation_tokens += 1
-                if logprobs is not None:
+                logprobs = None
+                if params.logprobs is not None:
                     top = [Logprob(token, -0.25, 1), Logprob(token + 1, -1.5, 2), Logprob(token + 2, -3.0, 3)]
-                    logprobs.append(TokenLogprobs(Logprob(token, -0.25, 1), top[: params.logprobs]))
+                    logprobs = [TokenLogprobs(Logprob(token, -0.25, 1), top[: params.logprobs])]
                 text += chr(token)
                 reason, stop_reason = None, None
                 stop = next((s for s in params.stop_strings if s in text), None)
                 if stop is not None:
                     text = text[: text.index(stop) + (len(stop) if params.include_stop_str_in_output else 0)]
                     reason, stop_reason = "stop", stop
-                elif len(out_ids) >= max_tokens:
+                elif num_tokens >= max_tokens:
                     reason = "length"
                 finished = reason is not None
+                end = len(text) if finished else len(text) - _held_back(text, params.stop_strings)
+                delta, sent = text[sent:end], max(sent, end)
                 yield RequestOutput(rid, prompt_text, ids, [CompletionOutput(
-                    0, text, list(out_ids), logprobs=list(logprobs) if logprobs is not None else None,
-                    finish_reason=reason, stop_reason=stop_reason)], finished)
+                    0, delta, [token], logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason)], finished)
         finally:
             if not finished:
                 self.abort(rid)
@@ -161,3 +163,10 @@ class FakeEngine:
                              num_kv_blocks=8, num_free_kv_blocks=8 - len(self.active),
                              num_preemptions=self.num_preemptions, generation_tokens=self.generation_tokens,
                              last_step_counters={"dispatches": 7, "submits": 1, "drains": 0})
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How much of the end of `text` may start a stop string (held back, as the engine does)."""
+    longest = max((len(stop) for stop in stops), default=0)
+    return next((k for k in range(min(len(text), longest - 1), 0, -1)
+                 if any(stop.startswith(text[-k:]) for stop in stops)), 0)

@@ -16,7 +16,7 @@ from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore, IterationStats, StatsListener
 from vkrt.engine.llm import make_config
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, render_chat
-from vkrt.engine.request import Request, RequestOutput
+from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
 from vkrt.errors import RequestError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -139,7 +139,8 @@ class AsyncLLM:
 
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                  *, prompt_text: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Updates of one request, one per generated token, the last with finished=True.
+        """The request's stream of delta updates, one per generated token, the last with
+        finished=True: each holds only what its step added (prompt logprobs in the first).
 
         The request is made here, before any stream exists: a bad prompt, parameter or grammar
         raises RequestError from this call. The grammar compiles here too, so call it off the
@@ -150,7 +151,8 @@ class AsyncLLM:
         """
         text, ids = self.encode(prompt)
         request = self.engine.make_request(request_id or uuid.uuid4().hex, ids, params,
-                                           prompt=prompt_text if prompt_text is not None else text)
+                                           prompt=prompt_text if prompt_text is not None else text,
+                                           output_kind=RequestOutputKind.DELTA)
         return self._stream(request)
 
     async def _stream(self, request: Request) -> AsyncGenerator[RequestOutput, None]:

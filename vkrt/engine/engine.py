@@ -17,7 +17,7 @@ from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.processor import RequestProcessor
-from vkrt.engine.request import Request, RequestOutput, RequestStatus
+from vkrt.engine.request import Request, RequestOutput, RequestOutputKind, RequestStatus
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, SamplerOutput, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
@@ -144,10 +144,12 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                     prompt: str | None = None) -> Request:
+                     prompt: str | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """Validate a request and compile its grammar, once; RequestError for a bad prompt,
         parameter or grammar. Safe from any thread (nothing is queued)."""
-        return self.processor.make_request(request_id, prompt_token_ids, params, prompt=prompt)
+        return self.processor.make_request(request_id, prompt_token_ids, params, prompt=prompt,
+                                           output_kind=output_kind)
 
     def add(self, request: Request) -> None:
         """Queue a request `make_request` made. Its arrival is now: the queue time the metrics
@@ -158,7 +160,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> Request:
-        """`make_request` then `add`."""
+        """`make_request` then `add` (cumulative outputs)."""
         request = self.make_request(request_id, prompt_token_ids, params, prompt=prompt)
         self.add(request)
         return request
@@ -168,6 +170,7 @@ class EngineCore:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        # A finished request always has an output, whatever its kind.
         output = self.outputs.make_output(request)
         self.outputs.remove(request_id)
         return output
@@ -182,7 +185,8 @@ class EngineCore:
         self.totals = EngineTotals()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batched forward; an output for every request that got a token."""
+        """Run one batched forward; an output for every request that got a token (for a
+        FINAL_ONLY request, only once it finishes)."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -242,7 +246,9 @@ class EngineCore:
                 stats.finished.append(FinishedRequestStats(
                     status.finish_reason or "", now - metrics.arrival_time,
                     request.num_prompt_tokens, request.num_output_tokens))
-            results.append(self.outputs.make_output(request))
+            output = self.outputs.make_output(request)
+            if output is not None:
+                results.append(output)
             if status is not None:
                 self.outputs.remove(request.request_id)
         self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)

@@ -12,7 +12,7 @@ from typing import Any, cast
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, is_single_prompt, render_chat
-from vkrt.engine.request import Request, RequestOutput
+from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
 from vkrt.loader.config import ModelConfig
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -56,7 +56,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order.
+        """Run every prompt to completion, batched together; the final outputs in prompt order.
 
         Every prompt is validated before any is queued, so a bad one raises RequestError with
         nothing run."""
@@ -72,9 +72,11 @@ class LLM:
                           for m in conversations], params)
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield an update per generated token (deltas in `outputs[0].delta_text`), the last finished."""
+        """Yield an update per generated token, the last finished. Each is a delta: its text,
+        token ids and logprobs are only what that step added (prompt logprobs come once, in
+        the first); join them for the whole output."""
         text, ids = encode_prompt(self.tokenizer, prompt)
-        request = self._make(text, ids, params or SamplingParams())
+        request = self._make(text, ids, params or SamplingParams(), RequestOutputKind.DELTA)
         request_id = request.request_id
         self.engine.add(request)
         finished = False
@@ -88,8 +90,8 @@ class LLM:
             if not finished:
                 self.engine.abort(request_id)
 
-    def _make(self, text: str | None, ids: list[int], params: SamplingParams) -> Request:
-        return self.engine.make_request(str(next(self._ids)), ids, params, prompt=text)
+    def _make(self, text: str | None, ids: list[int], params: SamplingParams, kind: RequestOutputKind) -> Request:
+        return self.engine.make_request(str(next(self._ids)), ids, params, prompt=text, output_kind=kind)
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
@@ -99,7 +101,8 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
         # All made (validated) before any is queued: a bad prompt fails the call with nothing run.
-        requests = [self._make(text, ids, p) for (text, ids), p in zip(prompts, per_prompt, strict=True)]
+        requests = [self._make(text, ids, p, RequestOutputKind.FINAL_ONLY)
+                    for (text, ids), p in zip(prompts, per_prompt, strict=True)]
         for request in requests:
             self.engine.add(request)
         order = [request.request_id for request in requests]

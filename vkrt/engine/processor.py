@@ -19,7 +19,7 @@ import numpy as np
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import GrammarCompiler
-from vkrt.engine.request import Request
+from vkrt.engine.request import Request, RequestOutputKind
 from vkrt.errors import RequestError
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -38,7 +38,8 @@ class RequestProcessor:
         self._seed_lock = threading.Lock()
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                     prompt: str | None = None) -> Request:
+                     prompt: str | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """A Request ready to queue; RequestError for a bad prompt, parameter or grammar."""
         self.check_prompt(prompt_token_ids)
         params.validate(self.vocab_size)
@@ -49,7 +50,7 @@ class RequestProcessor:
         with self._seed_lock:
             generator_seed = int(self._seed_rng.integers(2**63))
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, prompt=prompt,
-                          generator_seed=generator_seed)
+                          generator_seed=generator_seed, output_kind=output_kind)
         request.guide = guide
         return request
 

@@ -29,8 +29,9 @@ class EngineClient(Protocol):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Make (validate) the request now, raising RequestError for a bad one, and return its
-        stream of updates; iterating it starts the request, leaving the iteration early aborts
-        it. CPU work (a grammar compiles here): call it off the event loop."""
+        stream of delta updates (each holds only what its step added); iterating it starts the
+        request, leaving the iteration early aborts it. CPU work (a grammar compiles here):
+        call it off the event loop."""
 
     def abort(self, request_id: str) -> None: ...
 
