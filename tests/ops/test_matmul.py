@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
-from tests.ops.test_formats import random_blocks
+from tests.core.test_formats import random_blocks
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
 from vkrt.core.formats import FORMATS as REGISTRY
