@@ -82,7 +82,7 @@ def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
         {"role": "user", "content": args.prompt}]
     from vkrt.engine.prompts import render_chat
 
-    _, ids = render_chat(llm.tokenizer, messages, None)
+    _, ids = render_chat(llm.tokenizer, messages)
     return ids
 
 
@@ -98,17 +98,21 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any
     start = time.perf_counter()
     first = None
     final = None
-    for out in llm.generate_stream(prompt, params):
+    pieces: list[str] = []
+    ids: list[int] = []
+    for out in llm.generate_stream(prompt, params):  # deltas: each holds what its step added
         if first is None and out.token_ids:
             first = time.perf_counter() - start
         if stream:
-            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.write(out.text)
             sys.stdout.flush()
+        pieces.append(out.text)
+        ids += out.token_ids
         final = out
     if stream:
         sys.stdout.write("\n")
     assert final is not None
-    return {"text": final.text, "ids": final.token_ids, "prompt_ids": final.prompt_token_ids,
+    return {"text": "".join(pieces), "ids": ids, "prompt_ids": final.prompt_token_ids,
             "finish_reason": final.finish_reason, "first_token_s": first,
             "seconds": time.perf_counter() - start}
 

@@ -29,12 +29,18 @@ class OutOfDeviceMemory(VkrtError):
 
 
 class RequestError(VkrtError):
-    """A generation request is invalid (bad parameter, prompt too long, ...)."""
+    """A generation request is invalid (bad parameter, prompt too long, ...).
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+    `param` names the offending parameter; `code` is a machine-readable reason where one
+    is worth telling apart (the server sends it as the OpenAI error `code`).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
 
 
 class DeviceUnavailable(VkrtError):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from engine_fakes import FakeLM, byte_tokenizer
 
-from vkrt.engine import AsyncLLM, IterationStats, RequestOutput, SamplingParams
+from vkrt.engine import LLM, AsyncLLM, IterationStats, RequestOutput, SamplingParams
 from vkrt.errors import RequestError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -37,17 +37,21 @@ def test_concurrent_streams_equal_solo_runs(engine: AsyncLLM) -> None:
     model = engine.engine.model
     assert isinstance(model, FakeLM)
     assert max(seqs for _, seqs in model.steps) > 1  # they really were batched
+    solo = LLM(model=FakeLM(), tokenizer=byte_tokenizer(), max_model_len=128, block_size=4)
     for text, updates in zip(texts, streams, strict=True):
         assert updates[-1].finished and len(updates) == 10
-        assert updates[-1].token_ids == model.reference_greedy(list(text.encode()), 10)
-        assert "".join(u.outputs[0].delta_text for u in updates) == updates[-1].text
+        ids = [t for u in updates for t in u.token_ids]  # deltas: one new token each
+        assert ids == model.reference_greedy(list(text.encode()), 10)
+        assert "".join(u.text for u in updates) == solo.generate(text, GREEDY)[0].text
 
 
 def test_leaving_a_stream_aborts_and_frees_blocks(engine: AsyncLLM) -> None:
     async def main() -> None:
         stream = engine.generate("a long one", SamplingParams(max_tokens=100, ignore_eos=True), "gone")
+        received = 0
         async for out in stream:
-            if len(out.token_ids) == 3:
+            received += len(out.token_ids)
+            if received == 3:
                 break
         await stream.aclose()  # what a server does when the client disconnects
 
@@ -67,11 +71,24 @@ def test_bad_request_raises_and_the_engine_keeps_serving(engine: AsyncLLM) -> No
         with pytest.raises(RequestError) as info:
             await collect(engine, "x", SamplingParams(max_tokens=0))
         assert info.value.param == "max_tokens"
-        with pytest.raises(RequestError, match="context length"):
+        with pytest.raises(RequestError, match="context length") as info:
             await collect(engine, "y" * 200, GREEDY)
+        assert info.value.code == "context_length_exceeded"
         return await collect(engine, "still here", GREEDY)
 
     assert asyncio.run(main())[-1].finished
+
+
+def test_a_bad_request_raises_from_generate_itself_before_any_stream(engine: AsyncLLM) -> None:
+    """The server calls generate before it sends a response, so its errors must come from the
+    call, not from the first iteration; and a stream never iterated queues nothing."""
+    with pytest.raises(RequestError) as info:
+        engine.generate("z" * 120, GREEDY)  # 120 + 10 > 128
+    assert info.value.param == "max_tokens" and info.value.code == "context_length_exceeded"
+    unstarted = engine.generate("fine", GREEDY, "never-iterated")
+    assert not engine.engine.has_unfinished() and engine.metrics().num_waiting == 0
+    del unstarted
+    assert asyncio.run(collect(engine, "fine", GREEDY, "never-iterated"))[-1].finished  # the id was never taken
 
 
 def test_duplicate_request_id_is_rejected(engine: AsyncLLM) -> None:

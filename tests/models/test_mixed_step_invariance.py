@@ -78,18 +78,18 @@ def check_decode_rows(model: Any, kv_dtype: str, monkeypatch: pytest.MonkeyPatch
     table_a = np.array([7, 2, 9, 0, 0, 0])  # blocks in no order, so a kernel ignoring the table fails
     table_b = np.array([5, 11, 1, 4, 10, 3])
     families = Families(backend, monkeypatch)
-    logits = runner.execute(batch(groups, [(PROMPT, 0, table_a)]))
+    logits = runner.execute(batch(groups, [(PROMPT, 0, table_a)])).logits
     token = int(logits[-1].argmax())
     families.take()
     recorded: set[str] = set()
     for step, prefill in enumerate(PREFILLS):
         position = len(PROMPT) + step
-        decode_only = runner.execute(batch(groups, [([token], position, table_a)]))
+        decode_only = runner.execute(batch(groups, [([token], position, table_a)])).logits
         assert runner.last_step.replayed
         recorded |= families.take()  # the step's kernels when it was recorded (empty on later replays)
         # The same decode again (it rewrites its own K/V with the same bits) beside a prefill.
         other = [(17 * i + step) % 256 for i in range(prefill)]
-        mixed = runner.execute(batch(groups, [([token], position, table_a), (other, 0, table_b)]))
+        mixed = runner.execute(batch(groups, [([token], position, table_a), (other, 0, table_b)])).logits
         seen = families.take()
         assert "paged_attention_gqa" in seen and "paged_attention_merge" not in seen
         np.testing.assert_array_equal(mixed[0].view(np.uint32), decode_only[0].view(np.uint32),

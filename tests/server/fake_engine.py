@@ -1,21 +1,25 @@
 """A deterministic stand-in for AsyncLLM: byte tokens, letters as output, no model.
 
-It follows AsyncLLM's contract (generate / abort / check_request / metrics / is_ready), so
-server logic is tested without loading a model. Output token i is the letter
+It follows AsyncLLM's contract (generate / abort / metrics / is_ready), so server logic is
+tested without loading a model: `generate` makes the request through the engine's own
+RequestProcessor (so the server sees the engine's errors) and streams delta outputs, text
+that may start a stop string held back as the engine holds it. Output token i is the letter
 'a' + (i % 26), one per step of `step_delay` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.config import SamplingParams
+from vkrt.engine.guided import GrammarCompiler
+from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
-from vkrt.errors import RequestError
 
 EOS = 256
 SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
@@ -100,48 +104,50 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError("prompt too long", param="prompt")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
-            raise RequestError("prompt token id outside the vocabulary", param="prompt")
-        params.validate(self.tokenizer.vocab_size, self.max_model_len)
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 *, prompt_text: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(ids, params)
-        rid = request_id or "fake"
+        processor = RequestProcessor(self.tokenizer.vocab_size, self.max_model_len, (EOS,),
+                                     GrammarCompiler(None, self.tokenizer.vocab_size, (EOS,)))
+        # The fake has no tokenizer llguidance could index: a grammar is checked for form only.
+        if params.guided_decoding is not None:
+            params.guided_decoding.validate()
+        processor.make_request(request_id or "fake", ids, dataclasses.replace(params, guided_decoding=None))
+        return self._stream(request_id or "fake", ids, params, prompt_text)
+
+    async def _stream(self, rid: str, ids: list[int], params: SamplingParams,
+                      prompt_text: str | None) -> AsyncGenerator[RequestOutput, None]:
         self.requests.append((rid, ids, params, prompt_text))
         self.active.add(rid)
-        out_ids: list[int] = []
-        logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        text = ""
+        num_tokens = 0
+        text, sent = "", 0
         finished = False
         try:
             max_tokens = params.max_tokens or self.max_model_len - len(ids)
             while not finished:
                 await asyncio.sleep(self.step_delay)
-                if self.fail_with is not None and len(out_ids) >= self.fail_after:
+                if self.fail_with is not None and num_tokens >= self.fail_after:
                     raise self.fail_with
-                token = ord("a") + len(out_ids) % 26
-                out_ids.append(token)
+                token = ord("a") + num_tokens % 26
+                num_tokens += 1
                 self.generation_tokens += 1
-                if logprobs is not None:
+                logprobs = None
+                if params.logprobs is not None:
                     top = [Logprob(token, -0.25, 1), Logprob(token + 1, -1.5, 2), Logprob(token + 2, -3.0, 3)]
-                    logprobs.append(TokenLogprobs(Logprob(token, -0.25, 1), top[: params.logprobs]))
+                    logprobs = [TokenLogprobs(Logprob(token, -0.25, 1), top[: params.logprobs])]
                 text += chr(token)
                 reason, stop_reason = None, None
                 stop = next((s for s in params.stop_strings if s in text), None)
                 if stop is not None:
                     text = text[: text.index(stop) + (len(stop) if params.include_stop_str_in_output else 0)]
                     reason, stop_reason = "stop", stop
-                elif len(out_ids) >= max_tokens:
+                elif num_tokens >= max_tokens:
                     reason = "length"
                 finished = reason is not None
+                end = len(text) if finished else len(text) - _held_back(text, params.stop_strings)
+                delta, sent = text[sent:end], max(sent, end)
                 yield RequestOutput(rid, prompt_text, ids, [CompletionOutput(
-                    0, text, list(out_ids), logprobs=list(logprobs) if logprobs is not None else None,
-                    finish_reason=reason, stop_reason=stop_reason)], finished)
+                    0, delta, [token], logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason)], finished)
         finally:
             if not finished:
                 self.abort(rid)
@@ -157,3 +163,10 @@ class FakeEngine:
                              num_kv_blocks=8, num_free_kv_blocks=8 - len(self.active),
                              num_preemptions=self.num_preemptions, generation_tokens=self.generation_tokens,
                              last_step_counters={"dispatches": 7, "submits": 1, "drains": 0})
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How much of the end of `text` may start a stop string (held back, as the engine does)."""
+    longest = max((len(stop) for stop in stops), default=0)
+    return next((k for k in range(min(len(text), longest - 1), 0, -1)
+                 if any(stop.startswith(text[-k:]) for stop in stops)), 0)

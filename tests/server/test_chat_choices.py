@@ -4,6 +4,7 @@ compilation off the event loop, over the fake engine (no model)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_api import sse_events
 from vkrt.engine.config import SamplingParams
+from vkrt.engine.request import RequestOutput
 from vkrt.server.tools import ToolCallStream, parse_tool_calls
 
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
@@ -53,17 +55,19 @@ def test_chat_n_streams_every_choice_with_its_index(serve_fake: Any) -> None:
 
 
 class SlowCompileEngine(FakeEngine):
-    """A fake whose grammar check blocks until released, as a big schema's compile would."""
+    """A fake whose request making blocks on a grammar until released, as a big schema's
+    compile would."""
 
     def __init__(self) -> None:
         super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        super().check_request(prompt_token_ids, params)
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 *, prompt_text: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         if params.guided_decoding is not None and not self.release.is_set():
             self.entered.set()
             self.release.wait(30)
+        return super().generate(prompt, params, request_id, prompt_text=prompt_text)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -76,7 +80,7 @@ def test_grammar_compile_does_not_stall_health(serve_fake: Any, route: str) -> N
     slow = threading.Thread(target=lambda: result.append(live.client.post(route, json=body)))
     slow.start()
     try:
-        assert engine.entered.wait(10), "the constrained request never reached the grammar check"
+        assert engine.entered.wait(10), "the constrained request was never made"
         # The compile is still running; the loop answers others meanwhile.
         assert live.client.get("/health", timeout=5).status_code == 200
         assert not result

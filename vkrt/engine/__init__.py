@@ -13,6 +13,7 @@ from vkrt.engine.request import (
     Logprob,
     RequestMetrics,
     RequestOutput,
+    RequestOutputKind,
     RequestStatus,
     TokenLogprobs,
 )
@@ -20,5 +21,5 @@ from vkrt.engine.request import (
 __all__ = [
     "LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "EngineCore", "EngineMetrics", "GuidedDecoding",
     "IterationStats",
-    "Logprob", "RequestMetrics", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprobs",
+    "Logprob", "RequestMetrics", "RequestOutput", "RequestOutputKind", "RequestStatus", "SamplingParams", "TokenLogprobs",
 ]

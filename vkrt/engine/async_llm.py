@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore, IterationStats, StatsListener
 from vkrt.engine.llm import make_config
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, render_chat
-from vkrt.engine.request import RequestOutput
+from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
 from vkrt.errors import RequestError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ class AsyncLLM:
         self._engine: EngineCore | None = None
         self._shut_down = False
         self._streams: dict[str, _Stream] = {}
-        self._adds: list[tuple[str, str | None, list[int], SamplingParams]] = []
+        self._adds: list[Request] = []  # made (validated) by generate, queued by the engine thread
         self._aborts: list[str] = []
         self._listeners: list[StatsListener] = []
         self._metrics = EngineMetrics()
@@ -135,33 +135,34 @@ class AsyncLLM:
 
     def render_chat(self, messages: Messages, chat_template_kwargs: dict[str, Any] | None = None,
                     tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        return render_chat(self.tokenizer, messages, chat_template_kwargs, tools)
+        return render_chat(self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError now for what add_request would reject (call before streaming starts)."""
-        self.engine.validate_prompt(prompt_token_ids)
-        params.validate(self.engine.vocab_size, self.engine.max_model_len)
-        if params.guided_decoding is not None:
-            # Compiled here so that a bad grammar fails the request before a stream starts (call
-            # this off the event loop for a new schema); add_request then copies the cached matcher.
-            self.engine.grammars.check(params.guided_decoding)
+    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                 *, prompt_text: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """The request's stream of delta updates, one per generated token, the last with
+        finished=True: each holds only what its step added (prompt logprobs in the first).
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Updates of one request, one per generated token, the last with finished=True.
-
-        Leaving the iteration early (client gone, task cancelled) aborts the request, which
-        frees its KV blocks before the next step.
+        The request is made here, before any stream exists: a bad prompt, parameter or grammar
+        raises RequestError from this call. The grammar compiles here too, so call it off the
+        event loop when the request may carry a new schema. Iterating the stream hands the
+        request to the engine thread (a stream never iterated queues nothing); leaving the
+        iteration early (client gone, task cancelled) aborts it, which frees its KV blocks
+        before the next step.
         """
         text, ids = self.encode(prompt)
-        self.check_request(ids, params)
-        request_id = request_id or uuid.uuid4().hex
+        request = self.engine.make_request(request_id or uuid.uuid4().hex, ids, params,
+                                           prompt=prompt_text if prompt_text is not None else text,
+                                           output_kind=RequestOutputKind.DELTA)
+        return self._stream(request)
+
+    async def _stream(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._cond:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use", param="request_id", status=409)
             self._streams[request_id] = stream
-            self._adds.append((request_id, prompt_text if prompt_text is not None else text, ids, params))
+            self._adds.append(request)
             self._cond.notify()
         finished = False
         try:
@@ -180,7 +181,7 @@ class AsyncLLM:
         with self._cond:
             if self._streams.pop(request_id, None) is not None:
                 # Not yet handed to the engine: drop it here, or it would run with no reader.
-                self._adds = [add for add in self._adds if add[0] != request_id]
+                self._adds = [request for request in self._adds if request.request_id != request_id]
                 self._aborts.append(request_id)
                 self._cond.notify()
 
@@ -220,11 +221,11 @@ class AsyncLLM:
                 aborts, self._aborts = self._aborts, []
             for request_id in aborts:
                 engine.abort(request_id)
-            for request_id, text, ids, params in adds:
+            for request in adds:
                 try:
-                    engine.add_request(request_id, ids, params, prompt=text)
-                except Exception as exc:  # validated by the caller already; belt and braces
-                    self._deliver_error(request_id, exc)
+                    engine.add(request)
+                except Exception as exc:  # made by generate, so a bug: fail this stream, not the engine
+                    self._deliver_error(request.request_id, exc)
             try:
                 outputs = engine.step()
             except Exception as exc:

@@ -70,7 +70,8 @@ class EngineConfig:
 
 @dataclass
 class SamplingParams:
-    """What one request asks for. n=1 only. `validate` before handing it to the engine."""
+    """What one request asks for. n=1 only. The engine validates it, with the prompt, when it
+    makes the request (vkrt/engine/processor.py)."""
 
     max_tokens: int | None = 16  # None: until max_model_len
     temperature: float = 1.0
@@ -104,8 +105,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def validate(self, vocab_size: int, max_model_len: int) -> None:
-        """Raise RequestError(param=...) naming the first bad field."""
+    def validate(self, vocab_size: int) -> None:
+        """Raise RequestError(param=...) naming the first bad field (the context-length rules,
+        which need the prompt, are the RequestProcessor's)."""
 
         def bad(param: str, message: str) -> RequestError:
             return RequestError(f"{param}: {message}", param=param)
@@ -114,8 +116,6 @@ class SamplingParams:
             raise bad("n", f"only n=1 is supported, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.max_tokens is not None and self.max_tokens > max_model_len:
-            raise bad("max_tokens", f"{self.max_tokens} exceeds the model's context length {max_model_len}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < -1:

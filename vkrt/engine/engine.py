@@ -1,6 +1,8 @@
 """EngineCore: one synchronous step = schedule -> one forward -> sample -> outputs.
 
-LLM drives it in a loop; AsyncLLM drives it from a background thread.
+Requests come in through one edge: `make_request` validates a prompt and its parameters and
+compiles its grammar (vkrt/engine/processor.py), `add` queues the Request it made. LLM drives
+the engine in a loop; AsyncLLM drives it from a background thread.
 """
 
 from __future__ import annotations
@@ -10,17 +12,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
-from vkrt.engine.request import Request, RequestOutput, RequestStatus
+from vkrt.engine.processor import RequestProcessor
+from vkrt.engine.request import Request, RequestOutput, RequestOutputKind, RequestStatus
 from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, SamplerOutput, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
-from vkrt.errors import NoTokenizerError, RequestError, VkrtError
+from vkrt.errors import NoTokenizerError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
 
@@ -107,9 +108,10 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.processor = RequestProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids, self.grammars,
+                                          seed=config.seed)
         self.totals = EngineTotals()
         self.stats_listeners: list[StatsListener] = []
-        self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests without one
         log.info("KV cache: %s blocks x %d tokens (%d MiB), max_model_len %d",
                  " + ".join(f"{n} ({len(g.layers)} layers, window {g.window or 'full'})"
                             for n, g in zip(num_blocks, groups, strict=True)),
@@ -141,31 +143,26 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty; send at least one token", param="prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens but this model's context length is "
-                f"{self.max_model_len} (max_model_len), leaving no room to generate; shorten the prompt",
-                param="prompt")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                               param="prompt")
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                     prompt: str | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
+        """Validate a request and compile its grammar, once; RequestError for a bad prompt,
+        parameter or grammar. Safe from any thread (nothing is queued)."""
+        return self.processor.make_request(request_id, prompt_token_ids, params, prompt=prompt,
+                                           output_kind=output_kind)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; raises RequestError for a bad prompt or parameter."""
-        self.validate_prompt(prompt_token_ids)
-        params.validate(self.vocab_size, self.max_model_len)
-        request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                          prompt=prompt, generator_seed=int(self._seed_rng.integers(2**63)),
-                          arrival_time=arrival_time)
-        if params.guided_decoding is not None:
-            request.guide = self.grammars.compile(params.guided_decoding)
+    def add(self, request: Request) -> None:
+        """Queue a request `make_request` made. Its arrival is now: the queue time the metrics
+        report starts when the engine takes it, not when a caller built it."""
+        request.metrics.arrival_time = time.monotonic()
         self.scheduler.add_request(request)
         self.outputs.add(request)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> Request:
+        """`make_request` then `add` (cumulative outputs)."""
+        request = self.make_request(request_id, prompt_token_ids, params, prompt=prompt)
+        self.add(request)
         return request
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -173,6 +170,7 @@ class EngineCore:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        # A finished request always has an output, whatever its kind.
         output = self.outputs.make_output(request)
         self.outputs.remove(request_id)
         return output
@@ -187,7 +185,8 @@ class EngineCore:
         self.totals = EngineTotals()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batched forward; an output for every request that got a token."""
+        """Run one batched forward; an output for every request that got a token (for a
+        FINAL_ONLY request, only once it finishes)."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -199,26 +198,28 @@ class EngineCore:
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled token, as the host's would).
         sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
-        logits = self.runner.execute(batch, sampling, masks)
+        result = self.runner.execute(batch, sampling, masks)
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens
             self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
-        for request, row, position, count in layout.prompt_rows:
-            assert request.prompt_logprobs is not None
-            for k in range(count):
-                entry = token_logprobs(logits[row + k], request.prompt_token_ids[position + k],
-                                       request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
-                self.outputs.fill_text(entry)
-                request.prompt_logprobs.append(entry)
+        rows = [row for _, row in layout.sample_rows]
+        if result.token_ids is not None:  # sampled on the device (no prompt rows then)
+            sampled = SamplerOutput([int(t) for t in result.token_ids[rows]], [None] * len(rows))
+        else:
+            logits = result.logits
+            assert logits is not None
+            for request, row, position, count in layout.prompt_rows:
+                assert request.prompt_logprobs is not None
+                for k in range(count):
+                    entry = token_logprobs(logits[row + k], request.prompt_token_ids[position + k],
+                                           request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
+                    self.outputs.fill_text(entry)
+                    request.prompt_logprobs.append(entry)
+            sampled = self.sampler.sample(logits[rows], requests, None if masks is None else masks.masks)
 
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted),
                                mask_seconds=None if masks is None else masks.seconds)
-        rows = [row for _, row in layout.sample_rows]
-        if sampling is not None:  # the runner returned each row's token
-            sampled = SamplerOutput([int(t) for t in logits[rows]], [None] * len(rows))
-        else:
-            sampled = self.sampler.sample(logits[rows], requests, None if masks is None else masks.masks)
         failed = {} if masks is None else masks.failed
         results: list[RequestOutput] = []
         for i, (request, token_id, logprobs) in enumerate(zip(requests, sampled.token_ids, sampled.logprobs,
@@ -245,7 +246,9 @@ class EngineCore:
                 stats.finished.append(FinishedRequestStats(
                     status.finish_reason or "", now - metrics.arrival_time,
                     request.num_prompt_tokens, request.num_output_tokens))
-            results.append(self.outputs.make_output(request))
+            output = self.outputs.make_output(request)
+            if output is not None:
+                results.append(output)
             if status is not None:
                 self.outputs.remove(request.request_id)
         self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)

@@ -1,7 +1,7 @@
 """Structured output: a request's grammar, compiled with llguidance, as a token mask per step.
 
 `GuidedDecoding` (on SamplingParams) names the grammar; `GrammarCompiler` turns it into a
-`Guide` (an llguidance matcher over the model's tokenizer) when the request is added, so a
+`Guide` (an llguidance matcher over the model's tokenizer) when the request is made, so a
 bad or unsatisfiable grammar is a RequestError then, never mid-generation. Compiled matchers
 are cached per spec: a request repeating a schema gets a copy of the cached one, in
 microseconds, instead of a compile (tens of milliseconds for a nested schema). Each step the
@@ -155,8 +155,8 @@ class Guide:
 
 class GrammarCompiler:
     """Compiles GuidedDecoding specs against one model's tokenizer (built once, on first use:
-    llguidance's tokenizer takes ~1 s to index a 49k vocabulary). Thread-safe: the server
-    compiles on its worker threads, the engine thread takes copies."""
+    llguidance's tokenizer takes ~1 s to index a 49k vocabulary). Thread-safe: requests are
+    made, and their grammars compiled, on whatever thread makes them (the server's workers)."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
@@ -185,13 +185,9 @@ class GrammarCompiler:
                     raise VkrtError(f"llguidance could not index this model's tokenizer: {exc}") from exc
             return self._ll_tokenizer
 
-    def check(self, guided: GuidedDecoding) -> None:
-        """RequestError naming the feature if the grammar is unsupported, malformed or
-        unsatisfiable; otherwise the compiled grammar is cached for `compile`."""
-        self._pristine(guided)
-
     def compile(self, guided: GuidedDecoding) -> Guide:
-        """A fresh Guide for one request (a copy of the cached matcher); RequestError as `check`."""
+        """A fresh Guide for one request (a copy of the cached matcher, compiled on a miss);
+        RequestError naming the feature if the grammar is unsupported, malformed or unsatisfiable."""
         return Guide(self._pristine(guided).deep_copy())
 
     def _pristine(self, guided: GuidedDecoding) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, cast
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, is_single_prompt, render_chat
-from vkrt.engine.request import RequestOutput
+from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
 from vkrt.loader.config import ModelConfig
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -56,7 +56,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order."""
+        """Run every prompt to completion, batched together; the final outputs in prompt order.
+
+        Every prompt is validated before any is queued, so a bad one raises RequestError with
+        nothing run."""
         batch = [cast(Prompt, prompts)] if is_single_prompt(prompts) else cast(Sequence[Prompt], prompts)
         return self._run([encode_prompt(self.tokenizer, p) for p in batch], params)
 
@@ -65,12 +68,17 @@ class LLM:
         """Generate replies to one conversation (a list of messages) or to several."""
         single = len(messages) > 0 and isinstance(messages[0], dict)
         conversations = [cast(Messages, messages)] if single else cast(Sequence[Messages], messages)
-        return self._run([render_chat(self.tokenizer, m, chat_template_kwargs) for m in conversations], params)
+        return self._run([render_chat(self.tokenizer, m, chat_template_kwargs=chat_template_kwargs)
+                          for m in conversations], params)
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield an update per generated token (deltas in `outputs[0].delta_text`), the last finished."""
+        """Yield an update per generated token, the last finished. Each is a delta: its text,
+        token ids and logprobs are only what that step added (prompt logprobs come once, in
+        the first); join them for the whole output."""
         text, ids = encode_prompt(self.tokenizer, prompt)
-        request_id = self._add(text, ids, params or SamplingParams())
+        request = self._make(text, ids, params or SamplingParams(), RequestOutputKind.DELTA)
+        request_id = request.request_id
+        self.engine.add(request)
         finished = False
         try:
             while not finished:
@@ -82,10 +90,8 @@ class LLM:
             if not finished:
                 self.engine.abort(request_id)
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
-        request_id = str(next(self._ids))
-        self.engine.add_request(request_id, ids, params, prompt=text)
-        return request_id
+    def _make(self, text: str | None, ids: list[int], params: SamplingParams, kind: RequestOutputKind) -> Request:
+        return self.engine.make_request(str(next(self._ids)), ids, params, prompt=text, output_kind=kind)
 
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
@@ -94,10 +100,12 @@ class LLM:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        for (_, ids), p in zip(prompts, per_prompt, strict=True):  # fail before anything is queued
-            self.engine.validate_prompt(ids)
-            p.validate(self.engine.vocab_size, self.max_model_len)
-        order = [self._add(text, ids, p) for (text, ids), p in zip(prompts, per_prompt, strict=True)]
+        # All made (validated) before any is queued: a bad prompt fails the call with nothing run.
+        requests = [self._make(text, ids, p, RequestOutputKind.FINAL_ONLY)
+                    for (text, ids), p in zip(prompts, per_prompt, strict=True)]
+        for request in requests:
+            self.engine.add(request)
+        order = [request.request_id for request in requests]
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(order):

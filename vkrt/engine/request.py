@@ -15,6 +15,20 @@ if TYPE_CHECKING:
     from vkrt.engine.guided import Guide
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names).
+
+    CUMULATIVE: everything generated so far, every step (each output copies the whole
+    history: for callers that read the engine directly). DELTA: only what this step added
+    (text, token ids, logprobs; prompt logprobs in the first output), for streams.
+    FINAL_ONLY: one output, when the request finishes, holding the whole result.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -88,9 +102,11 @@ class Request:
         prompt: str | None = None,
         generator_seed: int = 0,
         arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        self.output_kind = output_kind
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
@@ -141,27 +157,23 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """The generated continuation so far (full) and what this update added (delta)."""
+    """The generated continuation: all of it so far, or (a DELTA output) what this step added.
+
+    Text that may still turn out to start a stop string is held back until the next token
+    settles it, so `text` never holds what a stop string will cut."""
 
     index: int
     text: str
     token_ids: list[int]
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-
-    @property
-    def delta_logprobs(self) -> list[TokenLogprobs] | None:
-        if self.logprobs is None:
-            return None
-        return self.logprobs[len(self.logprobs) - len(self.delta_token_ids):]
 
 
 @dataclass
 class RequestOutput:
-    """One update of one request (streamed per step, or the final result)."""
+    """One update of one request, shaped by its RequestOutputKind: a step's delta, a
+    cumulative snapshot, or the final result."""
 
     request_id: str
     prompt: str | None

@@ -1,4 +1,5 @@
-"""One scheduled step -> one ForwardBatch -> one model forward -> logits rows on the host."""
+"""One scheduled step -> one ForwardBatch -> one model forward -> a StepResult on the host:
+the logits rows, or each row's token sampled on the device."""
 
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
     return batch, layout
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one forward brought back to the host: exactly one of the two is set."""
+
+    logits: np.ndarray | None = None  # float32 [rows, vocab], when the host samples
+    token_ids: np.ndarray | None = None  # int32 [rows], each row's sample_top_k token drawn on the device
+
+
 @dataclass
 class StepStats:
     """What one forward cost: sizes, wall time, and the backend's counters for it."""
@@ -119,12 +128,13 @@ class ModelRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
 
     def execute(self, batch: ForwardBatch, sampling: SampleInputs | None = None,
-                masks: MaskSource | None = None) -> np.ndarray:
-        """Logits [len(batch.logits_index), vocab] float32; the step's K/V land in the cache.
+                masks: MaskSource | None = None) -> StepResult:
+        """Run the step; its K/V land in the cache. Without `sampling` the result holds the
+        logits [len(batch.logits_index), vocab] float32.
 
         With `sampling` (one row per logits row) the caller needs only each row's
-        sample_top_k token: int32 ids [rows] come back instead, drawn on the device (inside
-        the recorded step when it is replayed), so no logits are read back. `masks` (None: no
+        sample_top_k token: the result holds int32 ids [rows] instead, drawn on the device
+        (inside the recorded step when it is replayed), so no logits are read back. `masks` (None: no
         row is constrained) is called exactly once: for a replayed step after its submit,
         while the device runs the forward (the sampling waits for the masks on the device);
         otherwise before the step. With `sampling` its rows mask the draws.
@@ -146,9 +156,9 @@ class ModelRunner:
                 mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
                 ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
                                        self.backend.upload(sampling.uniforms, "f32"), mask)
-                result = self.backend.read(ids).reshape(rows)
+                result = StepResult(token_ids=self.backend.read(ids).reshape(rows))
             else:
-                result = np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1)
+                result = StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1))
         self.last_step = StepStats(
             num_seqs=batch.num_seqs,
             num_tokens=batch.num_tokens,
@@ -217,7 +227,7 @@ class _DecodeGraph:
             self.ids = ops.sample_top_k(self.logits, self.sample_params, self.uniforms, self.masks)
         self.graph = graph
 
-    def run(self, batch: ForwardBatch, sampling: SampleInputs | None, masks: MaskSource | None) -> np.ndarray:
+    def run(self, batch: ForwardBatch, sampling: SampleInputs | None, masks: MaskSource | None) -> StepResult:
         t = batch.num_tokens
         host = self.host
         # Padding rows: seq_index -1 makes attention skip them and slot -1 keeps their K/V out.
@@ -235,7 +245,7 @@ class _DecodeGraph:
             self.backend.write(inputs.block_tables_of(g), host.block_tables[g])
         if sampling is None:  # the caller samples on the host: the ids are not read
             self.graph.replay(during=masks)  # the masks are only computed, for the host sampler
-            return np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t]
+            return StepResult(logits=np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t])
         params, uniforms = self.host_sampling.params, self.host_sampling.uniforms
         params[:t], params[t:] = sampling.params, GREEDY_PARAMS
         uniforms[:t], uniforms[t:] = sampling.uniforms, 0.0
@@ -256,4 +266,4 @@ class _DecodeGraph:
                 self.backend.write(self.masks, self.host_masks)
 
             self.graph.replay(during=write_masks)
-        return self.backend.read(self.ids)[:t]
+        return StepResult(token_ids=self.backend.read(self.ids)[:t])

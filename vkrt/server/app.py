@@ -26,6 +26,7 @@ from vkrt.server.engine_client import EngineClient, require_tokenizer
 from vkrt.server.errors import APIError, install_error_handlers, shown
 from vkrt.server.generation import ServerState
 from vkrt.server.middleware import ServerMiddleware
+from vkrt.server.prompts import chat_prompt, check_prompt_chars, check_request_text
 from vkrt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,7 +34,6 @@ from vkrt.server.protocol import (
     TokenizeRequest,
 )
 from vkrt.server.responses import check_model
-from vkrt.server.sampling import chat_prompt, check_prompt_chars, check_request_text
 from vkrt.tokenizer import Tokenizer
 
 log = logging.getLogger("vkrt.server")

@@ -14,10 +14,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vkrt.server.choices import CandidateSet, merged_updates, run_all, start_candidates
+from vkrt.errors import RequestError
+from vkrt.server.choices import (
+    CandidateSet,
+    merged_updates,
+    open_candidates,
+    run_all,
+    start_candidates,
+)
 from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.middleware import request_id_of
+from vkrt.server.prompts import chat_prompt, check_request_text
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.reasoning import ReasoningSplitter, split_reasoning, starts_inside, template_thinks
 from vkrt.server.responses import (
@@ -29,7 +37,7 @@ from vkrt.server.responses import (
     now_s,
     sse,
 )
-from vkrt.server.sampling import chat_prompt, check_request_text, check_unsupported, sampling_params
+from vkrt.server.sampling import check_unsupported, field_error, sampling_params
 from vkrt.server.tools import (
     ToolCall,
     ToolCallStream,
@@ -59,10 +67,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
-    # Off the loop too: a constrained request compiles its grammar here (a big schema takes long).
-    params = await state.run_cpu(sampling_params, engine, body, prompt_ids, "messages")
+    params = sampling_params(body)
     response_id = new_response_id("chatcmpl")
-    candidates = start_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n, arrival)
+    try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
+        opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
+    except RequestError as exc:
+        raise field_error(exc, body, "messages") from exc
+    candidates = start_candidates(state, response_id, opened, arrival)
     log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
     mode = state.config.reasoning_parser
     thinks = mode == "think" or (mode == "auto" and template_thinks(template))

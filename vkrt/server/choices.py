@@ -17,7 +17,14 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from vkrt.engine.config import SamplingParams
-from vkrt.server.generation import Generation, Result, ServerState, Update, consume_watching
+from vkrt.server.generation import (
+    Candidate,
+    Generation,
+    Result,
+    ServerState,
+    Update,
+    consume_watching,
+)
 
 _SEED_MODULUS = 2**63
 
@@ -42,19 +49,39 @@ class CandidateSet:
         return self.groups[candidate // per_prompt][candidate % per_prompt]
 
 
-def start_candidates(state: ServerState, response_id: str, prompts: list[tuple[list[int], str | None]],
-                     params: list[SamplingParams], per_prompt: int, arrival: float) -> CandidateSet:
-    """`per_prompt` admitted generations for each prompt (429 when they do not all fit)."""
-    groups: list[list[Generation]] = []
-    try:
+async def open_candidates(state: ServerState, response_id: str, prompts: list[tuple[list[int], str | None]],
+                          params: list[SamplingParams], per_prompt: int) -> list[list[Candidate]]:
+    """`per_prompt` engine requests for each prompt, made (validated, grammars compiled) on the
+    worker pool; RequestError, before anything runs, for the first the engine refuses."""
+    engine = state.require_engine()
+
+    def make() -> list[list[Candidate]]:
+        groups: list[list[Candidate]] = []
         for p, ((prompt_ids, prompt_text), prompt_params) in enumerate(zip(prompts, params, strict=True)):
-            group = []
+            group: list[Candidate] = []
             for k in range(per_prompt):
                 candidate = p * per_prompt + k
                 request_id = response_id if candidate == 0 else f"{response_id}-{candidate}"
                 choice_params = dataclasses.replace(prompt_params, seed=choice_seed(prompt_params.seed, candidate))
-                group.append(Generation(state, request_id, prompt_ids, choice_params, arrival, prompt_text))
+                outputs = engine.generate(prompt_ids, choice_params, request_id, prompt_text=prompt_text)
+                group.append(Candidate(request_id, prompt_ids, choice_params, outputs))
             groups.append(group)
+        return groups
+
+    return await state.run_cpu(make)
+
+
+def start_candidates(state: ServerState, response_id: str, opened: list[list[Candidate]],
+                     arrival: float) -> CandidateSet:
+    """An admitted generation for every candidate (429 when they do not all fit). A candidate
+    never started queued nothing on the engine, so one refused here needs no abort."""
+    groups: list[list[Generation]] = []
+    try:
+        for candidates in opened:
+            group: list[Generation] = []
+            groups.append(group)  # before it fills: a 429 midway releases the places already taken
+            for candidate in candidates:
+                group.append(Generation(state, candidate, arrival))
     except BaseException:
         release_all(groups)
         raise

@@ -11,10 +11,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vkrt.engine.config import SamplingParams
+from vkrt.errors import RequestError
 from vkrt.server.choices import (
     CandidateSet,
     best_by_logprob,
     merged_updates,
+    open_candidates,
     run_all,
     start_candidates,
 )
@@ -28,6 +30,7 @@ from vkrt.server.logprobs import (
     prompt_logprobs_json,
 )
 from vkrt.server.middleware import request_id_of
+from vkrt.server.prompts import check_request_text, completion_prompts
 from vkrt.server.protocol import CompletionRequest
 from vkrt.server.responses import (
     check_model,
@@ -38,12 +41,7 @@ from vkrt.server.responses import (
     now_s,
     sse,
 )
-from vkrt.server.sampling import (
-    check_request_text,
-    check_unsupported,
-    completion_prompts,
-    sampling_params,
-)
+from vkrt.server.sampling import check_unsupported, field_error, sampling_params
 from vkrt.tokenizer import Tokenizer
 
 
@@ -54,14 +52,17 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_unsupported(body)
     check_request_text(body, state.config.max_prompt_chars)
     prompts = await state.run_cpu(completion_prompts, engine, body, state.config.max_prompt_chars)
-    # Off the loop: a constrained request compiles its grammar here (a big schema takes long).
-    params = await state.run_cpu(lambda: [_candidate_params(engine, body, ids) for ids, _ in prompts])
-    echo_texts = [_echo_text(engine, ids, text) if body.echo else "" for ids, text in prompts]
+    params = _candidate_params(body)
     response_id = new_response_id("cmpl")
     per_prompt = body.best_of or body.n
-    candidates = start_candidates(state, response_id, prompts, params, per_prompt, arrival)
-    for (ids, text), prompt_params in zip(prompts, params, strict=True):
-        log_request(state, response_id, request_id_of(raw.state), text, ids, prompt_params)
+    try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
+        opened = await open_candidates(state, response_id, prompts, [params] * len(prompts), per_prompt)
+    except RequestError as exc:
+        raise field_error(exc, body, "prompt") from exc
+    echo_texts = [_echo_text(engine, ids, text) if body.echo else "" for ids, text in prompts]
+    candidates = start_candidates(state, response_id, opened, arrival)
+    for ids, text in prompts:
+        log_request(state, response_id, request_id_of(raw.state), text, ids, params)
     base: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": now_s(),
                             "model": state.model_name}
 
@@ -78,8 +79,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     return JSONResponse({**base, "choices": choices, "usage": combined_usage(groups), "system_fingerprint": None})
 
 
-def _candidate_params(engine: EngineClient, body: CompletionRequest, prompt_ids: list[int]) -> SamplingParams:
-    params = sampling_params(engine, body, prompt_ids, "prompt")
+def _candidate_params(body: CompletionRequest) -> SamplingParams:
+    params = sampling_params(body)
     changes: dict[str, Any] = {}
     if body.best_of is not None and body.best_of > body.n and params.logprobs is None:
         changes["logprobs"] = 0  # ranking by cumulative logprob needs each sampled token's
@@ -91,7 +92,7 @@ def _candidate_params(engine: EngineClient, body: CompletionRequest, prompt_ids:
 def _echo_text(engine: EngineClient, prompt_ids: list[int], prompt_text: str | None) -> str:
     if prompt_text is not None:
         return prompt_text
-    # token ids, already checked against the vocabulary by sampling_params
+    # token ids, already checked against the vocabulary by the engine when it made the request
     return require_tokenizer(engine, "prompt").decode(prompt_ids)
 
 

@@ -26,12 +26,12 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a prompt or parameters the engine would reject."""
-
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  *, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Updates of one request; leaving the iteration early aborts it."""
+        """Make (validate) the request now, raising RequestError for a bad one, and return its
+        stream of delta updates (each holds only what its step added); iterating it starts the
+        request, leaving the iteration early aborts it. CPU work (a grammar compiles here):
+        call it off the event loop."""
 
     def abort(self, request_id: str) -> None: ...
 

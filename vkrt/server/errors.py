@@ -67,7 +67,7 @@ class APIError(Exception):
 
     @classmethod
     def from_request_error(cls, exc: RequestError) -> APIError:
-        return cls(exc.status, str(exc), param=exc.param, code="invalid_value")
+        return cls(exc.status, str(exc), param=exc.param, code=exc.code or "invalid_value")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Running one request on the engine: incremental updates, abort on early exit, metrics.
 
-The engine reports cumulative outputs; `Generation` turns them into per-update deltas,
-observes TTFT and inter-token latency as the client sees them, and on any early exit
-(client disconnect, cancellation, error) aborts the engine request so its KV blocks are
-freed within one engine step.
+The engine streams delta outputs (each holds only what its step added); `Generation` passes
+each on as an `Update`, accumulates the `Result` from them, observes TTFT and inter-token
+latency as the client sees them, and on any early exit (client disconnect, cancellation,
+error) aborts the engine request so its KV blocks are freed within one engine step.
 """
 
 from __future__ import annotations
@@ -104,6 +104,16 @@ def _lower_thread_priority() -> None:
 
 
 @dataclass
+class Candidate:
+    """One engine request of a response: made (validated) by the engine, not yet started."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    outputs: AsyncIterator[RequestOutput]  # the engine's delta stream; iterating it starts the request
+
+
+@dataclass
 class Update:
     """What one engine output added."""
 
@@ -118,7 +128,7 @@ class Result:
     """Everything generated so far, accumulated from the updates."""
 
     prompt_token_ids: list[int]
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text, one piece per update (joined once)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
@@ -126,6 +136,10 @@ class Result:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     engine_metrics: RequestMetrics | None = None  # the engine's timestamps, as of the last output
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class Generation:
@@ -135,17 +149,16 @@ class Generation:
     runs when the updates end, when `run()` returns, or when the route gives up early.
     """
 
-    def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float, prompt_text: str | None = None) -> None:
+    def __init__(self, state: ServerState, candidate: Candidate, arrival_time: float) -> None:
         state.admit()
         self._admitted = True
         self.state = state
-        self.prompt_text = prompt_text
-        self.request_id = request_id
-        self.params = params
+        self.request_id = candidate.request_id
+        self.params = candidate.params
+        self.outputs = candidate.outputs
         self.arrival_time = arrival_time
-        self.result = Result(prompt_token_ids=list(prompt_token_ids),
-                             logprobs=[] if params.logprobs is not None else None)
+        self.result = Result(prompt_token_ids=list(candidate.prompt_token_ids),
+                             logprobs=[] if candidate.params.logprobs is not None else None)
 
     def release(self) -> None:
         if self._admitted:
@@ -154,13 +167,10 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[Update]:
         state, result = self.state, self.result
-        engine = state.require_engine()
         last_token_time: float | None = None
         failed = False
         try:
-            outputs = engine.generate(list(result.prompt_token_ids), self.params, self.request_id,
-                                      prompt_text=self.prompt_text)
-            async for output in outputs:
+            async for output in self.outputs:
                 update = self._absorb(output)
                 if update.token_ids:
                     now = time.monotonic()
@@ -185,24 +195,25 @@ class Generation:
                                           len(result.token_ids), self.arrival_time, result.engine_metrics)
 
     def _absorb(self, output: RequestOutput) -> Update:
+        """Add one delta output to the result; the update it makes."""
         result = self.result
         completion = output.outputs[0]
-        new_ids = list(completion.token_ids[len(result.token_ids):])
-        new_text = completion.text[len(result.text):]
         new_logprobs = None
         if result.logprobs is not None and completion.logprobs is not None:
-            new_logprobs = list(completion.logprobs[len(result.logprobs):])
+            new_logprobs = completion.logprobs
             result.logprobs.extend(new_logprobs)
-        result.token_ids.extend(new_ids)
-        result.text = completion.text
-        if output.prompt_logprobs is not None:
+        result.token_ids.extend(completion.token_ids)
+        if completion.text:
+            result.pieces.append(completion.text)
+        if output.prompt_logprobs is not None:  # sent once, in the first output
             result.prompt_logprobs = output.prompt_logprobs
         result.num_cached_tokens = output.num_cached_tokens
         result.engine_metrics = output.metrics
         if output.finished:
             result.finish_reason = completion.finish_reason or "stop"
             result.stop_reason = completion.stop_reason
-        return Update(new_text, new_ids, new_logprobs, result.finish_reason if output.finished else None)
+        return Update(completion.text, completion.token_ids, new_logprobs,
+                      result.finish_reason if output.finished else None)
 
     async def run(self, raw_request: Request | None = None) -> Result:
         """Generate to the end; abort if the HTTP client disconnects first (499-style)."""
