@@ -44,6 +44,10 @@ BASE = dict(
 
 # Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
+# Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
+# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
+CONVERTED_FAMILIES = ("Lfm2",)
+LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
 PHI3_LONG = [1.0, 1.5, 2.2, 3.0, 4.0, 5.2, 6.5, 8.0]
@@ -117,6 +121,14 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                               "rope_type": "default", "rope_theta": 5e5}),
                           "ERNIE 4.5: Llama's layout with RoPE on interleaved pairs (2i, 2i + 1), tied, "
                           "rope_theta 5e5"),
+        # Hybrids: recurrent mixers beside attention (after the rest, so their seeds stay).
+        "tiny_lfm2": ("Lfm2", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, norm_eps=1e-5,
+                                   layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+                                   conv_bias=False, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+                                   block_multiple_of=16, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1e6}),
+                      "LFM2: short gated convolutions (kernel 3) in layers 0, 2, 3, attention with per-head "
+                      "QK-norm in layer 1; FFN width auto-adjusted from 128 to 96"),
     }
 
 
@@ -273,6 +285,8 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
         print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
 
+        if family in CONVERTED_FAMILIES:
+            _convert_gguf(fixtures, fixture, gold)
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
@@ -346,3 +360,61 @@ def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any]
     }, prompts)
     (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
     print(f"{fixture}_gguf: {time.time() - t0:.1f}s", flush=True)
+
+
+def _llamacpp_dir() -> Path:
+    """vendor/llama.cpp of an unpacked llama-cpp-python source package (`pip download --no-deps
+    --no-binary :all: llama-cpp-python`, unpacked under build/llamacpp/), or $VKRT_LLAMACPP."""
+    import os
+
+    named = os.environ.get("VKRT_LLAMACPP")
+    candidates = [Path(named)] if named else sorted(LLAMACPP_DEFAULT.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    for path in candidates:
+        if (path / "convert_hf_to_gguf.py").is_file():
+            return path
+    raise SystemExit("llama.cpp's converter not found: pip download --no-deps --no-binary :all: llama-cpp-python "
+                     f"-d {LLAMACPP_DEFAULT}, unpack it there, or set VKRT_LLAMACPP to its vendor/llama.cpp")
+
+
+# Runs convert_hf_to_gguf.main with the vocabulary step skipped: the tiny fixtures carry no
+# tokenizer (vkrt takes the vocabulary size from the embedding); tensors and metadata are the
+# converter's own.
+_CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+from conversion.base import TextModel
+TextModel.set_vocab = lambda self: None
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict) -> None:
+    """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
+    (f32 in, f32 out, no row permutation for these families), so the golden is the HF one."""
+    import shutil
+    import subprocess
+    import sys
+
+    t0 = time.time()
+    llamacpp = _llamacpp_dir()
+    out_dir = fixtures / f"{fixture}_gguf"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    gguf_path = out_dir / "model.gguf"
+    subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(fixtures / fixture), "--outfile",
+                    str(gguf_path), "--outtype", "f32"], check=True, capture_output=True)
+    gold = json.loads(json.dumps(hf_golden))
+    gold["meta"] |= {"model_file": "model.gguf", "model_sha256": _sha256(gguf_path),
+                     "description": f"{fixture} through llama.cpp's convert_hf_to_gguf.py (f32, vocabulary "
+                                    "step skipped); golden = the HF fixture's (an exact conversion)"}
+    (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
+    print(f"{fixture}_gguf: {time.time() - t0:.1f}s", flush=True)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -122,7 +122,9 @@ _SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_p
                      "mlp.shared_expert.up_proj.weight": "shared_expert.up_proj",
                      "mlp.shared_expert.down_proj.weight": "shared_expert.down_proj",
                      "mlp.shared_expert_gate.weight": "shared_expert_gate"}
-_ATTENTION_WEIGHTS = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm")
+# The attention's own weights, which a layer of another mixer has instead of its mixer's.
+_ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
+MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj")}
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
@@ -177,6 +179,8 @@ class ArchSpec:
     qk_norm_per_head: bool = True
     # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
     rope_interleaved: bool = False
+    # Recurrent mixers some of the family's layers use instead of attention (LayerConfig.mixer).
+    mixers: tuple[str, ...] = ()
     # Mixture of experts: whether the k router weights are renormalised when the file does
     # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
     norm_topk_prob: bool = False
@@ -345,8 +349,32 @@ _ERNIE4_5 = ArchSpec(
     rope_interleaved=True,
 )
 
+# LFM2: gated short convolutions in most layers, attention with per-head QK-norm in a few;
+# one pre-norm per layer ("operator_norm") before either mixer, the final norm after the layers.
+_LFM2_LAYER = {"operator_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
+               "feed_forward.w1.weight": "gate_proj", "feed_forward.w3.weight": "up_proj",
+               "feed_forward.w2.weight": "down_proj", "self_attn.q_proj.weight": "q_proj",
+               "self_attn.k_proj.weight": "k_proj", "self_attn.v_proj.weight": "v_proj",
+               "self_attn.out_proj.weight": "o_proj", "self_attn.q_layernorm.weight": "q_norm",
+               "self_attn.k_layernorm.weight": "k_norm", "conv.in_proj.weight": "conv.in_proj",
+               "conv.conv.weight": "conv.weight", "conv.conv.bias": "conv.bias", "conv.out_proj.weight": "conv.out_proj"}
+_LFM2 = ArchSpec(
+    name="lfm2",
+    gguf_archs=("lfm2",),
+    hf_archs=("Lfm2ForCausalLM",),
+    gguf_global={**_GGUF_GLOBAL, "token_embd_norm.weight": "final_norm"},
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, "shortconv.in_proj.weight": "conv.in_proj",
+                "shortconv.conv.weight": "conv.weight", "shortconv.conv.bias": "conv.bias",
+                "shortconv.out_proj.weight": "conv.out_proj"},
+    hf_global={**_HF_GLOBAL, "model.embedding_norm.weight": "final_norm"},
+    hf_layer=_LFM2_LAYER,
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    mixers=("short_conv",),
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -402,13 +430,21 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
         "post_ffn_norm": (hidden,),
+        "conv.in_proj": (3 * hidden, hidden),
+        "conv.weight": (hidden, config.conv_kernel),
+        "conv.bias": (hidden,),
+        "conv.out_proj": (hidden, hidden),
     }
     for i in range(config.num_layers):
-        moe = config.layer(i).moe
-        for name in arch_named(config.architecture).layer_weights:
-            if not (moe and name in DENSE_MLP_WEIGHTS):
+        layer = config.layer(i)
+        names = list(arch_named(config.architecture).layer_weights)
+        if layer.mixer != "attention":
+            names = [n for n in names if n not in _ATTENTION_ONLY] + list(MIXER_WEIGHTS[layer.mixer])
+            names += ["conv.bias"] if config.conv_bias else []
+        for name in names:
+            if not (layer.moe and name in DENSE_MLP_WEIGHTS):
                 expected[f"layers.{i}.{name}"] = shapes[name]
-        if moe:
+        if layer.moe:
             expected.update(_expert_shapes(source, config, i, weights))
     for name, shape in expected.items():
         weight = weights.get(name)
@@ -417,7 +453,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                 f"{source}: weight {name!r} is missing; the file is incomplete or not a "
                 f"{config.architecture} checkpoint"
             )
-        if weight.shape != shape:
+        if weight.shape != shape and not (name.endswith("conv.weight") and weight.shape == (shape[0], 1, shape[1])):
+            # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K])
             raise ModelFormatError(
                 f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "
                 f"{shape}; the checkpoint and its config disagree"

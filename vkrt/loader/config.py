@@ -22,6 +22,9 @@ class LayerConfig:
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters minus rope_theta
     rope: bool = True  # False: no positional rotation at all (SmolLM3's NoPE layers)
     moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
+    # The token mixer: "attention" (paged attention over the KV cache) or a recurrent mixer with
+    # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution).
+    mixer: str = "attention"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class ModelConfig:
     qk_norm_per_head: bool = True  # QK-norm over each head; False: over all of q and of k (OLMoE)
     rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head (partial rotary); 0 = all
     rope_interleaved: bool = False  # RoPE pairs (2i, 2i + 1) instead of (i, i + rotated / 2) (ERNIE 4.5)
+    # -- recurrent mixers (layers whose LayerConfig.mixer is not "attention") ----------------
+    conv_kernel: int = 0  # taps K of the depthwise causal convolution (LFM2's conv_L_cache)
+    conv_bias: bool = False  # the convolution adds a bias per channel
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense
     num_experts_per_tok: int = 0  # k experts per token
@@ -74,7 +80,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
 
     def layer(self, i: int) -> LayerConfig:
-        """Layer i's attention window and rope settings."""
+        """Layer i's mixer, attention window and rope settings."""
         if self.layers:
             return self.layers[i]
         return LayerConfig(0, self.rope_theta, self.rope_scaling)

@@ -33,6 +33,7 @@ from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFFile
+from vkrt.ops.recurrent import MAX_CONV_KERNEL
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                   "attention_factor", "beta_fast", "beta_slow")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # attention: whether it slides
+# config.json's layer types of recurrent mixers -> LayerConfig.mixer
+MIXER_TYPES = {"conv": "short_conv"}
 MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
 MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
 
@@ -163,18 +166,20 @@ def _rotary_dim(src: ConfigFields, head_dim: int) -> int:
     return 0 if rotary == head_dim else rotary
 
 
-def _sliding_layers(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[bool]:
+def _layer_kinds(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[tuple[str, bool]]:
+    """(mixer, sliding) of each layer: from `layer_types`, else the family's sliding rule."""
     types = src.get("layer_types")
     if types is None:
         rule: Callable[[int, dict[str, Any]], bool] | None = spec.default_sliding
-        return [bool(rule and rule(i, src.values)) for i in range(num_layers)]
+        return [("attention", bool(rule and rule(i, src.values))) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         raise ModelFormatError(f"{src.source}: layer_types must list one type per layer ({num_layers})")
+    known = [*_LAYER_TYPES, *(t for t, mixer in MIXER_TYPES.items() if mixer in spec.mixers)]
     for t in types:
-        if t not in _LAYER_TYPES:
+        if t not in known:
             raise UnsupportedModelError(f"{src.source}: layer_types entry {t!r} is not supported "
-                                        f"(supported: {', '.join(_LAYER_TYPES)})")
-    return [_LAYER_TYPES[t] for t in types]
+                                        f"(supported: {', '.join(known)})")
+    return [(MIXER_TYPES.get(t, "attention"), _LAYER_TYPES.get(t, False)) for t in types]
 
 
 def _rotated_layers(src: ConfigFields, num_layers: int) -> list[bool]:
@@ -277,9 +282,10 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     if moe[0] and src.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
     sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe)
-                   for sliding, rotated, is_moe in zip(_sliding_layers(src, spec, num_layers),
-                                                       _rotated_layers(src, num_layers), sparse, strict=True))
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer)
+                   for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
+                                                                _rotated_layers(src, num_layers), sparse, strict=True))
+    conv_kernel = _conv_kernel(src, layers)
     scalar = src.get("query_pre_attn_scalar")
     query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
     embedding_scale = math.sqrt(hidden) if spec.scale_embeddings else 1.0
@@ -295,12 +301,12 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         architecture=spec.name,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=_ffn_width(src, int(need("intermediate_size"))),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(src.get("num_key_value_heads") or heads),
         head_dim=head_dim,
-        rms_norm_eps=float(src.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(src.get("rms_norm_eps", src.get("norm_eps", 1e-6))),
         rope_theta=rope[False][0],
         rope_scaling=rope[False][1],
         max_position_embeddings=max_positions,
@@ -312,6 +318,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         layers=layers,
         rotary_dim=_rotary_dim(src, head_dim),
         rope_interleaved=spec.rope_interleaved,
+        conv_kernel=conv_kernel,
+        conv_bias=bool(conv_kernel and src.get("conv_bias", False)),
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
@@ -329,6 +337,31 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
     )
+
+
+def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
+    """The convolution's taps where a layer convolves (LFM2's conv_L_cache), checked; else 0."""
+    if not any(layer.mixer == "short_conv" for layer in layers):
+        return 0
+    taps = src.get("conv_L_cache")
+    if not _is_int(taps) or not 2 <= taps <= MAX_CONV_KERNEL:
+        raise UnsupportedModelError(f"{src.source}: {src.name('conv_L_cache')} is {taps!r}; vkrt convolves "
+                                    f"2 to {MAX_CONV_KERNEL} taps")
+    return taps
+
+
+def _ffn_width(src: ConfigFields, width: int) -> int:
+    """The MLP's width: LFM2 derives it from intermediate_size (block_auto_adjust_ff_dim: 2/3 of
+    it, times block_ffn_dim_multiplier, rounded up to block_multiple_of), as transformers does."""
+    if not src.get("block_auto_adjust_ff_dim"):
+        return width
+    width = int(2 * width / 3)
+    multiplier = src.get("block_ffn_dim_multiplier")
+    if multiplier is not None:
+        width = int(multiplier * width)
+        multiple = int(src.get("block_multiple_of", 256))
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
 
 
 def hf_fields(config_path: Path, cfg: dict[str, Any]) -> ConfigFields:
@@ -376,15 +409,21 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     for suffix in _GGUF_REQUIRED:
         if meta.get(f"{arch}.{suffix}") is None:
             raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
+    kv_heads_per_layer = None
     for suffix in ("attention.head_count", "attention.head_count_kv"):
         f = reader.fields.get(f"{arch}.{suffix}")
         if f is not None and f.types[0] == GGUFValueType.ARRAY:
-            raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
+            # llama.cpp marks a hybrid's recurrent layers by 0 KV heads; other per-layer counts are not read
+            if suffix != "attention.head_count_kv" or not spec.mixers or not isinstance(f.value, list):
+                raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
+            kv_heads_per_layer = f.value
     for suffix, key in _GGUF_NAMES.items():
         spelled[key] = f"{arch}.{suffix}"
         if meta.get(f"{arch}.{suffix}") is not None:
             values[key] = meta[f"{arch}.{suffix}"]
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
+    if kv_heads_per_layer is not None:
+        _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
     head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if _is_int(rope_dim) and head_dim > 0 and rope_dim != head_dim:  # head_dim 0 is refused by the checks
@@ -413,6 +452,24 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     values["eos_token_id"] = eos
     values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     return ConfigFields(str(path), values, spelled, norm_offset_stored=True)
+
+
+def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], weights: dict[str, WeightData],
+                           values: dict[str, Any], spelled: dict[str, str], kv_heads: list[Any]) -> None:
+    """A hybrid's layer kinds from its per-layer KV head counts (0: a recurrent layer, as
+    llama.cpp writes them), with the recurrent mixer's settings."""
+    layers = values["num_hidden_layers"]
+    if len(kv_heads) != layers or any(not _is_int(n) or n < 0 for n in kv_heads) or not any(kv_heads):
+        raise ModelFormatError(f"{path}: '{arch}.attention.head_count_kv' must list {layers} counts, some "
+                               "positive (attention layers) and 0 for recurrent ones; the file is corrupt")
+    if len({n for n in kv_heads if n}) != 1:
+        raise UnsupportedModelError(f"{path}: attention layers with different KV head counts are not supported")
+    mixer = next(t for t, m in MIXER_TYPES.items() if m in spec.mixers)  # the family's recurrent layer type
+    values["layer_types"] = ["full_attention" if n else mixer for n in kv_heads]
+    values["num_key_value_heads"] = max(kv_heads)
+    values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")
+    spelled["conv_L_cache"] = f"{arch}.shortconv.l_cache"
+    values["conv_bias"] = any(name.endswith(".conv.bias") for name in weights)
 
 
 def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],

@@ -1,11 +1,13 @@
 """The decoder-only transformer every supported family is a configuration of.
 
-embedding (x scale) -> N x [norm, attention (+bias, QK-norm, RoPE, window, softcap),
-(post-norm), residual (x scale), norm, gated MLP or mixture of experts, (post-norm), residual
-(x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3, SmolLM3, Granite, Qwen3-MoE, Mixtral and OLMoE differ only in ModelConfig
-(vkrt/loader/normalize.py builds it): the traits are read from there, never from a family
-name. Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
+embedding (x scale) -> N x [norm, token mixer: attention (+bias, QK-norm, RoPE, window,
+softcap) or a recurrent mixer (LFM2's gated short convolution, its state in a slot per
+sequence), (post-norm), residual (x scale), norm, gated MLP or mixture of experts,
+(post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3-MoE, Mixtral and OLMoE
+differ only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read from
+there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
+fused kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vkrt.errors import VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import rope_table
-from vkrt.models.weights import Attention, Experts, Layer, Linear, Mlp, build_weights
+from vkrt.models.weights import Attention, Experts, Layer, Linear, Mlp, ShortConv, build_weights
 
 GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
 
@@ -53,13 +55,13 @@ class DecoderModel(CausalLM):
 
     # -- rope ---------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
-                          max_len: int | None = None) -> KVCache:
+                          max_len: int | None = None, state_slots: int = 1) -> KVCache:
         # The RoPE tables cover the positions a cache can hold, never the file's claimed context.
         positions = self.kv_positions(num_blocks, block_size, max_len)
         if positions > self._rope_positions:
             self._rope = rope_tables(self.config, positions, self.weights.rope_freqs, self.upload_f32)
             self._rope_positions = positions
-        return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len)
+        return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len, state_slots)
 
     def cos_sin(self, i: int) -> Tensor:
         if not self._rope:
@@ -73,7 +75,11 @@ class DecoderModel(CausalLM):
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
         for i, layer in enumerate(w.layers):
-            h = self.attention(layer, h, step, kv, i)
+            mixer = layer.mixer
+            if isinstance(mixer, Attention):
+                h = self.attention(layer, mixer, h, step, kv, i)
+            else:
+                h = self.short_conv(layer, mixer, h, step, kv, i)
             h = self.feed_forward(layer, h)
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
@@ -82,18 +88,26 @@ class DecoderModel(CausalLM):
             logits = ops.scale(logits, c.logit_scale)
         return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
 
-    def attention(self, layer: Layer, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+    def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         c = self.config
         x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-        q = self.query_and_cache_write(layer.attention, x, step, kv, i)
+        q = self.query_and_cache_write(attn, x, step, kv, i)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
                                 c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
                                 softcap=c.attn_softcap)
-        out = linear(a, layer.attention.o)
+        out = linear(a, attn.o)
         if layer.post_attn_norm is not None:
             out = ops.rms_norm(out, layer.post_attn_norm, c.rms_norm_eps)
         return self.residual(out, h)
+
+    def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """LFM2's gated convolution over each sequence, its state in layer i's slots."""
+        x = ops.rms_norm(h, layer.attn_norm, self.config.rms_norm_eps)
+        (state,) = kv.states[i]
+        y = ops.short_conv(linear(x, conv.in_proj), conv.taps, conv.bias, state, step.seq_start, step.positions,
+                           step.state_slots)
+        return self.residual(linear(y, conv.out_proj), h)
 
     def feed_forward(self, layer: Layer, h: Tensor) -> Tensor:
         c = self.config

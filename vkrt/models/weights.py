@@ -46,6 +46,20 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class ShortConv:
+    """LFM2's gated short convolution: in_proj to [B | C | x], C * conv(B * x) with taps [C, K]
+    and a bias [C] (zeros where the checkpoint has none), out_proj."""
+
+    in_proj: Linear
+    taps: Tensor
+    bias: Tensor
+    out_proj: Linear
+
+
+Mixer = Attention | ShortConv
+
+
+@dataclass(frozen=True)
 class Mlp:
     """down(act(gate(x)) * up(x)): gate rows over up rows in one projection."""
 
@@ -68,10 +82,11 @@ class Experts:
 
 @dataclass(frozen=True)
 class Layer:
-    """One block's weights: the norms (post-norms with sandwich norms), attention, MLP or experts."""
+    """One block's weights: the norms (post-norms with sandwich norms), its token mixer (attention
+    or a recurrent mixer), MLP or experts."""
 
     attn_norm: Tensor
-    attention: Attention
+    mixer: Mixer
     ffn_norm: Tensor
     mlp: Mlp | Experts
     post_attn_norm: Tensor | None = None
@@ -188,9 +203,10 @@ class _Builder:
         c = self.config
         p = f"layers.{i}."
         sandwich = c.sandwich_norms
+        mixer = c.layer(i).mixer
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
-            attention=self.attention(p),
+            mixer=self.attention(p) if mixer == "attention" else self.short_conv(p),
             ffn_norm=self.norm(p + "ffn_norm"),
             mlp=self.experts(p) if c.layer(i).moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
@@ -208,6 +224,13 @@ class _Builder:
         q_norm = self.norm(p + "q_norm") if c.qk_norm else None
         k_norm = self.norm(p + "k_norm") if c.qk_norm else None
         return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm)
+
+    def short_conv(self, p: str) -> ShortConv:
+        c = self.config
+        taps = self.vector(p + "conv.weight").reshape(c.hidden_size, c.conv_kernel)
+        bias = self.vector(p + "conv.bias") if c.conv_bias else np.zeros(c.hidden_size, np.float32)
+        return ShortConv(self.linear([p + "conv.in_proj"]), self.f32(taps), self.f32(bias),
+                         self.linear([p + "conv.out_proj"]))
 
     def mlp(self, p: str) -> Mlp:
         gate_up = [p + "gate_up_proj"] if p + "gate_up_proj" in self.stored else [p + "gate_proj", p + "up_proj"]

@@ -12,11 +12,12 @@ from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
 from vkrt.ops import moe as _moe
 from vkrt.ops import norm as _norm
+from vkrt.ops import recurrent as _recurrent
 from vkrt.ops import sampling as _sampling
 from vkrt.ops.attention import rope_cos_sin
 from vkrt.ops.dispatch import dispatch
 
-del _attention, _elementwise, _linear, _moe, _norm  # imported for their registrations
+del _attention, _elementwise, _linear, _moe, _norm, _recurrent  # imported for their registrations
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
@@ -191,16 +192,29 @@ def moe_combine_shared(y: Tensor, weights: Tensor, shared: Tensor, shared_logit:
     return dispatch("moe_combine_shared", y, weights, shared, shared_logit)
 
 
+def causal_conv1d(x: Tensor, w: Tensor, bias: Tensor, state: Tensor, seq_start: Tensor, positions: Tensor,
+                  state_slots: Tensor, activation: str = "") -> Tensor:
+    """[T, C]: each channel of x convolved over its sequence (w [C, K], bias [C]), the conv state
+    [slots, C, K - 1] carried and updated in place (vkrt.ops.recurrent); activation "" or "silu"."""
+    return dispatch("causal_conv1d", x, w, bias, state, seq_start, positions, state_slots, activation=activation)
+
+
+def short_conv(bcx: Tensor, w: Tensor, bias: Tensor, state: Tensor, seq_start: Tensor, positions: Tensor,
+               state_slots: Tensor) -> Tensor:
+    """[T, C]: LFM2's C * conv(B * x) of bcx = [B | C | x] per token, state carried as causal_conv1d's."""
+    return dispatch("short_conv", bcx, w, bias, state, seq_start, positions, state_slots)
+
+
 def op_names() -> list[str]:
     return sorted(OPS)
 
 
 __all__ = [
-    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "concat_columns", "copy",
+    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy",
     "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul",
+    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "silu_and_mul",
     "softcap",
 ]
