@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=rms,rms_add,layer ACCESS=texel,ssbo
+//! variants: OP=rms,rms_add,rms_gated,layer ACCESS=texel,ssbo
 // Row norms of x [rows, dim], one row per workgroup of W lanes (spec constant 0), two-pass:
 // first the row statistic (sum of squares, or mean then centred sum of squares), then the
 // normalise pass reads the row again. Reductions follow include/reduce.glsl, whose order is
@@ -8,6 +8,7 @@
 //   rms:     y = x / sqrt(mean(x^2) + eps) * w
 //   rms_add: y = residual + rms(x) * w (a post-norm's residual step; `precise` keeps the
 //            product rounded before the add, so it equals rms then add bit for bit)
+//   rms_gated: y = rms(x) * w * silu(z) (the gated delta net's output norm, gated by z)
 //   layer:   y = (x - mean) / sqrt(var + eps) * w + b
 #include "access.glsl"
 #include "reduce.glsl"
@@ -21,6 +22,10 @@ OUT_F32(3, y);
 #elif defined(OP_LAYER)
 IN_F32(1, w);
 IN_F32(2, b);
+OUT_F32(3, y);
+#elif defined(OP_RMS_GATED)
+IN_F32(1, z);
+IN_F32(2, w);
 OUT_F32(3, y);
 #else
 IN_F32(1, w);
@@ -58,6 +63,11 @@ void main() {
     for (uint j = lane; j < pc.dim; j += ROW_LANES) {
         precise float normed = LD_F32(x, base + j) * inv * LD_F32(w, j);
         y[base + j] = LD_F32(residual, base + j) + normed;
+    }
+#elif defined(OP_RMS_GATED)
+    for (uint j = lane; j < pc.dim; j += ROW_LANES) {
+        float g = LD_F32(z, base + j);
+        y[base + j] = LD_F32(x, base + j) * inv * LD_F32(w, j) * (g / (1.0 + exp(-g)));
     }
 #else
     for (uint j = lane; j < pc.dim; j += ROW_LANES) y[base + j] = LD_F32(x, base + j) * inv * LD_F32(w, j);

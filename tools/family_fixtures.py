@@ -46,7 +46,9 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2",)
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5")
+# Families whose text model has its own config class beside the multimodal one.
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
@@ -129,6 +131,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                                                           "rope_theta": 1e6}),
                       "LFM2: short gated convolutions (kernel 3) in layers 0, 2, 3, attention with per-head "
                       "QK-norm in layer 1; FFN width auto-adjusted from 128 to 96"),
+        "tiny_qwen3_5": ("Qwen3_5", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
+                                         initializer_range=0.1,
+                                         layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                      "linear_attention"],
+                                         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                         linear_num_key_heads=2, linear_num_value_heads=4,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                          "partial_rotary_factor": 0.25}),
+                         "Qwen3.5 dense: gated delta nets (2 key heads of 16, 4 value heads of 8, conv 4) in "
+                         "layers 0, 1, 3, gated attention with (1 + w) QK-norm and partial rotary 0.25 in layer 2"),
     }
 
 
@@ -145,7 +157,7 @@ def _randomise(model, gemma: bool) -> None:
             if name.endswith("norm.weight"):
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", ".dt_bias")):
                 p.copy_(0.1 * torch.randn_like(p))
 
 
@@ -251,7 +263,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if only and fixture not in only:
             continue
         t0 = time.time()
-        config_cls = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
+        config_cls = getattr(transformers, f"{family}TextConfig" if family in TEXT_CONFIGS else f"{family}Config")
         model_cls = getattr(transformers, f"{family}ForCausalLM")
         torch.manual_seed(seed + 10 + index)
         cfg = config_cls(**kwargs)
@@ -405,7 +417,7 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict) -> None:
     out_dir.mkdir(parents=True)
     gguf_path = out_dir / "model.gguf"
     subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(fixtures / fixture), "--outfile",
-                    str(gguf_path), "--outtype", "f32"], check=True, capture_output=True)
+                    str(gguf_path), "--outtype", "f32", "--no-mtp"], check=True, capture_output=True)
     gold = json.loads(json.dumps(hf_golden))
     gold["meta"] |= {"model_file": "model.gguf", "model_sha256": _sha256(gguf_path),
                      "description": f"{fixture} through llama.cpp's convert_hf_to_gguf.py (f32, vocabulary "

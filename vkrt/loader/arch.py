@@ -124,7 +124,10 @@ _SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_p
                      "mlp.shared_expert_gate.weight": "shared_expert_gate"}
 # The attention's own weights, which a layer of another mixer has instead of its mixer's.
 _ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
-MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj")}
+MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
+                 "gated_delta_net": ("delta.in_proj_qkv", "delta.in_proj_z", "delta.in_proj_b", "delta.in_proj_a",
+                                     "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
+                                     "delta.out_proj")}
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
@@ -179,8 +182,11 @@ class ArchSpec:
     qk_norm_per_head: bool = True
     # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
     rope_interleaved: bool = False
-    # Recurrent mixers some of the family's layers use instead of attention (LayerConfig.mixer).
-    mixers: tuple[str, ...] = ()
+    # Recurrent mixers some of the family's layers use instead of attention: config.json's
+    # layer type -> LayerConfig.mixer ("conv" -> "short_conv" for LFM2).
+    mixer_types: dict[str, str] = field(default_factory=dict)
+    # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
+    attn_output_gate: bool = False
     # Mixture of experts: whether the k router weights are renormalised when the file does
     # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
     norm_topk_prob: bool = False
@@ -370,11 +376,30 @@ _LFM2 = ArchSpec(
     hf_layer=_LFM2_LAYER,
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
-    mixers=("short_conv",),
+    mixer_types={"conv": "short_conv"},
+)
+
+# Qwen3.5 (dense, text): gated delta nets in three of every four layers, gated attention with
+# partial rotary in the fourth; (1 + w) norms everywhere but the delta net's gated output norm.
+_DELTA_NET_HF = {"linear_attn.in_proj_qkv.weight": "delta.in_proj_qkv", "linear_attn.in_proj_z.weight": "delta.in_proj_z",
+                 "linear_attn.in_proj_b.weight": "delta.in_proj_b", "linear_attn.in_proj_a.weight": "delta.in_proj_a",
+                 "linear_attn.conv1d.weight": "delta.conv.weight", "linear_attn.A_log": "delta.A_log",
+                 "linear_attn.dt_bias": "delta.dt_bias", "linear_attn.norm.weight": "delta.norm",
+                 "linear_attn.out_proj.weight": "delta.out_proj"}
+_QWEN3_5 = ArchSpec(
+    name="qwen3_5",
+    gguf_archs=(),  # llama.cpp's qwen35 GGUFs are not read yet
+    hf_archs=("Qwen3_5ForCausalLM",),
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    hf_norm_offset=1.0,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attn_output_gate=True,
 )
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -405,6 +430,9 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     hidden, inter = config.hidden_size, config.intermediate_size
     q_rows = config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
+    gated_q_rows = 2 * q_rows if config.attn_output_gate else q_rows  # q and a gate per head
+    v_heads, key_dim = config.linear_num_value_heads, config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = v_heads * config.linear_value_head_dim
     expected: dict[str, tuple[int, ...]] = {
         "embed_tokens": (config.vocab_size, hidden),
         "final_norm": (hidden,),
@@ -413,7 +441,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         expected["lm_head"] = (config.vocab_size, hidden)
     shapes = {
         "attn_norm": (hidden,),
-        "q_proj": (q_rows, hidden),
+        "q_proj": (gated_q_rows, hidden),
         "k_proj": (kv_rows, hidden),
         "v_proj": (kv_rows, hidden),
         "qkv_proj": (q_rows + 2 * kv_rows, hidden),
@@ -434,6 +462,15 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "conv.weight": (hidden, config.conv_kernel),
         "conv.bias": (hidden,),
         "conv.out_proj": (hidden, hidden),
+        "delta.in_proj_qkv": (2 * key_dim + value_dim, hidden),
+        "delta.in_proj_z": (value_dim, hidden),
+        "delta.in_proj_b": (v_heads, hidden),
+        "delta.in_proj_a": (v_heads, hidden),
+        "delta.conv.weight": (2 * key_dim + value_dim, config.conv_kernel),
+        "delta.A_log": (v_heads,),
+        "delta.dt_bias": (v_heads,),
+        "delta.norm": (config.linear_value_head_dim,),
+        "delta.out_proj": (hidden, value_dim),
     }
     for i in range(config.num_layers):
         layer = config.layer(i)
@@ -453,7 +490,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                 f"{source}: weight {name!r} is missing; the file is incomplete or not a "
                 f"{config.architecture} checkpoint"
             )
-        if weight.shape != shape and not (name.endswith("conv.weight") and weight.shape == (shape[0], 1, shape[1])):
+        if weight.shape != shape and not (name.endswith("conv.weight") and weight.shape == (shape[0], 1, *shape[1:])):
             # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K])
             raise ModelFormatError(
                 f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "

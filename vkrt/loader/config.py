@@ -23,7 +23,8 @@ class LayerConfig:
     rope: bool = True  # False: no positional rotation at all (SmolLM3's NoPE layers)
     moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
     # The token mixer: "attention" (paged attention over the KV cache) or a recurrent mixer with
-    # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution).
+    # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution),
+    # "gated_delta_net" (Qwen3.5's linear attention).
     mixer: str = "attention"
 
 
@@ -70,6 +71,12 @@ class ModelConfig:
     # -- recurrent mixers (layers whose LayerConfig.mixer is not "attention") ----------------
     conv_kernel: int = 0  # taps K of the depthwise causal convolution (LFM2's conv_L_cache)
     conv_bias: bool = False  # the convolution adds a bias per channel
+    # Gated delta nets: key heads (each serving num_v / num_k value heads) and their dims.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    attn_output_gate: bool = False  # attention output times sigmoid of a per-head gate from q_proj (Qwen3.5)
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense
     num_experts_per_tok: int = 0  # k experts per token

@@ -47,8 +47,6 @@ _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor
                   "attention_factor", "beta_fast", "beta_slow")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # attention: whether it slides
-# config.json's layer types of recurrent mixers -> LayerConfig.mixer
-MIXER_TYPES = {"conv": "short_conv"}
 MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
 MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
 
@@ -174,12 +172,12 @@ def _layer_kinds(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[tup
         return [("attention", bool(rule and rule(i, src.values))) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         raise ModelFormatError(f"{src.source}: layer_types must list one type per layer ({num_layers})")
-    known = [*_LAYER_TYPES, *(t for t, mixer in MIXER_TYPES.items() if mixer in spec.mixers)]
+    known = [*_LAYER_TYPES, *spec.mixer_types]
     for t in types:
         if t not in known:
             raise UnsupportedModelError(f"{src.source}: layer_types entry {t!r} is not supported "
                                         f"(supported: {', '.join(known)})")
-    return [(MIXER_TYPES.get(t, "attention"), _LAYER_TYPES.get(t, False)) for t in types]
+    return [(spec.mixer_types.get(t, "attention"), _LAYER_TYPES.get(t, False)) for t in types]
 
 
 def _rotated_layers(src: ConfigFields, num_layers: int) -> list[bool]:
@@ -320,6 +318,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         rope_interleaved=spec.rope_interleaved,
         conv_kernel=conv_kernel,
         conv_bias=bool(conv_kernel and src.get("conv_bias", False)),
+        attn_output_gate=spec.attn_output_gate,
+        **_delta_net(src, layers),
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
@@ -340,14 +340,36 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
 
 
 def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
-    """The convolution's taps where a layer convolves (LFM2's conv_L_cache), checked; else 0."""
-    if not any(layer.mixer == "short_conv" for layer in layers):
+    """The convolution's taps where a layer convolves (LFM2's conv_L_cache, a delta net's
+    linear_conv_kernel_dim), checked; else 0."""
+    mixers = {layer.mixer for layer in layers}
+    key = "conv_L_cache" if "short_conv" in mixers else "linear_conv_kernel_dim" if "gated_delta_net" in mixers else ""
+    if not key:
         return 0
-    taps = src.get("conv_L_cache")
+    taps = src.get(key)
     if not _is_int(taps) or not 2 <= taps <= MAX_CONV_KERNEL:
-        raise UnsupportedModelError(f"{src.source}: {src.name('conv_L_cache')} is {taps!r}; vkrt convolves "
+        raise UnsupportedModelError(f"{src.source}: {src.name(key)} is {taps!r}; vkrt convolves "
                                     f"2 to {MAX_CONV_KERNEL} taps")
     return taps
+
+
+_DELTA_NET = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def _delta_net(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, int]:
+    """A gated delta net's head counts and dims (ModelConfig's fields of those names), checked."""
+    if not any(layer.mixer == "gated_delta_net" for layer in layers):
+        return {}
+    out: dict[str, int] = {}
+    for key in _DELTA_NET:
+        value = src.get(key)
+        if not _is_int(value) or value < 1:
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
+        out[key] = value
+    if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+        raise ModelFormatError(f"{src.source}: linear_num_value_heads ({out['linear_num_value_heads']}) must be "
+                               f"a multiple of linear_num_key_heads ({out['linear_num_key_heads']})")
+    return out
 
 
 def _ffn_width(src: ConfigFields, width: int) -> int:
@@ -414,7 +436,7 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         f = reader.fields.get(f"{arch}.{suffix}")
         if f is not None and f.types[0] == GGUFValueType.ARRAY:
             # llama.cpp marks a hybrid's recurrent layers by 0 KV heads; other per-layer counts are not read
-            if suffix != "attention.head_count_kv" or not spec.mixers or not isinstance(f.value, list):
+            if suffix != "attention.head_count_kv" or not spec.mixer_types or not isinstance(f.value, list):
                 raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
             kv_heads_per_layer = f.value
     for suffix, key in _GGUF_NAMES.items():
@@ -464,7 +486,7 @@ def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str
                                "positive (attention layers) and 0 for recurrent ones; the file is corrupt")
     if len({n for n in kv_heads if n}) != 1:
         raise UnsupportedModelError(f"{path}: attention layers with different KV head counts are not supported")
-    mixer = next(t for t, m in MIXER_TYPES.items() if m in spec.mixers)  # the family's recurrent layer type
+    mixer = next(iter(spec.mixer_types))  # the family's recurrent layer type
     values["layer_types"] = ["full_attention" if n else mixer for n in kv_heads]
     values["num_key_value_heads"] = max(kv_heads)
     values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")

@@ -37,8 +37,14 @@ def state_shapes(config: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
     """Each recurrent layer's state tensors, as the shape of one sequence's slot (f32)."""
     shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
     for i in range(config.num_layers):
-        if config.layer(i).mixer == "short_conv":  # the last K - 1 inputs of every channel
+        mixer = config.layer(i).mixer
+        if mixer == "short_conv":  # the last K - 1 inputs of every channel
             shapes[i] = ((config.hidden_size, config.conv_kernel - 1),)
+        elif mixer == "gated_delta_net":  # the conv's window over q|k|v, and S per value head
+            c = config
+            channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+            shapes[i] = ((channels, c.conv_kernel - 1),
+                         (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
     return shapes
 
 

@@ -23,7 +23,16 @@ from vkrt.errors import VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import rope_table
-from vkrt.models.weights import Attention, Experts, Layer, Linear, Mlp, ShortConv, build_weights
+from vkrt.models.weights import (
+    Attention,
+    Experts,
+    GatedDeltaNet,
+    Layer,
+    Linear,
+    Mlp,
+    ShortConv,
+    build_weights,
+)
 
 GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
 
@@ -78,8 +87,10 @@ class DecoderModel(CausalLM):
             mixer = layer.mixer
             if isinstance(mixer, Attention):
                 h = self.attention(layer, mixer, h, step, kv, i)
-            else:
+            elif isinstance(mixer, ShortConv):
                 h = self.short_conv(layer, mixer, h, step, kv, i)
+            else:
+                h = self.gated_delta_net(layer, mixer, h, step, kv, i)
             h = self.feed_forward(layer, h)
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
@@ -96,6 +107,8 @@ class DecoderModel(CausalLM):
         a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
                                 c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
                                 softcap=c.attn_softcap)
+        if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
+            a = ops.sigmoid_mul(a, linear(x, attn.gate))
         out = linear(a, attn.o)
         if layer.post_attn_norm is not None:
             out = ops.rms_norm(out, layer.post_attn_norm, c.rms_norm_eps)
@@ -108,6 +121,23 @@ class DecoderModel(CausalLM):
         y = ops.short_conv(linear(x, conv.in_proj), conv.taps, conv.bias, state, step.seq_start, step.positions,
                            step.state_slots)
         return self.residual(linear(y, conv.out_proj), h)
+
+    def gated_delta_net(self, layer: Layer, net: GatedDeltaNet, h: Tensor, step: StepTensors, kv: KVCache,
+                        i: int) -> Tensor:
+        """Qwen3.5's linear attention: q|k|v convolved (silu), the gated delta rule over each
+        sequence, its output normed per value head and gated by silu(z); both states in layer i's slots."""
+        c = self.config
+        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+        conv_state, delta_state = kv.states[i]
+        qkv = ops.causal_conv1d(linear(x, net.qkv), net.conv_taps, net.conv_bias, conv_state, step.seq_start,
+                                step.positions, step.state_slots, activation="silu")
+        o = ops.gated_delta_net(qkv, linear(x, net.ba), net.a_log, net.dt_bias, delta_state, step.seq_start,
+                                step.positions, step.state_slots, c.linear_num_key_heads, c.linear_num_value_heads,
+                                c.linear_key_head_dim, c.linear_value_head_dim)
+        dv = c.linear_value_head_dim
+        gated = ops.gated_rms_norm(ops.reshape(o, (-1, dv)), ops.reshape(linear(x, net.z), (-1, dv)), net.norm,
+                                   c.rms_norm_eps)
+        return self.residual(linear(ops.reshape(gated, o.shape), net.out_proj), h)
 
     def feed_forward(self, layer: Layer, h: Tensor) -> Tensor:
         c = self.config

@@ -43,6 +43,7 @@ class Attention:
     o: Linear
     q_norm: Tensor | None  # [head_dim] per head, or [H * head_dim] over all of q (OLMoE)
     k_norm: Tensor | None
+    gate: Linear | None = None  # the output gate's projection, [H * head_dim] (Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,24 @@ class ShortConv:
     out_proj: Linear
 
 
-Mixer = Attention | ShortConv
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Qwen3.5's linear attention: projections to q|k|v, z and b|a, the causal conv over q|k|v
+    (taps [C, K], zero bias), the decay's A_log and dt_bias [Hv], the gated output norm [dv]
+    (plain w, not 1 + w), out_proj."""
+
+    qkv: Linear
+    z: Linear
+    ba: Linear
+    conv_taps: Tensor
+    conv_bias: Tensor
+    a_log: Tensor
+    dt_bias: Tensor
+    norm: Tensor
+    out_proj: Linear
+
+
+Mixer = Attention | ShortConv | GatedDeltaNet
 
 
 @dataclass(frozen=True)
@@ -206,7 +224,8 @@ class _Builder:
         mixer = c.layer(i).mixer
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
-            mixer=self.attention(p) if mixer == "attention" else self.short_conv(p),
+            mixer=self.attention(p) if mixer == "attention" else self.short_conv(p) if mixer == "short_conv"
+            else self.gated_delta_net(p),
             ffn_norm=self.norm(p + "ffn_norm"),
             mlp=self.experts(p) if c.layer(i).moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
@@ -218,12 +237,37 @@ class _Builder:
         if p + "qkv_proj" in self.stored:  # a fused checkpoint (Phi-3): stacked as stored
             qkv = self.linear([p + "qkv_proj"])
         else:  # a norm over all of q and of k (OLMoE) needs their outputs apart
-            qkv = self.linear([p + n for n in ("q_proj", "k_proj", "v_proj")],
+            q: str | WeightData = p + "q_proj"
+            gate: WeightData | None = None
+            if c.attn_output_gate:
+                q, gate = self.query_and_gate(self.raw(p + "q_proj"))
+            qkv = self.linear([q, p + "k_proj", p + "v_proj"],
                               biases=[p + n for n in ("q_bias", "k_bias", "v_bias")] if c.qkv_bias else (),
                               apart=c.qk_norm and not c.qk_norm_per_head)
         q_norm = self.norm(p + "q_norm") if c.qk_norm else None
         k_norm = self.norm(p + "k_norm") if c.qk_norm else None
-        return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm)
+        return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm,
+                         gate=self.linear([gate]) if gate is not None else None)
+
+    def query_and_gate(self, q_proj: WeightData) -> tuple[WeightData, WeightData]:
+        """Qwen3.5's q_proj holds per head its query rows, then its gate rows: the two as row
+        selections of the stored tensor (nothing copied)."""
+        c = self.config
+        rows = np.arange(q_proj.shape[0]).reshape(c.num_heads, 2, c.head_dim)
+        shape = (c.num_heads * c.head_dim, q_proj.shape[1])
+        return (WeightData(q_proj.name + "[query]", q_proj.fmt, shape, q_proj.data, rows[:, 0].reshape(-1)),
+                WeightData(q_proj.name + "[gate]", q_proj.fmt, shape, q_proj.data, rows[:, 1].reshape(-1)))
+
+    def gated_delta_net(self, p: str) -> GatedDeltaNet:
+        c = self.config
+        channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        taps = self.vector(p + "delta.conv.weight").reshape(channels, c.conv_kernel)
+        return GatedDeltaNet(
+            qkv=self.linear([p + "delta.in_proj_qkv"]), z=self.linear([p + "delta.in_proj_z"]),
+            ba=self.linear([p + "delta.in_proj_b", p + "delta.in_proj_a"]),
+            conv_taps=self.f32(taps), conv_bias=self.f32(np.zeros(channels, np.float32)),
+            a_log=self.f32(self.vector(p + "delta.A_log")), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
+            norm=self.f32(self.vector(p + "delta.norm")), out_proj=self.linear([p + "delta.out_proj"]))
 
     def short_conv(self, p: str) -> ShortConv:
         c = self.config
@@ -258,10 +302,11 @@ class _Builder:
         except KeyError:
             raise ModelFormatError(f"{self.path}: missing weight {name!r}") from None
 
-    def linear(self, names: Sequence[str], biases: Sequence[str] = (), apart: bool = False) -> Linear:
-        """One projection from its stored pieces: one stacked matrix when they share a storage
-        format (and need not stay apart), else one matrix per piece; a bias per piece or none."""
-        parts = [self.raw(n) for n in names]
+    def linear(self, names: Sequence[str | WeightData], biases: Sequence[str] = (), apart: bool = False) -> Linear:
+        """One projection from its stored pieces (names, or row selections of stored tensors):
+        one stacked matrix when they share a storage format (and need not stay apart), else one
+        matrix per piece; a bias per piece or none."""
+        parts = [self.raw(n) if isinstance(n, str) else n for n in names]
         bias_values = [self.vector(n) for n in biases]
         if len(parts) == 1 or (not apart and len({w.fmt for w in parts}) == 1):
             bias = self.f32(np.concatenate(bias_values)) if bias_values else None

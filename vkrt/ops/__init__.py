@@ -72,6 +72,11 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     return dispatch("add", a, b)
 
 
+def sigmoid_mul(a: Tensor, b: Tensor) -> Tensor:
+    """a * sigmoid(b), elementwise f32 (b may be one row broadcast over a)."""
+    return dispatch("sigmoid_mul", a, b)
+
+
 def scale(x: Tensor, factor: float) -> Tensor:
     """x * factor, elementwise f32 (factor rounded to f32 first)."""
     return dispatch("scale", x, factor=float(factor))
@@ -205,16 +210,31 @@ def short_conv(bcx: Tensor, w: Tensor, bias: Tensor, state: Tensor, seq_start: T
     return dispatch("short_conv", bcx, w, bias, state, seq_start, positions, state_slots)
 
 
+def gated_delta_net(qkv: Tensor, ba: Tensor, a_log: Tensor, dt_bias: Tensor, state: Tensor, seq_start: Tensor,
+                    positions: Tensor, state_slots: Tensor, num_k_heads: int, num_v_heads: int, k_head_dim: int,
+                    v_head_dim: int) -> Tensor:
+    """[T, Hv * dv]: the gated delta rule (Qwen3.5) over each sequence of the step, its state
+    [slots, Hv, dk, dv] carried and updated in place (vkrt.ops.recurrent)."""
+    return dispatch("gated_delta_net", qkv, ba, a_log, dt_bias, state, seq_start, positions, state_slots,
+                    num_k_heads=int(num_k_heads), num_v_heads=int(num_v_heads), k_head_dim=int(k_head_dim),
+                    v_head_dim=int(v_head_dim))
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
+    """rms_norm(x, w, eps) * silu(z), per row of x and z [R, D]."""
+    return dispatch("gated_rms_norm", x, z, w, eps=float(eps))
+
+
 def op_names() -> list[str]:
     return sorted(OPS)
 
 
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy",
-    "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
+    "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "silu_and_mul",
+    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "silu_and_mul",
     "softcap",
 ]

@@ -40,6 +40,12 @@ def _unary_infer(name: str, param: str):
     return infer
 
 
+@register_op("sigmoid_mul", _binary_infer("sigmoid_mul"))
+def sigmoid_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a * sigmoid(b): an output gate (Qwen3.5's gated attention)."""
+    return (a * (np.float32(1) / (np.float32(1) + np.exp(-b.astype(np.float32))))).astype(np.float32)
+
+
 @register_op("scale", _unary_infer("scale", "factor"))
 def scale(x: np.ndarray, factor: float) -> np.ndarray:
     """x * factor in f32 (Gemma's embedding scale sqrt(hidden), rounded to f32 as HF does)."""

@@ -1,4 +1,4 @@
-"""add, scale, softcap, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
+"""add, sigmoid_mul, scale, softcap, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def _gather(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
+    backend.register_kernel(Kernel("sigmoid_mul", "elementwise.sigmoid_mul", _binary("sigmoid_mul")))
     backend.register_kernel(Kernel("scale", "elementwise.scale", _unary("scale", "factor")))
     backend.register_kernel(Kernel("softcap", "elementwise.softcap", _unary("softcap", "cap")))
     backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))

@@ -1,4 +1,6 @@
-"""causal_conv1d and short_conv: shaders/causal_conv1d.comp, an invocation per (sequence, channel)."""
+"""The recurrent mixers' kernels: causal_conv1d and short_conv (shaders/causal_conv1d.comp, an
+invocation per (sequence, channel)), gated_delta_net (shaders/gated_delta_net.comp, an invocation
+per (sequence, value head, state column))."""
 
 from __future__ import annotations
 
@@ -25,6 +27,25 @@ def _conv(form: str):
     return run
 
 
+MAX_KEY_DIM = 256  # the delta net's state column in registers (gated_delta_net.comp)
+
+
+def _gated_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    qkv, ba, a_log, dt_bias, state, seq_start, positions, state_slots = inputs
+    seqs, v_heads, dv = state_slots.shape[0], params["num_v_heads"], params["v_head_dim"]
+    o = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "gated_delta_net"),
+                       [(qkv, "f32", False), (ba, "f32", False), (a_log, "f32", False), (dt_bias, "f32", False),
+                        (state, "f32", True), (seq_start, "i32", False), (positions, "i32", False),
+                        (state_slots, "i32", False), (o, "f32", True)],
+                       grid_1d(seqs * v_heads * dv), ("<4I", (seqs, params["num_k_heads"], v_heads, dv)),
+                       local_size() | {1: params["k_head_dim"]})
+    return (o,)
+
+
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("causal_conv1d", "causal_conv1d.plain", _conv("plain")))
     backend.register_kernel(Kernel("short_conv", "causal_conv1d.gated", _conv("gated")))
+    backend.register_kernel(Kernel("gated_delta_net", "gated_delta_net", _gated_delta_net,
+                                   supports=lambda inputs, params: params["k_head_dim"] <= MAX_KEY_DIM))
