@@ -16,7 +16,7 @@ layout(constant_id = 1) const uint DK = 128;  // key head dim, at most 256
 
 IN_F32(0, qkv);          // [T, 2 * Hk * DK + Hv * dv]: q, k, v
 IN_F32(1, ba);           // [T, 2 * Hv]: b, then a
-IN_F32(2, a_log);        // [Hv]
+IN_F32(2, a_rate);       // [Hv]: A = -exp(A_log)
 IN_F32(3, dt_bias);      // [Hv]
 RW_F32(4, state);        // [slots, Hv, DK, dv]
 IN_I32(5, seq_start);    // [S + 1]
@@ -24,7 +24,7 @@ IN_I32(6, positions);    // [T]
 IN_I32(7, state_slots);  // [S]
 OUT_F32(8, o);           // [T, Hv * dv]
 
-layout(push_constant) uniform Push { uint seqs; uint k_heads; uint v_heads; uint dv; } pc;
+layout(push_constant) uniform Push { uint seqs; uint k_heads; uint v_heads; uint dv; uint tiled; } pc;
 
 const float L2_EPS = 1e-6;
 
@@ -35,14 +35,15 @@ void main() {
     uint s = i / per_seq, h = (i % per_seq) / pc.dv, j = i % pc.dv;
     int t0 = LD_I32(seq_start, s), t1 = LD_I32(seq_start, s + 1u);
     if (t1 <= t0) return;
-    uint hk = h / (pc.v_heads / pc.k_heads);
+    // the key head: value heads grouped by key head (HF), or tiled over them (llama.cpp's GGUF)
+    uint hk = pc.tiled != 0u ? h % pc.k_heads : h / (pc.v_heads / pc.k_heads);
     uint width = 2u * pc.k_heads * DK + pc.v_heads * pc.dv;
     uint q_at = hk * DK, k_at = pc.k_heads * DK + hk * DK, v_at = 2u * pc.k_heads * DK + h * pc.dv + j;
     uint base = (uint(LD_I32(state_slots, s)) * pc.v_heads + h) * DK * pc.dv + j;
     bool carried = LD_I32(positions, t0) > 0;
     float S[256];
     [[unroll]] for (uint d = 0u; d < DK; ++d) S[d] = carried ? state[base + d * pc.dv] : 0.0;
-    float a_scale = exp(LD_F32(a_log, h)), a_bias = LD_F32(dt_bias, h);
+    float a_scale = LD_F32(a_rate, h), a_bias = LD_F32(dt_bias, h);
     float k_scale = 1.0 / sqrt(float(DK));
     for (int t = t0; t < t1; ++t) {
         uint row = uint(t) * width;
@@ -58,7 +59,7 @@ void main() {
         float b = LD_F32(ba, uint(t) * 2u * pc.v_heads + h);
         float a = LD_F32(ba, uint(t) * 2u * pc.v_heads + pc.v_heads + h) + a_bias;
         float beta = 1.0 / (1.0 + exp(-b));
-        float decay = exp(-a_scale * (a > 20.0 ? a : log(1.0 + exp(a))));  // torch's softplus
+        float decay = exp(a_scale * (a > 20.0 ? a : log(1.0 + exp(a))));  // torch's softplus
         float kv = 0.0;
         [[unroll]] for (uint d = 0u; d < DK; ++d) {
             kn[d] *= k_norm;

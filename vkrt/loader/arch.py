@@ -386,10 +386,17 @@ _DELTA_NET_HF = {"linear_attn.in_proj_qkv.weight": "delta.in_proj_qkv", "linear_
                  "linear_attn.conv1d.weight": "delta.conv.weight", "linear_attn.A_log": "delta.A_log",
                  "linear_attn.dt_bias": "delta.dt_bias", "linear_attn.norm.weight": "delta.norm",
                  "linear_attn.out_proj.weight": "delta.out_proj"}
+# llama.cpp's qwen35: z is attn_gate, b and a are ssm_beta and ssm_alpha, A = -exp(A_log) is ssm_a.
+_DELTA_NET_GGUF = {"attn_qkv.weight": "delta.in_proj_qkv", "attn_gate.weight": "delta.in_proj_z",
+                   "ssm_beta.weight": "delta.in_proj_b", "ssm_alpha.weight": "delta.in_proj_a",
+                   "ssm_conv1d.weight": "delta.conv.weight", "ssm_a": "delta.A", "ssm_dt.bias": "delta.dt_bias",
+                   "ssm_norm.weight": "delta.norm", "ssm_out.weight": "delta.out_proj",
+                   "post_attention_norm.weight": "ffn_norm"}
 _QWEN3_5 = ArchSpec(
     name="qwen3_5",
-    gguf_archs=(),  # llama.cpp's qwen35 GGUFs are not read yet
+    gguf_archs=("qwen35",),
     hf_archs=("Qwen3_5ForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF},
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
@@ -468,6 +475,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "delta.in_proj_a": (v_heads, hidden),
         "delta.conv.weight": (2 * key_dim + value_dim, config.conv_kernel),
         "delta.A_log": (v_heads,),
+        "delta.A": (v_heads,),
         "delta.dt_bias": (v_heads,),
         "delta.norm": (config.linear_value_head_dim,),
         "delta.out_proj": (hidden, value_dim),
@@ -478,6 +486,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         if layer.mixer != "attention":
             names = [n for n in names if n not in _ATTENTION_ONLY] + list(MIXER_WEIGHTS[layer.mixer])
             names += ["conv.bias"] if config.conv_bias else []
+            if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
+                names = ["delta.A" if n == "delta.A_log" else n for n in names]
         for name in names:
             if not (layer.moe and name in DENSE_MLP_WEIGHTS):
                 expected[f"layers.{i}.{name}"] = shapes[name]

@@ -76,6 +76,9 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # A GGUF as llama.cpp converts it: value heads tiled over key heads, A = -exp(A_log) stored.
+    linear_v_heads_tiled: bool = False
+    linear_decay_stored: bool = False
     attn_output_gate: bool = False  # attention output times sigmoid of a per-head gate from q_proj (Qwen3.5)
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense

@@ -320,6 +320,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         conv_bias=bool(conv_kernel and src.get("conv_bias", False)),
         attn_output_gate=spec.attn_output_gate,
         **_delta_net(src, layers),
+        linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
+        linear_decay_stored=bool(src.get("linear_decay_stored", False)),
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
@@ -446,6 +448,9 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
     if kv_heads_per_layer is not None:
         _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
+    recurrent = reader.fields.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is not None and "gated_delta_net" in spec.mixer_types.values():
+        _gguf_delta_nets(path, arch, spec, meta, values, spelled, recurrent.value)
     head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if _is_int(rope_dim) and head_dim > 0 and rope_dim != head_dim:  # head_dim 0 is refused by the checks
@@ -492,6 +497,25 @@ def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str
     values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")
     spelled["conv_L_cache"] = f"{arch}.shortconv.l_cache"
     values["conv_bias"] = any(name.endswith(".conv.bias") for name in weights)
+
+
+def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], values: dict[str, Any],
+                     spelled: dict[str, str], recurrent: Any) -> None:
+    """A delta-net hybrid's layer kinds (`attention.recurrent_layers`) and its heads, from the
+    `ssm.*` keys llama.cpp writes for them."""
+    layers = values["num_hidden_layers"]
+    if not isinstance(recurrent, list) or len(recurrent) != layers:
+        raise ModelFormatError(f"{path}: '{arch}.attention.recurrent_layers' must list {layers} flags; the file is corrupt")
+    mixer = next(t for t, m in spec.mixer_types.items() if m == "gated_delta_net")
+    values["layer_types"] = [mixer if flag else "full_attention" for flag in recurrent]
+    for key, suffix in (("linear_conv_kernel_dim", "ssm.conv_kernel"), ("linear_key_head_dim", "ssm.state_size"),
+                        ("linear_num_key_heads", "ssm.group_count"), ("linear_num_value_heads", "ssm.time_step_rank")):
+        values[key] = meta.get(f"{arch}.{suffix}")
+        spelled[key] = f"{arch}.{suffix}"
+    inner, v_heads = meta.get(f"{arch}.ssm.inner_size"), values["linear_num_value_heads"]
+    values["linear_value_head_dim"] = inner // v_heads if _is_int(inner) and _is_int(v_heads) and v_heads else None
+    spelled["linear_value_head_dim"] = f"{arch}.ssm.inner_size"
+    values["linear_v_heads_tiled"] = values["linear_decay_stored"] = True  # how llama.cpp's converter writes them
 
 
 def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],

@@ -131,9 +131,9 @@ class DecoderModel(CausalLM):
         conv_state, delta_state = kv.states[i]
         qkv = ops.causal_conv1d(linear(x, net.qkv), net.conv_taps, net.conv_bias, conv_state, step.seq_start,
                                 step.positions, step.state_slots, activation="silu")
-        o = ops.gated_delta_net(qkv, linear(x, net.ba), net.a_log, net.dt_bias, delta_state, step.seq_start,
+        o = ops.gated_delta_net(qkv, linear(x, net.ba), net.a_rate, net.dt_bias, delta_state, step.seq_start,
                                 step.positions, step.state_slots, c.linear_num_key_heads, c.linear_num_value_heads,
-                                c.linear_key_head_dim, c.linear_value_head_dim)
+                                c.linear_key_head_dim, c.linear_value_head_dim, tiled_heads=c.linear_v_heads_tiled)
         dv = c.linear_value_head_dim
         gated = ops.gated_rms_norm(ops.reshape(o, (-1, dv)), ops.reshape(linear(x, net.z), (-1, dv)), net.norm,
                                    c.rms_norm_eps)

@@ -60,7 +60,7 @@ class ShortConv:
 @dataclass(frozen=True)
 class GatedDeltaNet:
     """Qwen3.5's linear attention: projections to q|k|v, z and b|a, the causal conv over q|k|v
-    (taps [C, K], zero bias), the decay's A_log and dt_bias [Hv], the gated output norm [dv]
+    (taps [C, K], zero bias), the decay's rate A = -exp(A_log) and dt_bias [Hv], the gated output norm [dv]
     (plain w, not 1 + w), out_proj."""
 
     qkv: Linear
@@ -68,7 +68,7 @@ class GatedDeltaNet:
     ba: Linear
     conv_taps: Tensor
     conv_bias: Tensor
-    a_log: Tensor
+    a_rate: Tensor
     dt_bias: Tensor
     norm: Tensor
     out_proj: Linear
@@ -234,11 +234,11 @@ class _Builder:
 
     def attention(self, p: str) -> Attention:
         c = self.config
+        gate: WeightData | None = None  # Qwen3.5's output gate, from the rows q_proj holds beside q
         if p + "qkv_proj" in self.stored:  # a fused checkpoint (Phi-3): stacked as stored
             qkv = self.linear([p + "qkv_proj"])
         else:  # a norm over all of q and of k (OLMoE) needs their outputs apart
             q: str | WeightData = p + "q_proj"
-            gate: WeightData | None = None
             if c.attn_output_gate:
                 q, gate = self.query_and_gate(self.raw(p + "q_proj"))
             qkv = self.linear([q, p + "k_proj", p + "v_proj"],
@@ -266,7 +266,7 @@ class _Builder:
             qkv=self.linear([p + "delta.in_proj_qkv"]), z=self.linear([p + "delta.in_proj_z"]),
             ba=self.linear([p + "delta.in_proj_b", p + "delta.in_proj_a"]),
             conv_taps=self.f32(taps), conv_bias=self.f32(np.zeros(channels, np.float32)),
-            a_log=self.f32(self.vector(p + "delta.A_log")), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
+            a_rate=self.f32(self.decay_rate(p)), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
             norm=self.f32(self.vector(p + "delta.norm")), out_proj=self.linear([p + "delta.out_proj"]))
 
     def short_conv(self, p: str) -> ShortConv:
@@ -275,6 +275,12 @@ class _Builder:
         bias = self.vector(p + "conv.bias") if c.conv_bias else np.zeros(c.hidden_size, np.float32)
         return ShortConv(self.linear([p + "conv.in_proj"]), self.f32(taps), self.f32(bias),
                          self.linear([p + "conv.out_proj"]))
+
+    def decay_rate(self, p: str) -> np.ndarray:
+        """A = -exp(A_log), in f32 as transformers computes it; llama.cpp's GGUF stores A itself."""
+        if self.config.linear_decay_stored:
+            return self.vector(p + "delta.A")
+        return -np.exp(self.vector(p + "delta.A_log"))
 
     def mlp(self, p: str) -> Mlp:
         gate_up = [p + "gate_up_proj"] if p + "gate_up_proj" in self.stored else [p + "gate_proj", p + "up_proj"]

@@ -95,9 +95,11 @@ def short_conv(bcx: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.ndarr
 # Per value head h of sequence s, a state S [dk, dv] (its key head serves num_v_heads /
 # num_k_heads consecutive value heads): for each token, with q and k of h's key head
 # L2-normalised (x / sqrt(sum x^2 + 1e-6)) and q also scaled by 1 / sqrt(dk),
-#   beta = sigmoid(b[h]), g = -exp(A_log[h]) * softplus(a[h] + dt_bias[h]),
+#   beta = sigmoid(b[h]), g = A[h] * softplus(a[h] + dt_bias[h]) (A = -exp(A_log) < 0),
 #   S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;  o = S^T q,
-# the order transformers' torch_recurrent_gated_delta_rule computes it in.
+# the order transformers' torch_recurrent_gated_delta_rule computes it in. With `tiled_heads`
+# value head h uses key head h % num_k_heads instead of h // (num_v_heads / num_k_heads): llama.cpp's
+# converter reorders a GGUF's value heads that way (every tensor that has them, consistently).
 
 L2_EPS = 1e-6
 
@@ -107,10 +109,10 @@ def _softplus(x: np.ndarray) -> np.ndarray:
     return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
 
 
-def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a_log: TensorSpec, dt_bias: TensorSpec, state: TensorSpec,
+def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a: TensorSpec, dt_bias: TensorSpec, state: TensorSpec,
                seq_start: TensorSpec, positions: TensorSpec, state_slots: TensorSpec, num_k_heads: int,
-               num_v_heads: int, k_head_dim: int, v_head_dim: int) -> tuple[TensorSpec, ...]:
-    specs = (qkv, ba, a_log, dt_bias, state, seq_start, positions, state_slots)
+               num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False) -> tuple[TensorSpec, ...]:
+    specs = (qkv, ba, a, dt_bias, state, seq_start, positions, state_slots)
     name = "gated_delta_net"
     require(num_k_heads > 0 and num_v_heads % num_k_heads == 0, name, specs,
             f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
@@ -119,8 +121,8 @@ def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a_log: TensorSpec, dt_bias: Tens
             f"qkv must be f32 [T, {width}] (q, k of {num_k_heads} heads of {k_head_dim}, v of {num_v_heads} of {v_head_dim})")
     require(ba.dtype == "f32" and ba.shape == (qkv.shape[0], 2 * num_v_heads), name, specs,
             "ba must be f32 [T, 2 * num_v_heads] (b, then a)")
-    require(a_log.dtype == dt_bias.dtype == "f32" and a_log.shape == dt_bias.shape == (num_v_heads,), name, specs,
-            "A_log and dt_bias must be f32 [num_v_heads]")
+    require(a.dtype == dt_bias.dtype == "f32" and a.shape == dt_bias.shape == (num_v_heads,), name, specs,
+            "A and dt_bias must be f32 [num_v_heads]")
     require(state.dtype == "f32" and len(state.shape) == 4 and state.shape[1:] == (num_v_heads, k_head_dim, v_head_dim),
             name, specs, "state must be f32 [slots, num_v_heads, k_head_dim, v_head_dim]")
     require(positions.dtype == "i32" and positions.shape == (qkv.shape[0],), name, specs, "positions must be i32 [T]")
@@ -131,23 +133,24 @@ def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a_log: TensorSpec, dt_bias: Tens
 
 
 @register_op("gated_delta_net", _gdn_infer, inplace=(4,))
-def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, state: np.ndarray,
+def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, state: np.ndarray,
                     seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_k_heads: int,
-                    num_v_heads: int, k_head_dim: int, v_head_dim: int) -> np.ndarray:
+                    num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False) -> np.ndarray:
     """o [T, Hv * dv]: the gated delta rule over each sequence (float64 within a step; the state
     is stored f32 between steps, as the device holds it)."""
     t = qkv.shape[0]
     kd = num_k_heads * k_head_dim
     repeat = num_v_heads // num_k_heads
     x = qkv.astype(np.float64)
-    q = np.repeat(x[:, :kd].reshape(t, num_k_heads, k_head_dim), repeat, axis=1)
-    k = np.repeat(x[:, kd:2 * kd].reshape(t, num_k_heads, k_head_dim), repeat, axis=1)
+    key_head = np.arange(num_v_heads) % num_k_heads if tiled_heads else np.arange(num_v_heads) // repeat
+    q = x[:, :kd].reshape(t, num_k_heads, k_head_dim)[:, key_head]
+    k = x[:, kd:2 * kd].reshape(t, num_k_heads, k_head_dim)[:, key_head]
     v = x[:, 2 * kd:].reshape(t, num_v_heads, v_head_dim)
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPS) / np.sqrt(k_head_dim)
     k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPS)
     b, a = ba.astype(np.float64)[:, :num_v_heads], ba.astype(np.float64)[:, num_v_heads:]
     beta = 1.0 / (1.0 + np.exp(-b))
-    decay = np.exp(-np.exp(a_log.astype(np.float64)) * _softplus(a + dt_bias.astype(np.float64)))  # exp(g)
+    decay = np.exp(a_rate.astype(np.float64) * _softplus(a + dt_bias.astype(np.float64)))  # exp(g)
     out = np.zeros((t, num_v_heads, v_head_dim), np.float64)
     for s in range(state_slots.shape[0]):
         t0, t1 = int(seq_start[s]), int(seq_start[s + 1])

@@ -32,14 +32,14 @@ MAX_KEY_DIM = 256  # the delta net's state column in registers (gated_delta_net.
 
 def _gated_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    qkv, ba, a_log, dt_bias, state, seq_start, positions, state_slots = inputs
+    qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots = inputs
     seqs, v_heads, dv = state_slots.shape[0], params["num_v_heads"], params["v_head_dim"]
     o = backend.empty(out[0].shape, "f32")
     backend.run_shader(module(backend, "gated_delta_net"),
-                       [(qkv, "f32", False), (ba, "f32", False), (a_log, "f32", False), (dt_bias, "f32", False),
+                       [(qkv, "f32", False), (ba, "f32", False), (a_rate, "f32", False), (dt_bias, "f32", False),
                         (state, "f32", True), (seq_start, "i32", False), (positions, "i32", False),
                         (state_slots, "i32", False), (o, "f32", True)],
-                       grid_1d(seqs * v_heads * dv), ("<4I", (seqs, params["num_k_heads"], v_heads, dv)),
+                       grid_1d(seqs * v_heads * dv), ("<5I", (seqs, params["num_k_heads"], v_heads, dv, int(params.get("tiled_heads", False)))),
                        local_size() | {1: params["k_head_dim"]})
     return (o,)
 
