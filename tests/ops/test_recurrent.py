@@ -10,6 +10,8 @@ NMSE <= 1e-12; silu uses the device's exp, bounded by 1e-10).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -200,9 +202,87 @@ def test_gated_delta_net_chunks_equal_one_step(vk: Backend, rng: np.random.Gener
         np.testing.assert_array_equal(got_state, whole_state)
 
 
-@pytest.mark.parametrize("shape", [(5, 8), (3, 128), (7, 37)])
-def test_gated_rms_norm_matches_reference(vk: Backend, rng: np.random.Generator, shape: tuple[int, int]) -> None:
-    x, z = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    w = rng.standard_normal(shape[1]).astype(np.float32)
-    got = ops.gated_rms_norm(vk.upload(x), vk.upload(z), vk.upload(w), 1e-6).numpy()
-    assert nmse(got, ops.OPS["gated_rms_norm"].reference(x, z, w, 1e-6)) <= 1e-12
+@pytest.mark.parametrize("gate_first", [False, True], ids=["norm-then-gate", "gate-then-norm"])
+@pytest.mark.parametrize("case", [(5, 8, 0, 8), (3, 128, 32, 32), (7, 48, 16, 48), (2, 37, 0, 37)],
+                         ids=lambda c: "r{}-d{}-g{}-w{}".format(*c))
+def test_gated_rms_norm_matches_reference(vk: Backend, rng: np.random.Generator, case: tuple[int, int, int, int],
+                                          gate_first: bool) -> None:
+    """Whole rows or groups of them, a weight per group or one for the row, either gate order."""
+    rows, dim, group, w_len = case
+    x, z = (rng.standard_normal((rows, dim)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(w_len).astype(np.float32)
+    got = ops.gated_rms_norm(vk.upload(x), vk.upload(z), vk.upload(w), 1e-6, group, gate_first).numpy()
+    want = ops.OPS["gated_rms_norm"].reference(x, z, w, 1e-6, group, gate_first)
+    assert nmse(got, want) <= 1e-12
+    if group:  # groups normalise apart: one group scaled by 10 leaves the others as they were
+        x2 = x.copy()
+        x2[:, :group] *= 10.0
+        other = ops.OPS["gated_rms_norm"].reference(x2, z, w, 1e-6, group, gate_first)
+        np.testing.assert_allclose(other[:, group:], want[:, group:], rtol=1e-6)
+
+
+# ---- Mamba2's scan --------------------------------------------------------------------------------
+
+SSM_CASES = [  # (num_heads, head_dim, n_groups, state_size)
+    (1, 4, 1, 8), (4, 8, 2, 16), (6, 5, 3, 7), (2, 16, 1, 128),
+]
+
+
+def ssm_inputs(rng: np.random.Generator, t: int, heads: int, head_dim: int, groups: int,
+               size: int) -> dict[str, np.ndarray]:
+    return {
+        "xbc": rng.standard_normal((t, heads * head_dim + 2 * groups * size)).astype(np.float32),
+        "dt": rng.standard_normal((t, heads)).astype(np.float32),
+        "a_rate": -rng.uniform(0.5, 8.0, heads).astype(np.float32),
+        "skip": rng.standard_normal(heads).astype(np.float32),
+        "dt_bias": rng.standard_normal(heads).astype(np.float32),
+    }
+
+
+SSM_NAMES = ("xbc", "dt", "a_rate", "skip", "dt_bias")
+
+
+def run_ssm(backend: Backend, x: dict[str, np.ndarray], state: Any, step: dict[str, np.ndarray],
+            shape: tuple[int, int, int, int], **limits: float) -> np.ndarray:
+    return ops.ssm_scan(*(backend.upload(x[n]) for n in SSM_NAMES), state, backend.upload(step["seq_start"]),
+                        backend.upload(step["positions"]), backend.upload(step["state_slots"]), *shape,
+                        **limits).numpy()
+
+
+@pytest.mark.parametrize("limits", [{}, {"dt_min": 0.2, "dt_max": 1.5}], ids=["no-limit", "dt-limit"])
+@pytest.mark.parametrize("shape", SSM_CASES, ids=lambda c: "h{}-p{}-g{}-n{}".format(*c))
+def test_ssm_scan_matches_reference(vk: Backend, rng: np.random.Generator, shape: tuple[int, int, int, int],
+                                    limits: dict[str, float]) -> None:
+    heads, head_dim, _, size = shape
+    step = step_inputs([6, 3, 1, 0], [0, 9, 20, 0], [2, 0, 1, 3])
+    x = ssm_inputs(rng, int(step["seq_start"][-1]), *shape)
+    state = (rng.standard_normal((4, heads, head_dim, size)) * 0.3).astype(np.float32)
+    s = vk.upload(state)
+    drains = vk.counters.drains
+    got = run_ssm(vk, x, s, step, shape, **limits)
+    assert vk.counters.drains == drains, "ssm_scan ran on the host"
+    want_state = state.copy()
+    want = ops.OPS["ssm_scan"].reference(*(x[n] for n in SSM_NAMES), want_state, step["seq_start"], step["positions"],
+                                         step["state_slots"], *shape, **limits)
+    assert nmse(got, want) <= GDN_NMSE and nmse(s.numpy(), want_state) <= GDN_NMSE
+    np.testing.assert_array_equal(s.numpy()[3], state[3])
+
+
+def test_ssm_scan_chunks_equal_one_step(vk: Backend, rng: np.random.Generator) -> None:
+    shape = (4, 8, 2, 16)
+    x = ssm_inputs(rng, 11, *shape)
+
+    def run(chunks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        state = vk.upload(np.full((1, 4, 8, 16), 0.5, np.float32))
+        outs, start = [], 0
+        for size in chunks:
+            part = {n: (a[start:start + size] if n in ("xbc", "dt") else a) for n, a in x.items()}
+            outs.append(run_ssm(vk, part, state, step_inputs([size], [start], [0]), shape))
+            start += size
+        return np.concatenate(outs), state.numpy()
+
+    whole, whole_state = run([11])
+    for chunks in ([4, 4, 3], [1] * 11):
+        got, got_state = run(chunks)
+        np.testing.assert_array_equal(got, whole)
+        np.testing.assert_array_equal(got_state, whole_state)

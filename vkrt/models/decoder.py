@@ -134,10 +134,8 @@ class DecoderModel(CausalLM):
         o = ops.gated_delta_net(qkv, linear(x, net.ba), net.a_rate, net.dt_bias, delta_state, step.seq_start,
                                 step.positions, step.state_slots, c.linear_num_key_heads, c.linear_num_value_heads,
                                 c.linear_key_head_dim, c.linear_value_head_dim, tiled_heads=c.linear_v_heads_tiled)
-        dv = c.linear_value_head_dim
-        gated = ops.gated_rms_norm(ops.reshape(o, (-1, dv)), ops.reshape(linear(x, net.z), (-1, dv)), net.norm,
-                                   c.rms_norm_eps)
-        return self.residual(linear(ops.reshape(gated, o.shape), net.out_proj), h)
+        gated = ops.gated_rms_norm(o, linear(x, net.z), net.norm, c.rms_norm_eps, group_size=c.linear_value_head_dim)
+        return self.residual(linear(gated, net.out_proj), h)
 
     def feed_forward(self, layer: Layer, h: Tensor) -> Tensor:
         c = self.config

@@ -220,9 +220,20 @@ def gated_delta_net(qkv: Tensor, ba: Tensor, a_rate: Tensor, dt_bias: Tensor, st
                     v_head_dim=int(v_head_dim), tiled_heads=bool(tiled_heads))
 
 
-def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
-    """rms_norm(x, w, eps) * silu(z), per row of x and z [R, D]."""
-    return dispatch("gated_rms_norm", x, z, w, eps=float(eps))
+def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float, group_size: int = 0, gate_first: bool = False) -> Tensor:
+    """Per group of `group_size` columns (0: the row): rms_norm(x) * w * silu(z), or with
+    `gate_first` rms_norm(x * silu(z)) * w; w [D] or [group_size] (vkrt.ops.recurrent)."""
+    return dispatch("gated_rms_norm", x, z, w, eps=float(eps), group_size=int(group_size), gate_first=bool(gate_first))
+
+
+def ssm_scan(xbc: Tensor, dt: Tensor, a_rate: Tensor, skip: Tensor, dt_bias: Tensor, state: Tensor, seq_start: Tensor,
+             positions: Tensor, state_slots: Tensor, num_heads: int, head_dim: int, n_groups: int, state_size: int,
+             dt_min: float = 0.0, dt_max: float = float("inf")) -> Tensor:
+    """[T, H * P]: Mamba2's selective scan over each sequence of the step (A = a_rate, D = skip),
+    its state [slots, H, P, N] carried and updated in place (vkrt.ops.recurrent)."""
+    return dispatch("ssm_scan", xbc, dt, a_rate, skip, dt_bias, state, seq_start, positions, state_slots,
+                    num_heads=int(num_heads), head_dim=int(head_dim), n_groups=int(n_groups),
+                    state_size=int(state_size), dt_min=float(dt_min), dt_max=float(dt_max))
 
 
 def op_names() -> list[str]:
@@ -235,6 +246,6 @@ __all__ = [
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "silu_and_mul",
+    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",
 ]

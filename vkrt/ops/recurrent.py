@@ -1,4 +1,4 @@
-"""Recurrent mixers' ops: the depthwise causal convolution with its carried state, for now.
+"""Recurrent mixers' ops: the depthwise causal convolution, the gated delta rule, Mamba2's scan.
 
 A recurrent layer keeps a fixed-size state per sequence in a pool of slots (the engine hands
 each running sequence one slot, `state_slots[s]`), updated in place on the device. Ops are
@@ -168,16 +168,91 @@ def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias
     return out.reshape(t, -1).astype(np.float32)
 
 
-def _gated_norm_infer(x: TensorSpec, z: TensorSpec, w: TensorSpec, eps: float) -> tuple[TensorSpec, ...]:
+def _gated_norm_infer(x: TensorSpec, z: TensorSpec, w: TensorSpec, eps: float, group_size: int = 0,
+                      gate_first: bool = False) -> tuple[TensorSpec, ...]:
     specs = (x, z, w)
-    require(x.dtype == z.dtype == w.dtype == "f32" and len(x.shape) == 2 and z == x and w.shape == (x.shape[1],),
-            "gated_rms_norm", specs, "x and z must be f32 [R, D], w f32 [D]")
+    require(x.dtype == z.dtype == w.dtype == "f32" and len(x.shape) == 2 and z == x, "gated_rms_norm", specs,
+            "x and z must be f32 [R, D]")
+    size = group_size or x.shape[1]
+    require(x.shape[1] % size == 0 and w.shape in ((x.shape[1],), (size,)), "gated_rms_norm", specs,
+            f"groups of {size} must tile D, and w be f32 [D] or [group_size]")
     return (x,)
 
 
 @register_op("gated_rms_norm", _gated_norm_infer)
-def gated_rms_norm(x: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """rms_norm(x) * w * silu(z) per row (the delta net's output norm, gated by z)."""
+def gated_rms_norm(x: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float, group_size: int = 0,
+                   gate_first: bool = False) -> np.ndarray:
+    """Per group of `group_size` columns (0: the whole row): rms_norm(x) * w * silu(z) (Qwen3.5's
+    delta net), or with `gate_first` rms_norm(x * silu(z)) * w (Mamba2's); w is [D], or [group_size]
+    for every group."""
+    rows, dim = x.shape
+    size = group_size or dim
     x64, z64 = x.astype(np.float64), z.astype(np.float64)
-    inv = 1.0 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
-    return (x64 * inv * w * (z64 / (1.0 + np.exp(-z64)))).astype(np.float32)
+    gate = z64 / (1.0 + np.exp(-z64))
+    if gate_first:
+        x64 = x64 * gate
+    groups = x64.reshape(rows, dim // size, size)
+    normed = (groups / np.sqrt((groups * groups).mean(axis=-1, keepdims=True) + eps)).reshape(rows, dim)
+    weight = np.tile(w.astype(np.float64), dim // w.shape[0])
+    return (normed * weight * (1.0 if gate_first else gate)).astype(np.float32)
+
+
+# ---- Mamba2's selective scan (Granite 4, Nemotron-H, Falcon-H1) -----------------------------------
+#
+# Per head h of sequence s (head_dim P, state size N, head h reading B and C of group
+# h // (num_heads / n_groups)), a state [P, N]: for each token, with dt = clamp(softplus(dt[h] +
+# dt_bias[h]), dt_min, dt_max),
+#   state <- state * exp(dt * A[h]) + dt * x ⊗ B;   y = state C + D[h] * x,
+# transformers' mamba2_selective_state_update (its chunked prefill computes the same sums).
+
+
+def _ssm_infer(xbc: TensorSpec, dt: TensorSpec, a_rate: TensorSpec, skip: TensorSpec, dt_bias: TensorSpec,
+               state: TensorSpec, seq_start: TensorSpec, positions: TensorSpec, state_slots: TensorSpec,
+               num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0,
+               dt_max: float = float("inf")) -> tuple[TensorSpec, ...]:
+    specs = (xbc, dt, a_rate, skip, dt_bias, state, seq_start, positions, state_slots)
+    name = "ssm_scan"
+    require(n_groups > 0 and num_heads % n_groups == 0, name, specs, "num_heads must be a multiple of n_groups")
+    width = num_heads * head_dim + 2 * n_groups * state_size
+    require(xbc.dtype == "f32" and len(xbc.shape) == 2 and xbc.shape[1] == width, name, specs,
+            f"xbc must be f32 [T, {width}] (x of {num_heads} heads of {head_dim}, B and C of {n_groups} groups of "
+            f"{state_size})")
+    require(dt.dtype == "f32" and dt.shape == (xbc.shape[0], num_heads), name, specs, "dt must be f32 [T, num_heads]")
+    require(all(t.dtype == "f32" and t.shape == (num_heads,) for t in (a_rate, skip, dt_bias)), name, specs,
+            "A, D and dt_bias must be f32 [num_heads]")
+    require(state.dtype == "f32" and len(state.shape) == 4 and state.shape[1:] == (num_heads, head_dim, state_size),
+            name, specs, "state must be f32 [slots, num_heads, head_dim, state_size]")
+    require(positions.dtype == "i32" and positions.shape == (xbc.shape[0],), name, specs, "positions must be i32 [T]")
+    require(seq_start.dtype == "i32" and state_slots.dtype == "i32" and len(seq_start.shape) == 1
+            and state_slots.shape == (seq_start.shape[0] - 1,), name, specs,
+            "seq_start must be i32 [S + 1] and state_slots i32 [S]")
+    return (TensorSpec((xbc.shape[0], num_heads * head_dim), "f32"),)
+
+
+@register_op("ssm_scan", _ssm_infer, inplace=(5,))
+def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
+             state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_heads: int,
+             head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0, dt_max: float = float("inf"),
+             ) -> np.ndarray:
+    """y [T, H * P]: Mamba2's scan over each sequence (float64 within a step, the state stored f32)."""
+    t = xbc.shape[0]
+    inner = num_heads * head_dim
+    x64 = xbc.astype(np.float64)
+    x = x64[:, :inner].reshape(t, num_heads, head_dim)
+    group = np.arange(num_heads) // (num_heads // n_groups)
+    b = x64[:, inner:inner + n_groups * state_size].reshape(t, n_groups, state_size)[:, group]
+    c = x64[:, inner + n_groups * state_size:].reshape(t, n_groups, state_size)[:, group]
+    step = np.clip(_softplus(dt.astype(np.float64) + dt_bias.astype(np.float64)), dt_min, dt_max)  # [T, H]
+    decay = np.exp(step * a_rate.astype(np.float64))
+    y = np.zeros((t, num_heads, head_dim), np.float64)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        h = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+        for i in range(t0, t1):
+            h = h * decay[i][:, None, None] + (step[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
+            y[i] = np.einsum("hpn,hn->hp", h, c[i]) + skip.astype(np.float64)[:, None] * x[i]
+        state[slot] = h.astype(np.float32)
+    return y.reshape(t, inner).astype(np.float32)

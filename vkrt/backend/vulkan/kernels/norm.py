@@ -67,11 +67,14 @@ def _layer_norm(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict
 def _gated_rms_norm(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                     out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, z, w = inputs
-    rows, dim = x.shape
+    rows, width = x.shape
+    dim = params.get("group_size") or width  # a workgroup per group of a row
+    groups = rows * (width // dim)
     y = backend.empty(out[0].shape, "f32")
+    spec = {0: row_workgroup(backend.caps), 1: int(params.get("gate_first", False)), 2: w.shape[0] // dim}
     backend.run_shader(module(backend, "norm", "rms_gated"),
                        [(x, "f32", False), (z, "f32", False), (w, "f32", False), (y, "f32", True)],
-                       _row_grid(rows), ("<IIf", (rows, dim, params["eps"])), {0: row_workgroup(backend.caps)})
+                       _row_grid(groups), ("<IIf", (groups, dim, params["eps"])), spec)
     return (y,)
 
 
