@@ -141,6 +141,18 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                                           "partial_rotary_factor": 0.25}),
                          "Qwen3.5 dense: gated delta nets (2 key heads of 16, 4 value heads of 8, conv 4) in "
                          "layers 0, 1, 3, gated attention with (1 + w) QK-norm and partial rotary 0.25 in layer 2"),
+        "tiny_granite4": ("GraniteMoeHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
+                                                   initializer_range=0.1, num_local_experts=0,
+                                                   shared_intermediate_size=96,
+                                                   layer_types=["mamba", "mamba", "attention", "mamba"],
+                                                   mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
+                                                   mamba_d_head=32, mamba_d_conv=4, mamba_expand=2,
+                                                   mamba_conv_bias=True, position_embedding_type="nope",
+                                                   embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                   residual_multiplier=0.6, logits_scaling=2.5),
+                          "Granite 4 hybrid (dense): Mamba2 (4 heads of 32, 2 groups, state 16, conv 4 with "
+                          "bias) in layers 0, 1, 3, NoPE attention in layer 2, a shared MLP of 96, Granite's "
+                          "four multipliers"),
     }
 
 
@@ -157,7 +169,7 @@ def _randomise(model, gemma: bool) -> None:
             if name.endswith("norm.weight"):
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.endswith((".bias", ".dt_bias")):
+            elif name.endswith((".bias", ".dt_bias", ".D")):
                 p.copy_(0.1 * torch.randn_like(p))
 
 

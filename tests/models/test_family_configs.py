@@ -133,6 +133,22 @@ def test_partial_rotary_that_cannot_rope_is_refused(tmp_path: Path, factor: floa
     _one_line(exc, "config.json", "partial_rotary_factor", error)
 
 
+def test_hybrid_layer_kinds_and_their_fields() -> None:
+    """Each hybrid's layers get their mixers; Granite 4's config spells the scan's limit as
+    {"__float__": "Infinity"} (transformers 5) and unrotated positions as "nope"."""
+    lfm2 = load_model(FIXTURES / "tiny_lfm2").config
+    assert [layer.mixer for layer in lfm2.layers] == ["short_conv", "attention", "short_conv", "short_conv"]
+    assert (lfm2.conv_kernel, lfm2.intermediate_size) == (3, 96)
+    qwen = load_model(FIXTURES / "tiny_qwen3_5").config
+    assert [layer.mixer for layer in qwen.layers] == ["gated_delta_net"] * 2 + ["attention", "gated_delta_net"]
+    assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.rotary_dim, qwen.attn_output_gate) == (2, 4, 4, True)
+    assert load_model(FIXTURES / "tiny_qwen3_5_gguf" / "model.gguf").config.layers == qwen.layers
+    granite = load_model(FIXTURES / "tiny_granite4").config
+    assert [layer.mixer for layer in granite.layers] == ["mamba2"] * 2 + ["attention", "mamba2"]
+    assert not any(layer.rope for layer in granite.layers) and granite.mamba_dt_max == math.inf
+    assert (granite.mamba_num_heads, granite.mamba_head_dim, granite.intermediate_size, granite.conv_bias) == (4, 32, 96, True)
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

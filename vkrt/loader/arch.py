@@ -127,7 +127,9 @@ _ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias",
 MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
                  "gated_delta_net": ("delta.in_proj_qkv", "delta.in_proj_z", "delta.in_proj_b", "delta.in_proj_a",
                                      "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
-                                     "delta.out_proj")}
+                                     "delta.out_proj"),
+                 "mamba2": ("mamba.in_proj", "mamba.conv.weight", "mamba.A_log", "mamba.D", "mamba.dt_bias",
+                            "mamba.norm", "mamba.out_proj")}
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
@@ -405,8 +407,23 @@ _QWEN3_5 = ArchSpec(
     attn_output_gate=True,
 )
 
+# Granite 4 hybrid (dense): Mamba2 in most layers, attention in a few, one shared MLP (its gate and
+# up fused as input_linear), Granite's multipliers; positions unrotated ("nope") in the small models.
+_GRANITE4 = ArchSpec(
+    name="granite4_hybrid",
+    gguf_archs=(),  # llama.cpp's granitehybrid GGUFs are not read yet
+    hf_archs=("GraniteMoeHybridForCausalLM",),
+    hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
+              "shared_mlp.output_linear.weight": "down_proj", "mamba.in_proj.weight": "mamba.in_proj",
+              "mamba.conv1d.weight": "mamba.conv.weight", "mamba.conv1d.bias": "mamba.conv.bias",
+              "mamba.A_log": "mamba.A_log", "mamba.D": "mamba.D", "mamba.dt_bias": "mamba.dt_bias",
+              "mamba.norm.weight": "mamba.norm", "mamba.out_proj.weight": "mamba.out_proj"},
+    layer_weights=("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm", "gate_up_proj", "down_proj"),
+    mixer_types={"linear_attention": "mamba2", "mamba": "mamba2", "attention": "attention"},
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _GRANITE4)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -440,6 +457,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     gated_q_rows = 2 * q_rows if config.attn_output_gate else q_rows  # q and a gate per head
     v_heads, key_dim = config.linear_num_value_heads, config.linear_num_key_heads * config.linear_key_head_dim
     value_dim = v_heads * config.linear_value_head_dim
+    mamba_inner = config.mamba_num_heads * config.mamba_head_dim
+    mamba_bc = config.mamba_n_groups * config.mamba_state_size  # B's (and C's) channels
     expected: dict[str, tuple[int, ...]] = {
         "embed_tokens": (config.vocab_size, hidden),
         "final_norm": (hidden,),
@@ -479,13 +498,21 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "delta.dt_bias": (v_heads,),
         "delta.norm": (config.linear_value_head_dim,),
         "delta.out_proj": (hidden, value_dim),
+        "mamba.in_proj": (2 * mamba_inner + 2 * mamba_bc + config.mamba_num_heads, hidden),
+        "mamba.conv.weight": (mamba_inner + 2 * mamba_bc, config.conv_kernel),
+        "mamba.conv.bias": (mamba_inner + 2 * mamba_bc,),
+        "mamba.A_log": (config.mamba_num_heads,),
+        "mamba.D": (config.mamba_num_heads,),
+        "mamba.dt_bias": (config.mamba_num_heads,),
+        "mamba.norm": (mamba_inner,),
+        "mamba.out_proj": (hidden, mamba_inner),
     }
     for i in range(config.num_layers):
         layer = config.layer(i)
         names = list(arch_named(config.architecture).layer_weights)
         if layer.mixer != "attention":
             names = [n for n in names if n not in _ATTENTION_ONLY] + list(MIXER_WEIGHTS[layer.mixer])
-            names += ["conv.bias"] if config.conv_bias else []
+            names += ([("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")] if config.conv_bias else [])
             if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
                 names = ["delta.A" if n == "delta.A_log" else n for n in names]
         for name in names:

@@ -24,7 +24,7 @@ class LayerConfig:
     moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
     # The token mixer: "attention" (paged attention over the KV cache) or a recurrent mixer with
     # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution),
-    # "gated_delta_net" (Qwen3.5's linear attention).
+    # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan).
     mixer: str = "attention"
 
 
@@ -76,6 +76,13 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Mamba2: heads of head_dim, n_groups of B and C of state_size, dt's limits (time_step_limit).
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_n_groups: int = 0
+    mamba_state_size: int = 0
+    mamba_dt_min: float = 0.0
+    mamba_dt_max: float = float("inf")
     # A GGUF as llama.cpp converts it: value heads tiled over key heads, A = -exp(A_log) stored.
     linear_v_heads_tiled: bool = False
     linear_decay_stored: bool = False

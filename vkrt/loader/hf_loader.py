@@ -37,10 +37,20 @@ _DTYPES: dict[str, tuple[str, type[np.generic]]] = {
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    """transformers 5 writes floats JSON cannot hold as {"__float__": "Infinity"} (time_step_limit)."""
+    if len(obj) == 1 and obj.get("__float__") in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     validate.regular_file(path)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFormatError(f"{path}: cannot read JSON ({exc}); fix or re-download the file") from exc
     if not isinstance(value, dict):

@@ -173,15 +173,22 @@ def _layer_kinds(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[tup
     if not isinstance(types, list) or len(types) != num_layers:
         raise ModelFormatError(f"{src.source}: layer_types must list one type per layer ({num_layers})")
     known = [*_LAYER_TYPES, *spec.mixer_types]
+    attention = [t for t, mixer in spec.mixer_types.items() if mixer == "attention"]  # a family's own name for it
     for t in types:
         if t not in known:
             raise UnsupportedModelError(f"{src.source}: layer_types entry {t!r} is not supported "
                                         f"(supported: {', '.join(known)})")
-    return [(spec.mixer_types.get(t, "attention"), _LAYER_TYPES.get(t, False)) for t in types]
+    return [(spec.mixer_types.get(t, "attention"), _LAYER_TYPES.get(t, False) and t not in attention) for t in types]
 
 
 def _rotated_layers(src: ConfigFields, num_layers: int) -> list[bool]:
-    """SmolLM3's `no_rope_layers`: 1 where the layer uses RoPE, 0 where it does not (NoPE)."""
+    """SmolLM3's `no_rope_layers`: 1 where the layer uses RoPE, 0 where it does not (NoPE);
+    Granite 4's position_embedding_type "nope": no layer rotates."""
+    if src.get("position_embedding_type") not in (None, "rope"):
+        if src.get("position_embedding_type") != "nope":
+            raise UnsupportedModelError(f"{src.source}: position_embedding_type "
+                                        f"{src.get('position_embedding_type')!r} is not supported (rope, nope)")
+        return [False] * num_layers
     flags = src.get("no_rope_layers")
     if flags is None:
         return [True] * num_layers
@@ -317,9 +324,10 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         rotary_dim=_rotary_dim(src, head_dim),
         rope_interleaved=spec.rope_interleaved,
         conv_kernel=conv_kernel,
-        conv_bias=bool(conv_kernel and src.get("conv_bias", False)),
+        conv_bias=bool(conv_kernel and src.get("conv_bias", src.get("mamba_conv_bias", False))),
         attn_output_gate=spec.attn_output_gate,
         **_delta_net(src, layers),
+        **_mamba(src, layers),
         linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
         linear_decay_stored=bool(src.get("linear_decay_stored", False)),
         qkv_bias=spec.qkv_bias,
@@ -345,7 +353,8 @@ def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
     """The convolution's taps where a layer convolves (LFM2's conv_L_cache, a delta net's
     linear_conv_kernel_dim), checked; else 0."""
     mixers = {layer.mixer for layer in layers}
-    key = "conv_L_cache" if "short_conv" in mixers else "linear_conv_kernel_dim" if "gated_delta_net" in mixers else ""
+    key = next((k for mixer, k in (("short_conv", "conv_L_cache"), ("gated_delta_net", "linear_conv_kernel_dim"),
+                                   ("mamba2", "mamba_d_conv")) if mixer in mixers), "")
     if not key:
         return 0
     taps = src.get(key)
@@ -376,7 +385,10 @@ def _delta_net(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, 
 
 def _ffn_width(src: ConfigFields, width: int) -> int:
     """The MLP's width: LFM2 derives it from intermediate_size (block_auto_adjust_ff_dim: 2/3 of
-    it, times block_ffn_dim_multiplier, rounded up to block_multiple_of), as transformers does."""
+    it, times block_ffn_dim_multiplier, rounded up to block_multiple_of), as transformers does;
+    a Granite 4 hybrid without experts runs its shared MLP (shared_intermediate_size)."""
+    if src.get("num_local_experts") == 0 and _is_int(src.get("shared_intermediate_size")):
+        return int(src.values["shared_intermediate_size"])
     if not src.get("block_auto_adjust_ff_dim"):
         return width
     width = int(2 * width / 3)
@@ -386,6 +398,33 @@ def _ffn_width(src: ConfigFields, width: int) -> int:
         multiple = int(src.get("block_multiple_of", 256))
         width = multiple * ((width + multiple - 1) // multiple)
     return width
+
+
+def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]:
+    """Mamba2's heads, groups and state (ModelConfig's mamba_* fields), checked."""
+    if not any(layer.mixer == "mamba2" for layer in layers):
+        return {}
+    hidden = int(src.values["hidden_size"])
+    heads, groups, state = (src.get(k) for k in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state"))
+    inner = int(src.get("mamba_expand", 2)) * hidden
+    head_dim = src.get("mamba_d_head", "auto")
+    if head_dim == "auto" and _is_int(heads) and heads > 0:
+        head_dim = inner // heads
+    for key, value in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_d_state", state),
+                       ("mamba_d_head", head_dim)):
+        if not _is_int(value) or value < 1:
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
+    assert _is_int(heads) and _is_int(groups) and _is_int(head_dim)
+    if heads * head_dim != inner or heads % groups:
+        raise ModelFormatError(f"{src.source}: mamba_n_heads x mamba_d_head must be mamba_expand x hidden_size "
+                               f"({inner}) and mamba_n_heads a multiple of mamba_n_groups")
+    if src.get("mamba_proj_bias"):
+        raise UnsupportedModelError(f"{src.source}: mamba_proj_bias is not supported")
+    limit = src.get("time_step_limit") or (0.0, math.inf)
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit):
+        raise ModelFormatError(f"{src.source}: time_step_limit must be two numbers, got {limit!r}")
+    return {"mamba_num_heads": heads, "mamba_head_dim": head_dim, "mamba_n_groups": groups, "mamba_state_size": state,
+            "mamba_dt_min": float(limit[0]), "mamba_dt_max": float(limit[1])}
 
 
 def hf_fields(config_path: Path, cfg: dict[str, Any]) -> ConfigFields:

@@ -45,6 +45,10 @@ def state_shapes(config: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
             channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
             shapes[i] = ((channels, c.conv_kernel - 1),
                          (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
+        elif mixer == "mamba2":  # the conv's window over x|B|C, and each head's [P, N]
+            c = config
+            channels = c.mamba_num_heads * c.mamba_head_dim + 2 * c.mamba_n_groups * c.mamba_state_size
+            shapes[i] = ((channels, c.conv_kernel - 1), (c.mamba_num_heads, c.mamba_head_dim, c.mamba_state_size))
     return shapes
 
 

@@ -29,6 +29,7 @@ from vkrt.models.weights import (
     GatedDeltaNet,
     Layer,
     Linear,
+    Mamba2,
     Mlp,
     ShortConv,
     build_weights,
@@ -89,8 +90,10 @@ class DecoderModel(CausalLM):
                 h = self.attention(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, ShortConv):
                 h = self.short_conv(layer, mixer, h, step, kv, i)
-            else:
+            elif isinstance(mixer, GatedDeltaNet):
                 h = self.gated_delta_net(layer, mixer, h, step, kv, i)
+            else:
+                h = self.mamba2(layer, mixer, h, step, kv, i)
             h = self.feed_forward(layer, h)
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
@@ -136,6 +139,21 @@ class DecoderModel(CausalLM):
                                 c.linear_key_head_dim, c.linear_value_head_dim, tiled_heads=c.linear_v_heads_tiled)
         gated = ops.gated_rms_norm(o, linear(x, net.z), net.norm, c.rms_norm_eps, group_size=c.linear_value_head_dim)
         return self.residual(linear(gated, net.out_proj), h)
+
+    def mamba2(self, layer: Layer, m: Mamba2, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """Mamba2: x|B|C convolved (silu), the selective scan over each sequence, gated by silu(z)
+        then normed in groups; both states in layer i's slots."""
+        c = self.config
+        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+        conv_state, ssm_state = kv.states[i]
+        xbc = ops.causal_conv1d(linear(x, m.xbc), m.conv_taps, m.conv_bias, conv_state, step.seq_start,
+                                step.positions, step.state_slots, activation="silu")
+        y = ops.ssm_scan(xbc, linear(x, m.dt), m.a_rate, m.skip, m.dt_bias, ssm_state, step.seq_start, step.positions,
+                         step.state_slots, c.mamba_num_heads, c.mamba_head_dim, c.mamba_n_groups, c.mamba_state_size,
+                         c.mamba_dt_min, c.mamba_dt_max)
+        group = c.mamba_num_heads * c.mamba_head_dim // c.mamba_n_groups
+        gated = ops.gated_rms_norm(y, linear(x, m.z), m.norm, c.rms_norm_eps, group_size=group, gate_first=True)
+        return self.residual(linear(gated, m.out_proj), h)
 
     def feed_forward(self, layer: Layer, h: Tensor) -> Tensor:
         c = self.config

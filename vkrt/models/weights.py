@@ -74,7 +74,25 @@ class GatedDeltaNet:
     out_proj: Linear
 
 
-Mixer = Attention | ShortConv | GatedDeltaNet
+@dataclass(frozen=True)
+class Mamba2:
+    """Mamba2 (Granite 4): in_proj's rows as three projections, z (the gate), x|B|C and dt; the
+    conv over x|B|C (taps [C, K], bias), A = -exp(A_log), D and dt_bias [H], the grouped norm
+    weight [inner] (gate before norm), out_proj."""
+
+    z: Linear
+    xbc: Linear
+    dt: Linear
+    conv_taps: Tensor
+    conv_bias: Tensor
+    a_rate: Tensor
+    skip: Tensor
+    dt_bias: Tensor
+    norm: Tensor
+    out_proj: Linear
+
+
+Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2
 
 
 @dataclass(frozen=True)
@@ -224,8 +242,7 @@ class _Builder:
         mixer = c.layer(i).mixer
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
-            mixer=self.attention(p) if mixer == "attention" else self.short_conv(p) if mixer == "short_conv"
-            else self.gated_delta_net(p),
+            mixer=self.mixer(p, mixer),
             ffn_norm=self.norm(p + "ffn_norm"),
             mlp=self.experts(p) if c.layer(i).moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
@@ -248,6 +265,29 @@ class _Builder:
         k_norm = self.norm(p + "k_norm") if c.qk_norm else None
         return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm,
                          gate=self.linear([gate]) if gate is not None else None)
+
+    def mixer(self, p: str, kind: str) -> Mixer:
+        if kind == "short_conv":
+            return self.short_conv(p)
+        if kind == "gated_delta_net":
+            return self.gated_delta_net(p)
+        if kind == "mamba2":
+            return self.mamba2(p)
+        return self.attention(p)
+
+    def mamba2(self, p: str) -> Mamba2:
+        c = self.config
+        inner = c.mamba_num_heads * c.mamba_head_dim
+        channels = inner + 2 * c.mamba_n_groups * c.mamba_state_size
+        in_proj = self.raw(p + "mamba.in_proj")
+        z, xbc, dt = (_rows(in_proj, start, stop) for start, stop in
+                      ((0, inner), (inner, inner + channels), (inner + channels, in_proj.shape[0])))
+        bias = self.vector(p + "mamba.conv.bias") if c.conv_bias else np.zeros(channels, np.float32)
+        return Mamba2(z=self.linear([z]), xbc=self.linear([xbc]), dt=self.linear([dt]),
+                      conv_taps=self.f32(self.vector(p + "mamba.conv.weight").reshape(channels, c.conv_kernel)),
+                      conv_bias=self.f32(bias), a_rate=self.f32(-np.exp(self.vector(p + "mamba.A_log"))),
+                      skip=self.f32(self.vector(p + "mamba.D")), dt_bias=self.f32(self.vector(p + "mamba.dt_bias")),
+                      norm=self.f32(self.vector(p + "mamba.norm")), out_proj=self.linear([p + "mamba.out_proj"]))
 
     def query_and_gate(self, q_proj: WeightData) -> tuple[WeightData, WeightData]:
         """Qwen3.5's q_proj holds per head its query rows, then its gate rows: the two as row
@@ -374,3 +414,9 @@ class _Builder:
     def norm(self, name: str) -> Tensor:
         """A norm's scale as f32; HF Gemma stores w of (1 + w), folded here once."""
         return self.f32(self.vector(name) + np.float32(self.config.norm_offset))
+
+
+def _rows(w: WeightData, start: int, stop: int) -> WeightData:
+    """Rows start .. stop - 1 of a stored weight, as a row selection (nothing copied)."""
+    order = np.arange(start, stop) if w.row_order is None else w.row_order[start:stop]
+    return WeightData(f"{w.name}[{start}:{stop}]", w.fmt, (stop - start, *w.shape[1:]), w.data, order)
