@@ -46,7 +46,7 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5")
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next")
 # Families whose text model has its own config class beside the multimodal one.
 TEXT_CONFIGS = ("Gemma3", "Qwen3_5")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
@@ -141,6 +141,21 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                                           "partial_rotary_factor": 0.25}),
                          "Qwen3.5 dense: gated delta nets (2 key heads of 16, 4 value heads of 8, conv 4) in "
                          "layers 0, 1, 3, gated attention with (1 + w) QK-norm and partial rotary 0.25 in layer 2"),
+        "tiny_qwen3_next": ("Qwen3Next", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
+                                              initializer_range=0.1, layer_types=["linear_attention",
+                                                                                  "full_attention",
+                                                                                  "linear_attention",
+                                                                                  "linear_attention"],
+                                              linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                              linear_value_head_dim=8, linear_num_key_heads=2,
+                                              linear_num_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                                              moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                               "partial_rotary_factor": 0.25}),
+                            "Qwen3-Next: gated delta nets (q|k|v|z and b|a interleaved per key head) in layers "
+                            "0, 2, 3, gated attention in layer 1; MoE (6 experts of 24, top-2, a shared expert of "
+                            "32 behind a sigmoid gate) in every layer, as the real models and llama.cpp have it"),
         "tiny_granite4": ("GraniteMoeHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
                                                    initializer_range=0.1, num_local_experts=0,
                                                    shared_intermediate_size=96,
@@ -279,6 +294,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         model_cls = getattr(transformers, f"{family}ForCausalLM")
         torch.manual_seed(seed + 10 + index)
         cfg = config_cls(**kwargs)
+        cfg._attn_implementation = "eager"  # as the reloaded model runs: the reload check compares like with like
         model = model_cls(cfg).to(torch.float32).eval()
         _randomise(model, gemma=family.startswith("Gemma"))
         for name, p in model.named_parameters():  # expert tensors start torch.empty until initialised

@@ -189,6 +189,8 @@ class ArchSpec:
     mixer_types: dict[str, str] = field(default_factory=dict)
     # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
     attn_output_gate: bool = False
+    # llama.cpp's converter reorders this family's delta-net value heads tiled over key heads (Qwen3.5).
+    gguf_v_heads_tiled: bool = False
     # Mixture of experts: whether the k router weights are renormalised when the file does
     # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
     norm_topk_prob: bool = False
@@ -405,6 +407,7 @@ _QWEN3_5 = ArchSpec(
     hf_norm_offset=1.0,
     mixer_types={"linear_attention": "gated_delta_net"},
     attn_output_gate=True,
+    gguf_v_heads_tiled=True,
 )
 
 # Granite 4 hybrid (dense): Mamba2 in most layers, attention in a few, one shared MLP (its gate and
@@ -422,8 +425,29 @@ _GRANITE4 = ArchSpec(
     mixer_types={"linear_attention": "mamba2", "mamba": "mamba2", "attention": "attention"},
 )
 
+# Qwen3-Next: Qwen3.5's mixers with the delta nets' projections interleaved per key head
+# (q|k|v|z and b|a; llama.cpp's converter separates q|k|v from z but keeps b|a interleaved), and a
+# mixture of experts with Qwen2-MoE's sigmoid-gated shared expert in every layer.
+_QWEN3_NEXT = ArchSpec(
+    name="qwen3_next",
+    gguf_archs=("qwen3next",),
+    hf_archs=("Qwen3NextForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF, "ssm_ba.weight": "delta.in_proj_ba",
+                **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF, "linear_attn.in_proj_qkvz.weight": "delta.in_proj_qkvz",
+              "linear_attn.in_proj_ba.weight": "delta.in_proj_ba", **_MOE_HF, **_SHARED_EXPERT_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    hf_norm_offset=1.0,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attn_output_gate=True,
+    norm_topk_prob=True,
+    shared_expert=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _GRANITE4)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _GRANITE4,
+                               _QWEN3_NEXT)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -492,6 +516,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "delta.in_proj_z": (value_dim, hidden),
         "delta.in_proj_b": (v_heads, hidden),
         "delta.in_proj_a": (v_heads, hidden),
+        "delta.in_proj_qkvz": (2 * key_dim + 2 * value_dim, hidden),
+        "delta.in_proj_ba": (2 * v_heads, hidden),
         "delta.conv.weight": (2 * key_dim + value_dim, config.conv_kernel),
         "delta.A_log": (v_heads,),
         "delta.A": (v_heads,),
@@ -515,6 +541,10 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
             names += ([("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")] if config.conv_bias else [])
             if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
                 names = ["delta.A" if n == "delta.A_log" else n for n in names]
+            for fused, apart in (("delta.in_proj_qkvz", ("delta.in_proj_qkv", "delta.in_proj_z")),
+                                 ("delta.in_proj_ba", ("delta.in_proj_b", "delta.in_proj_a"))):
+                if f"layers.{i}.{fused}" in weights:  # Qwen3-Next's projections, interleaved per key head
+                    names = [n for n in names if n not in apart] + [fused]
         for name in names:
             if not (layer.moe and name in DENSE_MLP_WEIGHTS):
                 expected[f"layers.{i}.{name}"] = shapes[name]

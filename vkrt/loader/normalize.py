@@ -554,7 +554,8 @@ def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any]
     inner, v_heads = meta.get(f"{arch}.ssm.inner_size"), values["linear_num_value_heads"]
     values["linear_value_head_dim"] = inner // v_heads if _is_int(inner) and _is_int(v_heads) and v_heads else None
     spelled["linear_value_head_dim"] = f"{arch}.ssm.inner_size"
-    values["linear_v_heads_tiled"] = values["linear_decay_stored"] = True  # how llama.cpp's converter writes them
+    values["linear_decay_stored"] = True  # llama.cpp's converter stores A = -exp(A_log)
+    values["linear_v_heads_tiled"] = spec.gguf_v_heads_tiled
 
 
 def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],

@@ -275,6 +275,14 @@ class _Builder:
             return self.mamba2(p)
         return self.attention(p)
 
+    def per_key_head(self, w: WeightData, sizes: tuple[int, ...]) -> list[WeightData]:
+        """Qwen3-Next's projections hold per key head consecutive pieces of `sizes` rows: piece j
+        of every key head, as one row selection each (nothing copied)."""
+        heads, group, starts = self.config.linear_num_key_heads, sum(sizes), np.cumsum((0, *sizes))
+        orders = [np.concatenate([g * group + np.arange(starts[j], starts[j + 1]) for g in range(heads)])
+                  for j in range(len(sizes))]
+        return [WeightData(f"{w.name}[{j}]", w.fmt, (o.size, *w.shape[1:]), w.data, o) for j, o in enumerate(orders)]
+
     def mamba2(self, p: str) -> Mamba2:
         c = self.config
         inner = c.mamba_num_heads * c.mamba_head_dim
@@ -302,9 +310,17 @@ class _Builder:
         c = self.config
         channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         taps = self.vector(p + "delta.conv.weight").reshape(channels, c.conv_kernel)
+        qkv: list[str | WeightData] = [p + "delta.in_proj_qkv"]
+        z: list[str | WeightData] = [p + "delta.in_proj_z"]
+        ba: list[str | WeightData] = [p + "delta.in_proj_b", p + "delta.in_proj_a"]
+        r, dk, dv = c.linear_num_value_heads // c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        if p + "delta.in_proj_qkvz" in self.stored:  # Qwen3-Next: per key head [q, k, v, z]
+            q, k, v, zs = self.per_key_head(self.raw(p + "delta.in_proj_qkvz"), (dk, dk, r * dv, r * dv))
+            qkv, z = [q, k, v], [zs]
+        if p + "delta.in_proj_ba" in self.stored:  # and per key head [b, a]
+            ba = list(self.per_key_head(self.raw(p + "delta.in_proj_ba"), (r, r)))
         return GatedDeltaNet(
-            qkv=self.linear([p + "delta.in_proj_qkv"]), z=self.linear([p + "delta.in_proj_z"]),
-            ba=self.linear([p + "delta.in_proj_b", p + "delta.in_proj_a"]),
+            qkv=self.linear(qkv), z=self.linear(z), ba=self.linear(ba),
             conv_taps=self.f32(taps), conv_bias=self.f32(np.zeros(channels, np.float32)),
             a_rate=self.f32(self.decay_rate(p)), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
             norm=self.f32(self.vector(p + "delta.norm")), out_proj=self.linear([p + "delta.out_proj"]))
