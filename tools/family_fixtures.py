@@ -46,9 +46,9 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next")
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
-TEXT_CONFIGS = ("Gemma3", "Qwen3_5")
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
@@ -141,6 +141,18 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                                           "partial_rotary_factor": 0.25}),
                          "Qwen3.5 dense: gated delta nets (2 key heads of 16, 4 value heads of 8, conv 4) in "
                          "layers 0, 1, 3, gated attention with (1 + w) QK-norm and partial rotary 0.25 in layer 2"),
+        "tiny_qwen3_5_moe": ("Qwen3_5Moe", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
+                                                initializer_range=0.1,
+                                                layer_types=["linear_attention", "linear_attention",
+                                                             "full_attention", "linear_attention"],
+                                                linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                                linear_value_head_dim=8, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                                                moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                 "partial_rotary_factor": 0.25}),
+                             "Qwen3.5 MoE: tiny_qwen3_5's mixers, every MLP a mixture of 6 experts of 24 (top-2) "
+                             "with a shared expert of 32 behind a sigmoid gate"),
         "tiny_qwen3_next": ("Qwen3Next", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
                                               initializer_range=0.1, layer_types=["linear_attention",
                                                                                   "full_attention",

@@ -445,9 +445,27 @@ _QWEN3_NEXT = ArchSpec(
     shared_expert=True,
 )
 
+# Qwen3.5 MoE: Qwen3.5's mixers, every MLP a mixture of experts (top-k always renormalised) with
+# a sigmoid-gated shared expert.
+_QWEN3_5_MOE = ArchSpec(
+    name="qwen3_5_moe",
+    gguf_archs=("qwen35moe",),
+    hf_archs=("Qwen3_5MoeForCausalLM",),
+    gguf_layer={**_QWEN3_5.gguf_layer, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_layer={**_QWEN3_5.hf_layer, **_MOE_HF, **_SHARED_EXPERT_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    hf_norm_offset=1.0,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attn_output_gate=True,
+    gguf_v_heads_tiled=True,
+    norm_topk_prob=True,
+    shared_expert=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _GRANITE4,
-                               _QWEN3_NEXT)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
+                               _GRANITE4, _QWEN3_NEXT)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
