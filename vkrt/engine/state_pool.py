@@ -1,6 +1,6 @@
 """Recurrent-state slots: the cache group of a hybrid model's recurrent layers.
 
-A recurrent layer (a gated convolution, later a delta net or SSM) keeps a fixed-size state per
+A recurrent layer (a gated convolution, a gated delta net, a Mamba2 scan) keeps a fixed-size state per
 sequence instead of K/V per token: the model allocates each such layer's state as
 [slots, ...] tensors (models.base.KVCache.states) and reads sequence s's from slot
 `state_slots[s]`. One slot serves a sequence in every recurrent layer. The pool has one slot

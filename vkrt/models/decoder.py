@@ -1,10 +1,11 @@
 """The decoder-only transformer every supported family is a configuration of.
 
 embedding (x scale) -> N x [norm, token mixer: attention (+bias, QK-norm, RoPE, window,
-softcap) or a recurrent mixer (LFM2's gated short convolution, its state in a slot per
-sequence), (post-norm), residual (x scale), norm, gated MLP or mixture of experts,
-(post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral,
-Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3-MoE, Mixtral and OLMoE
+softcap, output gate) or a recurrent mixer (LFM2's gated short convolution, the gated delta
+net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence), (post-norm), residual
+(x scale), norm, gated MLP or mixture of experts, (post-norm), residual (x scale)] -> final
+norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3,
+Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next, Granite 4, Qwen3-MoE, Mixtral and OLMoE
 differ only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read from
 there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
 fused kernels.
