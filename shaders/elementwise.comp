@@ -1,11 +1,12 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,gather,scale,softcap ACCESS=texel,ssbo
+//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,gather,scale,softcap,relu2 ACCESS=texel,ssbo
 // add: y[i] = a[i] + b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
 // sigmoid_mul: y[i] = a[i] * sigmoid(b[i % b_len]) (an output gate)
 // gather: y[r, d] = a[b[r], d] (b holds i32 row indices, b_len = D).
 // silu_mul/gelu_mul: x is [T, 2F]; y[t, f] = act(x[t, f]) * x[t, F + f], with b_len = F.
 // scale: y = x * param (one rounded f32 product). softcap: y = param * tanh(x / param).
+// relu2: y = max(x, 0)^2 (one rounded f32 product).
 #include "access.glsl"
 #include "softcap.glsl"
 #include "gelu.glsl"
@@ -39,6 +40,9 @@ void main() {
     y[i] = LD_F32(x, i) * pc.param;
 #elif defined(OP_SOFTCAP)
     y[i] = softcap_f32(LD_F32(x, i), pc.param);
+#elif defined(OP_RELU2)
+    float r = max(LD_F32(x, i), 0.0);
+    y[i] = r * r;
 #else
     uint row = i / pc.b_len, col = i % pc.b_len;
     float g = LD_F32(x, row * 2u * pc.b_len + col);

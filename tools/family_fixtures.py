@@ -180,6 +180,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                           "Granite 4 hybrid (dense): Mamba2 (4 heads of 32, 2 groups, state 16, conv 4 with "
                           "bias) in layers 0, 1, 3, NoPE attention in layer 2, a shared MLP of 96, Granite's "
                           "four multipliers"),
+        "tiny_nemotron_h": ("NemotronH", dict(vocab_size=256, hidden_size=64, max_position_embeddings=256,
+                                              initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                                              layers_block_type=["linear_attention", "mlp", "full_attention", "mlp",
+                                                                 "linear_attention", "mlp"],
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              intermediate_size=96, mamba_num_heads=4, mamba_head_dim=24, n_groups=2,
+                                              ssm_state_size=16, conv_kernel=4, layer_norm_epsilon=1e-5),
+                            "Nemotron-H (dense): blocks of one sublayer each, Mamba2 (4 heads of 24: inner 96, not "
+                            "2 x hidden; 2 groups, state 16, conv 4 with bias) in blocks 0 and 4, NoPE attention in "
+                            "block 2, an ungated relu^2 MLP of 96 in blocks 1, 3, 5"),
     }
 
 
@@ -193,7 +203,7 @@ def _randomise(model, gemma: bool) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_f.weight")):  # (norm_f: Nemotron-H's final norm)
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith((".bias", ".dt_bias", ".D")):

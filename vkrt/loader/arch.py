@@ -129,7 +129,8 @@ MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
                                      "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
                                      "delta.out_proj"),
                  "mamba2": ("mamba.in_proj", "mamba.conv.weight", "mamba.A_log", "mamba.D", "mamba.dt_bias",
-                            "mamba.norm", "mamba.out_proj")}
+                            "mamba.norm", "mamba.out_proj"),
+                 "none": ()}  # a block that is only an MLP (Nemotron-H)
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
@@ -196,6 +197,15 @@ class ArchSpec:
     norm_topk_prob: bool = False
     # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
     shared_expert: bool = False
+    # -- config.json in this family's own words --
+    hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
+    hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads
+    # The characters of a layer-pattern string (Nemotron-H's hybrid_override_pattern) -> layer types.
+    hf_pattern: dict[str, str] = field(default_factory=dict)
+    hf_defaults: dict[str, Any] = field(default_factory=dict)  # fields the family implies when absent
+    # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
+    # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
+    one_sublayer: bool = False
 
 
 _LLAMA = ArchSpec(
@@ -425,6 +435,34 @@ _GRANITE4 = ArchSpec(
     mixer_types={"linear_attention": "mamba2", "mamba": "mamba2", "attention": "attention"},
 )
 
+# Nemotron-H (dense): blocks of one sublayer each, Mamba2 (its conv with a bias), NoPE attention
+# or an ungated relu^2 MLP, in the order hybrid_override_pattern spells (M, *, -).
+_NEMOTRON_H_MIXER = {"mixer.in_proj.weight": "mamba.in_proj", "mixer.conv1d.weight": "mamba.conv.weight",
+                     "mixer.conv1d.bias": "mamba.conv.bias", "mixer.A_log": "mamba.A_log", "mixer.D": "mamba.D",
+                     "mixer.dt_bias": "mamba.dt_bias", "mixer.norm.weight": "mamba.norm",
+                     "mixer.out_proj.weight": "mamba.out_proj"}
+_NEMOTRON_H = ArchSpec(
+    name="nemotron_h",
+    gguf_archs=(),  # llama.cpp's nemotron_h GGUFs are not read yet
+    hf_archs=("NemotronHForCausalLM",),
+    hf_global={"backbone.embeddings.weight": "embed_tokens", "backbone.norm_f.weight": "final_norm",
+               "lm_head.weight": "lm_head"},
+    hf_layer={"norm.weight": "norm", "mixer.q_proj.weight": "q_proj", "mixer.k_proj.weight": "k_proj",
+              "mixer.v_proj.weight": "v_proj", "mixer.o_proj.weight": "o_proj", "mixer.up_proj.weight": "up_proj",
+              "mixer.down_proj.weight": "down_proj", **_NEMOTRON_H_MIXER},
+    layer_weights=("norm", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+    activation="relu2",
+    mixer_types={"linear_attention": "mamba2", "mlp": "none"},
+    hf_prefix="backbone",
+    hf_renames={"layers_block_type": "layer_types", "mamba_num_heads": "mamba_n_heads",
+                "mamba_head_dim": "mamba_d_head", "n_groups": "mamba_n_groups", "ssm_state_size": "mamba_d_state",
+                "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
+                "layer_norm_epsilon": "rms_norm_eps", "mlp_hidden_act": "hidden_act"},
+    hf_pattern={"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"},
+    hf_defaults={"position_embedding_type": "nope"},
+    one_sublayer=True,
+)
+
 # Qwen3-Next: Qwen3.5's mixers with the delta nets' projections interleaved per key head
 # (q|k|v|z and b|a; llama.cpp's converter separates q|k|v from z but keeps b|a interleaved), and a
 # mixture of experts with Qwen2-MoE's sigmoid-gated shared expert in every layer.
@@ -465,7 +503,7 @@ _QWEN3_5_MOE = ArchSpec(
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -508,6 +546,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     if not config.tie_word_embeddings:
         expected["lm_head"] = (config.vocab_size, hidden)
     shapes = {
+        "norm": (hidden,),
         "attn_norm": (hidden,),
         "q_proj": (gated_q_rows, hidden),
         "k_proj": (kv_rows, hidden),
@@ -556,13 +595,16 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         names = list(arch_named(config.architecture).layer_weights)
         if layer.mixer != "attention":
             names = [n for n in names if n not in _ATTENTION_ONLY] + list(MIXER_WEIGHTS[layer.mixer])
-            names += ([("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")] if config.conv_bias else [])
+            if config.conv_bias and layer.mixer in ("mamba2", "short_conv"):
+                names.append("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")
             if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
                 names = ["delta.A" if n == "delta.A_log" else n for n in names]
             for fused, apart in (("delta.in_proj_qkvz", ("delta.in_proj_qkv", "delta.in_proj_z")),
                                  ("delta.in_proj_ba", ("delta.in_proj_b", "delta.in_proj_a"))):
                 if f"layers.{i}.{fused}" in weights:  # Qwen3-Next's projections, interleaved per key head
                     names = [n for n in names if n not in apart] + [fused]
+        if not layer.mlp:  # a block of one mixer (Nemotron-H)
+            names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
         for name in names:
             if not (layer.moe and name in DENSE_MLP_WEIGHTS):
                 expected[f"layers.{i}.{name}"] = shapes[name]

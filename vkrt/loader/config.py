@@ -24,8 +24,10 @@ class LayerConfig:
     moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
     # The token mixer: "attention" (paged attention over the KV cache) or a recurrent mixer with
     # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution),
-    # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan).
+    # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan); or
+    # "none": the block is only its MLP (Nemotron-H).
     mixer: str = "attention"
+    mlp: bool = True  # False: the block is only its mixer (Nemotron-H)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ _DTYPES: dict[str, tuple[str, type[np.generic]]] = {
     "BF16": ("bf16", np.uint16),  # numpy has no bf16: keep the raw bits
 }
 
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES: dict[str, re.Pattern[str]] = {}  # ArchSpec.hf_prefix -> "<prefix>.layers.{i}.<suffix>"
 
 
 _SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
@@ -116,7 +116,10 @@ def read_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], np.nda
 
 
 def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
-    return canonical_name(hf_name, spec.hf_global, _LAYER_NAME, spec.hf_layer)
+    pattern = _LAYER_NAMES.get(spec.hf_prefix)
+    if pattern is None:
+        pattern = _LAYER_NAMES[spec.hf_prefix] = re.compile(rf"^{re.escape(spec.hf_prefix)}\.layers\.(\d+)\.(.+)$")
+    return canonical_name(hf_name, spec.hf_global, pattern, spec.hf_layer)
 
 
 def load_hf_dir(model_dir: str | Path) -> LoadedModel:
@@ -154,11 +157,12 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
-    if cfg.get("num_hidden_layers") is not None:  # checked before anything loops over the layers
-        validate.layer_count(str(config_path), cfg["num_hidden_layers"], weights)
+    fields = hf_fields(config_path, cfg, spec)
+    if fields.get("num_hidden_layers") is not None:  # checked before anything loops over the layers
+        validate.layer_count(str(config_path), fields.values["num_hidden_layers"], weights)
     gen_path = model_dir / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
-    config = model_config(hf_fields(config_path, cfg), spec, str(cfg.get("_name_or_path") or model_dir.name), generation)
+    config = model_config(fields, spec, str(cfg.get("_name_or_path") or model_dir.name), generation)
     if config.tie_word_embeddings:
         weights.pop("lm_head", None)  # some exports save the tied copy too; the embedding is the source of truth
     if not config.tie_word_embeddings and "lm_head" not in weights:

@@ -45,7 +45,9 @@ _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
                                            "longrope": ("short_factor", "long_factor")}
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                   "attention_factor", "beta_fast", "beta_slow")
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# config.json's MLP activation -> ModelConfig.hidden_act (relu2: ungated, max(x, 0)^2 of up alone)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "relu2": "relu2"}
 _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # attention: whether it slides
 MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
 MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
@@ -171,12 +173,12 @@ def _layer_kinds(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[tup
         rule: Callable[[int, dict[str, Any]], bool] | None = spec.default_sliding
         return [("attention", bool(rule and rule(i, src.values))) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
-        raise ModelFormatError(f"{src.source}: layer_types must list one type per layer ({num_layers})")
+        raise ModelFormatError(f"{src.source}: {src.name('layer_types')} must list one type per layer ({num_layers})")
     known = [*_LAYER_TYPES, *spec.mixer_types]
     attention = [t for t, mixer in spec.mixer_types.items() if mixer == "attention"]  # a family's own name for it
     for t in types:
         if t not in known:
-            raise UnsupportedModelError(f"{src.source}: layer_types entry {t!r} is not supported "
+            raise UnsupportedModelError(f"{src.source}: {src.name('layer_types')} entry {t!r} is not supported "
                                         f"(supported: {', '.join(known)})")
     return [(spec.mixer_types.get(t, "attention"), _LAYER_TYPES.get(t, False) and t not in attention) for t in types]
 
@@ -287,7 +289,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     if moe[0] and src.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
     sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer)
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer,
+                               mlp=not spec.one_sublayer or mixer == "none")
                    for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
                                                                 _rotated_layers(src, num_layers), sparse, strict=True))
     conv_kernel = _conv_kernel(src, layers)
@@ -406,6 +409,7 @@ def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]
         return {}
     hidden = int(src.values["hidden_size"])
     heads, groups, state = (src.get(k) for k in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state"))
+    # Granite 4's inner width is mamba_expand x hidden; Nemotron-H's is simply heads x head_dim.
     inner = int(src.get("mamba_expand", 2)) * hidden
     head_dim = src.get("mamba_d_head", "auto")
     if head_dim == "auto" and _is_int(heads) and heads > 0:
@@ -415,11 +419,17 @@ def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]
         if not _is_int(value) or value < 1:
             raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
     assert _is_int(heads) and _is_int(groups) and _is_int(head_dim)
-    if heads * head_dim != inner or heads % groups:
-        raise ModelFormatError(f"{src.source}: mamba_n_heads x mamba_d_head must be mamba_expand x hidden_size "
-                               f"({inner}) and mamba_n_heads a multiple of mamba_n_groups")
+    if src.get("mamba_expand") is not None and heads * head_dim != inner:
+        raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} x {src.name('mamba_d_head')} must be "
+                               f"mamba_expand x hidden_size ({inner})")
+    if heads % groups:
+        raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} ({heads}) must be a multiple of "
+                               f"{src.name('mamba_n_groups')} ({groups})")
     if src.get("mamba_proj_bias"):
-        raise UnsupportedModelError(f"{src.source}: mamba_proj_bias is not supported")
+        raise UnsupportedModelError(f"{src.source}: {src.name('mamba_proj_bias')} (biases on the Mamba2 "
+                                    "projections) is not supported")
+    # (transformers' Nemotron-H clamps dt at time_step_min in its chunked prefill form but not in its
+    # decode step; vkrt follows time_step_limit everywhere, as that decode step and llama.cpp do.)
     limit = src.get("time_step_limit") or (0.0, math.inf)
     if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit):
         raise ModelFormatError(f"{src.source}: time_step_limit must be two numbers, got {limit!r}")
@@ -427,9 +437,26 @@ def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]
             "mamba_dt_min": float(limit[0]), "mamba_dt_max": float(limit[1])}
 
 
-def hf_fields(config_path: Path, cfg: dict[str, Any]) -> ConfigFields:
-    """A config.json as the normalisation reads it."""
-    return ConfigFields(str(config_path), cfg)
+def hf_fields(config_path: Path, cfg: dict[str, Any], spec: ArchSpec) -> ConfigFields:
+    """A config.json as the normalisation reads it: the family's own field names (ArchSpec.hf_renames)
+    and layer-pattern string (hf_pattern) in the names it reads, messages still naming the file's."""
+    values, spelled = dict(cfg), {}
+    for theirs, ours in spec.hf_renames.items():  # the family's own field is what its model reads
+        if theirs in cfg:
+            values[ours] = cfg[theirs]
+            spelled[ours] = theirs
+    pattern = cfg.get("hybrid_override_pattern")
+    if spec.hf_pattern and values.get("layer_types") is None and pattern is not None:
+        if not isinstance(pattern, str) or not pattern or any(ch not in spec.hf_pattern for ch in pattern):
+            raise ModelFormatError(f"{config_path}: hybrid_override_pattern is {pattern!r}; it must be a string of "
+                                   f"{', '.join(spec.hf_pattern)}")
+        values["layer_types"] = [spec.hf_pattern[ch] for ch in pattern]
+        spelled["layer_types"] = "hybrid_override_pattern"
+    if spec.hf_pattern and isinstance(values.get("layer_types"), list) and values.get("num_hidden_layers") is None:
+        values["num_hidden_layers"] = len(values["layer_types"])  # the pattern is the layer count
+    for key, value in spec.hf_defaults.items():
+        values.setdefault(key, value)
+    return ConfigFields(str(config_path), values, spelled)
 
 
 # ---- GGUF metadata -> config.json's names -------------------------------------------------

@@ -3,12 +3,13 @@
 embedding (x scale) -> N x [norm, token mixer: attention (+bias, QK-norm, RoPE, window,
 softcap, output gate) or a recurrent mixer (LFM2's gated short convolution, the gated delta
 net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence), (post-norm), residual
-(x scale), norm, gated MLP or mixture of experts, (post-norm), residual (x scale)] -> final
-norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3,
-Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next, Granite 4, Qwen3-MoE, Mixtral and OLMoE
-differ only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read from
-there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
-fused kernels.
+(x scale), norm, gated MLP (or relu2's ungated one) or mixture of experts, (post-norm),
+residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3,
+Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next, Granite 4,
+Nemotron-H (a block is only its mixer or only its MLP), Qwen3-MoE, Mixtral and OLMoE differ
+only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read from there,
+never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into fused
+kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from vkrt.models.weights import (
     build_weights,
 )
 
-GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
+# ModelConfig.hidden_act -> the MLP's activation: gated ones take gate|up, relu2 takes up alone.
+ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul, "relu2": ops.relu_squared}
 
 
 def linear(x: Tensor, lin: Linear) -> Tensor:
@@ -55,7 +57,7 @@ class DecoderModel(CausalLM):
     def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
         self.config = c = loaded.config
         self.backend = backend
-        self.activation = GATED_ACTIVATIONS[c.hidden_act]  # the loader admits only these
+        self.activation = ACTIVATIONS[c.hidden_act]  # the loader admits only these
         self.weights = build_weights(loaded, backend)
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._rope_positions = 0
@@ -85,7 +87,7 @@ class DecoderModel(CausalLM):
         h = ops.embedding(w.embed_tokens, step.token_ids)
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
-        for i, layer in enumerate(w.layers):
+        for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
             mixer = layer.mixer
             if isinstance(mixer, Attention):
                 h = self.attention(layer, mixer, h, step, kv, i)
@@ -93,9 +95,10 @@ class DecoderModel(CausalLM):
                 h = self.short_conv(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, GatedDeltaNet):
                 h = self.gated_delta_net(layer, mixer, h, step, kv, i)
-            else:
+            elif isinstance(mixer, Mamba2):
                 h = self.mamba2(layer, mixer, h, step, kv, i)
-            h = self.feed_forward(layer, h)
+            if layer.mlp is not None:
+                h = self.feed_forward(layer, layer.mlp, h)
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
         logits = ops.matmul(x, w.lm_head)
@@ -105,7 +108,7 @@ class DecoderModel(CausalLM):
 
     def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         c = self.config
-        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+        x = self.pre_norm(h, layer.attn_norm)
         q = self.query_and_cache_write(attn, x, step, kv, i)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
@@ -120,7 +123,7 @@ class DecoderModel(CausalLM):
 
     def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """LFM2's gated convolution over each sequence, its state in layer i's slots."""
-        x = ops.rms_norm(h, layer.attn_norm, self.config.rms_norm_eps)
+        x = self.pre_norm(h, layer.attn_norm)
         (state,) = kv.states[i]
         y = ops.short_conv(linear(x, conv.in_proj), conv.taps, conv.bias, state, step.seq_start, step.positions,
                            step.state_slots)
@@ -131,7 +134,7 @@ class DecoderModel(CausalLM):
         """Qwen3.5's linear attention: q|k|v convolved (silu), the gated delta rule over each
         sequence, its output normed per value head and gated by silu(z); both states in layer i's slots."""
         c = self.config
-        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+        x = self.pre_norm(h, layer.attn_norm)
         conv_state, delta_state = kv.states[i]
         qkv = ops.causal_conv1d(linear(x, net.qkv), net.conv_taps, net.conv_bias, conv_state, step.seq_start,
                                 step.positions, step.state_slots, activation="silu")
@@ -145,7 +148,7 @@ class DecoderModel(CausalLM):
         """Mamba2: x|B|C convolved (silu), the selective scan over each sequence, gated by silu(z)
         then normed in groups; both states in layer i's slots."""
         c = self.config
-        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+        x = self.pre_norm(h, layer.attn_norm)
         conv_state, ssm_state = kv.states[i]
         xbc = ops.causal_conv1d(linear(x, m.xbc), m.conv_taps, m.conv_bias, conv_state, step.seq_start,
                                 step.positions, step.state_slots, activation="silu")
@@ -156,16 +159,21 @@ class DecoderModel(CausalLM):
         gated = ops.gated_rms_norm(y, linear(x, m.z), m.norm, c.rms_norm_eps, group_size=group, gate_first=True)
         return self.residual(linear(gated, m.out_proj), h)
 
-    def feed_forward(self, layer: Layer, h: Tensor) -> Tensor:
+    def pre_norm(self, h: Tensor, weight: Tensor | None) -> Tensor:
+        assert weight is not None, "every sublayer a block has comes with its norm (models.weights)"
+        return ops.rms_norm(h, weight, self.config.rms_norm_eps)
+
+    def feed_forward(self, layer: Layer, mlp: Mlp | Experts, h: Tensor) -> Tensor:
         c = self.config
-        x = ops.rms_norm(h, layer.ffn_norm, c.rms_norm_eps)
-        out = self.sparse_mlp(layer.mlp, x) if isinstance(layer.mlp, Experts) else self.mlp(layer.mlp, x)
+        x = self.pre_norm(h, layer.ffn_norm)
+        out = self.sparse_mlp(mlp, x) if isinstance(mlp, Experts) else self.mlp(mlp, x)
         if layer.post_ffn_norm is not None:
             out = ops.rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps)
         return self.residual(out, h)
 
     def mlp(self, mlp: Mlp, x: Tensor) -> Tensor:
-        """down(act(gate(x)) * up(x)): the dense MLP, or a MoE layer's shared expert."""
+        """down(act(gate(x)) * up(x)): the dense MLP, or a MoE layer's shared expert; ungated
+        (relu2), down(act(up(x)))."""
         return linear(self.activation(linear(x, mlp.gate_up)), mlp.down)
 
     def sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:

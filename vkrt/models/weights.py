@@ -97,7 +97,8 @@ Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2
 
 @dataclass(frozen=True)
 class Mlp:
-    """down(act(gate(x)) * up(x)): gate rows over up rows in one projection."""
+    """down(act(gate(x)) * up(x)): gate rows over up rows in one projection (an ungated MLP,
+    relu2's, has up's rows alone there)."""
 
     gate_up: Linear
     down: Linear
@@ -119,12 +120,13 @@ class Experts:
 @dataclass(frozen=True)
 class Layer:
     """One block's weights: the norms (post-norms with sandwich norms), its token mixer (attention
-    or a recurrent mixer), MLP or experts."""
+    or a recurrent mixer), MLP or experts. A block of one sublayer (Nemotron-H) has None for the
+    other and its norm."""
 
-    attn_norm: Tensor
-    mixer: Mixer
-    ffn_norm: Tensor
-    mlp: Mlp | Experts
+    attn_norm: Tensor | None
+    mixer: Mixer | None
+    ffn_norm: Tensor | None
+    mlp: Mlp | Experts | None
     post_attn_norm: Tensor | None = None
     post_ffn_norm: Tensor | None = None
 
@@ -239,12 +241,17 @@ class _Builder:
         c = self.config
         p = f"layers.{i}."
         sandwich = c.sandwich_norms
-        mixer = c.layer(i).mixer
+        kind = c.layer(i)
+        if kind.mixer == "none" or not kind.mlp:  # one sublayer (Nemotron-H): the block's one norm
+            norm = self.norm(p + "norm")
+            return Layer(attn_norm=None if kind.mixer == "none" else norm,
+                         mixer=None if kind.mixer == "none" else self.mixer(p, kind.mixer),
+                         ffn_norm=norm if kind.mlp else None, mlp=self.mlp(p) if kind.mlp else None)
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
-            mixer=self.mixer(p, mixer),
+            mixer=self.mixer(p, kind.mixer),
             ffn_norm=self.norm(p + "ffn_norm"),
-            mlp=self.experts(p) if c.layer(i).moe else self.mlp(p),
+            mlp=self.experts(p) if kind.moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
             post_ffn_norm=self.norm(p + "post_ffn_norm") if sandwich else None,
         )
@@ -339,6 +346,8 @@ class _Builder:
         return -np.exp(self.vector(p + "delta.A_log"))
 
     def mlp(self, p: str) -> Mlp:
+        if self.config.hidden_act == "relu2":  # ungated: up alone
+            return Mlp(self.linear([p + "up_proj"]), self.linear([p + "down_proj"]))
         gate_up = [p + "gate_up_proj"] if p + "gate_up_proj" in self.stored else [p + "gate_proj", p + "up_proj"]
         return Mlp(self.linear(gate_up), self.linear([p + "down_proj"]))
 

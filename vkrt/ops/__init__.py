@@ -92,6 +92,11 @@ def reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     return x.reshape(tuple(shape))
 
 
+def relu_squared(x: Tensor) -> Tensor:
+    """max(x, 0)^2, elementwise f32 (Nemotron-H's ungated MLP)."""
+    return dispatch("relu_squared", x)
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     return dispatch("silu_and_mul", x)
 
@@ -246,6 +251,6 @@ __all__ = [
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
+    "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",
 ]

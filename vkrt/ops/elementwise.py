@@ -58,6 +58,18 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     return (cap * np.tanh(x.astype(np.float64) / cap)).astype(np.float32)
 
 
+def _relu_squared_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(x.dtype == "f32", "relu_squared", (x,), "x must be f32")
+    return (TensorSpec(x.shape, "f32"),)
+
+
+@register_op("relu_squared", _relu_squared_infer)
+def relu_squared(x: np.ndarray) -> np.ndarray:
+    """max(x, 0)^2: the ungated MLP activation of Nemotron-H (transformers' "relu2")."""
+    r = np.maximum(x.astype(np.float32), np.float32(0))
+    return (r * r).astype(np.float32)
+
+
 def _gated_infer(name: str):
     def infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
         # [T, 2F], or [T, k, 2F] (a MoE layer's rows per chosen expert): halves of the last dim.
