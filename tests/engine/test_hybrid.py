@@ -22,7 +22,7 @@ MAX_LEN = 64
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module", params=["tiny_lfm2", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_granite4", "tiny_qwen3_next"])
+@pytest.fixture(scope="module", params=["tiny_lfm2", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_granite4", "tiny_qwen3_next", "tiny_nemotron_h"])
 def fixture(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -102,3 +102,20 @@ def test_prefix_caching_is_off_and_a_repeat_is_recomputed(fixture: str) -> None:
     assert again.token_ids == first.token_ids
     np.testing.assert_array_equal([lp.token.logprob for lp in again.outputs[0].logprobs],
                                   [lp.token.logprob for lp in first.outputs[0].logprobs])
+
+
+def test_state_memory_caps_the_sequences_that_run_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Slots come out of --state-memory: fewer than max_num_seqs fit -> capped, with a warning
+    naming the per-sequence state; not one fits -> a one-line error, before anything is allocated."""
+    from vkrt.errors import VkrtError
+
+    slot = make_llm("tiny_lfm2", max_num_seqs=1).engine.model.state_bytes_per_slot()
+    assert slot > 0
+    with caplog.at_level("WARNING", logger="vkrt.engine.engine"):
+        llm = make_llm("tiny_lfm2", state_memory=3 * slot + slot // 2)
+    assert llm.engine.config.max_num_seqs == 3 and llm.engine.block_manager.states.num_slots == 3
+    assert "max_num_seqs capped at 3 (asked 4)" in caplog.text
+    outs = llm.generate(prompts("tiny_lfm2") * 3, GREEDY)  # more requests than slots still all finish
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    with pytest.raises(VkrtError, match="recurrent state is .* MiB but the state memory is .*--state-memory"):
+        make_llm("tiny_lfm2", state_memory=slot - 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -86,6 +86,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer | None = None) -> None:
         config.validate()
+        slots = config.state_slots(model.state_bytes_per_slot())  # a hybrid's sequences share a state budget
+        if slots < config.max_num_seqs:
+            log.warning("max_num_seqs capped at %d (asked %d): each sequence's recurrent state is %.1f MiB and "
+                        "%d slots fill the state memory; raise --state-memory for more", slots, config.max_num_seqs,
+                        model.state_bytes_per_slot() / 2**20, slots)
+            config = replace(config, max_num_seqs=slots)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
