@@ -193,6 +193,8 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
     }
 
 
+# Text fixtures also written as their family's multimodal checkpoint (language model + vision tower).
+MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl"}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
@@ -347,10 +349,56 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
         print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
 
+        if fixture in MULTIMODAL:
+            _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES:
             _convert_gguf(fixtures, fixture, gold)
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
+
+
+def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_model, prompts: list[list[int]],
+                     golden_for, sha256_file) -> None:
+    """The text fixture's weights as the language model of the family's multimodal checkpoint (a tiny
+    vision tower beside it, under model.language_model. / model.visual. as users download them);
+    the golden is that checkpoint's own forward on text."""
+    import torch
+    import transformers
+
+    t0 = time.time()
+    out_dir = fixtures / MULTIMODAL[fixture]
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
+    torch.manual_seed(4321)
+    cfg = config_cls(text_config=text_cfg.to_dict(), vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
+        patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4),
+        tie_word_embeddings=text_cfg.tie_word_embeddings)
+    model = model_cls(cfg).to(torch.float32).eval()
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if (out_dir / "generation_config.json").exists():
+        (out_dir / "generation_config.json").unlink()
+    reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        a = text_model(torch.tensor([LONG_PROMPT])).logits
+        b = reloaded(torch.tensor([LONG_PROMPT])).logits
+    if not torch.allclose(a, b, atol=1e-5):
+        raise SystemExit(f"{out_dir.name}: the multimodal checkpoint's text logits differ from {fixture}'s")
+    gold = golden_for(reloaded, out_dir.name, "float32", {
+        "family": f"{family}ForConditionalGeneration",
+        "description": f"{fixture}'s weights as the language model of a {family}ForConditionalGeneration "
+                       "checkpoint with a one-block vision tower; golden = that model's forward on text",
+        "tie_word_embeddings": bool(cfg.tie_word_embeddings),
+        "rope_scaling": text_cfg.rope_parameters,
+        "model_sha256": sha256_file(out_dir / "model.safetensors"),
+    }, prompts)
+    (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
+    print(f"{out_dir.name}: {time.time() - t0:.1f}s", flush=True)
 
 
 def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any], cfg, model,

@@ -175,6 +175,27 @@ def test_nemotron_h_blocks_of_one_sublayer(tmp_path: Path) -> None:
     _one_line(exc, "config.json", "use_bias", "not supported")
 
 
+def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen3_5ForConditionalGeneration as users download it: text_config is the model, tensors under
+    model.language_model.; the vision tower and an MTP head are skipped with one line each."""
+    from safetensors.numpy import save_file
+
+    text = load_model(FIXTURES / "tiny_qwen3_5")
+    d = _copy("tiny_qwen3_5_vl", tmp_path)
+    save_file({"mtp.fc.weight": np.zeros((4, 4), np.float32)}, str(d / "mtp.safetensors"))
+    with caplog.at_level("INFO", logger="vkrt.loader.hf_loader"):
+        vl = load_model(d)
+    assert vl.config.layers == text.config.layers and sorted(vl.weights) == sorted(text.weights)
+    assert vl.config.attn_output_gate and vl.config.linear_num_value_heads == text.config.linear_num_value_heads
+    for what in ("skipped the vision tower (21 tensors)", "skipped the multi-token-prediction head (1 tensor)"):
+        assert what in caplog.text
+    _edit_config(d, text_config=None)
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "text_config")
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

@@ -206,6 +206,11 @@ class ArchSpec:
     # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
     # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
     one_sublayer: bool = False
+    # Multimodal checkpoints whose language model is this family (config.json's text_config, tensors
+    # under "model.language_model."); the other towers are skipped with one log line each.
+    hf_multimodal_archs: tuple[str, ...] = ()
+    # Tensors a checkpoint carries that vkrt does not run, by name prefix -> what they are (logged).
+    hf_skipped: dict[str, str] = field(default_factory=dict)
 
 
 _LLAMA = ArchSpec(
@@ -406,10 +411,15 @@ _DELTA_NET_GGUF = {"attn_qkv.weight": "delta.in_proj_qkv", "attn_gate.weight": "
                    "ssm_conv1d.weight": "delta.conv.weight", "ssm_a": "delta.A", "ssm_dt.bias": "delta.dt_bias",
                    "ssm_norm.weight": "delta.norm", "ssm_out.weight": "delta.out_proj",
                    "post_attention_norm.weight": "ffn_norm"}
+# What Qwen3.5 / Qwen3-Next checkpoints carry beside the language model.
+_MTP_HEAD = {"mtp.": "the multi-token-prediction head"}
+_VISION_TOWER = {"model.visual.": "the vision tower", **_MTP_HEAD}
 _QWEN3_5 = ArchSpec(
     name="qwen3_5",
     gguf_archs=("qwen35",),
     hf_archs=("Qwen3_5ForCausalLM",),
+    hf_multimodal_archs=("Qwen3_5ForConditionalGeneration",),
+    hf_skipped=_VISION_TOWER,
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF},
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
@@ -470,6 +480,7 @@ _QWEN3_NEXT = ArchSpec(
     name="qwen3_next",
     gguf_archs=("qwen3next",),
     hf_archs=("Qwen3NextForCausalLM",),
+    hf_skipped=_MTP_HEAD,
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF, "ssm_ba.weight": "delta.in_proj_ba",
                 **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF, "linear_attn.in_proj_qkvz.weight": "delta.in_proj_qkvz",
@@ -489,6 +500,8 @@ _QWEN3_5_MOE = ArchSpec(
     name="qwen3_5_moe",
     gguf_archs=("qwen35moe",),
     hf_archs=("Qwen3_5MoeForCausalLM",),
+    hf_multimodal_archs=("Qwen3_5MoeForConditionalGeneration",),
+    hf_skipped=_VISION_TOWER,
     gguf_layer={**_QWEN3_5.gguf_layer, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
     hf_layer={**_QWEN3_5.hf_layer, **_MOE_HF, **_SHARED_EXPERT_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
@@ -513,7 +526,7 @@ def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
 
 def arch_for_hf(hf_archs: list[str]) -> ArchSpec | None:
     """The spec matching any entry of config.json `architectures`, or None."""
-    return next((a for a in ARCHS for name in hf_archs if name in a.hf_archs), None)
+    return next((a for a in ARCHS for name in hf_archs if name in a.hf_archs + a.hf_multimodal_archs), None)
 
 
 def supported_gguf_archs() -> str:
@@ -521,7 +534,7 @@ def supported_gguf_archs() -> str:
 
 
 def supported_hf_archs() -> str:
-    return ", ".join(name for a in ARCHS for name in a.hf_archs)
+    return ", ".join(name for a in ARCHS for name in a.hf_archs + a.hf_multimodal_archs)
 
 
 def arch_named(name: str) -> ArchSpec:
