@@ -23,6 +23,7 @@ IN_I32(5, seq_start);    // [S + 1]
 IN_I32(6, positions);    // [T]
 IN_I32(7, state_slots);  // [S]
 OUT_F32(8, o);           // [T, Hv * dv]
+IN_F32(9, state_in);     // the state again, read through the fast read path (texel on CPU devices)
 
 layout(push_constant) uniform Push { uint seqs; uint k_heads; uint v_heads; uint dv; uint tiled; } pc;
 
@@ -42,7 +43,7 @@ void main() {
     uint base = (uint(LD_I32(state_slots, s)) * pc.v_heads + h) * DK * pc.dv + j;
     bool carried = LD_I32(positions, t0) > 0;
     float S[256];
-    [[unroll]] for (uint d = 0u; d < DK; ++d) S[d] = carried ? state[base + d * pc.dv] : 0.0;
+    [[unroll]] for (uint d = 0u; d < DK; ++d) S[d] = carried ? LD_F32(state_in, base + d * pc.dv) : 0.0;
     float a_scale = LD_F32(a_rate, h), a_bias = LD_F32(dt_bias, h);
     float k_scale = 1.0 / sqrt(float(DK));
     for (int t = t0; t < t1; ++t) {

@@ -22,6 +22,7 @@ IN_I32(6, seq_start);    // [S + 1]
 IN_I32(7, positions);    // [T]
 IN_I32(8, state_slots);  // [S]
 OUT_F32(9, y);           // [T, H * P]
+IN_F32(10, state_in);    // the state again, read through the fast read path (texel on CPU devices)
 
 layout(push_constant) uniform Push { uint seqs; uint heads; uint head_dim; uint groups; float dt_min; float dt_max; } pc;
 
@@ -39,7 +40,7 @@ void main() {
     uint base = ((uint(LD_I32(state_slots, s)) * pc.heads + h) * pc.head_dim + p) * N;
     bool carried = LD_I32(positions, t0) > 0;
     float row[256];
-    [[unroll]] for (uint n = 0u; n < N; ++n) row[n] = carried ? state[base + n] : 0.0;
+    [[unroll]] for (uint n = 0u; n < N; ++n) row[n] = carried ? LD_F32(state_in, base + n) : 0.0;
     float a = LD_F32(a_rate, h), d = LD_F32(skip, h), bias = LD_F32(dt_bias, h);
     for (int t = t0; t < t1; ++t) {
         uint at = uint(t) * width;
