@@ -190,6 +190,14 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                             "Nemotron-H (dense): blocks of one sublayer each, Mamba2 (4 heads of 24: inner 96, not "
                             "2 x hidden; 2 groups, state 16, conv 4 with bias) in blocks 0 and 4, NoPE attention in "
                             "block 2, an ungated relu^2 MLP of 96 in blocks 1, 3, 5"),
+        "tiny_lfm2_moe": ("Lfm2Moe", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
+                                          intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+                                          num_experts_per_tok=2, num_dense_layers=1, norm_topk_prob=True,
+                                          use_expert_bias=True, routed_scaling_factor=1.5, conv_L_cache=3,
+                                          norm_eps=1e-5, layer_types=["conv", "full_attention", "conv", "conv"]),
+                          "LFM2-MoE: LFM2's gated short convolutions (layers 0, 2, 3) and QK-normed attention (layer "
+                          "1); layer 0's MLP dense (96), then 6 experts of 32, top-2 by sigmoid score + a per-expert "
+                          "bias, weights renormalised and x1.5"),
     }
 
 
@@ -210,6 +218,9 @@ def _randomise(model, gemma: bool) -> None:
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith((".bias", ".dt_bias", ".D")):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE's starts at 0: large enough to change choices
+                b.copy_(0.3 * torch.randn_like(b))
 
 
 def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:

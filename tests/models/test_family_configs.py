@@ -196,6 +196,20 @@ def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
     _one_line(exc, "config.json", "text_config")
 
 
+def test_lfm2_moe_routing_fields(tmp_path: Path) -> None:
+    """LFM2-MoE: sigmoid routing with the expert bias and routed_scaling_factor; the first
+    num_dense_layers MLPs dense; without use_expert_bias the bias is not read."""
+    c = load_model(FIXTURES / "tiny_lfm2_moe").config
+    assert (c.moe_router, c.expert_bias, c.routed_scaling_factor, c.norm_topk_prob) == ("sigmoid", True, 1.5, True)
+    assert [layer.moe for layer in c.layers] == [False, True, True, True]
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size) == (6, 2, 32, 96)
+    d = _copy("tiny_lfm2_moe", tmp_path)
+    _edit_config(d, num_dense_layers=-1)
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "num_dense_layers")
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

@@ -197,6 +197,7 @@ class ArchSpec:
     norm_topk_prob: bool = False
     # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
     shared_expert: bool = False
+    moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
     # -- config.json in this family's own words --
     hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
     hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads
@@ -398,6 +399,23 @@ _LFM2 = ArchSpec(
     mixer_types={"conv": "short_conv"},
 )
 
+# LFM2-MoE: LFM2's mixers; MLPs dense in the first num_dense_layers, then sigmoid-routed experts
+# chosen with a per-expert bias (HF saves each expert's w1 / w3 / w2 apart).
+_LFM2_MOE = ArchSpec(
+    name="lfm2_moe",
+    gguf_archs=(),  # llama.cpp's lfm2moe GGUFs are not read yet
+    hf_archs=("Lfm2MoeForCausalLM",),
+    hf_global=_LFM2.hf_global,
+    hf_layer={**_LFM2_LAYER, "feed_forward.gate.weight": "router", "feed_forward.expert_bias": "expert_bias",
+              "feed_forward.experts.{e}.w1.weight": "experts.{e}.gate_proj",
+              "feed_forward.experts.{e}.w3.weight": "experts.{e}.up_proj",
+              "feed_forward.experts.{e}.w2.weight": "experts.{e}.down_proj"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    mixer_types={"conv": "short_conv"},
+    moe_router="sigmoid",
+)
+
 # Qwen3.5 (dense, text): gated delta nets in three of every four layers, gated attention with
 # partial rotary in the fourth; (1 + w) norms everywhere but the delta net's gated output norm.
 _DELTA_NET_HF = {"linear_attn.in_proj_qkv.weight": "delta.in_proj_qkv", "linear_attn.in_proj_z.weight": "delta.in_proj_z",
@@ -516,7 +534,7 @@ _QWEN3_5_MOE = ArchSpec(
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -645,6 +663,8 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     p = f"layers.{i}."
     out: dict[str, tuple[int, ...]] = {p + "router": (experts, hidden)}
+    if config.expert_bias:
+        out[p + "expert_bias"] = (experts,)
     shared = config.shared_expert_intermediate_size
     if shared:
         out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),

@@ -97,6 +97,11 @@ class ModelConfig:
     # A dense gated MLP every token runs beside the experts, scaled by sigmoid of its own gate
     # (Qwen2-MoE's shared_expert and shared_expert_gate); 0 = none.
     shared_expert_intermediate_size: int = 0
+    # "softmax" (the k largest logits, softmax weights) or "sigmoid" (LFM2-MoE: sigmoid scores,
+    # chosen with a per-expert bias when expert_bias, weights times routed_scaling_factor).
+    moe_router: str = "softmax"
+    expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's mixer, attention window and rope settings."""

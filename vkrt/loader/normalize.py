@@ -227,9 +227,13 @@ def _shared_expert_width(src: ConfigFields, spec: ArchSpec, experts: int) -> int
 
 def _sparse_layers(src: ConfigFields, num_layers: int) -> list[bool]:
     """Qwen3-MoE's rule: layer i is sparse unless listed in mlp_only_layers, every
-    decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE)."""
+    decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE); LFM2-MoE's first
+    num_dense_layers are dense."""
     step = src.get("decoder_sparse_step") or 1
-    dense = src.get("mlp_only_layers") or []
+    first = src.get("num_dense_layers") or 0
+    if not _is_int(first) or first < 0:
+        raise ModelFormatError(f"{src.source}: {src.name('num_dense_layers')} must be a count, got {first!r}")
+    dense = [*(src.get("mlp_only_layers") or []), *range(min(first, num_layers))]
     if not _is_int(step) or step < 1:
         raise ModelFormatError(f"{src.source}: decoder_sparse_step must be a positive integer, got {step!r}")
     if not isinstance(dense, list) or any(not _is_int(i) for i in dense):
@@ -349,6 +353,9 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
+        moe_router=spec.moe_router,
+        expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
+        routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,
     )
 
 

@@ -180,7 +180,12 @@ class DecoderModel(CausalLM):
         """Mixture of experts: each token through the gated MLPs of its k routed experts,
         summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
         c = self.config
-        ids, weights = ops.moe_router(linear(x, experts.router), c.num_experts_per_tok, c.norm_topk_prob)
+        logits = linear(x, experts.router)
+        if experts.bias is not None:  # LFM2-MoE: sigmoid scores, chosen with the expert bias
+            ids, weights = ops.moe_router_sigmoid(logits, experts.bias, c.num_experts_per_tok, c.norm_topk_prob,
+                                                  c.routed_scaling_factor)
+        else:
+            ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
         act = self.activation(self.expert_gate_up(experts, x, ids))  # [T, k, F]
         y = ops.moe_matmul(act, experts.down, ids)
         if experts.shared is None or experts.shared_gate is None:

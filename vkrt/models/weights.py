@@ -115,6 +115,7 @@ class Experts:
     down: Tensor
     shared: Mlp | None = None
     shared_gate: Linear | None = None
+    bias: Tensor | None = None  # a sigmoid router's per-expert bias [E] (zeros when the file has none)
 
 
 @dataclass(frozen=True)
@@ -362,9 +363,14 @@ class _Builder:
         shared = None
         if self.config.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.")
+        bias = None
+        if self.config.moe_router == "sigmoid":
+            values = self.vector(p + "expert_bias") if self.config.expert_bias else None
+            bias = self.f32(values if values is not None else np.zeros(self.config.num_experts, np.float32))
         return Experts(router=self.linear([p + "router"]), gate_up=gate_up,
                        down=self.experts_weight(p + "experts.down_proj", down),
-                       shared=shared, shared_gate=self.linear([p + "shared_expert_gate"]) if shared else None)
+                       shared=shared, shared_gate=self.linear([p + "shared_expert_gate"]) if shared else None,
+                       bias=bias)
 
     # -- pieces ---------------------------------------------------------------------------
     def raw(self, name: str) -> WeightData:

@@ -182,6 +182,13 @@ def moe_router(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Ten
     return dispatch("moe_router", logits, top_k=int(top_k), normalize=bool(normalize))
 
 
+def moe_router_sigmoid(logits: Tensor, bias: Tensor, top_k: int, normalize: bool,
+                       scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Expert ids and weights by sigmoid scores, chosen with an expert bias [E] (vkrt.ops.moe)."""
+    return dispatch("moe_router_sigmoid", logits, bias, top_k=int(top_k), normalize=bool(normalize),
+                    scale=float(scale))
+
+
 def moe_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
     """[T, k, N]: x [T, K] (or [T, k, K]) through the experts ids [T, k] pick of w [E, N, K]."""
     return dispatch("moe_matmul", x, w, ids)
@@ -249,7 +256,7 @@ __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy",
     "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
-    "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
+    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
     "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",
