@@ -46,7 +46,9 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe")
+# Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
+MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
 TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
@@ -193,11 +195,12 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
         "tiny_lfm2_moe": ("Lfm2Moe", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
                                           intermediate_size=96, moe_intermediate_size=32, num_experts=6,
                                           num_experts_per_tok=2, num_dense_layers=1, norm_topk_prob=True,
-                                          use_expert_bias=True, routed_scaling_factor=1.5, conv_L_cache=3,
+                                          use_expert_bias=True, conv_L_cache=3,
                                           norm_eps=1e-5, layer_types=["conv", "full_attention", "conv", "conv"]),
                           "LFM2-MoE: LFM2's gated short convolutions (layers 0, 2, 3) and QK-normed attention (layer "
                           "1); layer 0's MLP dense (96), then 6 experts of 32, top-2 by sigmoid score + a per-expert "
-                          "bias, weights renormalised and x1.5"),
+                          "bias, weights renormalised (routed_scaling_factor 1, as in the real models: llama.cpp's converter "
+                          "does not carry it)"),
     }
 
 
@@ -363,7 +366,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if fixture in MULTIMODAL:
             _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES:
-            _convert_gguf(fixtures, fixture, gold)
+            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES)
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
@@ -511,7 +514,7 @@ convert_hf_to_gguf.main()
 """
 
 
-def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict) -> None:
+def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool) -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
     (f32 in, f32 out, no row permutation for these families), so the golden is the HF one."""
     import shutil
@@ -526,7 +529,7 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict) -> None:
     out_dir.mkdir(parents=True)
     gguf_path = out_dir / "model.gguf"
     subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(fixtures / fixture), "--outfile",
-                    str(gguf_path), "--outtype", "f32", "--no-mtp"], check=True, capture_output=True)
+                    str(gguf_path), "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])], check=True, capture_output=True)
     gold = json.loads(json.dumps(hf_golden))
     gold["meta"] |= {"model_file": "model.gguf", "model_sha256": _sha256(gguf_path),
                      "description": f"{fixture} through llama.cpp's convert_hf_to_gguf.py (f32, vocabulary "

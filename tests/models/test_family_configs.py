@@ -200,7 +200,9 @@ def test_lfm2_moe_routing_fields(tmp_path: Path) -> None:
     """LFM2-MoE: sigmoid routing with the expert bias and routed_scaling_factor; the first
     num_dense_layers MLPs dense; without use_expert_bias the bias is not read."""
     c = load_model(FIXTURES / "tiny_lfm2_moe").config
-    assert (c.moe_router, c.expert_bias, c.routed_scaling_factor, c.norm_topk_prob) == ("sigmoid", True, 1.5, True)
+    assert (c.moe_router, c.expert_bias, c.routed_scaling_factor, c.norm_topk_prob) == ("sigmoid", True, 1.0, True)
+    gguf_config = load_model(FIXTURES / "tiny_lfm2_moe_gguf" / "model.gguf").config
+    assert (gguf_config.layers, gguf_config.expert_bias, gguf_config.norm_topk_prob) == (c.layers, True, True)
     assert [layer.moe for layer in c.layers] == [False, True, True, True]
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size) == (6, 2, 32, 96)
     d = _copy("tiny_lfm2_moe", tmp_path)

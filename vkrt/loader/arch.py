@@ -403,8 +403,10 @@ _LFM2 = ArchSpec(
 # chosen with a per-expert bias (HF saves each expert's w1 / w3 / w2 apart).
 _LFM2_MOE = ArchSpec(
     name="lfm2_moe",
-    gguf_archs=(),  # llama.cpp's lfm2moe GGUFs are not read yet
+    gguf_archs=("lfm2moe",),
     hf_archs=("Lfm2MoeForCausalLM",),
+    gguf_global=_LFM2.gguf_global,
+    gguf_layer={**_LFM2.gguf_layer, **_MOE_GGUF, "exp_probs_b.bias": "expert_bias"},
     hf_global=_LFM2.hf_global,
     hf_layer={**_LFM2_LAYER, "feed_forward.gate.weight": "router", "feed_forward.expert_bias": "expert_bias",
               "feed_forward.experts.{e}.w1.weight": "experts.{e}.gate_proj",
@@ -414,6 +416,7 @@ _LFM2_MOE = ArchSpec(
     qk_norm=True,
     mixer_types={"conv": "short_conv"},
     moe_router="sigmoid",
+    norm_topk_prob=True,  # llama.cpp always renormalises lfm2moe's weights
 )
 
 # Qwen3.5 (dense, text): gated delta nets in three of every four layers, gated attention with

@@ -488,7 +488,9 @@ _GGUF_NAMES = {
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "expert_weights_norm": "norm_topk_prob",
+    "expert_weights_scale": "routed_scaling_factor",
 }
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 _GGUF_REQUIRED = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 # rope.scaling.* -> rope_scaling's keys
 _GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
@@ -545,6 +547,11 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     if values.get("num_experts"):  # llama.cpp: a layer with a router is sparse
         values["mlp_only_layers"] = [i for i in range(values["num_hidden_layers"])
                                      if f"layers.{i}.router" not in weights]
+        values["use_expert_bias"] = any(name.endswith(".expert_bias") for name in weights)
+        gating = meta.get(f"{arch}.expert_gating_func")
+        if gating is not None and _GGUF_GATING.get(gating) != spec.moe_router:
+            raise UnsupportedModelError(f"{path}: '{arch}.expert_gating_func' {gating!r} is not this family's "
+                                        f"{spec.moe_router} routing; vkrt does not run it")
     eos: list[int] = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if _is_int(meta.get(k)) and meta[k] not in eos:
