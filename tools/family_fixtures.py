@@ -46,7 +46,10 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe")
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid")
+# config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
+# Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
+CONVERT_CONFIG = {"GraniteMoeHybrid": {"layer_types": {"linear_attention": "mamba", "full_attention": "attention"}}}
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
@@ -366,7 +369,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if fixture in MULTIMODAL:
             _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES:
-            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES)
+            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family, {}))
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
@@ -509,12 +512,21 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
 from conversion.base import TextModel
 TextModel.set_vocab = lambda self: None
 import convert_hf_to_gguf
+model_class = convert_hf_to_gguf.get_model_class
+def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's builtin one) skip it too
+    cls = model_class(name, mmproj)
+    for c in cls.__mro__[:cls.__mro__.index(TextModel)]:
+        if "set_vocab" in vars(c) and c.__name__ in ("Mamba2Model", "GraniteHybridModel"):
+            c.set_vocab = lambda self: None
+    return cls
+convert_hf_to_gguf.get_model_class = no_vocab
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
 """
 
 
-def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool) -> None:
+def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool,
+                  renames: dict[str, dict[str, str]]) -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
     (f32 in, f32 out, no row permutation for these families), so the golden is the HF one."""
     import shutil
@@ -528,7 +540,16 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool) -
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     gguf_path = out_dir / "model.gguf"
-    subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(fixtures / fixture), "--outfile",
+    source = fixtures / fixture
+    if renames:  # a copy whose config.json spells list entries as the converter expects
+        import tempfile
+        source = Path(tempfile.mkdtemp()) / fixture
+        shutil.copytree(fixtures / fixture, source)
+        cfg = json.loads((source / "config.json").read_text())
+        for key, names in renames.items():
+            cfg[key] = [names.get(v, v) for v in cfg[key]]
+        (source / "config.json").write_text(json.dumps(cfg))
+    subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(source), "--outfile",
                     str(gguf_path), "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])], check=True, capture_output=True)
     gold = json.loads(json.dumps(hf_golden))
     gold["meta"] |= {"model_file": "model.gguf", "model_sha256": _sha256(gguf_path),

@@ -147,6 +147,10 @@ def test_hybrid_layer_kinds_and_their_fields() -> None:
     assert [layer.mixer for layer in granite.layers] == ["mamba2"] * 2 + ["attention", "mamba2"]
     assert not any(layer.rope for layer in granite.layers) and granite.mamba_dt_max == math.inf
     assert (granite.mamba_num_heads, granite.mamba_head_dim, granite.intermediate_size, granite.conv_bias) == (4, 32, 96, True)
+    granite_gguf = load_model(FIXTURES / "tiny_granite4_gguf" / "model.gguf").config  # llama.cpp's granitehybrid
+    assert granite_gguf.layers == granite.layers and granite_gguf.linear_decay_stored
+    assert (granite_gguf.mamba_head_dim, granite_gguf.intermediate_size, granite_gguf.embedding_scale,
+            granite_gguf.residual_scale) == (32, 96, 3.0, granite.residual_scale)
 
 
 def test_nemotron_h_blocks_of_one_sublayer(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ driven entirely by these tables, and the models read only the traits they produc
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -455,8 +456,12 @@ _QWEN3_5 = ArchSpec(
 # up fused as input_linear), Granite's multipliers; positions unrotated ("nope") in the small models.
 _GRANITE4 = ArchSpec(
     name="granite4_hybrid",
-    gguf_archs=(),  # llama.cpp's granitehybrid GGUFs are not read yet
+    gguf_archs=("granitehybrid",),
     hf_archs=("GraniteMoeHybridForCausalLM",),
+    # llama.cpp's Mamba2 names; A = -exp(A_log) is stored as ssm_a, the shared MLP's gate and up apart.
+    gguf_layer={**_GGUF_LAYER, "ssm_in.weight": "mamba.in_proj", "ssm_conv1d.weight": "mamba.conv.weight",
+                "ssm_conv1d.bias": "mamba.conv.bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
+                "ssm_dt.bias": "mamba.dt_bias", "ssm_norm.weight": "mamba.norm", "ssm_out.weight": "mamba.out_proj"},
     hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
               "shared_mlp.output_linear.weight": "down_proj", "mamba.in_proj.weight": "mamba.in_proj",
               "mamba.conv1d.weight": "mamba.conv.weight", "mamba.conv1d.bias": "mamba.conv.bias",
@@ -619,6 +624,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "mamba.conv.weight": (mamba_inner + 2 * mamba_bc, config.conv_kernel),
         "mamba.conv.bias": (mamba_inner + 2 * mamba_bc,),
         "mamba.A_log": (config.mamba_num_heads,),
+        "mamba.A": (config.mamba_num_heads,),
         "mamba.D": (config.mamba_num_heads,),
         "mamba.dt_bias": (config.mamba_num_heads,),
         "mamba.norm": (mamba_inner,),
@@ -632,11 +638,13 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
             if config.conv_bias and layer.mixer in ("mamba2", "short_conv"):
                 names.append("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")
             if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
-                names = ["delta.A" if n == "delta.A_log" else n for n in names]
+                names = [{"delta.A_log": "delta.A", "mamba.A_log": "mamba.A"}.get(n, n) for n in names]
             for fused, apart in (("delta.in_proj_qkvz", ("delta.in_proj_qkv", "delta.in_proj_z")),
                                  ("delta.in_proj_ba", ("delta.in_proj_b", "delta.in_proj_a"))):
                 if f"layers.{i}.{fused}" in weights:  # Qwen3-Next's projections, interleaved per key head
                     names = [n for n in names if n not in apart] + [fused]
+        if "gate_up_proj" in names and f"layers.{i}.gate_proj" in weights:  # stored apart (GGUF)
+            names = [n for n in names if n != "gate_up_proj"] + ["gate_proj", "up_proj"]
         if not layer.mlp:  # a block of one mixer (Nemotron-H)
             names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
         for name in names:
@@ -651,8 +659,11 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                 f"{source}: weight {name!r} is missing; the file is incomplete or not a "
                 f"{config.architecture} checkpoint"
             )
-        if weight.shape != shape and not (name.endswith("conv.weight") and weight.shape == (shape[0], 1, *shape[1:])):
-            # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K])
+        vector = len(shape) == 1 and math.prod(weight.shape) == shape[0]
+        if weight.shape != shape and not vector and not (
+                name.endswith("conv.weight") and weight.shape == (shape[0], 1, *shape[1:])):
+            # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K]; llama.cpp writes
+            # some vectors with unit dims or as rows of groups: Mamba2's A, D [H, 1] and norm [G, inner / G])
             raise ModelFormatError(
                 f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "
                 f"{shape}; the checkpoint and its config disagree"

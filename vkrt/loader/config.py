@@ -85,7 +85,8 @@ class ModelConfig:
     mamba_state_size: int = 0
     mamba_dt_min: float = 0.0
     mamba_dt_max: float = float("inf")
-    # A GGUF as llama.cpp converts it: value heads tiled over key heads, A = -exp(A_log) stored.
+    # A GGUF as llama.cpp converts it: value heads tiled over key heads; A = -exp(A_log) stored
+    # (delta.A, mamba.A) instead of A_log.
     linear_v_heads_tiled: bool = False
     linear_decay_stored: bool = False
     attn_output_gate: bool = False  # attention output times sigmoid of a per-head gate from q_proj (Qwen3.5)

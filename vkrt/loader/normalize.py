@@ -489,6 +489,11 @@ _GGUF_NAMES = {
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "expert_weights_norm": "norm_topk_prob",
     "expert_weights_scale": "routed_scaling_factor",
+    # Granite's multipliers
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
 }
 _GGUF_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 _GGUF_REQUIRED = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
@@ -574,9 +579,32 @@ def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str
     mixer = next(iter(spec.mixer_types))  # the family's recurrent layer type
     values["layer_types"] = ["full_attention" if n else mixer for n in kv_heads]
     values["num_key_value_heads"] = max(kv_heads)
+    values["conv_bias"] = any(name.endswith(".conv.bias") for name in weights)
+    if spec.mixer_types[mixer] == "mamba2":
+        _gguf_mamba(path, arch, meta, values, spelled)
+        return
     values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")
     spelled["conv_L_cache"] = f"{arch}.shortconv.l_cache"
-    values["conv_bias"] = any(name.endswith(".conv.bias") for name in weights)
+
+
+def _gguf_mamba(path: Path, arch: str, meta: dict[str, Any], values: dict[str, Any], spelled: dict[str, str]) -> None:
+    """Mamba2's settings from the `ssm.*` keys llama.cpp writes (granitehybrid), in Granite 4's
+    config.json names; its hybrids do not rotate positions (llama.cpp's converter marks that by
+    rope.scaling.finetuned false), and a model without experts runs its shared MLP."""
+    for key, suffix in (("mamba_d_conv", "ssm.conv_kernel"), ("mamba_d_state", "ssm.state_size"),
+                        ("mamba_n_groups", "ssm.group_count"), ("mamba_n_heads", "ssm.time_step_rank")):
+        values[key] = meta.get(f"{arch}.{suffix}")
+        spelled[key] = f"{arch}.{suffix}"
+    inner, heads = meta.get(f"{arch}.ssm.inner_size"), values["mamba_n_heads"]
+    values["mamba_d_head"] = inner // heads if _is_int(inner) and _is_int(heads) and heads else None
+    spelled["mamba_d_head"] = f"{arch}.ssm.inner_size"
+    values["mamba_conv_bias"] = values.pop("conv_bias")
+    values["linear_decay_stored"] = True  # A = -exp(A_log) stored as ssm_a
+    if meta.get(f"{arch}.rope.scaling.finetuned") is False:
+        values["position_embedding_type"] = "nope"
+    if not values.get("num_experts") and _is_int(values.get("shared_expert_intermediate_size")):
+        values["intermediate_size"] = values.pop("shared_expert_intermediate_size")
+        spelled["intermediate_size"] = f"{arch}.expert_shared_feed_forward_length"
 
 
 def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], values: dict[str, Any],

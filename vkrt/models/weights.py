@@ -301,7 +301,7 @@ class _Builder:
         bias = self.vector(p + "mamba.conv.bias") if c.conv_bias else np.zeros(channels, np.float32)
         return Mamba2(z=self.linear([z]), xbc=self.linear([xbc]), dt=self.linear([dt]),
                       conv_taps=self.f32(self.vector(p + "mamba.conv.weight").reshape(channels, c.conv_kernel)),
-                      conv_bias=self.f32(bias), a_rate=self.f32(-np.exp(self.vector(p + "mamba.A_log"))),
+                      conv_bias=self.f32(bias), a_rate=self.f32(self.decay_rate(p, "mamba")),
                       skip=self.f32(self.vector(p + "mamba.D")), dt_bias=self.f32(self.vector(p + "mamba.dt_bias")),
                       norm=self.f32(self.vector(p + "mamba.norm")), out_proj=self.linear([p + "mamba.out_proj"]))
 
@@ -330,7 +330,7 @@ class _Builder:
         return GatedDeltaNet(
             qkv=self.linear(qkv), z=self.linear(z), ba=self.linear(ba),
             conv_taps=self.f32(taps), conv_bias=self.f32(np.zeros(channels, np.float32)),
-            a_rate=self.f32(self.decay_rate(p)), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
+            a_rate=self.f32(self.decay_rate(p, "delta")), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
             norm=self.f32(self.vector(p + "delta.norm")), out_proj=self.linear([p + "delta.out_proj"]))
 
     def short_conv(self, p: str) -> ShortConv:
@@ -340,11 +340,12 @@ class _Builder:
         return ShortConv(self.linear([p + "conv.in_proj"]), self.f32(taps), self.f32(bias),
                          self.linear([p + "conv.out_proj"]))
 
-    def decay_rate(self, p: str) -> np.ndarray:
-        """A = -exp(A_log), in f32 as transformers computes it; llama.cpp's GGUF stores A itself."""
+    def decay_rate(self, p: str, mixer: str) -> np.ndarray:
+        """A = -exp(A_log) of a delta net or Mamba2, in f32 as transformers computes it; llama.cpp's
+        GGUF stores A itself."""
         if self.config.linear_decay_stored:
-            return self.vector(p + "delta.A")
-        return -np.exp(self.vector(p + "delta.A_log"))
+            return self.vector(f"{p}{mixer}.A")
+        return -np.exp(self.vector(f"{p}{mixer}.A_log"))
 
     def mlp(self, p: str) -> Mlp:
         if self.config.hidden_act == "relu2":  # ungated: up alone
