@@ -67,7 +67,8 @@ GEMMA3_SMALL = dict(  # 6 layers so that the default pattern (every 6th layer gl
 
 
 def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
-    """fixture name -> (transformers class, config kwargs, one-line description)."""
+    """fixture name -> (transformers class, config kwargs, one-line description). A fixture's seed is
+    its position here: add new ones at the end, or every fixture after it changes."""
     return {
         "tiny_qwen2": ("Qwen2", dict(BASE, tie_word_embeddings=True, rope_theta=1e6),
                        "q/k/v biases, tied embeddings, rope_theta 1e6"),
