@@ -46,10 +46,13 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid")
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
-CONVERT_CONFIG = {"GraniteMoeHybrid": {"layer_types": {"linear_attention": "mamba", "full_attention": "attention"}}}
+CONVERT_CONFIG: dict[str, Any] = {
+    "GraniteMoeHybrid": lambda cfg: cfg | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}
+                                                           .get(t, t) for t in cfg["layer_types"]]},
+}
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
@@ -191,9 +194,9 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                               layers_block_type=["linear_attention", "mlp", "full_attention", "mlp",
                                                                  "linear_attention", "mlp"],
                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                              intermediate_size=96, mamba_num_heads=4, mamba_head_dim=24, n_groups=2,
+                                              intermediate_size=96, mamba_num_heads=8, mamba_head_dim=24, n_groups=2,
                                               ssm_state_size=16, conv_kernel=4, layer_norm_epsilon=1e-5),
-                            "Nemotron-H (dense): blocks of one sublayer each, Mamba2 (4 heads of 24: inner 96, not "
+                            "Nemotron-H (dense): blocks of one sublayer each, Mamba2 (8 heads of 24: inner 192, not "
                             "2 x hidden; 2 groups, state 16, conv 4 with bias) in blocks 0 and 4, NoPE attention in "
                             "block 2, an ungated relu^2 MLP of 96 in blocks 1, 3, 5"),
         "tiny_lfm2_moe": ("Lfm2Moe", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
@@ -370,7 +373,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if fixture in MULTIMODAL:
             _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES:
-            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family, {}))
+            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family))
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
@@ -514,20 +517,30 @@ from conversion.base import TextModel
 TextModel.set_vocab = lambda self: None
 import convert_hf_to_gguf
 model_class = convert_hf_to_gguf.get_model_class
-def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's builtin one) skip it too
+def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's, Nemotron-H's) skip it too
     cls = model_class(name, mmproj)
     for c in cls.__mro__[:cls.__mro__.index(TextModel)]:
-        if "set_vocab" in vars(c) and c.__name__ in ("Mamba2Model", "GraniteHybridModel"):
+        if "set_vocab" in vars(c):
             c.set_vocab = lambda self: None
     return cls
 convert_hf_to_gguf.get_model_class = no_vocab
+from conversion.base import ModelBase
+load_hparams = ModelBase.load_hparams
+def hparams(*args, **kwargs):  # Nemotron-H as NVIDIA's configs have it, not as transformers 5 loads it:
+    h = load_hparams(*args, **kwargs)  # no num_experts_per_tok when dense (it means MoE to the converter),
+    kinds = h.get("layers_block_type") or []  # the layers as a pattern string (its list form misses "mlp")
+    if "NemotronHForCausalLM" in (h.get("architectures") or []) and "moe" not in kinds:
+        h.pop("num_experts_per_tok", None)
+        h["hybrid_override_pattern"] = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[k]
+                                               for k in kinds)
+    return h
+ModelBase.load_hparams = staticmethod(hparams)
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
 """
 
 
-def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool,
-                  renames: dict[str, dict[str, str]]) -> None:
+def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None) -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
     (f32 in, f32 out, no row permutation for these families), so the golden is the HF one."""
     import shutil
@@ -542,14 +555,11 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool,
     out_dir.mkdir(parents=True)
     gguf_path = out_dir / "model.gguf"
     source = fixtures / fixture
-    if renames:  # a copy whose config.json spells list entries as the converter expects
+    if edit is not None:  # a copy whose config.json says what the converter expects (CONVERT_CONFIG)
         import tempfile
         source = Path(tempfile.mkdtemp()) / fixture
         shutil.copytree(fixtures / fixture, source)
-        cfg = json.loads((source / "config.json").read_text())
-        for key, names in renames.items():
-            cfg[key] = [names.get(v, v) for v in cfg[key]]
-        (source / "config.json").write_text(json.dumps(cfg))
+        (source / "config.json").write_text(json.dumps(edit(json.loads((source / "config.json").read_text()))))
     subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(source), "--outfile",
                     str(gguf_path), "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])], check=True, capture_output=True)
     gold = json.loads(json.dumps(hf_golden))

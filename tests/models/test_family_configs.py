@@ -156,12 +156,13 @@ def test_hybrid_layer_kinds_and_their_fields() -> None:
 def test_nemotron_h_blocks_of_one_sublayer(tmp_path: Path) -> None:
     """Nemotron-H's config in its own words: the real checkpoints' hybrid_override_pattern (M, *, -)
     gives the same blocks as transformers' layers_block_type; Mamba2's inner width is heads x
-    head_dim (96 here, not 2 x hidden); a block is a mixer or the ungated relu^2 MLP, never both."""
+    head_dim (192 here, not 2 x hidden); a block is a mixer or the ungated relu^2 MLP, never both."""
     saved = load_model(FIXTURES / "tiny_nemotron_h").config
     assert [(layer.mixer, layer.mlp) for layer in saved.layers] == [
         ("mamba2", False), ("none", True), ("attention", False), ("none", True), ("mamba2", False), ("none", True)]
     assert not any(layer.rope for layer in saved.layers)
-    assert (saved.hidden_act, saved.mamba_num_heads * saved.mamba_head_dim, saved.conv_bias) == ("relu2", 96, True)
+    assert (saved.hidden_act, saved.mamba_num_heads * saved.mamba_head_dim, saved.conv_bias) == ("relu2", 192, True)
+    assert load_model(FIXTURES / "tiny_nemotron_h_gguf" / "model.gguf").config.layers == saved.layers  # llama.cpp's
     d = _copy("tiny_nemotron_h", tmp_path)
     _edit_config(d, layers_block_type=None, hybrid_override_pattern="M-*-M-", num_hidden_layers=6)
     assert load_model(d).config.layers == saved.layers

@@ -452,16 +452,19 @@ _QWEN3_5 = ArchSpec(
     gguf_v_heads_tiled=True,
 )
 
+# llama.cpp's Mamba2 names; A = -exp(A_log) is stored as ssm_a.
+_MAMBA2_GGUF = {"ssm_in.weight": "mamba.in_proj", "ssm_conv1d.weight": "mamba.conv.weight",
+                "ssm_conv1d.bias": "mamba.conv.bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
+                "ssm_dt.bias": "mamba.dt_bias", "ssm_norm.weight": "mamba.norm", "ssm_out.weight": "mamba.out_proj"}
+
 # Granite 4 hybrid (dense): Mamba2 in most layers, attention in a few, one shared MLP (its gate and
 # up fused as input_linear), Granite's multipliers; positions unrotated ("nope") in the small models.
 _GRANITE4 = ArchSpec(
     name="granite4_hybrid",
     gguf_archs=("granitehybrid",),
     hf_archs=("GraniteMoeHybridForCausalLM",),
-    # llama.cpp's Mamba2 names; A = -exp(A_log) is stored as ssm_a, the shared MLP's gate and up apart.
-    gguf_layer={**_GGUF_LAYER, "ssm_in.weight": "mamba.in_proj", "ssm_conv1d.weight": "mamba.conv.weight",
-                "ssm_conv1d.bias": "mamba.conv.bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
-                "ssm_dt.bias": "mamba.dt_bias", "ssm_norm.weight": "mamba.norm", "ssm_out.weight": "mamba.out_proj"},
+    # The shared MLP's gate and up are stored apart.
+    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF},
     hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
               "shared_mlp.output_linear.weight": "down_proj", "mamba.in_proj.weight": "mamba.in_proj",
               "mamba.conv1d.weight": "mamba.conv.weight", "mamba.conv1d.bias": "mamba.conv.bias",
@@ -479,8 +482,11 @@ _NEMOTRON_H_MIXER = {"mixer.in_proj.weight": "mamba.in_proj", "mixer.conv1d.weig
                      "mixer.out_proj.weight": "mamba.out_proj"}
 _NEMOTRON_H = ArchSpec(
     name="nemotron_h",
-    gguf_archs=(),  # llama.cpp's nemotron_h GGUFs are not read yet
+    gguf_archs=("nemotron_h",),
     hf_archs=("NemotronHForCausalLM",),
+    gguf_layer={"attn_norm.weight": "norm", "attn_q.weight": "q_proj", "attn_k.weight": "k_proj",
+                "attn_v.weight": "v_proj", "attn_output.weight": "o_proj", "ffn_up.weight": "up_proj",
+                "ffn_down.weight": "down_proj", **_MAMBA2_GGUF},
     hf_global={"backbone.embeddings.weight": "embed_tokens", "backbone.norm_f.weight": "final_norm",
                "lm_head.weight": "lm_head"},
     hf_layer={"norm.weight": "norm", "mixer.q_proj.weight": "q_proj", "mixer.k_proj.weight": "k_proj",

@@ -511,23 +511,33 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for suffix in _GGUF_REQUIRED:
-        if meta.get(f"{arch}.{suffix}") is None:
+        if meta.get(f"{arch}.{suffix}") is None and f"{arch}.{suffix}" not in reader.fields:  # (or per layer)
             raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
     kv_heads_per_layer = None
-    for suffix in ("attention.head_count", "attention.head_count_kv"):
+    ffn_per_layer = None
+    for suffix in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
         f = reader.fields.get(f"{arch}.{suffix}")
         if f is not None and f.types[0] == GGUFValueType.ARRAY:
-            # llama.cpp marks a hybrid's recurrent layers by 0 KV heads; other per-layer counts are not read
-            if suffix != "attention.head_count_kv" or not spec.mixer_types or not isinstance(f.value, list):
+            # llama.cpp marks a hybrid's recurrent layers by 0 KV heads, and (Nemotron-H) its layers
+            # without an MLP by a 0 FFN width; other per-layer counts are not read
+            readable = {"attention.head_count_kv": bool(spec.mixer_types), "feed_forward_length": spec.one_sublayer}
+            if not readable.get(suffix) or not isinstance(f.value, list):
                 raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
-            kv_heads_per_layer = f.value
+            if suffix == "feed_forward_length":
+                ffn_per_layer = f.value
+            else:
+                kv_heads_per_layer = f.value
     for suffix, key in _GGUF_NAMES.items():
         spelled[key] = f"{arch}.{suffix}"
         if meta.get(f"{arch}.{suffix}") is not None:
             values[key] = meta[f"{arch}.{suffix}"]
+    if meta.get(f"{arch}.attention.layer_norm_epsilon") is not None:  # Nemotron-H writes its RMSNorm's so
+        values.setdefault("rms_norm_eps", meta[f"{arch}.attention.layer_norm_epsilon"])
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
     if kv_heads_per_layer is not None:
         _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
+    if ffn_per_layer is not None:
+        _gguf_one_sublayer_blocks(path, arch, spec, values, ffn_per_layer)
     recurrent = reader.fields.get(f"{arch}.attention.recurrent_layers")
     if recurrent is not None and "gated_delta_net" in spec.mixer_types.values():
         _gguf_delta_nets(path, arch, spec, meta, values, spelled, recurrent.value)
@@ -549,6 +559,8 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     if spec.gguf_wide_query_layers:  # llama.cpp's query scale for Gemma (GGUF has no query_pre_attn_scalar)
         wide = values["num_hidden_layers"] == spec.gguf_wide_query_layers
         values["query_pre_attn_scalar"] = values["hidden_size"] / values["num_attention_heads"] if wide else head_dim
+    if values.get("num_experts") and not any(name.endswith(".router") for name in weights):
+        values["num_experts"] = 0  # an expert count written for a model without experts (Nemotron-H's)
     if values.get("num_experts"):  # llama.cpp: a layer with a router is sparse
         values["mlp_only_layers"] = [i for i in range(values["num_hidden_layers"])
                                      if f"layers.{i}.router" not in weights]
@@ -585,6 +597,19 @@ def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str
         return
     values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")
     spelled["conv_L_cache"] = f"{arch}.shortconv.l_cache"
+
+
+def _gguf_one_sublayer_blocks(path: Path, arch: str, spec: ArchSpec, values: dict[str, Any], ffn: list[Any]) -> None:
+    """Nemotron-H's blocks from its per-layer FFN widths (an MLP block where > 0) beside the KV
+    head counts that marked the attention blocks; the rest are Mamba2."""
+    layers, kinds = values["num_hidden_layers"], values.get("layer_types")
+    widths = {n for n in ffn if n}
+    if len(ffn) != layers or any(not _is_int(n) or n < 0 for n in ffn) or len(widths) != 1 or kinds is None:
+        raise ModelFormatError(f"{path}: '{arch}.feed_forward_length' must list {layers} widths, one positive "
+                               "width for the MLP blocks and 0 for the others; the file is corrupt")
+    mlp = next(t for t, m in spec.mixer_types.items() if m == "none")
+    values["layer_types"] = [mlp if n else kind for n, kind in zip(ffn, kinds, strict=True)]
+    values["intermediate_size"] = widths.pop()
 
 
 def _gguf_mamba(path: Path, arch: str, meta: dict[str, Any], values: dict[str, Any], spelled: dict[str, str]) -> None:
