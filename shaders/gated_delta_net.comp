@@ -25,7 +25,7 @@ IN_I32(7, state_slots);  // [S]
 OUT_F32(8, o);           // [T, Hv * dv]
 IN_F32(9, state_in);     // the state again, read through the fast read path (texel on CPU devices)
 
-layout(push_constant) uniform Push { uint seqs; uint k_heads; uint v_heads; uint dv; uint tiled; } pc;
+layout(push_constant) uniform Push { uint seqs; uint k_heads; uint v_heads; uint dv; uint tiled; float beta_scale; } pc;
 
 const float L2_EPS = 1e-6;
 
@@ -59,7 +59,7 @@ void main() {
         float k_norm = 1.0 / sqrt(kk + L2_EPS), q_norm = 1.0 / sqrt(qq + L2_EPS) * k_scale;
         float b = LD_F32(ba, uint(t) * 2u * pc.v_heads + h);
         float a = LD_F32(ba, uint(t) * 2u * pc.v_heads + pc.v_heads + h) + a_bias;
-        float beta = 1.0 / (1.0 + exp(-b));
+        float beta = pc.beta_scale / (1.0 + exp(-b));  // beta_scale 2: OLMo-hybrid's negative eigenvalues
         float decay = exp(a_scale * (a > 20.0 ? a : log(1.0 + exp(a))));  // torch's softplus
         float kv = 0.0;
         [[unroll]] for (uint d = 0u; d < DK; ++d) {

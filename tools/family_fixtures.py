@@ -208,6 +208,17 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                           "1); layer 0's MLP dense (96), then 6 experts of 32, top-2 by sigmoid score + a per-expert "
                           "bias, weights renormalised (routed_scaling_factor 1, as in the real models: llama.cpp's converter "
                           "does not carry it)"),
+        "tiny_olmo_hybrid": ("OlmoHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, eos_token_id=None,
+                                                intermediate_size=96, initializer_range=0.1, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=16,
+                                                linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                                linear_allow_neg_eigval=True,
+                                                layer_types=["linear_attention", "linear_attention",
+                                                             "full_attention", "linear_attention"]),
+                             "OLMo-hybrid: gated delta nets (2 key heads of 16, 4 value heads of 8; q, k, v, a, b, g "
+                             "projected apart and q, k, v convolved apart; beta x 2) in layers 0, 1, 3; OLMo 2 "
+                             "attention (QK-norm over all of q and k, RoPE, norms after attention and MLP only) in "
+                             "layer 2"),
     }
 
 

@@ -217,6 +217,20 @@ def test_lfm2_moe_routing_fields(tmp_path: Path) -> None:
     _one_line(exc, "config.json", "num_dense_layers")
 
 
+def test_olmo_hybrid_fields(tmp_path: Path) -> None:
+    """OLMo-hybrid: OLMo 2's post-norm attention layers, beta x 2, the gated norm's own eps, and
+    NoPE when config.json has no rope_parameters."""
+    c = load_model(FIXTURES / "tiny_olmo_hybrid").config
+    assert [(layer.mixer, layer.post_norms) for layer in c.layers] == [
+        ("gated_delta_net", False), ("gated_delta_net", False), ("attention", True), ("gated_delta_net", False)]
+    assert (c.linear_beta_scale, c.linear_norm_eps, c.qk_norm_per_head) == (2.0, 1e-5, False)
+    assert all(layer.rope for layer in c.layers)
+    d = _copy("tiny_olmo_hybrid", tmp_path)
+    _edit_config(d, rope_parameters=None, linear_allow_neg_eigval=False)
+    c = load_model(d).config
+    assert not any(layer.rope for layer in c.layers) and c.linear_beta_scale == 1.0
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

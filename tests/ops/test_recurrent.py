@@ -151,29 +151,31 @@ def gdn_inputs(rng: np.random.Generator, t: int, hk: int, hv: int, dk: int, dv: 
 
 
 def run_gdn(backend: Backend, x: dict[str, np.ndarray], state: np.ndarray, step: dict[str, np.ndarray],
-            heads: tuple[int, int, int, int], tiled: bool = False) -> tuple[np.ndarray, np.ndarray]:
+            heads: tuple[int, int, int, int], tiled: bool = False, beta_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     s = backend.upload(state)
     drains = backend.counters.drains
     o = ops.gated_delta_net(*(backend.upload(x[n]) for n in ("qkv", "ba", "a_rate", "dt_bias")), s,
                             backend.upload(step["seq_start"]), backend.upload(step["positions"]),
-                            backend.upload(step["state_slots"]), *heads, tiled_heads=tiled).numpy()
+                            backend.upload(step["state_slots"]), *heads, tiled_heads=tiled,
+                            beta_scale=beta_scale).numpy()
     assert backend.counters.drains == drains, "gated_delta_net ran on the host"
     return o, s.numpy()
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize(("tiled", "beta_scale"), [(False, 1.0), (True, 1.0), (False, 2.0)],
+                         ids=["grouped", "tiled", "negative-eigenvalues"])
 @pytest.mark.parametrize("heads", GDN_CASES, ids=lambda h: "hk{}-hv{}-dk{}-dv{}".format(*h))
 def test_gated_delta_net_matches_reference(vk: Backend, rng: np.random.Generator,
-                                           heads: tuple[int, int, int, int], tiled: bool) -> None:
+                                           heads: tuple[int, int, int, int], tiled: bool, beta_scale: float) -> None:
     hk, hv, dk, dv = heads
     step = step_inputs([6, 3, 1, 0], [0, 9, 20, 0], [2, 0, 1, 3])  # fresh, carried, decode, padding
     x = gdn_inputs(rng, int(step["seq_start"][-1]), hk, hv, dk, dv)
     state = (rng.standard_normal((4, hv, dk, dv)) * 0.3).astype(np.float32)
-    got, got_state = run_gdn(vk, x, state, step, heads, tiled)
+    got, got_state = run_gdn(vk, x, state, step, heads, tiled, beta_scale)
     want_state = state.copy()
     want = ops.OPS["gated_delta_net"].reference(x["qkv"], x["ba"], x["a_rate"], x["dt_bias"], want_state,
                                                 step["seq_start"], step["positions"], step["state_slots"], *heads,
-                                                tiled_heads=tiled)
+                                                tiled_heads=tiled, beta_scale=beta_scale)
     assert nmse(got, want) <= GDN_NMSE and nmse(got_state, want_state) <= GDN_NMSE
     np.testing.assert_array_equal(got_state[3], state[3])  # the padding sequence's slot is untouched
 

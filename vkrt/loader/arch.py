@@ -208,6 +208,12 @@ class ArchSpec:
     # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
     # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
     one_sublayer: bool = False
+    # OLMo 2's order in attention layers: no norm before attention or MLP, one after each (the
+    # file's post-attention norm, canonical ffn_norm, normalises the attention's output there).
+    attention_post_norms: bool = False
+    # No RoPE when config.json has no rope_parameters (OLMo-hybrid's NoPE checkpoints).
+    nope_without_rope_parameters: bool = False
+    linear_norm_eps: float = 0.0  # the delta net's gated output norm's eps (0: rms_norm_eps)
     # Multimodal checkpoints whose language model is this family (config.json's text_config, tensors
     # under "model.language_model."); the other towers are skipped with one log line each.
     hf_multimodal_archs: tuple[str, ...] = ()
@@ -505,6 +511,31 @@ _NEMOTRON_H = ArchSpec(
     one_sublayer=True,
 )
 
+# OLMo-hybrid: gated delta nets (q, k, v, a, b, g projected apart, q|k|v convolved apart, beta x 2
+# when linear_allow_neg_eigval) in most layers, OLMo 2 attention (QK-norm over all of q and k,
+# post-norms only) in the rest; saved with OLMo's norm names.
+_OLMO_HYBRID = ArchSpec(
+    name="olmo_hybrid",
+    gguf_archs=(),  # no llama.cpp architecture for it
+    hf_archs=("OlmoHybridForCausalLM",),
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, "attention_layer_norm.weight": "attn_norm",
+              "feedforward_layer_norm.weight": "ffn_norm", "post_feedforward_layernorm.weight": "post_ffn_norm",
+              "linear_attn.q_proj.weight": "delta.in_proj_q", "linear_attn.k_proj.weight": "delta.in_proj_k",
+              "linear_attn.v_proj.weight": "delta.in_proj_v", "linear_attn.a_proj.weight": "delta.in_proj_a",
+              "linear_attn.b_proj.weight": "delta.in_proj_b", "linear_attn.g_proj.weight": "delta.in_proj_z",
+              "linear_attn.o_proj.weight": "delta.out_proj", "linear_attn.o_norm.weight": "delta.norm",
+              "linear_attn.q_conv1d.weight": "delta.conv_q", "linear_attn.k_conv1d.weight": "delta.conv_k",
+              "linear_attn.v_conv1d.weight": "delta.conv_v", "linear_attn.conv1d.weight": "delta.conv.weight",
+              "linear_attn.A_log": "delta.A_log", "linear_attn.dt_bias": "delta.dt_bias"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    qk_norm_per_head=False,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attention_post_norms=True,
+    nope_without_rope_parameters=True,
+    linear_norm_eps=1e-5,  # transformers' OlmoHybridRMSNormGated (FLA's default), whatever rms_norm_eps says
+)
+
 # Qwen3-Next: Qwen3.5's mixers with the delta nets' projections interleaved per key head
 # (q|k|v|z and b|a; llama.cpp's converter separates q|k|v from z but keeps b|a interleaved), and a
 # mixture of experts with Qwen2-MoE's sigmoid-gated shared expert in every layer.
@@ -548,7 +579,7 @@ _QWEN3_5_MOE = ArchSpec(
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -619,6 +650,12 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "delta.in_proj_b": (v_heads, hidden),
         "delta.in_proj_a": (v_heads, hidden),
         "delta.in_proj_qkvz": (2 * key_dim + 2 * value_dim, hidden),
+        "delta.in_proj_q": (key_dim, hidden),
+        "delta.in_proj_k": (key_dim, hidden),
+        "delta.in_proj_v": (value_dim, hidden),
+        "delta.conv_q": (key_dim, config.conv_kernel),
+        "delta.conv_k": (key_dim, config.conv_kernel),
+        "delta.conv_v": (value_dim, config.conv_kernel),
         "delta.in_proj_ba": (2 * v_heads, hidden),
         "delta.conv.weight": (2 * key_dim + value_dim, config.conv_kernel),
         "delta.A_log": (v_heads,),
@@ -649,8 +686,15 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                                  ("delta.in_proj_ba", ("delta.in_proj_b", "delta.in_proj_a"))):
                 if f"layers.{i}.{fused}" in weights:  # Qwen3-Next's projections, interleaved per key head
                     names = [n for n in names if n not in apart] + [fused]
+            if f"layers.{i}.delta.in_proj_q" in weights:  # OLMo-hybrid's: q, k, v apart, each convolved apart
+                merged = f"layers.{i}.delta.conv.weight" in weights  # (as transformers holds it in memory)
+                names = [n for n in names if n not in ("delta.in_proj_qkv", "delta.conv.weight")]
+                names += ["delta.in_proj_q", "delta.in_proj_k", "delta.in_proj_v"]
+                names += ["delta.conv.weight"] if merged else ["delta.conv_q", "delta.conv_k", "delta.conv_v"]
         if "gate_up_proj" in names and f"layers.{i}.gate_proj" in weights:  # stored apart (GGUF)
             names = [n for n in names if n != "gate_up_proj"] + ["gate_proj", "up_proj"]
+        if layer.post_norms:  # OLMo 2's attention layers: ffn_norm is the attention's output norm here
+            names = [n for n in names if n != "attn_norm"] + ["post_ffn_norm"]
         if not layer.mlp:  # a block of one mixer (Nemotron-H)
             names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
         for name in names:
@@ -667,7 +711,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
             )
         vector = len(shape) == 1 and math.prod(weight.shape) == shape[0]
         if weight.shape != shape and not vector and not (
-                name.endswith("conv.weight") and weight.shape == (shape[0], 1, *shape[1:])):
+                "conv" in name and weight.shape == (shape[0], 1, *shape[1:])):
             # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K]; llama.cpp writes
             # some vectors with unit dims or as rows of groups: Mamba2's A, D [H, 1] and norm [G, inner / G])
             raise ModelFormatError(

@@ -28,6 +28,7 @@ class LayerConfig:
     # "none": the block is only its MLP (Nemotron-H).
     mixer: str = "attention"
     mlp: bool = True  # False: the block is only its mixer (Nemotron-H)
+    post_norms: bool = False  # OLMo 2's order: no norm before attention or MLP, one after each
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class ModelConfig:
     # (delta.A, mamba.A) instead of A_log.
     linear_v_heads_tiled: bool = False
     linear_decay_stored: bool = False
+    linear_beta_scale: float = 1.0  # 2: beta in [0, 2], the state's eigenvalues may go negative (OLMo-hybrid)
+    linear_norm_eps: float = 0.0  # the delta net's gated output norm's eps (0: rms_norm_eps)
     attn_output_gate: bool = False  # attention output times sigmoid of a per-head gate from q_proj (Qwen3.5)
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense

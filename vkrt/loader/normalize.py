@@ -294,7 +294,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
     sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
     layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer,
-                               mlp=not spec.one_sublayer or mixer == "none")
+                               mlp=not spec.one_sublayer or mixer == "none",
+                               post_norms=spec.attention_post_norms and mixer == "attention")
                    for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
                                                                 _rotated_layers(src, num_layers), sparse, strict=True))
     conv_kernel = _conv_kernel(src, layers)
@@ -337,6 +338,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         **_mamba(src, layers),
         linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
         linear_decay_stored=bool(src.get("linear_decay_stored", False)),
+        linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
+        linear_norm_eps=spec.linear_norm_eps,
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
@@ -463,6 +466,8 @@ def hf_fields(config_path: Path, cfg: dict[str, Any], spec: ArchSpec) -> ConfigF
         values["num_hidden_layers"] = len(values["layer_types"])  # the pattern is the layer count
     for key, value in spec.hf_defaults.items():
         values.setdefault(key, value)
+    if spec.nope_without_rope_parameters and not values.get("rope_parameters") and values.get("rope_theta") is None:
+        values.setdefault("position_embedding_type", "nope")
     return ConfigFields(str(config_path), values, spelled)
 
 

@@ -140,8 +140,10 @@ class DecoderModel(CausalLM):
                                 step.positions, step.state_slots, activation="silu")
         o = ops.gated_delta_net(qkv, linear(x, net.ba), net.a_rate, net.dt_bias, delta_state, step.seq_start,
                                 step.positions, step.state_slots, c.linear_num_key_heads, c.linear_num_value_heads,
-                                c.linear_key_head_dim, c.linear_value_head_dim, tiled_heads=c.linear_v_heads_tiled)
-        gated = ops.gated_rms_norm(o, linear(x, net.z), net.norm, c.rms_norm_eps, group_size=c.linear_value_head_dim)
+                                c.linear_key_head_dim, c.linear_value_head_dim, tiled_heads=c.linear_v_heads_tiled,
+                                beta_scale=c.linear_beta_scale)
+        gated = ops.gated_rms_norm(o, linear(x, net.z), net.norm, c.linear_norm_eps or c.rms_norm_eps,
+                                   group_size=c.linear_value_head_dim)
         return self.residual(linear(gated, net.out_proj), h)
 
     def mamba2(self, layer: Layer, m: Mamba2, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
@@ -160,8 +162,8 @@ class DecoderModel(CausalLM):
         return self.residual(linear(gated, m.out_proj), h)
 
     def pre_norm(self, h: Tensor, weight: Tensor | None) -> Tensor:
-        assert weight is not None, "every sublayer a block has comes with its norm (models.weights)"
-        return ops.rms_norm(h, weight, self.config.rms_norm_eps)
+        """The sublayer's input norm; None: it has none (OLMo 2's attention layers norm outputs only)."""
+        return h if weight is None else ops.rms_norm(h, weight, self.config.rms_norm_eps)
 
     def feed_forward(self, layer: Layer, mlp: Mlp | Experts, h: Tensor) -> Tensor:
         c = self.config

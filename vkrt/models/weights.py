@@ -243,6 +243,10 @@ class _Builder:
         p = f"layers.{i}."
         sandwich = c.sandwich_norms
         kind = c.layer(i)
+        if kind.post_norms:  # OLMo 2's attention layers: a norm after each sublayer, none before
+            return Layer(attn_norm=None, mixer=self.mixer(p, kind.mixer), ffn_norm=None,
+                         mlp=self.experts(p) if kind.moe else self.mlp(p),
+                         post_attn_norm=self.norm(p + "ffn_norm"), post_ffn_norm=self.norm(p + "post_ffn_norm"))
         if kind.mixer == "none" or not kind.mlp:  # one sublayer (Nemotron-H): the block's one norm
             norm = self.norm(p + "norm")
             return Layer(attn_norm=None if kind.mixer == "none" else norm,
@@ -317,8 +321,13 @@ class _Builder:
     def gated_delta_net(self, p: str) -> GatedDeltaNet:
         c = self.config
         channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-        taps = self.vector(p + "delta.conv.weight").reshape(channels, c.conv_kernel)
+        if p + "delta.conv_q" in self.stored:  # OLMo-hybrid: q, k and v convolved apart (depthwise: stacked)
+            taps = np.concatenate([self.vector(p + f"delta.conv_{n}") for n in "qkv"]).reshape(channels, c.conv_kernel)
+        else:
+            taps = self.vector(p + "delta.conv.weight").reshape(channels, c.conv_kernel)
         qkv: list[str | WeightData] = [p + "delta.in_proj_qkv"]
+        if p + "delta.in_proj_q" in self.stored:  # OLMo-hybrid: projected apart
+            qkv = [p + "delta.in_proj_q", p + "delta.in_proj_k", p + "delta.in_proj_v"]
         z: list[str | WeightData] = [p + "delta.in_proj_z"]
         ba: list[str | WeightData] = [p + "delta.in_proj_b", p + "delta.in_proj_a"]
         r, dk, dv = c.linear_num_value_heads // c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim

@@ -224,12 +224,12 @@ def short_conv(bcx: Tensor, w: Tensor, bias: Tensor, state: Tensor, seq_start: T
 
 def gated_delta_net(qkv: Tensor, ba: Tensor, a_rate: Tensor, dt_bias: Tensor, state: Tensor, seq_start: Tensor,
                     positions: Tensor, state_slots: Tensor, num_k_heads: int, num_v_heads: int, k_head_dim: int,
-                    v_head_dim: int, tiled_heads: bool = False) -> Tensor:
+                    v_head_dim: int, tiled_heads: bool = False, beta_scale: float = 1.0) -> Tensor:
     """[T, Hv * dv]: the gated delta rule (Qwen3.5) over each sequence of the step (A = a_rate
     = -exp(A_log)), its state [slots, Hv, dk, dv] carried and updated in place (vkrt.ops.recurrent)."""
     return dispatch("gated_delta_net", qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots,
                     num_k_heads=int(num_k_heads), num_v_heads=int(num_v_heads), k_head_dim=int(k_head_dim),
-                    v_head_dim=int(v_head_dim), tiled_heads=bool(tiled_heads))
+                    v_head_dim=int(v_head_dim), tiled_heads=bool(tiled_heads), beta_scale=float(beta_scale))
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float, group_size: int = 0, gate_first: bool = False) -> Tensor:

@@ -95,7 +95,7 @@ def short_conv(bcx: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.ndarr
 # Per value head h of sequence s, a state S [dk, dv] (its key head serves num_v_heads /
 # num_k_heads consecutive value heads): for each token, with q and k of h's key head
 # L2-normalised (x / sqrt(sum x^2 + 1e-6)) and q also scaled by 1 / sqrt(dk),
-#   beta = sigmoid(b[h]), g = A[h] * softplus(a[h] + dt_bias[h]) (A = -exp(A_log) < 0),
+#   beta = sigmoid(b[h]) (x beta_scale: 2 lets OLMo-hybrid's eigenvalues go negative), g = A[h] * softplus(a[h] + dt_bias[h]) (A = -exp(A_log) < 0),
 #   S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;  o = S^T q,
 # the order transformers' torch_recurrent_gated_delta_rule computes it in. With `tiled_heads`
 # value head h uses key head h % num_k_heads instead of h // (num_v_heads / num_k_heads): llama.cpp's
@@ -111,9 +111,11 @@ def _softplus(x: np.ndarray) -> np.ndarray:
 
 def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a: TensorSpec, dt_bias: TensorSpec, state: TensorSpec,
                seq_start: TensorSpec, positions: TensorSpec, state_slots: TensorSpec, num_k_heads: int,
-               num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False) -> tuple[TensorSpec, ...]:
+               num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False,
+               beta_scale: float = 1.0) -> tuple[TensorSpec, ...]:
     specs = (qkv, ba, a, dt_bias, state, seq_start, positions, state_slots)
     name = "gated_delta_net"
+    require(beta_scale in (1.0, 2.0), name, specs, f"beta_scale must be 1 or 2, got {beta_scale}")
     require(num_k_heads > 0 and num_v_heads % num_k_heads == 0, name, specs,
             f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
     width = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
@@ -135,7 +137,8 @@ def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a: TensorSpec, dt_bias: TensorSp
 @register_op("gated_delta_net", _gdn_infer, inplace=(4,))
 def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, state: np.ndarray,
                     seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_k_heads: int,
-                    num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False) -> np.ndarray:
+                    num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False,
+                    beta_scale: float = 1.0) -> np.ndarray:
     """o [T, Hv * dv]: the gated delta rule over each sequence (float64 within a step; the state
     is stored f32 between steps, as the device holds it)."""
     t = qkv.shape[0]
@@ -149,7 +152,7 @@ def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPS) / np.sqrt(k_head_dim)
     k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPS)
     b, a = ba.astype(np.float64)[:, :num_v_heads], ba.astype(np.float64)[:, num_v_heads:]
-    beta = 1.0 / (1.0 + np.exp(-b))
+    beta = beta_scale / (1.0 + np.exp(-b))
     decay = np.exp(a_rate.astype(np.float64) * _softplus(a + dt_bias.astype(np.float64)))  # exp(g)
     out = np.zeros((t, num_v_heads, v_head_dim), np.float64)
     for s in range(state_slots.shape[0]):

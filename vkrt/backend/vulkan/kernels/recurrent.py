@@ -45,7 +45,8 @@ def _gated_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
                        [(qkv, "f32", False), (ba, "f32", False), (a_rate, "f32", False), (dt_bias, "f32", False),
                         (state, "f32", True), (seq_start, "i32", False), (positions, "i32", False),
                         (state_slots, "i32", False), (o, "f32", True), (state, "f32", False)],
-                       grid_1d(seqs * v_heads * dv), ("<5I", (seqs, params["num_k_heads"], v_heads, dv, int(params.get("tiled_heads", False)))),
+                       grid_1d(seqs * v_heads * dv), ("<5If", (seqs, params["num_k_heads"], v_heads, dv, int(params.get("tiled_heads", False)),
+                                  params.get("beta_scale", 1.0))),
                        local_size() | {1: params["k_head_dim"]})
     return (o,)
 
