@@ -1,16 +1,18 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=add,silu_mul,gelu_mul,gather,scale,softcap ACCESS=texel,ssbo
+//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,gather,scale,softcap,relu2 ACCESS=texel,ssbo
 // add: y[i] = a[i] + b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
+// sigmoid_mul: y[i] = a[i] * sigmoid(b[i % b_len]) (an output gate)
 // gather: y[r, d] = a[b[r], d] (b holds i32 row indices, b_len = D).
 // silu_mul/gelu_mul: x is [T, 2F]; y[t, f] = act(x[t, f]) * x[t, F + f], with b_len = F.
 // scale: y = x * param (one rounded f32 product). softcap: y = param * tanh(x / param).
+// relu2: y = max(x, 0)^2 (one rounded f32 product).
 #include "access.glsl"
 #include "softcap.glsl"
 #include "gelu.glsl"
 DECLARE_LOCAL_SIZE;
 
-#if defined(OP_ADD)
+#if defined(OP_ADD) || defined(OP_SIGMOID_MUL)
 IN_F32(0, a);
 IN_F32(1, b);
 OUT_F32(2, y);
@@ -30,12 +32,17 @@ void main() {
     if (i >= pc.n) return;
 #if defined(OP_ADD)
     y[i] = LD_F32(a, i) + LD_F32(b, i % pc.b_len);
+#elif defined(OP_SIGMOID_MUL)
+    y[i] = LD_F32(a, i) * (1.0 / (1.0 + exp(-LD_F32(b, i % pc.b_len))));
 #elif defined(OP_GATHER)
     y[i] = LD_F32(a, uint(LD_I32(b, i / pc.b_len)) * pc.b_len + i % pc.b_len);
 #elif defined(OP_SCALE)
     y[i] = LD_F32(x, i) * pc.param;
 #elif defined(OP_SOFTCAP)
     y[i] = softcap_f32(LD_F32(x, i), pc.param);
+#elif defined(OP_RELU2)
+    float r = max(LD_F32(x, i), 0.0);
+    y[i] = r * r;
 #else
     uint row = i / pc.b_len, col = i % pc.b_len;
     float g = LD_F32(x, row * 2u * pc.b_len + col);

@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=router,combine,combine_shared ACCESS=texel,ssbo
+//! variants: OP=router,router_sigmoid,combine,combine_shared ACCESS=texel,ssbo
 // Mixture-of-experts routing and combine (vkrt/ops/moe.py has the references).
 // OP_ROUTER: one invocation per token of logits [T, E]. The k picks are made in order, each
 // the largest logit ranked after the previous pick in the order (logit descending, expert
@@ -8,6 +8,9 @@
 // does, and no per-token mask is needed (k passes over E logits). Weights are the picks'
 // softmax probabilities over all E (max subtracted, exps summed in index order), divided by
 // their sum when NORMALIZE (norm_topk_prob). ids and weights are written as [T, k].
+// OP_ROUTER_SIGMOID: the same walk over score = sigmoid(logit) + bias[e] (LFM2-MoE's expert
+// bias steers the choice only); the weights are the picks' sigmoid(logit), divided by their sum
+// + 1e-6 when NORMALIZE, then times pc.scale (routed_scaling_factor).
 // OP_COMBINE: one invocation per output element of [T, N]: sum over slots j = 0..k-1 of
 // weights[t, j] * y[t, j, n], in slot order (a fixed order per element: batch invariant).
 // OP_COMBINE_SHARED: the same, then + sigmoid(shared_logit[t]) * shared[t, n] (a shared
@@ -54,6 +57,47 @@ void main() {
     if (pc.normalize != 0u) {
         for (uint j = 0u; j < pc.k; j++) weights[t * pc.k + j] = weights[t * pc.k + j] / chosen;
     }
+}
+#endif
+
+#ifdef OP_ROUTER_SIGMOID
+IN_F32(0, logits);
+IN_F32(1, bias);
+OUT_I32(2, ids);
+RW_F32(3, weights);
+layout(push_constant) uniform Push { uint T; uint E; uint k; uint normalize; float scale; } pc;
+
+float sigmoid_of(float x) { return 1.0 / (1.0 + exp(-x)); }
+
+void main() {
+    uint t = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    if (t >= pc.T) return;
+    uint base = t * pc.E;
+    float prev = 1.0 / 0.0;
+    int prev_id = -1;
+    precise float chosen = 0.0;
+    for (uint j = 0u; j < pc.k; j++) {
+        int best = -1;
+        float best_v = -1.0 / 0.0, best_w = 0.0;
+        for (uint e = 0u; e < pc.E; e++) {
+            float w = sigmoid_of(LD_F32(logits, base + e));
+            float v = w + LD_F32(bias, e);
+            bool after = v < prev || (v == prev && int(e) > prev_id);  // ranked after the last pick
+            if (after && (best < 0 || v > best_v)) {
+                best = int(e);
+                best_v = v;
+                best_w = w;
+            }
+        }
+        best = max(best, 0);  // only NaN logits leave no pick; keep the id in range
+        ids[t * pc.k + j] = best;
+        weights[t * pc.k + j] = best_w;
+        chosen += best_w;
+        prev = best_v;
+        prev_id = best;
+    }
+    precise float denominator = pc.normalize != 0u ? chosen + 1e-6 : 1.0;
+    for (uint j = 0u; j < pc.k; j++) weights[t * pc.k + j] = weights[t * pc.k + j] / denominator * pc.scale;
 }
 #endif
 

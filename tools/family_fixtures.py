@@ -44,6 +44,20 @@ BASE = dict(
 
 # Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
+# Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
+# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH")
+# config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
+# Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
+CONVERT_CONFIG: dict[str, Any] = {
+    "GraniteMoeHybrid": lambda cfg: cfg | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}
+                                                           .get(t, t) for t in cfg["layer_types"]]},
+}
+# Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
+MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
+# Families whose text model has its own config class beside the multimodal one.
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe")
+LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
 PHI3_LONG = [1.0, 1.5, 2.2, 3.0, 4.0, 5.2, 6.5, 8.0]
@@ -56,7 +70,8 @@ GEMMA3_SMALL = dict(  # 6 layers so that the default pattern (every 6th layer gl
 
 
 def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
-    """fixture name -> (transformers class, config kwargs, one-line description)."""
+    """fixture name -> (transformers class, config kwargs, one-line description). A fixture's seed is
+    its position here: add new ones at the end, or every fixture after it changes."""
     return {
         "tiny_qwen2": ("Qwen2", dict(BASE, tie_word_embeddings=True, rope_theta=1e6),
                        "q/k/v biases, tied embeddings, rope_theta 1e6"),
@@ -117,9 +132,98 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                               "rope_type": "default", "rope_theta": 5e5}),
                           "ERNIE 4.5: Llama's layout with RoPE on interleaved pairs (2i, 2i + 1), tied, "
                           "rope_theta 5e5"),
+        # Hybrids: recurrent mixers beside attention (after the rest, so their seeds stay).
+        "tiny_lfm2": ("Lfm2", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, norm_eps=1e-5,
+                                   layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+                                   conv_bias=False, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+                                   block_multiple_of=16, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 1e6}),
+                      "LFM2: short gated convolutions (kernel 3) in layers 0, 2, 3, attention with per-head "
+                      "QK-norm in layer 1; FFN width auto-adjusted from 128 to 96"),
+        "tiny_qwen3_5": ("Qwen3_5", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
+                                         initializer_range=0.1,
+                                         layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                      "linear_attention"],
+                                         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                                         linear_num_key_heads=2, linear_num_value_heads=4,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                          "partial_rotary_factor": 0.25}),
+                         "Qwen3.5 dense: gated delta nets (2 key heads of 16, 4 value heads of 8, conv 4) in "
+                         "layers 0, 1, 3, gated attention with (1 + w) QK-norm and partial rotary 0.25 in layer 2"),
+        "tiny_qwen3_5_moe": ("Qwen3_5Moe", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
+                                                initializer_range=0.1,
+                                                layer_types=["linear_attention", "linear_attention",
+                                                             "full_attention", "linear_attention"],
+                                                linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                                linear_value_head_dim=8, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                                                moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                 "partial_rotary_factor": 0.25}),
+                             "Qwen3.5 MoE: tiny_qwen3_5's mixers, every MLP a mixture of 6 experts of 24 (top-2) "
+                             "with a shared expert of 32 behind a sigmoid gate"),
+        "tiny_qwen3_next": ("Qwen3Next", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, head_dim=16,
+                                              initializer_range=0.1, layer_types=["linear_attention",
+                                                                                  "full_attention",
+                                                                                  "linear_attention",
+                                                                                  "linear_attention"],
+                                              linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                              linear_value_head_dim=8, linear_num_key_heads=2,
+                                              linear_num_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                                              moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                               "partial_rotary_factor": 0.25}),
+                            "Qwen3-Next: gated delta nets (q|k|v|z and b|a interleaved per key head) in layers "
+                            "0, 2, 3, gated attention in layer 1; MoE (6 experts of 24, top-2, a shared expert of "
+                            "32 behind a sigmoid gate) in every layer, as the real models and llama.cpp have it"),
+        "tiny_granite4": ("GraniteMoeHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
+                                                   initializer_range=0.1, num_local_experts=0,
+                                                   shared_intermediate_size=96,
+                                                   layer_types=["mamba", "mamba", "attention", "mamba"],
+                                                   mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
+                                                   mamba_d_head=32, mamba_d_conv=4, mamba_expand=2,
+                                                   mamba_conv_bias=True, position_embedding_type="nope",
+                                                   embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                   residual_multiplier=0.6, logits_scaling=2.5),
+                          "Granite 4 hybrid (dense): Mamba2 (4 heads of 32, 2 groups, state 16, conv 4 with "
+                          "bias) in layers 0, 1, 3, NoPE attention in layer 2, a shared MLP of 96, Granite's "
+                          "four multipliers"),
+        "tiny_nemotron_h": ("NemotronH", dict(vocab_size=256, hidden_size=64, max_position_embeddings=256,
+                                              initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                                              layers_block_type=["linear_attention", "mlp", "full_attention", "mlp",
+                                                                 "linear_attention", "mlp"],
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              intermediate_size=96, mamba_num_heads=8, mamba_head_dim=24, n_groups=2,
+                                              ssm_state_size=16, conv_kernel=4, layer_norm_epsilon=1e-5),
+                            "Nemotron-H (dense): blocks of one sublayer each, Mamba2 (8 heads of 24: inner 192, not "
+                            "2 x hidden; 2 groups, state 16, conv 4 with bias) in blocks 0 and 4, NoPE attention in "
+                            "block 2, an ungated relu^2 MLP of 96 in blocks 1, 3, 5"),
+        "tiny_lfm2_moe": ("Lfm2Moe", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=None,
+                                          intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+                                          num_experts_per_tok=2, num_dense_layers=1, norm_topk_prob=True,
+                                          use_expert_bias=True, conv_L_cache=3,
+                                          norm_eps=1e-5, layer_types=["conv", "full_attention", "conv", "conv"]),
+                          "LFM2-MoE: LFM2's gated short convolutions (layers 0, 2, 3) and QK-normed attention (layer "
+                          "1); layer 0's MLP dense (96), then 6 experts of 32, top-2 by sigmoid score + a per-expert "
+                          "bias, weights renormalised (routed_scaling_factor 1, as in the real models: llama.cpp's converter "
+                          "does not carry it)"),
+        "tiny_olmo_hybrid": ("OlmoHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, eos_token_id=None,
+                                                intermediate_size=96, initializer_range=0.1, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=16,
+                                                linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                                linear_allow_neg_eigval=True,
+                                                layer_types=["linear_attention", "linear_attention",
+                                                             "full_attention", "linear_attention"]),
+                             "OLMo-hybrid: gated delta nets (2 key heads of 16, 4 value heads of 8; q, k, v, a, b, g "
+                             "projected apart and q, k, v convolved apart; beta x 2) in layers 0, 1, 3; OLMo 2 "
+                             "attention (QK-norm over all of q and k, RoPE, norms after attention and MLP only) in "
+                             "layer 2"),
     }
 
 
+# Text fixtures also written as their family's multimodal checkpoint (language model + vision tower).
+MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl"}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
@@ -130,11 +234,14 @@ def _randomise(model, gemma: bool) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_f.weight")):  # (norm_f: Nemotron-H's final norm)
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", ".dt_bias", ".D")):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE's starts at 0: large enough to change choices
+                b.copy_(0.3 * torch.randn_like(b))
 
 
 def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
@@ -239,10 +346,11 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if only and fixture not in only:
             continue
         t0 = time.time()
-        config_cls = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
+        config_cls = getattr(transformers, f"{family}TextConfig" if family in TEXT_CONFIGS else f"{family}Config")
         model_cls = getattr(transformers, f"{family}ForCausalLM")
         torch.manual_seed(seed + 10 + index)
         cfg = config_cls(**kwargs)
+        cfg._attn_implementation = "eager"  # as the reloaded model runs: the reload check compares like with like
         model = model_cls(cfg).to(torch.float32).eval()
         _randomise(model, gemma=family.startswith("Gemma"))
         for name, p in model.named_parameters():  # expert tensors start torch.empty until initialised
@@ -273,8 +381,56 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
         print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
 
+        if fixture in MULTIMODAL:
+            _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
+        if family in CONVERTED_FAMILIES:
+            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family))
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
+
+
+def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_model, prompts: list[list[int]],
+                     golden_for, sha256_file) -> None:
+    """The text fixture's weights as the language model of the family's multimodal checkpoint (a tiny
+    vision tower beside it, under model.language_model. / model.visual. as users download them);
+    the golden is that checkpoint's own forward on text."""
+    import torch
+    import transformers
+
+    t0 = time.time()
+    out_dir = fixtures / MULTIMODAL[fixture]
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
+    torch.manual_seed(4321)
+    cfg = config_cls(text_config=text_cfg.to_dict(), vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
+        patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4),
+        tie_word_embeddings=text_cfg.tie_word_embeddings)
+    model = model_cls(cfg).to(torch.float32).eval()
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if (out_dir / "generation_config.json").exists():
+        (out_dir / "generation_config.json").unlink()
+    reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        a = text_model(torch.tensor([LONG_PROMPT])).logits
+        b = reloaded(torch.tensor([LONG_PROMPT])).logits
+    if not torch.allclose(a, b, atol=1e-5):
+        raise SystemExit(f"{out_dir.name}: the multimodal checkpoint's text logits differ from {fixture}'s")
+    gold = golden_for(reloaded, out_dir.name, "float32", {
+        "family": f"{family}ForConditionalGeneration",
+        "description": f"{fixture}'s weights as the language model of a {family}ForConditionalGeneration "
+                       "checkpoint with a one-block vision tower; golden = that model's forward on text",
+        "tie_word_embeddings": bool(cfg.tie_word_embeddings),
+        "rope_scaling": text_cfg.rope_parameters,
+        "model_sha256": sha256_file(out_dir / "model.safetensors"),
+    }, prompts)
+    (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
+    print(f"{out_dir.name}: {time.time() - t0:.1f}s", flush=True)
 
 
 def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any], cfg, model,
@@ -346,3 +502,86 @@ def _make_gguf(fixtures: Path, fixture: str, family: str, kwargs: dict[str, Any]
     }, prompts)
     (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
     print(f"{fixture}_gguf: {time.time() - t0:.1f}s", flush=True)
+
+
+def _llamacpp_dir() -> Path:
+    """vendor/llama.cpp of an unpacked llama-cpp-python source package (`pip download --no-deps
+    --no-binary :all: llama-cpp-python`, unpacked under build/llamacpp/), or $VKRT_LLAMACPP."""
+    import os
+
+    named = os.environ.get("VKRT_LLAMACPP")
+    candidates = [Path(named)] if named else sorted(LLAMACPP_DEFAULT.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    for path in candidates:
+        if (path / "convert_hf_to_gguf.py").is_file():
+            return path
+    raise SystemExit("llama.cpp's converter not found: pip download --no-deps --no-binary :all: llama-cpp-python "
+                     f"-d {LLAMACPP_DEFAULT}, unpack it there, or set VKRT_LLAMACPP to its vendor/llama.cpp")
+
+
+# Runs convert_hf_to_gguf.main with the vocabulary step skipped: the tiny fixtures carry no
+# tokenizer (vkrt takes the vocabulary size from the embedding); tensors and metadata are the
+# converter's own.
+_CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+from conversion.base import TextModel
+TextModel.set_vocab = lambda self: None
+import convert_hf_to_gguf
+model_class = convert_hf_to_gguf.get_model_class
+def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's, Nemotron-H's) skip it too
+    cls = model_class(name, mmproj)
+    for c in cls.__mro__[:cls.__mro__.index(TextModel)]:
+        if "set_vocab" in vars(c):
+            c.set_vocab = lambda self: None
+    return cls
+convert_hf_to_gguf.get_model_class = no_vocab
+from conversion.base import ModelBase
+load_hparams = ModelBase.load_hparams
+def hparams(*args, **kwargs):  # Nemotron-H as NVIDIA's configs have it, not as transformers 5 loads it:
+    h = load_hparams(*args, **kwargs)  # no num_experts_per_tok when dense (it means MoE to the converter),
+    kinds = h.get("layers_block_type") or []  # the layers as a pattern string (its list form misses "mlp")
+    if "NemotronHForCausalLM" in (h.get("architectures") or []) and "moe" not in kinds:
+        h.pop("num_experts_per_tok", None)
+        h["hybrid_override_pattern"] = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[k]
+                                               for k in kinds)
+    return h
+ModelBase.load_hparams = staticmethod(hparams)
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None) -> None:
+    """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
+    (f32 in, f32 out, no row permutation for these families), so the golden is the HF one."""
+    import shutil
+    import subprocess
+    import sys
+
+    t0 = time.time()
+    llamacpp = _llamacpp_dir()
+    out_dir = fixtures / f"{fixture}_gguf"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    gguf_path = out_dir / "model.gguf"
+    source = fixtures / fixture
+    if edit is not None:  # a copy whose config.json says what the converter expects (CONVERT_CONFIG)
+        import tempfile
+        source = Path(tempfile.mkdtemp()) / fixture
+        shutil.copytree(fixtures / fixture, source)
+        (source / "config.json").write_text(json.dumps(edit(json.loads((source / "config.json").read_text()))))
+    subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(source), "--outfile",
+                    str(gguf_path), "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])], check=True, capture_output=True)
+    gold = json.loads(json.dumps(hf_golden))
+    gold["meta"] |= {"model_file": "model.gguf", "model_sha256": _sha256(gguf_path),
+                     "description": f"{fixture} through llama.cpp's convert_hf_to_gguf.py (f32, vocabulary "
+                                    "step skipped); golden = the HF fixture's (an exact conversion)"}
+    (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
+    print(f"{fixture}_gguf: {time.time() - t0:.1f}s", flush=True)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -170,7 +170,7 @@ def test_gemma3_like_cache_at_8k_context_is_allocated_by_window() -> None:
     sliding_bytes = 15 * per_token_layer * 65 * 16
     assert kv.nbytes == full_bytes + sliding_bytes
     assert kv.nbytes * 3 < 18 * per_token_layer * 8192  # every layer at full context: > 3x more
-    assert [t.shape[0] for t in kv.keys] == [65 if i % 6 != 5 else 512 for i in range(18)]
+    assert [t.shape[0] for t in kv.keys.values()] == [65 if i % 6 != 5 else 512 for i in range(18)]
 
 
 # ---- through the engine: a fake with a full and a sliding layer -------------------------

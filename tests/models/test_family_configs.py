@@ -133,6 +133,104 @@ def test_partial_rotary_that_cannot_rope_is_refused(tmp_path: Path, factor: floa
     _one_line(exc, "config.json", "partial_rotary_factor", error)
 
 
+def test_hybrid_layer_kinds_and_their_fields() -> None:
+    """Each hybrid's layers get their mixers; Granite 4's config spells the scan's limit as
+    {"__float__": "Infinity"} (transformers 5) and unrotated positions as "nope"."""
+    lfm2 = load_model(FIXTURES / "tiny_lfm2").config
+    assert [layer.mixer for layer in lfm2.layers] == ["short_conv", "attention", "short_conv", "short_conv"]
+    assert (lfm2.conv_kernel, lfm2.intermediate_size) == (3, 96)
+    qwen = load_model(FIXTURES / "tiny_qwen3_5").config
+    assert [layer.mixer for layer in qwen.layers] == ["gated_delta_net"] * 2 + ["attention", "gated_delta_net"]
+    assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.rotary_dim, qwen.attn_output_gate) == (2, 4, 4, True)
+    assert load_model(FIXTURES / "tiny_qwen3_5_gguf" / "model.gguf").config.layers == qwen.layers
+    granite = load_model(FIXTURES / "tiny_granite4").config
+    assert [layer.mixer for layer in granite.layers] == ["mamba2"] * 2 + ["attention", "mamba2"]
+    assert not any(layer.rope for layer in granite.layers) and granite.mamba_dt_max == math.inf
+    assert (granite.mamba_num_heads, granite.mamba_head_dim, granite.intermediate_size, granite.conv_bias) == (4, 32, 96, True)
+    granite_gguf = load_model(FIXTURES / "tiny_granite4_gguf" / "model.gguf").config  # llama.cpp's granitehybrid
+    assert granite_gguf.layers == granite.layers and granite_gguf.linear_decay_stored
+    assert (granite_gguf.mamba_head_dim, granite_gguf.intermediate_size, granite_gguf.embedding_scale,
+            granite_gguf.residual_scale) == (32, 96, 3.0, granite.residual_scale)
+
+
+def test_nemotron_h_blocks_of_one_sublayer(tmp_path: Path) -> None:
+    """Nemotron-H's config in its own words: the real checkpoints' hybrid_override_pattern (M, *, -)
+    gives the same blocks as transformers' layers_block_type; Mamba2's inner width is heads x
+    head_dim (192 here, not 2 x hidden); a block is a mixer or the ungated relu^2 MLP, never both."""
+    saved = load_model(FIXTURES / "tiny_nemotron_h").config
+    assert [(layer.mixer, layer.mlp) for layer in saved.layers] == [
+        ("mamba2", False), ("none", True), ("attention", False), ("none", True), ("mamba2", False), ("none", True)]
+    assert not any(layer.rope for layer in saved.layers)
+    assert (saved.hidden_act, saved.mamba_num_heads * saved.mamba_head_dim, saved.conv_bias) == ("relu2", 192, True)
+    assert load_model(FIXTURES / "tiny_nemotron_h_gguf" / "model.gguf").config.layers == saved.layers  # llama.cpp's
+    d = _copy("tiny_nemotron_h", tmp_path)
+    _edit_config(d, layers_block_type=None, hybrid_override_pattern="M-*-M-", num_hidden_layers=6)
+    assert load_model(d).config.layers == saved.layers
+    _edit_config(d, hybrid_override_pattern="M-*-ME")
+    with pytest.raises(UnsupportedModelError) as exc:  # Nemotron 3's mixtures of experts
+        load_model(d)
+    _one_line(exc, "config.json", "hybrid_override_pattern", "'moe'", "not supported")
+    _edit_config(d, hybrid_override_pattern="M-*-MX")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "hybrid_override_pattern", "'M-*-MX'")
+    _edit_config(d, hybrid_override_pattern="M-*-M-", use_bias=True)
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "use_bias", "not supported")
+
+
+def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen3_5ForConditionalGeneration as users download it: text_config is the model, tensors under
+    model.language_model.; the vision tower and an MTP head are skipped with one line each."""
+    from safetensors.numpy import save_file
+
+    text = load_model(FIXTURES / "tiny_qwen3_5")
+    d = _copy("tiny_qwen3_5_vl", tmp_path)
+    save_file({"mtp.fc.weight": np.zeros((4, 4), np.float32)}, str(d / "mtp.safetensors"))
+    with caplog.at_level("INFO", logger="vkrt.loader.hf_loader"):
+        vl = load_model(d)
+    assert vl.config.layers == text.config.layers and sorted(vl.weights) == sorted(text.weights)
+    assert vl.config.attn_output_gate and vl.config.linear_num_value_heads == text.config.linear_num_value_heads
+    for what in ("skipped the vision tower (21 tensors)", "skipped the multi-token-prediction head (1 tensor)"):
+        assert what in caplog.text
+    _edit_config(d, text_config=None)
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "text_config")
+
+
+def test_lfm2_moe_routing_fields(tmp_path: Path) -> None:
+    """LFM2-MoE: sigmoid routing with the expert bias and routed_scaling_factor; the first
+    num_dense_layers MLPs dense; without use_expert_bias the bias is not read."""
+    c = load_model(FIXTURES / "tiny_lfm2_moe").config
+    assert (c.moe_router, c.expert_bias, c.routed_scaling_factor, c.norm_topk_prob) == ("sigmoid", True, 1.0, True)
+    gguf_config = load_model(FIXTURES / "tiny_lfm2_moe_gguf" / "model.gguf").config
+    assert (gguf_config.layers, gguf_config.expert_bias, gguf_config.norm_topk_prob) == (c.layers, True, True)
+    assert [layer.moe for layer in c.layers] == [False, True, True, True]
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size) == (6, 2, 32, 96)
+    d = _copy("tiny_lfm2_moe", tmp_path)
+    _edit_config(d, num_dense_layers=-1)
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "num_dense_layers")
+
+
+def test_olmo_hybrid_fields(tmp_path: Path) -> None:
+    """OLMo-hybrid: OLMo 2's post-norm attention layers, beta x 2, the gated norm's own eps, and
+    NoPE when config.json has no rope_parameters."""
+    c = load_model(FIXTURES / "tiny_olmo_hybrid").config
+    assert [(layer.mixer, layer.post_norms) for layer in c.layers] == [
+        ("gated_delta_net", False), ("gated_delta_net", False), ("attention", True), ("gated_delta_net", False)]
+    assert (c.linear_beta_scale, c.linear_norm_eps, c.qk_norm_per_head) == (2.0, 1e-5, False)
+    assert all(layer.rope for layer in c.layers)
+    d = _copy("tiny_olmo_hybrid", tmp_path)
+    _edit_config(d, rope_parameters=None, linear_allow_neg_eigval=False)
+    c = load_model(d).config
+    assert not any(layer.rope for layer in c.layers) and c.linear_beta_scale == 1.0
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

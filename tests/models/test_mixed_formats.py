@@ -66,9 +66,9 @@ def test_projections_apart_mean_what_stacked_ones_mean(fixture: str, device: str
     _write(src, tmp_path / "stacked.gguf", np.float32)
     apart = DecoderModel(load_model(tmp_path / "apart.gguf"), backend)
     stacked = DecoderModel(load_model(tmp_path / "stacked.gguf"), backend)
-    assert all(len(layer.attention.qkv.parts) == 3 and isinstance(layer.mlp, Mlp) and len(layer.mlp.gate_up.parts) == 2
+    assert all(len(layer.mixer.qkv.parts) == 3 and isinstance(layer.mlp, Mlp) and len(layer.mlp.gate_up.parts) == 2
                for layer in apart.weights.layers)
-    assert all(len(layer.attention.qkv.parts) == 1 and isinstance(layer.mlp, Mlp) and len(layer.mlp.gate_up.parts) == 1
+    assert all(len(layer.mixer.qkv.parts) == 1 and isinstance(layer.mlp, Mlp) and len(layer.mlp.gate_up.parts) == 1
                for layer in stacked.weights.layers)
     prompt = [3, 17, 42, 7, 99, 5, 61, 23, 11, 2, 80, 31]
     got = Greedy(apart, max_len=64).step(prompt, 0, all_logits=True)

@@ -1,6 +1,6 @@
-"""Native add, scale, softcap, silu_and_mul, gelu_tanh_and_mul and gather_rows vs their references.
+"""Native add, scale, softcap, relu_squared, silu_and_mul, gelu_tanh_and_mul and gather_rows vs their references.
 
-add, scale and gather_rows are single correctly rounded f32 operations (or moves):
+add, scale, relu_squared and gather_rows are single correctly rounded f32 operations (or moves):
 bit-exact. The gated activations use the shader's f32 exp against a float64 reference:
 NMSE <= 1e-10 (measured ~1e-14 on llvmpipe); softcap's f32 tanh is bounded per value.
 """
@@ -32,6 +32,16 @@ def test_add_is_bit_exact(vk, rng, shape: tuple[int, ...], broadcast: bool) -> N
     b = rng.standard_normal(shape[-1:] if broadcast else shape).astype(np.float32)
     got = _no_drain(vk, ops.add, vk.upload(a), vk.upload(b))
     np.testing.assert_array_equal(got, ops.OPS["add"].reference(a, b))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(3, 4, 5)], ids=str)
+def test_relu_squared_is_bit_exact(vk, rng, shape: tuple[int, ...]) -> None:
+    x = (rng.standard_normal(shape) * 4).astype(np.float32)
+    x.flat[0] = -0.0
+    got = _no_drain(vk, ops.relu_squared, vk.upload(x))
+    want = ops.OPS["relu_squared"].reference(x)
+    np.testing.assert_array_equal(got, want)
+    assert (want >= 0).all() and (want[x <= 0] == 0).all()  # a negative input is exactly 0, never -0
 
 
 GATED_CASES = [(op, shape) for op in ("silu_and_mul", "gelu_tanh_and_mul")

@@ -354,3 +354,36 @@ def test_expert_formats_are_the_shader_variants() -> None:
     source = (Path(__file__).resolve().parents[2] / "shaders" / "matmul_id.comp").read_text()
     line = next(s for s in source.splitlines() if s.startswith("//! variants:"))
     assert line.split("WFMT=")[1].split()[0].split(",") == list(moe.FORMATS)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize(("experts", "k"), ROUTER_CASES)
+def test_native_sigmoid_router_matches_reference(vk: Backend, rng: np.random.Generator, experts: int, k: int,
+                                                 normalize: bool) -> None:
+    """LFM2-MoE's routing: the bias steers the choice (ties: integer logits, a zero bias, an
+    all-equal row), the weights are the unbiased sigmoids, normalised (+1e-6) and scaled."""
+    tied = rng.integers(-2, 3, size=(13, experts)).astype(np.float32)
+    tied[0] = 1.0
+    spread = rng.standard_normal((70, experts)).astype(np.float32) * 3
+    for logits, bias in ((tied, np.zeros(experts, np.float32)),
+                         (spread, (rng.standard_normal(experts) * 0.3).astype(np.float32))):
+        before = vk.counters.snapshot()
+        ids, weights = ops.moe_router_sigmoid(vk.upload(logits), vk.upload(bias), k, normalize, 2.5)
+        got_ids, got_w = ids.numpy(), weights.numpy()
+        assert vk.counters.since(before)["drains"] == 0
+        want_ids, want_w = ops.OPS["moe_router_sigmoid"].reference(logits, bias, k, normalize, 2.5)
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+
+
+def test_sigmoid_router_bias_steers_only_the_choice(ref: Backend) -> None:
+    logits = np.array([[2.0, 0.0, -1.0, 1.0]], np.float32)
+    bias = np.array([0.0, 0.9, 0.0, -0.5], np.float32)
+    ids, weights = ops.moe_router_sigmoid(ref.upload(logits), ref.upload(bias), 2, False)
+    assert ids.numpy().tolist() == [[1, 0]]  # sigmoid + bias: 0.88, 1.4, 0.27, 0.23
+    sig = 1 / (1 + np.exp(-np.array([0.0, 2.0])))
+    np.testing.assert_allclose(weights.numpy()[0], sig, rtol=1e-6)  # the weights carry no bias
+    ids, weights = ops.moe_router_sigmoid(ref.upload(logits), ref.upload(bias), 2, True, 3.0)
+    np.testing.assert_allclose(weights.numpy()[0], 3.0 * sig / (sig.sum() + 1e-6), rtol=1e-6)
+    with pytest.raises(OpError, match="bias must be f32"):
+        ops.moe_router_sigmoid(ref.upload(logits), ref.upload(np.zeros(3, np.float32)), 2, True)

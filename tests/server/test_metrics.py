@@ -83,3 +83,21 @@ def test_non_streaming_disconnect_aborts(serve_fake: Any) -> None:
     except httpx.ReadTimeout:
         pass
     _wait_for(lambda: not live.engine.active and live.engine.aborted)
+
+
+def test_prefix_caching_and_state_slots_are_gauges() -> None:
+    """A hybrid's server says prefix caching is off and shows its state slots (in use = slots - free)."""
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from vkrt.engine.async_llm import EngineMetrics
+    from vkrt.server.metrics import ServerMetrics
+
+    def gauges(stats: EngineMetrics) -> dict[str, float]:
+        text = ServerMetrics(lambda: stats, "m").render().decode()
+        return {s.name: s.value for f in parse(text) for s in f.samples}
+
+    hybrid = gauges(EngineMetrics(prefix_caching=False, num_state_slots=6, num_free_state_slots=4))
+    assert (hybrid["vkrt_prefix_caching_enabled"], hybrid["vkrt_num_state_slots"],
+            hybrid["vkrt_num_free_state_slots"]) == (0, 6, 4)
+    dense = gauges(EngineMetrics(prefix_caching=True))
+    assert (dense["vkrt_prefix_caching_enabled"], dense["vkrt_num_state_slots"]) == (1, 0)

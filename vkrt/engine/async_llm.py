@@ -38,6 +38,9 @@ class EngineMetrics:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_caching: bool = False  # on for this model (off for hybrids: their states are not cached)
+    num_state_slots: int = 0  # a hybrid's recurrent-state slots (0: no recurrent layer)
+    num_free_state_slots: int = 0
     steps: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # summed over all steps
     last_step_counters: dict[str, int] = field(default_factory=dict)
@@ -279,6 +282,9 @@ class AsyncLLM:
             generation_tokens=totals.generation_tokens,
             prefix_cache_queries=blocks.prefix_queries,
             prefix_cache_hits=blocks.prefix_hits,
+            prefix_caching=engine.prefix_caching,
+            num_state_slots=blocks.states.num_slots if blocks.states is not None else 0,
+            num_free_state_slots=blocks.states.num_free if blocks.states is not None else 0,
             steps=totals.steps,
             counters=dict(totals.counters),
             last_step_counters=dict(stats.step.counters) if stats is not None else {},

@@ -17,6 +17,9 @@ MAX_LOGPROB_TOKEN_IDS = 1024
 # Default KV budget when kv_cache_memory is not given: enough for max_num_seqs full-length
 # sequences, but never more than this (a laptop iGPU shares its memory with everything else).
 DEFAULT_KV_BUDGET = 512 * 1024 * 1024
+# Default budget for a hybrid model's recurrent state (one fixed-size slot per sequence) when
+# state_memory is not given; max_num_seqs is capped to the slots that fit.
+DEFAULT_STATE_BUDGET = 512 * 1024 * 1024
 
 
 @dataclass
@@ -32,6 +35,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None: sized below
     num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
+    state_memory: int | None = None  # bytes for recurrent-state slots (hybrids); None: DEFAULT_STATE_BUDGET
     kv_dtype: str = "f16"  # KV cache format (vkrt.core.kv_format); f32 where tests compare against goldens tightly
     enable_prefix_caching: bool = True
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
@@ -47,6 +51,21 @@ class EngineConfig:
             raise VkrtError(f"EngineConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise VkrtError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.state_memory is not None and self.state_memory < 1:
+            raise VkrtError(f"EngineConfig.state_memory must be >= 1 byte, got {self.state_memory}")
+
+    def state_slots(self, bytes_per_slot: int) -> int:
+        """How many sequences can run at once given each one's recurrent state: max_num_seqs, or
+        fewer when their slots do not fit in state_memory; an error when not even one does."""
+        if bytes_per_slot == 0:
+            return self.max_num_seqs
+        budget = self.state_memory if self.state_memory is not None else DEFAULT_STATE_BUDGET
+        fits = budget // bytes_per_slot
+        if fits < 1:
+            raise VkrtError(f"one sequence's recurrent state is {bytes_per_slot / 2**20:.1f} MiB but the state "
+                            f"memory is {budget / 2**20:.1f} MiB; raise --state-memory "
+                            f"(>= {bytes_per_slot} bytes)")
+        return min(self.max_num_seqs, fits)
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """KV pool size in blocks: explicit, from kv_cache_memory, or sized for the batch limits."""

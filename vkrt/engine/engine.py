@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.guided import GrammarCompiler, StepMasks
@@ -87,6 +87,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer | None = None) -> None:
         config.validate()
+        slots = config.state_slots(model.state_bytes_per_slot())  # a hybrid's sequences share a state budget
+        if slots < config.max_num_seqs:
+            log.warning("max_num_seqs capped at %d (asked %d): each sequence's recurrent state is %.1f MiB and "
+                        "%d slots fill the state memory; raise --state-memory for more", slots, config.max_num_seqs,
+                        model.state_bytes_per_slot() / 2**20, slots)
+            config = replace(config, max_num_seqs=slots)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -100,8 +106,16 @@ class EngineCore:
         groups = model.kv_groups()
         bytes_per_block = model.kv_group_bytes_per_block(config.block_size, config.kv_dtype)
         num_blocks = size_kv_pools(config, groups, bytes_per_block, self.max_model_len)
-        kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=self.max_model_len)
-        self.block_manager = KVCacheManager(groups, num_blocks, config.block_size, config.enable_prefix_caching)
+        kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=self.max_model_len,
+                                     state_slots=config.max_num_seqs)
+        # A prefix hit would skip the tokens whose recurrent state it does not have: hybrid models
+        # recompute every prompt until states are kept at block boundaries.
+        self.prefix_caching = config.enable_prefix_caching and not kv.states
+        if config.enable_prefix_caching and kv.states:
+            log.info("prefix caching is off for this model: its recurrent layers' states are not kept "
+                     "for cached prefixes yet")
+        self.block_manager = KVCacheManager(groups, num_blocks, config.block_size, self.prefix_caching,
+                                            num_state_slots=kv.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, kv, config.max_num_seqs, self.max_model_len, replay=config.enable_replay)
         self.sampler = Sampler()
@@ -116,6 +130,9 @@ class EngineCore:
                  " + ".join(f"{n} ({len(g.layers)} layers, window {g.window or 'full'})"
                             for n, g in zip(num_blocks, groups, strict=True)),
                  config.block_size, kv.nbytes >> 20, self.max_model_len)
+        if kv.states:
+            log.info("recurrent state: %d slots x %d KiB (%d layers), %d MiB", kv.num_state_slots,
+                     model.state_bytes_per_slot() >> 10, len(kv.states), kv.state_nbytes >> 20)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: CausalLM | None = None,

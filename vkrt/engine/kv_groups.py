@@ -8,7 +8,9 @@ by the window plus the largest chunk, not by the context (vLLM v1's KVCacheSpec 
 SlidingWindowSpec with a coordinator over one manager per group).
 
 `KVCacheManager` is what the scheduler sees: an allocation succeeds in every group or in
-none; a prefix hit is the longest length every group can serve (the minimum over groups).
+none; a prefix hit is the longest length every group can serve (the minimum over groups). A
+hybrid model's recurrent layers add a group of their own, the state slots (`StatePool`): a
+request takes its slot with its first blocks and frees it with them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from vkrt.engine.config import DEFAULT_KV_BUDGET, EngineConfig
 from vkrt.engine.kv_cache import BlockManager
 from vkrt.engine.request import Request
+from vkrt.engine.state_pool import StatePool
 from vkrt.errors import VkrtError
 from vkrt.models.base import KVGroup
 
@@ -90,12 +93,13 @@ class KVCacheManager:
     """One BlockManager per KV group, driven together; the scheduler's view of the KV pools."""
 
     def __init__(self, groups: Sequence[KVGroup], num_blocks: Sequence[int], block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, num_state_slots: int = 0) -> None:
         self.groups = list(groups)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.managers = [BlockManager(n, block_size, enable_prefix_caching, window=g.window)
                          for g, n in zip(self.groups, num_blocks, strict=True)]
+        self.states = StatePool(num_state_slots) if num_state_slots else None
 
     # ---- queries (sums over groups) ------------------------------------------------------
 
@@ -130,6 +134,10 @@ class KVCacheManager:
     def slots(self, request_id: str, start: int, count: int, group: int = 0) -> np.ndarray:
         return self.managers[group].slots(request_id, start, count)
 
+    def state_slot(self, request_id: str) -> int:
+        """The request's recurrent-state slot (0 for a model without recurrent layers)."""
+        return self.states.slot(request_id) if self.states is not None else 0
+
     # ---- prefix cache, allocation, release -------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> CacheHit:
@@ -152,6 +160,8 @@ class KVCacheManager:
         if any(m.blocks_to_allocate(request, num_new_tokens, c) > m.num_free_blocks
                for m, c in zip(self.managers, computed, strict=True)):
             return False
+        if self.states is not None and not self.states.take(request.request_id):
+            return False
         for m, c in zip(self.managers, computed, strict=True):
             allocated = m.allocate_slots(request, num_new_tokens, c)
             assert allocated, "every group was checked above"
@@ -164,3 +174,5 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         for m in self.managers:
             m.free(request)
+        if self.states is not None:
+            self.states.release(request.request_id)

@@ -83,6 +83,7 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
         slots=np.stack([i32(group) for group in slots]),
         block_tables=block_tables,
         logits_index=np.asarray(logits_index, dtype=np.int32),
+        state_slots=np.array([blocks.state_slot(s.request.request_id) for s in out.scheduled], np.int32),
     )
     return batch, layout
 
@@ -210,7 +211,7 @@ class _DecodeGraph:
             token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
             seq_index=np.full(bucket, -1, np.int32), slots=np.full((groups, bucket), -1, np.int32),
             block_tables=np.zeros((groups, bucket, max_blocks), np.int32),
-            logits_index=np.arange(bucket, dtype=np.int32))
+            logits_index=np.arange(bucket, dtype=np.int32), state_slots=np.zeros(bucket, np.int32))
         self.inputs = StepTensors.upload(backend, self.host)
         # Padding rows sample greedily (top_k=1) with a uniform of 0; their ids are dropped.
         self.host_sampling = SampleInputs(np.tile(GREEDY_PARAMS, (bucket, 1)), np.zeros(bucket, np.float32))
@@ -237,9 +238,12 @@ class _DecodeGraph:
         host.slots[:, :t], host.slots[:, t:] = batch.slots, -1
         host.block_tables[:] = 0
         host.block_tables[:, :t, :batch.block_tables.shape[-1]] = batch.block_tables
+        assert host.state_slots is not None
+        host.state_slots[:t], host.state_slots[t:] = batch.state_slots if batch.state_slots is not None else 0, 0
         inputs = self.inputs
-        for name in ("token_ids", "positions", "seq_index"):
+        for name in ("token_ids", "positions", "seq_index", "state_slots"):
             self.backend.write(getattr(inputs, name), getattr(host, name))
+        self.backend.write(inputs.seq_start, host.seq_start)  # padding sequences hold no tokens
         for g in range(host.slots.shape[0]):
             self.backend.write(inputs.slots_of(g), host.slots[g])
             self.backend.write(inputs.block_tables_of(g), host.block_tables[g])

@@ -7,6 +7,7 @@ driven entirely by these tables, and the models read only the traits they produc
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,7 +123,15 @@ _SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_p
                      "mlp.shared_expert.up_proj.weight": "shared_expert.up_proj",
                      "mlp.shared_expert.down_proj.weight": "shared_expert.down_proj",
                      "mlp.shared_expert_gate.weight": "shared_expert_gate"}
-_ATTENTION_WEIGHTS = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm")
+# The attention's own weights, which a layer of another mixer has instead of its mixer's.
+_ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
+MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
+                 "gated_delta_net": ("delta.in_proj_qkv", "delta.in_proj_z", "delta.in_proj_b", "delta.in_proj_a",
+                                     "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
+                                     "delta.out_proj"),
+                 "mamba2": ("mamba.in_proj", "mamba.conv.weight", "mamba.A_log", "mamba.D", "mamba.dt_bias",
+                            "mamba.norm", "mamba.out_proj"),
+                 "none": ()}  # a block that is only an MLP (Nemotron-H)
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
@@ -177,11 +186,39 @@ class ArchSpec:
     qk_norm_per_head: bool = True
     # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
     rope_interleaved: bool = False
+    # Recurrent mixers some of the family's layers use instead of attention: config.json's
+    # layer type -> LayerConfig.mixer ("conv" -> "short_conv" for LFM2).
+    mixer_types: dict[str, str] = field(default_factory=dict)
+    # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
+    attn_output_gate: bool = False
+    # llama.cpp's converter reorders this family's delta-net value heads tiled over key heads (Qwen3.5).
+    gguf_v_heads_tiled: bool = False
     # Mixture of experts: whether the k router weights are renormalised when the file does
     # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
     norm_topk_prob: bool = False
     # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
     shared_expert: bool = False
+    moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
+    # -- config.json in this family's own words --
+    hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
+    hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads
+    # The characters of a layer-pattern string (Nemotron-H's hybrid_override_pattern) -> layer types.
+    hf_pattern: dict[str, str] = field(default_factory=dict)
+    hf_defaults: dict[str, Any] = field(default_factory=dict)  # fields the family implies when absent
+    # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
+    # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
+    one_sublayer: bool = False
+    # OLMo 2's order in attention layers: no norm before attention or MLP, one after each (the
+    # file's post-attention norm, canonical ffn_norm, normalises the attention's output there).
+    attention_post_norms: bool = False
+    # No RoPE when config.json has no rope_parameters (OLMo-hybrid's NoPE checkpoints).
+    nope_without_rope_parameters: bool = False
+    linear_norm_eps: float = 0.0  # the delta net's gated output norm's eps (0: rms_norm_eps)
+    # Multimodal checkpoints whose language model is this family (config.json's text_config, tensors
+    # under "model.language_model."); the other towers are skipped with one log line each.
+    hf_multimodal_archs: tuple[str, ...] = ()
+    # Tensors a checkpoint carries that vkrt does not run, by name prefix -> what they are (logged).
+    hf_skipped: dict[str, str] = field(default_factory=dict)
 
 
 _LLAMA = ArchSpec(
@@ -345,8 +382,204 @@ _ERNIE4_5 = ArchSpec(
     rope_interleaved=True,
 )
 
+# LFM2: gated short convolutions in most layers, attention with per-head QK-norm in a few;
+# one pre-norm per layer ("operator_norm") before either mixer, the final norm after the layers.
+_LFM2_LAYER = {"operator_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm",
+               "feed_forward.w1.weight": "gate_proj", "feed_forward.w3.weight": "up_proj",
+               "feed_forward.w2.weight": "down_proj", "self_attn.q_proj.weight": "q_proj",
+               "self_attn.k_proj.weight": "k_proj", "self_attn.v_proj.weight": "v_proj",
+               "self_attn.out_proj.weight": "o_proj", "self_attn.q_layernorm.weight": "q_norm",
+               "self_attn.k_layernorm.weight": "k_norm", "conv.in_proj.weight": "conv.in_proj",
+               "conv.conv.weight": "conv.weight", "conv.conv.bias": "conv.bias", "conv.out_proj.weight": "conv.out_proj"}
+_LFM2 = ArchSpec(
+    name="lfm2",
+    gguf_archs=("lfm2",),
+    hf_archs=("Lfm2ForCausalLM",),
+    gguf_global={**_GGUF_GLOBAL, "token_embd_norm.weight": "final_norm"},
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, "shortconv.in_proj.weight": "conv.in_proj",
+                "shortconv.conv.weight": "conv.weight", "shortconv.conv.bias": "conv.bias",
+                "shortconv.out_proj.weight": "conv.out_proj"},
+    hf_global={**_HF_GLOBAL, "model.embedding_norm.weight": "final_norm"},
+    hf_layer=_LFM2_LAYER,
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    mixer_types={"conv": "short_conv"},
+)
+
+# LFM2-MoE: LFM2's mixers; MLPs dense in the first num_dense_layers, then sigmoid-routed experts
+# chosen with a per-expert bias (HF saves each expert's w1 / w3 / w2 apart).
+_LFM2_MOE = ArchSpec(
+    name="lfm2_moe",
+    gguf_archs=("lfm2moe",),
+    hf_archs=("Lfm2MoeForCausalLM",),
+    gguf_global=_LFM2.gguf_global,
+    gguf_layer={**_LFM2.gguf_layer, **_MOE_GGUF, "exp_probs_b.bias": "expert_bias"},
+    hf_global=_LFM2.hf_global,
+    hf_layer={**_LFM2_LAYER, "feed_forward.gate.weight": "router", "feed_forward.expert_bias": "expert_bias",
+              "feed_forward.experts.{e}.w1.weight": "experts.{e}.gate_proj",
+              "feed_forward.experts.{e}.w3.weight": "experts.{e}.up_proj",
+              "feed_forward.experts.{e}.w2.weight": "experts.{e}.down_proj"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    mixer_types={"conv": "short_conv"},
+    moe_router="sigmoid",
+    norm_topk_prob=True,  # llama.cpp always renormalises lfm2moe's weights
+)
+
+# Qwen3.5 (dense, text): gated delta nets in three of every four layers, gated attention with
+# partial rotary in the fourth; (1 + w) norms everywhere but the delta net's gated output norm.
+_DELTA_NET_HF = {"linear_attn.in_proj_qkv.weight": "delta.in_proj_qkv", "linear_attn.in_proj_z.weight": "delta.in_proj_z",
+                 "linear_attn.in_proj_b.weight": "delta.in_proj_b", "linear_attn.in_proj_a.weight": "delta.in_proj_a",
+                 "linear_attn.conv1d.weight": "delta.conv.weight", "linear_attn.A_log": "delta.A_log",
+                 "linear_attn.dt_bias": "delta.dt_bias", "linear_attn.norm.weight": "delta.norm",
+                 "linear_attn.out_proj.weight": "delta.out_proj"}
+# llama.cpp's qwen35: z is attn_gate, b and a are ssm_beta and ssm_alpha, A = -exp(A_log) is ssm_a.
+_DELTA_NET_GGUF = {"attn_qkv.weight": "delta.in_proj_qkv", "attn_gate.weight": "delta.in_proj_z",
+                   "ssm_beta.weight": "delta.in_proj_b", "ssm_alpha.weight": "delta.in_proj_a",
+                   "ssm_conv1d.weight": "delta.conv.weight", "ssm_a": "delta.A", "ssm_dt.bias": "delta.dt_bias",
+                   "ssm_norm.weight": "delta.norm", "ssm_out.weight": "delta.out_proj",
+                   "post_attention_norm.weight": "ffn_norm"}
+# What Qwen3.5 / Qwen3-Next checkpoints carry beside the language model.
+_MTP_HEAD = {"mtp.": "the multi-token-prediction head"}
+_VISION_TOWER = {"model.visual.": "the vision tower", **_MTP_HEAD}
+_QWEN3_5 = ArchSpec(
+    name="qwen3_5",
+    gguf_archs=("qwen35",),
+    hf_archs=("Qwen3_5ForCausalLM",),
+    hf_multimodal_archs=("Qwen3_5ForConditionalGeneration",),
+    hf_skipped=_VISION_TOWER,
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF},
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    hf_norm_offset=1.0,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attn_output_gate=True,
+    gguf_v_heads_tiled=True,
+)
+
+# llama.cpp's Mamba2 names; A = -exp(A_log) is stored as ssm_a.
+_MAMBA2_GGUF = {"ssm_in.weight": "mamba.in_proj", "ssm_conv1d.weight": "mamba.conv.weight",
+                "ssm_conv1d.bias": "mamba.conv.bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
+                "ssm_dt.bias": "mamba.dt_bias", "ssm_norm.weight": "mamba.norm", "ssm_out.weight": "mamba.out_proj"}
+
+# Granite 4 hybrid (dense): Mamba2 in most layers, attention in a few, one shared MLP (its gate and
+# up fused as input_linear), Granite's multipliers; positions unrotated ("nope") in the small models.
+_GRANITE4 = ArchSpec(
+    name="granite4_hybrid",
+    gguf_archs=("granitehybrid",),
+    hf_archs=("GraniteMoeHybridForCausalLM",),
+    # The shared MLP's gate and up are stored apart.
+    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF},
+    hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
+              "shared_mlp.output_linear.weight": "down_proj", "mamba.in_proj.weight": "mamba.in_proj",
+              "mamba.conv1d.weight": "mamba.conv.weight", "mamba.conv1d.bias": "mamba.conv.bias",
+              "mamba.A_log": "mamba.A_log", "mamba.D": "mamba.D", "mamba.dt_bias": "mamba.dt_bias",
+              "mamba.norm.weight": "mamba.norm", "mamba.out_proj.weight": "mamba.out_proj"},
+    layer_weights=("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm", "gate_up_proj", "down_proj"),
+    mixer_types={"linear_attention": "mamba2", "mamba": "mamba2", "attention": "attention"},
+)
+
+# Nemotron-H (dense): blocks of one sublayer each, Mamba2 (its conv with a bias), NoPE attention
+# or an ungated relu^2 MLP, in the order hybrid_override_pattern spells (M, *, -).
+_NEMOTRON_H_MIXER = {"mixer.in_proj.weight": "mamba.in_proj", "mixer.conv1d.weight": "mamba.conv.weight",
+                     "mixer.conv1d.bias": "mamba.conv.bias", "mixer.A_log": "mamba.A_log", "mixer.D": "mamba.D",
+                     "mixer.dt_bias": "mamba.dt_bias", "mixer.norm.weight": "mamba.norm",
+                     "mixer.out_proj.weight": "mamba.out_proj"}
+_NEMOTRON_H = ArchSpec(
+    name="nemotron_h",
+    gguf_archs=("nemotron_h",),
+    hf_archs=("NemotronHForCausalLM",),
+    gguf_layer={"attn_norm.weight": "norm", "attn_q.weight": "q_proj", "attn_k.weight": "k_proj",
+                "attn_v.weight": "v_proj", "attn_output.weight": "o_proj", "ffn_up.weight": "up_proj",
+                "ffn_down.weight": "down_proj", **_MAMBA2_GGUF},
+    hf_global={"backbone.embeddings.weight": "embed_tokens", "backbone.norm_f.weight": "final_norm",
+               "lm_head.weight": "lm_head"},
+    hf_layer={"norm.weight": "norm", "mixer.q_proj.weight": "q_proj", "mixer.k_proj.weight": "k_proj",
+              "mixer.v_proj.weight": "v_proj", "mixer.o_proj.weight": "o_proj", "mixer.up_proj.weight": "up_proj",
+              "mixer.down_proj.weight": "down_proj", **_NEMOTRON_H_MIXER},
+    layer_weights=("norm", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+    activation="relu2",
+    mixer_types={"linear_attention": "mamba2", "mlp": "none"},
+    hf_prefix="backbone",
+    hf_renames={"layers_block_type": "layer_types", "mamba_num_heads": "mamba_n_heads",
+                "mamba_head_dim": "mamba_d_head", "n_groups": "mamba_n_groups", "ssm_state_size": "mamba_d_state",
+                "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
+                "layer_norm_epsilon": "rms_norm_eps", "mlp_hidden_act": "hidden_act"},
+    hf_pattern={"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"},
+    hf_defaults={"position_embedding_type": "nope"},
+    one_sublayer=True,
+)
+
+# OLMo-hybrid: gated delta nets (q, k, v, a, b, g projected apart, q|k|v convolved apart, beta x 2
+# when linear_allow_neg_eigval) in most layers, OLMo 2 attention (QK-norm over all of q and k,
+# post-norms only) in the rest; saved with OLMo's norm names.
+_OLMO_HYBRID = ArchSpec(
+    name="olmo_hybrid",
+    gguf_archs=(),  # no llama.cpp architecture for it
+    hf_archs=("OlmoHybridForCausalLM",),
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, "attention_layer_norm.weight": "attn_norm",
+              "feedforward_layer_norm.weight": "ffn_norm", "post_feedforward_layernorm.weight": "post_ffn_norm",
+              "linear_attn.q_proj.weight": "delta.in_proj_q", "linear_attn.k_proj.weight": "delta.in_proj_k",
+              "linear_attn.v_proj.weight": "delta.in_proj_v", "linear_attn.a_proj.weight": "delta.in_proj_a",
+              "linear_attn.b_proj.weight": "delta.in_proj_b", "linear_attn.g_proj.weight": "delta.in_proj_z",
+              "linear_attn.o_proj.weight": "delta.out_proj", "linear_attn.o_norm.weight": "delta.norm",
+              "linear_attn.q_conv1d.weight": "delta.conv_q", "linear_attn.k_conv1d.weight": "delta.conv_k",
+              "linear_attn.v_conv1d.weight": "delta.conv_v", "linear_attn.conv1d.weight": "delta.conv.weight",
+              "linear_attn.A_log": "delta.A_log", "linear_attn.dt_bias": "delta.dt_bias"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    qk_norm_per_head=False,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attention_post_norms=True,
+    nope_without_rope_parameters=True,
+    linear_norm_eps=1e-5,  # transformers' OlmoHybridRMSNormGated (FLA's default), whatever rms_norm_eps says
+)
+
+# Qwen3-Next: Qwen3.5's mixers with the delta nets' projections interleaved per key head
+# (q|k|v|z and b|a; llama.cpp's converter separates q|k|v from z but keeps b|a interleaved), and a
+# mixture of experts with Qwen2-MoE's sigmoid-gated shared expert in every layer.
+_QWEN3_NEXT = ArchSpec(
+    name="qwen3_next",
+    gguf_archs=("qwen3next",),
+    hf_archs=("Qwen3NextForCausalLM",),
+    hf_skipped=_MTP_HEAD,
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF, "ssm_ba.weight": "delta.in_proj_ba",
+                **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF, "linear_attn.in_proj_qkvz.weight": "delta.in_proj_qkvz",
+              "linear_attn.in_proj_ba.weight": "delta.in_proj_ba", **_MOE_HF, **_SHARED_EXPERT_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    hf_norm_offset=1.0,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attn_output_gate=True,
+    norm_topk_prob=True,
+    shared_expert=True,
+)
+
+# Qwen3.5 MoE: Qwen3.5's mixers, every MLP a mixture of experts (top-k always renormalised) with
+# a sigmoid-gated shared expert.
+_QWEN3_5_MOE = ArchSpec(
+    name="qwen3_5_moe",
+    gguf_archs=("qwen35moe",),
+    hf_archs=("Qwen3_5MoeForCausalLM",),
+    hf_multimodal_archs=("Qwen3_5MoeForConditionalGeneration",),
+    hf_skipped=_VISION_TOWER,
+    gguf_layer={**_QWEN3_5.gguf_layer, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_layer={**_QWEN3_5.hf_layer, **_MOE_HF, **_SHARED_EXPERT_HF},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    hf_norm_offset=1.0,
+    mixer_types={"linear_attention": "gated_delta_net"},
+    attn_output_gate=True,
+    gguf_v_heads_tiled=True,
+    norm_topk_prob=True,
+    shared_expert=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
-                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5)
+                               _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -356,7 +589,7 @@ def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
 
 def arch_for_hf(hf_archs: list[str]) -> ArchSpec | None:
     """The spec matching any entry of config.json `architectures`, or None."""
-    return next((a for a in ARCHS for name in hf_archs if name in a.hf_archs), None)
+    return next((a for a in ARCHS for name in hf_archs if name in a.hf_archs + a.hf_multimodal_archs), None)
 
 
 def supported_gguf_archs() -> str:
@@ -364,7 +597,7 @@ def supported_gguf_archs() -> str:
 
 
 def supported_hf_archs() -> str:
-    return ", ".join(name for a in ARCHS for name in a.hf_archs)
+    return ", ".join(name for a in ARCHS for name in a.hf_archs + a.hf_multimodal_archs)
 
 
 def arch_named(name: str) -> ArchSpec:
@@ -377,6 +610,11 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     hidden, inter = config.hidden_size, config.intermediate_size
     q_rows = config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
+    gated_q_rows = 2 * q_rows if config.attn_output_gate else q_rows  # q and a gate per head
+    v_heads, key_dim = config.linear_num_value_heads, config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = v_heads * config.linear_value_head_dim
+    mamba_inner = config.mamba_num_heads * config.mamba_head_dim
+    mamba_bc = config.mamba_n_groups * config.mamba_state_size  # B's (and C's) channels
     expected: dict[str, tuple[int, ...]] = {
         "embed_tokens": (config.vocab_size, hidden),
         "final_norm": (hidden,),
@@ -384,8 +622,9 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     if not config.tie_word_embeddings:
         expected["lm_head"] = (config.vocab_size, hidden)
     shapes = {
+        "norm": (hidden,),
         "attn_norm": (hidden,),
-        "q_proj": (q_rows, hidden),
+        "q_proj": (gated_q_rows, hidden),
         "k_proj": (kv_rows, hidden),
         "v_proj": (kv_rows, hidden),
         "qkv_proj": (q_rows + 2 * kv_rows, hidden),
@@ -402,13 +641,66 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
         "post_ffn_norm": (hidden,),
+        "conv.in_proj": (3 * hidden, hidden),
+        "conv.weight": (hidden, config.conv_kernel),
+        "conv.bias": (hidden,),
+        "conv.out_proj": (hidden, hidden),
+        "delta.in_proj_qkv": (2 * key_dim + value_dim, hidden),
+        "delta.in_proj_z": (value_dim, hidden),
+        "delta.in_proj_b": (v_heads, hidden),
+        "delta.in_proj_a": (v_heads, hidden),
+        "delta.in_proj_qkvz": (2 * key_dim + 2 * value_dim, hidden),
+        "delta.in_proj_q": (key_dim, hidden),
+        "delta.in_proj_k": (key_dim, hidden),
+        "delta.in_proj_v": (value_dim, hidden),
+        "delta.conv_q": (key_dim, config.conv_kernel),
+        "delta.conv_k": (key_dim, config.conv_kernel),
+        "delta.conv_v": (value_dim, config.conv_kernel),
+        "delta.in_proj_ba": (2 * v_heads, hidden),
+        "delta.conv.weight": (2 * key_dim + value_dim, config.conv_kernel),
+        "delta.A_log": (v_heads,),
+        "delta.A": (v_heads,),
+        "delta.dt_bias": (v_heads,),
+        "delta.norm": (config.linear_value_head_dim,),
+        "delta.out_proj": (hidden, value_dim),
+        "mamba.in_proj": (2 * mamba_inner + 2 * mamba_bc + config.mamba_num_heads, hidden),
+        "mamba.conv.weight": (mamba_inner + 2 * mamba_bc, config.conv_kernel),
+        "mamba.conv.bias": (mamba_inner + 2 * mamba_bc,),
+        "mamba.A_log": (config.mamba_num_heads,),
+        "mamba.A": (config.mamba_num_heads,),
+        "mamba.D": (config.mamba_num_heads,),
+        "mamba.dt_bias": (config.mamba_num_heads,),
+        "mamba.norm": (mamba_inner,),
+        "mamba.out_proj": (hidden, mamba_inner),
     }
     for i in range(config.num_layers):
-        moe = config.layer(i).moe
-        for name in arch_named(config.architecture).layer_weights:
-            if not (moe and name in DENSE_MLP_WEIGHTS):
+        layer = config.layer(i)
+        names = list(arch_named(config.architecture).layer_weights)
+        if layer.mixer != "attention":
+            names = [n for n in names if n not in _ATTENTION_ONLY] + list(MIXER_WEIGHTS[layer.mixer])
+            if config.conv_bias and layer.mixer in ("mamba2", "short_conv"):
+                names.append("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")
+            if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
+                names = [{"delta.A_log": "delta.A", "mamba.A_log": "mamba.A"}.get(n, n) for n in names]
+            for fused, apart in (("delta.in_proj_qkvz", ("delta.in_proj_qkv", "delta.in_proj_z")),
+                                 ("delta.in_proj_ba", ("delta.in_proj_b", "delta.in_proj_a"))):
+                if f"layers.{i}.{fused}" in weights:  # Qwen3-Next's projections, interleaved per key head
+                    names = [n for n in names if n not in apart] + [fused]
+            if f"layers.{i}.delta.in_proj_q" in weights:  # OLMo-hybrid's: q, k, v apart, each convolved apart
+                merged = f"layers.{i}.delta.conv.weight" in weights  # (as transformers holds it in memory)
+                names = [n for n in names if n not in ("delta.in_proj_qkv", "delta.conv.weight")]
+                names += ["delta.in_proj_q", "delta.in_proj_k", "delta.in_proj_v"]
+                names += ["delta.conv.weight"] if merged else ["delta.conv_q", "delta.conv_k", "delta.conv_v"]
+        if "gate_up_proj" in names and f"layers.{i}.gate_proj" in weights:  # stored apart (GGUF)
+            names = [n for n in names if n != "gate_up_proj"] + ["gate_proj", "up_proj"]
+        if layer.post_norms:  # OLMo 2's attention layers: ffn_norm is the attention's output norm here
+            names = [n for n in names if n != "attn_norm"] + ["post_ffn_norm"]
+        if not layer.mlp:  # a block of one mixer (Nemotron-H)
+            names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
+        for name in names:
+            if not (layer.moe and name in DENSE_MLP_WEIGHTS):
                 expected[f"layers.{i}.{name}"] = shapes[name]
-        if moe:
+        if layer.moe:
             expected.update(_expert_shapes(source, config, i, weights))
     for name, shape in expected.items():
         weight = weights.get(name)
@@ -417,7 +709,11 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                 f"{source}: weight {name!r} is missing; the file is incomplete or not a "
                 f"{config.architecture} checkpoint"
             )
-        if weight.shape != shape:
+        vector = len(shape) == 1 and math.prod(weight.shape) == shape[0]
+        if weight.shape != shape and not vector and not (
+                "conv" in name and weight.shape == (shape[0], 1, *shape[1:])):
+            # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K]; llama.cpp writes
+            # some vectors with unit dims or as rows of groups: Mamba2's A, D [H, 1] and norm [G, inner / G])
             raise ModelFormatError(
                 f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "
                 f"{shape}; the checkpoint and its config disagree"
@@ -431,6 +727,8 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     p = f"layers.{i}."
     out: dict[str, tuple[int, ...]] = {p + "router": (experts, hidden)}
+    if config.expert_bias:
+        out[p + "expert_bias"] = (experts,)
     shared = config.shared_expert_intermediate_size
     if shared:
         out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),

@@ -22,6 +22,13 @@ class LayerConfig:
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters minus rope_theta
     rope: bool = True  # False: no positional rotation at all (SmolLM3's NoPE layers)
     moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
+    # The token mixer: "attention" (paged attention over the KV cache) or a recurrent mixer with
+    # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution),
+    # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan); or
+    # "none": the block is only its MLP (Nemotron-H).
+    mixer: str = "attention"
+    mlp: bool = True  # False: the block is only its mixer (Nemotron-H)
+    post_norms: bool = False  # OLMo 2's order: no norm before attention or MLP, one after each
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,28 @@ class ModelConfig:
     qk_norm_per_head: bool = True  # QK-norm over each head; False: over all of q and of k (OLMoE)
     rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head (partial rotary); 0 = all
     rope_interleaved: bool = False  # RoPE pairs (2i, 2i + 1) instead of (i, i + rotated / 2) (ERNIE 4.5)
+    # -- recurrent mixers (layers whose LayerConfig.mixer is not "attention") ----------------
+    conv_kernel: int = 0  # taps K of the depthwise causal convolution (LFM2's conv_L_cache)
+    conv_bias: bool = False  # the convolution adds a bias per channel
+    # Gated delta nets: key heads (each serving num_v / num_k value heads) and their dims.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    # Mamba2: heads of head_dim, n_groups of B and C of state_size, dt's limits (time_step_limit).
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_n_groups: int = 0
+    mamba_state_size: int = 0
+    mamba_dt_min: float = 0.0
+    mamba_dt_max: float = float("inf")
+    # A GGUF as llama.cpp converts it: value heads tiled over key heads; A = -exp(A_log) stored
+    # (delta.A, mamba.A) instead of A_log.
+    linear_v_heads_tiled: bool = False
+    linear_decay_stored: bool = False
+    linear_beta_scale: float = 1.0  # 2: beta in [0, 2], the state's eigenvalues may go negative (OLMo-hybrid)
+    linear_norm_eps: float = 0.0  # the delta net's gated output norm's eps (0: rms_norm_eps)
+    attn_output_gate: bool = False  # attention output times sigmoid of a per-head gate from q_proj (Qwen3.5)
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense
     num_experts_per_tok: int = 0  # k experts per token
@@ -72,9 +101,14 @@ class ModelConfig:
     # A dense gated MLP every token runs beside the experts, scaled by sigmoid of its own gate
     # (Qwen2-MoE's shared_expert and shared_expert_gate); 0 = none.
     shared_expert_intermediate_size: int = 0
+    # "softmax" (the k largest logits, softmax weights) or "sigmoid" (LFM2-MoE: sigmoid scores,
+    # chosen with a per-expert bias when expert_bias, weights times routed_scaling_factor).
+    moe_router: str = "softmax"
+    expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
     def layer(self, i: int) -> LayerConfig:
-        """Layer i's attention window and rope settings."""
+        """Layer i's mixer, attention window and rope settings."""
         if self.layers:
             return self.layers[i]
         return LayerConfig(0, self.rope_theta, self.rope_scaling)

@@ -34,13 +34,23 @@ _DTYPES: dict[str, tuple[str, type[np.generic]]] = {
     "BF16": ("bf16", np.uint16),  # numpy has no bf16: keep the raw bits
 }
 
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES: dict[str, re.Pattern[str]] = {}  # ArchSpec.hf_prefix -> "<prefix>.layers.{i}.<suffix>"
+
+
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    """transformers 5 writes floats JSON cannot hold as {"__float__": "Infinity"} (time_step_limit)."""
+    if len(obj) == 1 and obj.get("__float__") in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     validate.regular_file(path)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFormatError(f"{path}: cannot read JSON ({exc}); fix or re-download the file") from exc
     if not isinstance(value, dict):
@@ -106,7 +116,23 @@ def read_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], np.nda
 
 
 def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
-    return canonical_name(hf_name, spec.hf_global, _LAYER_NAME, spec.hf_layer)
+    pattern = _LAYER_NAMES.get(spec.hf_prefix)
+    if pattern is None:
+        pattern = _LAYER_NAMES[spec.hf_prefix] = re.compile(rf"^{re.escape(spec.hf_prefix)}\.layers\.(\d+)\.(.+)$")
+    return canonical_name(hf_name, spec.hf_global, pattern, spec.hf_layer)
+
+
+_LANGUAGE_MODEL = "model.language_model."  # a multimodal checkpoint's language model
+
+
+def _language_model_config(config_path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's text_config as the language model's own config (its
+    architectures, token ids and tie_word_embeddings from the top level where it has them)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"{config_path}: a {cfg['architectures'][0]} config needs a text_config object")
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config") and k not in text}
+    return {**top, **text, **{k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}}
 
 
 def load_hf_dir(model_dir: str | Path) -> LoadedModel:
@@ -121,20 +147,31 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             f"next to its *.safetensors{hint}"
         )
     cfg = _read_json(config_path)
-    validate.hf_config(config_path, cfg)
     archs = cfg.get("architectures") or []
     spec = arch_for_hf(archs if isinstance(archs, list) else [])
     if spec is None:
+        validate.hf_config(config_path, cfg)
         raise UnsupportedModelError(
             f"{config_path}: architectures {archs!r} are not supported "
             f"(supported: {supported_hf_archs()}); use a model of a supported family"
         )
+    multimodal = any(a in spec.hf_multimodal_archs for a in archs)
+    if multimodal:
+        cfg = _language_model_config(config_path, cfg)
+    validate.hf_config(config_path, cfg)
     weights: dict[str, WeightData] = {}
+    skipped: Counter[str] = Counter()
     for file in _safetensors_files(model_dir):
         for hf_name, (fmt, shape, data) in read_safetensors(file).items():
+            if multimodal and hf_name.startswith(_LANGUAGE_MODEL):
+                hf_name = "model." + hf_name[len(_LANGUAGE_MODEL):]
             name = _canonical_name(spec, hf_name)
             if name is None:
                 if spec.hf_ignored.search(hf_name):
+                    continue
+                prefix = next((p for p in spec.hf_skipped if hf_name.startswith(p)), None)
+                if prefix is not None:
+                    skipped[prefix] += 1
                     continue
                 raise UnsupportedModelError(
                     f"{file}: tensor {hf_name!r} is not part of the {spec.name} architecture vkrt "
@@ -144,11 +181,15 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
-    if cfg.get("num_hidden_layers") is not None:  # checked before anything loops over the layers
-        validate.layer_count(str(config_path), cfg["num_hidden_layers"], weights)
+    for prefix, count in skipped.items():
+        log.info("%s: skipped %s (%d tensor%s): vkrt runs the language model only", model_dir,
+                 spec.hf_skipped[prefix], count, "" if count == 1 else "s")
+    fields = hf_fields(config_path, cfg, spec)
+    if fields.get("num_hidden_layers") is not None:  # checked before anything loops over the layers
+        validate.layer_count(str(config_path), fields.values["num_hidden_layers"], weights)
     gen_path = model_dir / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
-    config = model_config(hf_fields(config_path, cfg), spec, str(cfg.get("_name_or_path") or model_dir.name), generation)
+    config = model_config(fields, spec, str(cfg.get("_name_or_path") or model_dir.name), generation)
     if config.tie_word_embeddings:
         weights.pop("lm_head", None)  # some exports save the tied copy too; the embedding is the source of truth
     if not config.tie_word_embeddings and "lm_head" not in weights:

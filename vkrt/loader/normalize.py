@@ -33,6 +33,7 @@ from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFFile
+from vkrt.ops.recurrent import MAX_CONV_KERNEL
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
                                            "longrope": ("short_factor", "long_factor")}
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                   "attention_factor", "beta_fast", "beta_slow")
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+# config.json's MLP activation -> ModelConfig.hidden_act (relu2: ungated, max(x, 0)^2 of up alone)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "relu2": "relu2"}
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # attention: whether it slides
 MAX_POSITIONS = 2**31 - 1  # positions are int32 on every backend
 MAX_EXPERTS = 4096  # bounds the per-expert loops before any runs (real models: <= 512)
 
@@ -163,22 +166,31 @@ def _rotary_dim(src: ConfigFields, head_dim: int) -> int:
     return 0 if rotary == head_dim else rotary
 
 
-def _sliding_layers(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[bool]:
+def _layer_kinds(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[tuple[str, bool]]:
+    """(mixer, sliding) of each layer: from `layer_types`, else the family's sliding rule."""
     types = src.get("layer_types")
     if types is None:
         rule: Callable[[int, dict[str, Any]], bool] | None = spec.default_sliding
-        return [bool(rule and rule(i, src.values)) for i in range(num_layers)]
+        return [("attention", bool(rule and rule(i, src.values))) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
-        raise ModelFormatError(f"{src.source}: layer_types must list one type per layer ({num_layers})")
+        raise ModelFormatError(f"{src.source}: {src.name('layer_types')} must list one type per layer ({num_layers})")
+    known = [*_LAYER_TYPES, *spec.mixer_types]
+    attention = [t for t, mixer in spec.mixer_types.items() if mixer == "attention"]  # a family's own name for it
     for t in types:
-        if t not in _LAYER_TYPES:
-            raise UnsupportedModelError(f"{src.source}: layer_types entry {t!r} is not supported "
-                                        f"(supported: {', '.join(_LAYER_TYPES)})")
-    return [_LAYER_TYPES[t] for t in types]
+        if t not in known:
+            raise UnsupportedModelError(f"{src.source}: {src.name('layer_types')} entry {t!r} is not supported "
+                                        f"(supported: {', '.join(known)})")
+    return [(spec.mixer_types.get(t, "attention"), _LAYER_TYPES.get(t, False) and t not in attention) for t in types]
 
 
 def _rotated_layers(src: ConfigFields, num_layers: int) -> list[bool]:
-    """SmolLM3's `no_rope_layers`: 1 where the layer uses RoPE, 0 where it does not (NoPE)."""
+    """SmolLM3's `no_rope_layers`: 1 where the layer uses RoPE, 0 where it does not (NoPE);
+    Granite 4's position_embedding_type "nope": no layer rotates."""
+    if src.get("position_embedding_type") not in (None, "rope"):
+        if src.get("position_embedding_type") != "nope":
+            raise UnsupportedModelError(f"{src.source}: position_embedding_type "
+                                        f"{src.get('position_embedding_type')!r} is not supported (rope, nope)")
+        return [False] * num_layers
     flags = src.get("no_rope_layers")
     if flags is None:
         return [True] * num_layers
@@ -215,9 +227,13 @@ def _shared_expert_width(src: ConfigFields, spec: ArchSpec, experts: int) -> int
 
 def _sparse_layers(src: ConfigFields, num_layers: int) -> list[bool]:
     """Qwen3-MoE's rule: layer i is sparse unless listed in mlp_only_layers, every
-    decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE)."""
+    decoder_sparse_step-th layer (both default to every layer: Mixtral, OLMoE); LFM2-MoE's first
+    num_dense_layers are dense."""
     step = src.get("decoder_sparse_step") or 1
-    dense = src.get("mlp_only_layers") or []
+    first = src.get("num_dense_layers") or 0
+    if not _is_int(first) or first < 0:
+        raise ModelFormatError(f"{src.source}: {src.name('num_dense_layers')} must be a count, got {first!r}")
+    dense = [*(src.get("mlp_only_layers") or []), *range(min(first, num_layers))]
     if not _is_int(step) or step < 1:
         raise ModelFormatError(f"{src.source}: decoder_sparse_step must be a positive integer, got {step!r}")
     if not isinstance(dense, list) or any(not _is_int(i) for i in dense):
@@ -277,9 +293,12 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     if moe[0] and src.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
     sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe)
-                   for sliding, rotated, is_moe in zip(_sliding_layers(src, spec, num_layers),
-                                                       _rotated_layers(src, num_layers), sparse, strict=True))
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer,
+                               mlp=not spec.one_sublayer or mixer == "none",
+                               post_norms=spec.attention_post_norms and mixer == "attention")
+                   for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
+                                                                _rotated_layers(src, num_layers), sparse, strict=True))
+    conv_kernel = _conv_kernel(src, layers)
     scalar = src.get("query_pre_attn_scalar")
     query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
     embedding_scale = math.sqrt(hidden) if spec.scale_embeddings else 1.0
@@ -295,12 +314,12 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         architecture=spec.name,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=_ffn_width(src, int(need("intermediate_size"))),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(src.get("num_key_value_heads") or heads),
         head_dim=head_dim,
-        rms_norm_eps=float(src.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(src.get("rms_norm_eps", src.get("norm_eps", 1e-6))),
         rope_theta=rope[False][0],
         rope_scaling=rope[False][1],
         max_position_embeddings=max_positions,
@@ -312,6 +331,15 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         layers=layers,
         rotary_dim=_rotary_dim(src, head_dim),
         rope_interleaved=spec.rope_interleaved,
+        conv_kernel=conv_kernel,
+        conv_bias=bool(conv_kernel and src.get("conv_bias", src.get("mamba_conv_bias", False))),
+        attn_output_gate=spec.attn_output_gate,
+        **_delta_net(src, layers),
+        **_mamba(src, layers),
+        linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
+        linear_decay_stored=bool(src.get("linear_decay_stored", False)),
+        linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
+        linear_norm_eps=spec.linear_norm_eps,
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sandwich_norms=spec.sandwich_norms,
@@ -328,12 +356,119 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
+        moe_router=spec.moe_router,
+        expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
+        routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,
     )
 
 
-def hf_fields(config_path: Path, cfg: dict[str, Any]) -> ConfigFields:
-    """A config.json as the normalisation reads it."""
-    return ConfigFields(str(config_path), cfg)
+def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
+    """The convolution's taps where a layer convolves (LFM2's conv_L_cache, a delta net's
+    linear_conv_kernel_dim), checked; else 0."""
+    mixers = {layer.mixer for layer in layers}
+    key = next((k for mixer, k in (("short_conv", "conv_L_cache"), ("gated_delta_net", "linear_conv_kernel_dim"),
+                                   ("mamba2", "mamba_d_conv")) if mixer in mixers), "")
+    if not key:
+        return 0
+    taps = src.get(key)
+    if not _is_int(taps) or not 2 <= taps <= MAX_CONV_KERNEL:
+        raise UnsupportedModelError(f"{src.source}: {src.name(key)} is {taps!r}; vkrt convolves "
+                                    f"2 to {MAX_CONV_KERNEL} taps")
+    return taps
+
+
+_DELTA_NET = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def _delta_net(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, int]:
+    """A gated delta net's head counts and dims (ModelConfig's fields of those names), checked."""
+    if not any(layer.mixer == "gated_delta_net" for layer in layers):
+        return {}
+    out: dict[str, int] = {}
+    for key in _DELTA_NET:
+        value = src.get(key)
+        if not _is_int(value) or value < 1:
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
+        out[key] = value
+    if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+        raise ModelFormatError(f"{src.source}: linear_num_value_heads ({out['linear_num_value_heads']}) must be "
+                               f"a multiple of linear_num_key_heads ({out['linear_num_key_heads']})")
+    return out
+
+
+def _ffn_width(src: ConfigFields, width: int) -> int:
+    """The MLP's width: LFM2 derives it from intermediate_size (block_auto_adjust_ff_dim: 2/3 of
+    it, times block_ffn_dim_multiplier, rounded up to block_multiple_of), as transformers does;
+    a Granite 4 hybrid without experts runs its shared MLP (shared_intermediate_size)."""
+    if src.get("num_local_experts") == 0 and _is_int(src.get("shared_intermediate_size")):
+        return int(src.values["shared_intermediate_size"])
+    if not src.get("block_auto_adjust_ff_dim"):
+        return width
+    width = int(2 * width / 3)
+    multiplier = src.get("block_ffn_dim_multiplier")
+    if multiplier is not None:
+        width = int(multiplier * width)
+        multiple = int(src.get("block_multiple_of", 256))
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]:
+    """Mamba2's heads, groups and state (ModelConfig's mamba_* fields), checked."""
+    if not any(layer.mixer == "mamba2" for layer in layers):
+        return {}
+    hidden = int(src.values["hidden_size"])
+    heads, groups, state = (src.get(k) for k in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state"))
+    # Granite 4's inner width is mamba_expand x hidden; Nemotron-H's is simply heads x head_dim.
+    inner = int(src.get("mamba_expand", 2)) * hidden
+    head_dim = src.get("mamba_d_head", "auto")
+    if head_dim == "auto" and _is_int(heads) and heads > 0:
+        head_dim = inner // heads
+    for key, value in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_d_state", state),
+                       ("mamba_d_head", head_dim)):
+        if not _is_int(value) or value < 1:
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
+    assert _is_int(heads) and _is_int(groups) and _is_int(head_dim)
+    if src.get("mamba_expand") is not None and heads * head_dim != inner:
+        raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} x {src.name('mamba_d_head')} must be "
+                               f"mamba_expand x hidden_size ({inner})")
+    if heads % groups:
+        raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} ({heads}) must be a multiple of "
+                               f"{src.name('mamba_n_groups')} ({groups})")
+    if src.get("mamba_proj_bias"):
+        raise UnsupportedModelError(f"{src.source}: {src.name('mamba_proj_bias')} (biases on the Mamba2 "
+                                    "projections) is not supported")
+    # (transformers' Nemotron-H clamps dt at time_step_min in its chunked prefill form but not in its
+    # decode step; vkrt follows time_step_limit everywhere, as that decode step and llama.cpp do.)
+    limit = src.get("time_step_limit") or (0.0, math.inf)
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit):
+        raise ModelFormatError(f"{src.source}: time_step_limit must be two numbers, got {limit!r}")
+    return {"mamba_num_heads": heads, "mamba_head_dim": head_dim, "mamba_n_groups": groups, "mamba_state_size": state,
+            "mamba_dt_min": float(limit[0]), "mamba_dt_max": float(limit[1])}
+
+
+def hf_fields(config_path: Path, cfg: dict[str, Any], spec: ArchSpec) -> ConfigFields:
+    """A config.json as the normalisation reads it: the family's own field names (ArchSpec.hf_renames)
+    and layer-pattern string (hf_pattern) in the names it reads, messages still naming the file's."""
+    values, spelled = dict(cfg), {}
+    for theirs, ours in spec.hf_renames.items():  # the family's own field is what its model reads
+        if theirs in cfg:
+            values[ours] = cfg[theirs]
+            spelled[ours] = theirs
+    pattern = cfg.get("hybrid_override_pattern")
+    if spec.hf_pattern and values.get("layer_types") is None and pattern is not None:
+        if not isinstance(pattern, str) or not pattern or any(ch not in spec.hf_pattern for ch in pattern):
+            raise ModelFormatError(f"{config_path}: hybrid_override_pattern is {pattern!r}; it must be a string of "
+                                   f"{', '.join(spec.hf_pattern)}")
+        values["layer_types"] = [spec.hf_pattern[ch] for ch in pattern]
+        spelled["layer_types"] = "hybrid_override_pattern"
+    if spec.hf_pattern and isinstance(values.get("layer_types"), list) and values.get("num_hidden_layers") is None:
+        values["num_hidden_layers"] = len(values["layer_types"])  # the pattern is the layer count
+    for key, value in spec.hf_defaults.items():
+        values.setdefault(key, value)
+    if spec.nope_without_rope_parameters and not values.get("rope_parameters") and values.get("rope_theta") is None:
+        values.setdefault("position_embedding_type", "nope")
+    return ConfigFields(str(config_path), values, spelled)
 
 
 # ---- GGUF metadata -> config.json's names -------------------------------------------------
@@ -358,7 +493,14 @@ _GGUF_NAMES = {
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "expert_weights_norm": "norm_topk_prob",
+    "expert_weights_scale": "routed_scaling_factor",
+    # Granite's multipliers
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
 }
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 _GGUF_REQUIRED = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 # rope.scaling.* -> rope_scaling's keys
 _GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
@@ -374,17 +516,36 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for suffix in _GGUF_REQUIRED:
-        if meta.get(f"{arch}.{suffix}") is None:
+        if meta.get(f"{arch}.{suffix}") is None and f"{arch}.{suffix}" not in reader.fields:  # (or per layer)
             raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
-    for suffix in ("attention.head_count", "attention.head_count_kv"):
+    kv_heads_per_layer = None
+    ffn_per_layer = None
+    for suffix in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
         f = reader.fields.get(f"{arch}.{suffix}")
         if f is not None and f.types[0] == GGUFValueType.ARRAY:
-            raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
+            # llama.cpp marks a hybrid's recurrent layers by 0 KV heads, and (Nemotron-H) its layers
+            # without an MLP by a 0 FFN width; other per-layer counts are not read
+            readable = {"attention.head_count_kv": bool(spec.mixer_types), "feed_forward_length": spec.one_sublayer}
+            if not readable.get(suffix) or not isinstance(f.value, list):
+                raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
+            if suffix == "feed_forward_length":
+                ffn_per_layer = f.value
+            else:
+                kv_heads_per_layer = f.value
     for suffix, key in _GGUF_NAMES.items():
         spelled[key] = f"{arch}.{suffix}"
         if meta.get(f"{arch}.{suffix}") is not None:
             values[key] = meta[f"{arch}.{suffix}"]
+    if meta.get(f"{arch}.attention.layer_norm_epsilon") is not None:  # Nemotron-H writes its RMSNorm's so
+        values.setdefault("rms_norm_eps", meta[f"{arch}.attention.layer_norm_epsilon"])
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
+    if kv_heads_per_layer is not None:
+        _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
+    if ffn_per_layer is not None:
+        _gguf_one_sublayer_blocks(path, arch, spec, values, ffn_per_layer)
+    recurrent = reader.fields.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is not None and "gated_delta_net" in spec.mixer_types.values():
+        _gguf_delta_nets(path, arch, spec, meta, values, spelled, recurrent.value)
     head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if _is_int(rope_dim) and head_dim > 0 and rope_dim != head_dim:  # head_dim 0 is refused by the checks
@@ -403,9 +564,16 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     if spec.gguf_wide_query_layers:  # llama.cpp's query scale for Gemma (GGUF has no query_pre_attn_scalar)
         wide = values["num_hidden_layers"] == spec.gguf_wide_query_layers
         values["query_pre_attn_scalar"] = values["hidden_size"] / values["num_attention_heads"] if wide else head_dim
+    if values.get("num_experts") and not any(name.endswith(".router") for name in weights):
+        values["num_experts"] = 0  # an expert count written for a model without experts (Nemotron-H's)
     if values.get("num_experts"):  # llama.cpp: a layer with a router is sparse
         values["mlp_only_layers"] = [i for i in range(values["num_hidden_layers"])
                                      if f"layers.{i}.router" not in weights]
+        values["use_expert_bias"] = any(name.endswith(".expert_bias") for name in weights)
+        gating = meta.get(f"{arch}.expert_gating_func")
+        if gating is not None and _GGUF_GATING.get(gating) != spec.moe_router:
+            raise UnsupportedModelError(f"{path}: '{arch}.expert_gating_func' {gating!r} is not this family's "
+                                        f"{spec.moe_router} routing; vkrt does not run it")
     eos: list[int] = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if _is_int(meta.get(k)) and meta[k] not in eos:
@@ -413,6 +581,80 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     values["eos_token_id"] = eos
     values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     return ConfigFields(str(path), values, spelled, norm_offset_stored=True)
+
+
+def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], weights: dict[str, WeightData],
+                           values: dict[str, Any], spelled: dict[str, str], kv_heads: list[Any]) -> None:
+    """A hybrid's layer kinds from its per-layer KV head counts (0: a recurrent layer, as
+    llama.cpp writes them), with the recurrent mixer's settings."""
+    layers = values["num_hidden_layers"]
+    if len(kv_heads) != layers or any(not _is_int(n) or n < 0 for n in kv_heads) or not any(kv_heads):
+        raise ModelFormatError(f"{path}: '{arch}.attention.head_count_kv' must list {layers} counts, some "
+                               "positive (attention layers) and 0 for recurrent ones; the file is corrupt")
+    if len({n for n in kv_heads if n}) != 1:
+        raise UnsupportedModelError(f"{path}: attention layers with different KV head counts are not supported")
+    mixer = next(iter(spec.mixer_types))  # the family's recurrent layer type
+    values["layer_types"] = ["full_attention" if n else mixer for n in kv_heads]
+    values["num_key_value_heads"] = max(kv_heads)
+    values["conv_bias"] = any(name.endswith(".conv.bias") for name in weights)
+    if spec.mixer_types[mixer] == "mamba2":
+        _gguf_mamba(path, arch, meta, values, spelled)
+        return
+    values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")
+    spelled["conv_L_cache"] = f"{arch}.shortconv.l_cache"
+
+
+def _gguf_one_sublayer_blocks(path: Path, arch: str, spec: ArchSpec, values: dict[str, Any], ffn: list[Any]) -> None:
+    """Nemotron-H's blocks from its per-layer FFN widths (an MLP block where > 0) beside the KV
+    head counts that marked the attention blocks; the rest are Mamba2."""
+    layers, kinds = values["num_hidden_layers"], values.get("layer_types")
+    widths = {n for n in ffn if n}
+    if len(ffn) != layers or any(not _is_int(n) or n < 0 for n in ffn) or len(widths) != 1 or kinds is None:
+        raise ModelFormatError(f"{path}: '{arch}.feed_forward_length' must list {layers} widths, one positive "
+                               "width for the MLP blocks and 0 for the others; the file is corrupt")
+    mlp = next(t for t, m in spec.mixer_types.items() if m == "none")
+    values["layer_types"] = [mlp if n else kind for n, kind in zip(ffn, kinds, strict=True)]
+    values["intermediate_size"] = widths.pop()
+
+
+def _gguf_mamba(path: Path, arch: str, meta: dict[str, Any], values: dict[str, Any], spelled: dict[str, str]) -> None:
+    """Mamba2's settings from the `ssm.*` keys llama.cpp writes (granitehybrid), in Granite 4's
+    config.json names; its hybrids do not rotate positions (llama.cpp's converter marks that by
+    rope.scaling.finetuned false), and a model without experts runs its shared MLP."""
+    for key, suffix in (("mamba_d_conv", "ssm.conv_kernel"), ("mamba_d_state", "ssm.state_size"),
+                        ("mamba_n_groups", "ssm.group_count"), ("mamba_n_heads", "ssm.time_step_rank")):
+        values[key] = meta.get(f"{arch}.{suffix}")
+        spelled[key] = f"{arch}.{suffix}"
+    inner, heads = meta.get(f"{arch}.ssm.inner_size"), values["mamba_n_heads"]
+    values["mamba_d_head"] = inner // heads if _is_int(inner) and _is_int(heads) and heads else None
+    spelled["mamba_d_head"] = f"{arch}.ssm.inner_size"
+    values["mamba_conv_bias"] = values.pop("conv_bias")
+    values["linear_decay_stored"] = True  # A = -exp(A_log) stored as ssm_a
+    if meta.get(f"{arch}.rope.scaling.finetuned") is False:
+        values["position_embedding_type"] = "nope"
+    if not values.get("num_experts") and _is_int(values.get("shared_expert_intermediate_size")):
+        values["intermediate_size"] = values.pop("shared_expert_intermediate_size")
+        spelled["intermediate_size"] = f"{arch}.expert_shared_feed_forward_length"
+
+
+def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], values: dict[str, Any],
+                     spelled: dict[str, str], recurrent: Any) -> None:
+    """A delta-net hybrid's layer kinds (`attention.recurrent_layers`) and its heads, from the
+    `ssm.*` keys llama.cpp writes for them."""
+    layers = values["num_hidden_layers"]
+    if not isinstance(recurrent, list) or len(recurrent) != layers:
+        raise ModelFormatError(f"{path}: '{arch}.attention.recurrent_layers' must list {layers} flags; the file is corrupt")
+    mixer = next(t for t, m in spec.mixer_types.items() if m == "gated_delta_net")
+    values["layer_types"] = [mixer if flag else "full_attention" for flag in recurrent]
+    for key, suffix in (("linear_conv_kernel_dim", "ssm.conv_kernel"), ("linear_key_head_dim", "ssm.state_size"),
+                        ("linear_num_key_heads", "ssm.group_count"), ("linear_num_value_heads", "ssm.time_step_rank")):
+        values[key] = meta.get(f"{arch}.{suffix}")
+        spelled[key] = f"{arch}.{suffix}"
+    inner, v_heads = meta.get(f"{arch}.ssm.inner_size"), values["linear_num_value_heads"]
+    values["linear_value_head_dim"] = inner // v_heads if _is_int(inner) and _is_int(v_heads) and v_heads else None
+    spelled["linear_value_head_dim"] = f"{arch}.ssm.inner_size"
+    values["linear_decay_stored"] = True  # llama.cpp's converter stores A = -exp(A_log)
+    values["linear_v_heads_tiled"] = spec.gguf_v_heads_tiled
 
 
 def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],

@@ -24,11 +24,32 @@ class KVGroup:
 
 
 def kv_groups(config: ModelConfig) -> list[KVGroup]:
-    """The model's KV groups: full-attention layers first, then one group per window, smallest first."""
+    """The model's KV groups: full-attention layers first, then one group per window, smallest
+    first. Recurrent layers have no KV cache (their state is a slot of `StatePool`)."""
     by_window: dict[int, list[int]] = {}
     for i in range(config.num_layers):
-        by_window.setdefault(config.layer(i).window, []).append(i)
+        if config.layer(i).mixer == "attention":
+            by_window.setdefault(config.layer(i).window, []).append(i)
     return [KVGroup(w, tuple(by_window[w])) for w in sorted(by_window)]
+
+
+def state_shapes(config: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Each recurrent layer's state tensors, as the shape of one sequence's slot (f32)."""
+    shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for i in range(config.num_layers):
+        mixer = config.layer(i).mixer
+        if mixer == "short_conv":  # the last K - 1 inputs of every channel
+            shapes[i] = ((config.hidden_size, config.conv_kernel - 1),)
+        elif mixer == "gated_delta_net":  # the conv's window over q|k|v, and S per value head
+            c = config
+            channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+            shapes[i] = ((channels, c.conv_kernel - 1),
+                         (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
+        elif mixer == "mamba2":  # the conv's window over x|B|C, and each head's [P, N]
+            c = config
+            channels = c.mamba_num_heads * c.mamba_head_dim + 2 * c.mamba_n_groups * c.mamba_state_size
+            shapes[i] = ((channels, c.conv_kernel - 1), (c.mamba_num_heads, c.mamba_head_dim, c.mamba_state_size))
+    return shapes
 
 
 @dataclass
@@ -48,6 +69,14 @@ class ForwardBatch:
     slots: np.ndarray  # i32 [T] or [G, T]
     block_tables: np.ndarray  # i32 [S, max_blocks] or [G, S, max_blocks]
     logits_index: np.ndarray  # i32 [R]
+    state_slots: np.ndarray | None = None  # i32 [S]: each sequence's recurrent-state slot (None: slot s)
+
+    @property
+    def seq_start(self) -> np.ndarray:
+        """i32 [S + 1]: sequence s's tokens are seq_start[s] .. seq_start[s + 1] - 1 (a sequence's
+        tokens are consecutive; padding tokens, seq_index -1, belong to none)."""
+        counts = np.bincount(self.seq_index[self.seq_index >= 0], minlength=self.num_seqs)[: self.num_seqs]
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +101,8 @@ class StepTensors:
     slots: Tensor
     block_tables: Tensor
     logits_index: Tensor
+    seq_start: Tensor  # i32 [S + 1] (ForwardBatch.seq_start)
+    state_slots: Tensor  # i32 [S]
     group_slots: tuple[Tensor, ...] = ()
     group_block_tables: tuple[Tensor, ...] = ()
 
@@ -83,9 +114,10 @@ class StepTensors:
         slots, tables = batch.slots, batch.block_tables
         group_slots = tuple(up(row) for row in slots) if slots.ndim == 2 else ()
         group_tables = tuple(up(table) for table in tables) if tables.ndim == 3 else ()
+        state_slots = batch.state_slots if batch.state_slots is not None else np.arange(batch.num_seqs)
         return cls(up(batch.token_ids), up(batch.positions), up(batch.seq_index),
                    group_slots[0] if group_slots else up(slots), group_tables[0] if group_tables else up(tables),
-                   up(batch.logits_index), group_slots, group_tables)
+                   up(batch.logits_index), up(batch.seq_start), up(state_slots), group_slots, group_tables)
 
     def slots_of(self, group: int) -> Tensor:
         """Cache slots of this step's tokens in KV group `group`'s pool."""
@@ -100,17 +132,25 @@ class StepTensors:
 class KVCache:
     """Per-layer key and value caches: [num_blocks of the layer's group, block_size, kv_heads * head_dim]."""
 
-    keys: list[Tensor]
-    values: list[Tensor]
+    keys: dict[int, Tensor]  # by attention layer
+    values: dict[int, Tensor]
     num_blocks: list[int]  # per KV group
     block_size: int
     dtype: str  # the --kv-cache-dtype (f32, f16, q8_0; vkrt.core.kv_format)
     groups: list[KVGroup] = field(default_factory=list)
-    layer_group: list[int] = field(default_factory=list)  # KV group of each layer
+    layer_group: list[int] = field(default_factory=list)  # KV group of each layer (-1: a recurrent layer)
+    # Recurrent layers' states: each layer's tensors [num_state_slots, *slot shape] (state_shapes).
+    states: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    num_state_slots: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+        """K and V bytes (the recurrent states' are `state_nbytes`)."""
+        return sum(t.nbytes for t in self.keys.values()) + sum(t.nbytes for t in self.values.values())
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(t.nbytes for tensors in self.states.values() for t in tensors)
 
     def group_of(self, layer: int) -> int:
         return self.layer_group[layer] if self.layer_group else 0
@@ -128,6 +168,10 @@ class CausalLM(ABC):
 
     def kv_groups(self) -> list[KVGroup]:
         return kv_groups(self.config)
+
+    def state_bytes_per_slot(self) -> int:
+        """Recurrent-state bytes one sequence holds in every recurrent layer (0: no such layer)."""
+        return sum(4 * int(np.prod(shape)) for shapes in state_shapes(self.config).values() for shape in shapes)
 
     def kv_bytes_per_block(self, block_size: int, dtype: str = "f32") -> int:
         """K and V bytes of one block in every layer."""
@@ -169,23 +213,28 @@ class CausalLM(ABC):
         return counts
 
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
-                          max_len: int | None = None) -> KVCache:
-        """K and V tensors of every layer; `num_blocks` per KV group (one int: the same for all);
-        `dtype` is a --kv-cache-dtype (vkrt.core.kv_format)."""
+                          max_len: int | None = None, state_slots: int = 1) -> KVCache:
+        """K and V tensors of every attention layer, `num_blocks` per KV group (one int: the same
+        for all), `dtype` a --kv-cache-dtype (vkrt.core.kv_format); and every recurrent layer's
+        state in `state_slots` slots (one per sequence that can run at once)."""
         c = self.config
         self.check_kv_dtype(dtype)
         groups = self.kv_groups()
         counts = self._pool_sizes(num_blocks)
-        layer_group = [0] * c.num_layers
+        layer_group = [-1] * c.num_layers
         for g, group in enumerate(groups):
             for i in group.layers:
                 layer_group[i] = g
-        shapes = [(counts[layer_group[i]], block_size, c.num_kv_heads * c.head_dim) for i in range(c.num_layers)]
+        shapes = {i: (counts[g], block_size, c.num_kv_heads * c.head_dim) for i, g in enumerate(layer_group) if g >= 0}
         tensor_dtype = kv_format.tensor_dtype(dtype)
-        self.backend.reserve("kv", 2 * sum(self.backend.tensor_nbytes(shape, tensor_dtype) for shape in shapes))
-        keys = [self.backend.empty(shape, tensor_dtype, purpose="kv") for shape in shapes]
-        values = [self.backend.empty(shape, tensor_dtype, purpose="kv") for shape in shapes]
-        return KVCache(keys, values, counts, block_size, dtype, groups, layer_group)
+        self.backend.reserve("kv", 2 * sum(self.backend.tensor_nbytes(shape, tensor_dtype) for shape in shapes.values()))
+        keys = {i: self.backend.empty(shape, tensor_dtype, purpose="kv") for i, shape in shapes.items()}
+        values = {i: self.backend.empty(shape, tensor_dtype, purpose="kv") for i, shape in shapes.items()}
+        states = {i: tuple(self.backend.upload(np.zeros((state_slots, *shape), np.float32), "f32", purpose="kv")
+                           for shape in layer_shapes)
+                  for i, layer_shapes in state_shapes(c).items()}
+        return KVCache(keys, values, counts, block_size, dtype, groups, layer_group, states,
+                       state_slots if states else 0)
 
     @abstractmethod
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:

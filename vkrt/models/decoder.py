@@ -1,11 +1,15 @@
 """The decoder-only transformer every supported family is a configuration of.
 
-embedding (x scale) -> N x [norm, attention (+bias, QK-norm, RoPE, window, softcap),
-(post-norm), residual (x scale), norm, gated MLP or mixture of experts, (post-norm), residual
-(x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3, SmolLM3, Granite, Qwen3-MoE, Mixtral and OLMoE differ only in ModelConfig
-(vkrt/loader/normalize.py builds it): the traits are read from there, never from a family
-name. Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
+embedding (x scale) -> N x [norm, token mixer: attention (+bias, QK-norm, RoPE, window,
+softcap, output gate) or a recurrent mixer (LFM2's gated short convolution, the gated delta
+net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence), (post-norm), residual
+(x scale), norm, gated MLP (or relu2's ungated one) or mixture of experts, (post-norm),
+residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3,
+Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next, Granite 4,
+Nemotron-H (a block is only its mixer or only its MLP), Qwen3-MoE, Mixtral and OLMoE differ
+only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read from there,
+never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into fused
+kernels.
 """
 
 from __future__ import annotations
@@ -21,9 +25,20 @@ from vkrt.errors import VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import rope_table
-from vkrt.models.weights import Attention, Experts, Layer, Linear, Mlp, build_weights
+from vkrt.models.weights import (
+    Attention,
+    Experts,
+    GatedDeltaNet,
+    Layer,
+    Linear,
+    Mamba2,
+    Mlp,
+    ShortConv,
+    build_weights,
+)
 
-GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
+# ModelConfig.hidden_act -> the MLP's activation: gated ones take gate|up, relu2 takes up alone.
+ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul, "relu2": ops.relu_squared}
 
 
 def linear(x: Tensor, lin: Linear) -> Tensor:
@@ -42,7 +57,7 @@ class DecoderModel(CausalLM):
     def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
         self.config = c = loaded.config
         self.backend = backend
-        self.activation = GATED_ACTIVATIONS[c.hidden_act]  # the loader admits only these
+        self.activation = ACTIVATIONS[c.hidden_act]  # the loader admits only these
         self.weights = build_weights(loaded, backend)
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._rope_positions = 0
@@ -53,13 +68,13 @@ class DecoderModel(CausalLM):
 
     # -- rope ---------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
-                          max_len: int | None = None) -> KVCache:
+                          max_len: int | None = None, state_slots: int = 1) -> KVCache:
         # The RoPE tables cover the positions a cache can hold, never the file's claimed context.
         positions = self.kv_positions(num_blocks, block_size, max_len)
         if positions > self._rope_positions:
             self._rope = rope_tables(self.config, positions, self.weights.rope_freqs, self.upload_f32)
             self._rope_positions = positions
-        return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len)
+        return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len, state_slots)
 
     def cos_sin(self, i: int) -> Tensor:
         if not self._rope:
@@ -72,9 +87,18 @@ class DecoderModel(CausalLM):
         h = ops.embedding(w.embed_tokens, step.token_ids)
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
-        for i, layer in enumerate(w.layers):
-            h = self.attention(layer, h, step, kv, i)
-            h = self.feed_forward(layer, h)
+        for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
+            mixer = layer.mixer
+            if isinstance(mixer, Attention):
+                h = self.attention(layer, mixer, h, step, kv, i)
+            elif isinstance(mixer, ShortConv):
+                h = self.short_conv(layer, mixer, h, step, kv, i)
+            elif isinstance(mixer, GatedDeltaNet):
+                h = self.gated_delta_net(layer, mixer, h, step, kv, i)
+            elif isinstance(mixer, Mamba2):
+                h = self.mamba2(layer, mixer, h, step, kv, i)
+            if layer.mlp is not None:
+                h = self.feed_forward(layer, layer.mlp, h)
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
         logits = ops.matmul(x, w.lm_head)
@@ -82,36 +106,88 @@ class DecoderModel(CausalLM):
             logits = ops.scale(logits, c.logit_scale)
         return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
 
-    def attention(self, layer: Layer, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+    def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         c = self.config
-        x = ops.rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-        q = self.query_and_cache_write(layer.attention, x, step, kv, i)
+        x = self.pre_norm(h, layer.attn_norm)
+        q = self.query_and_cache_write(attn, x, step, kv, i)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
                                 c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
                                 softcap=c.attn_softcap)
-        out = linear(a, layer.attention.o)
+        if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
+            a = ops.sigmoid_mul(a, linear(x, attn.gate))
+        out = linear(a, attn.o)
         if layer.post_attn_norm is not None:
             out = ops.rms_norm(out, layer.post_attn_norm, c.rms_norm_eps)
         return self.residual(out, h)
 
-    def feed_forward(self, layer: Layer, h: Tensor) -> Tensor:
+    def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """LFM2's gated convolution over each sequence, its state in layer i's slots."""
+        x = self.pre_norm(h, layer.attn_norm)
+        (state,) = kv.states[i]
+        y = ops.short_conv(linear(x, conv.in_proj), conv.taps, conv.bias, state, step.seq_start, step.positions,
+                           step.state_slots)
+        return self.residual(linear(y, conv.out_proj), h)
+
+    def gated_delta_net(self, layer: Layer, net: GatedDeltaNet, h: Tensor, step: StepTensors, kv: KVCache,
+                        i: int) -> Tensor:
+        """Qwen3.5's linear attention: q|k|v convolved (silu), the gated delta rule over each
+        sequence, its output normed per value head and gated by silu(z); both states in layer i's slots."""
         c = self.config
-        x = ops.rms_norm(h, layer.ffn_norm, c.rms_norm_eps)
-        out = self.sparse_mlp(layer.mlp, x) if isinstance(layer.mlp, Experts) else self.mlp(layer.mlp, x)
+        x = self.pre_norm(h, layer.attn_norm)
+        conv_state, delta_state = kv.states[i]
+        qkv = ops.causal_conv1d(linear(x, net.qkv), net.conv_taps, net.conv_bias, conv_state, step.seq_start,
+                                step.positions, step.state_slots, activation="silu")
+        o = ops.gated_delta_net(qkv, linear(x, net.ba), net.a_rate, net.dt_bias, delta_state, step.seq_start,
+                                step.positions, step.state_slots, c.linear_num_key_heads, c.linear_num_value_heads,
+                                c.linear_key_head_dim, c.linear_value_head_dim, tiled_heads=c.linear_v_heads_tiled,
+                                beta_scale=c.linear_beta_scale)
+        gated = ops.gated_rms_norm(o, linear(x, net.z), net.norm, c.linear_norm_eps or c.rms_norm_eps,
+                                   group_size=c.linear_value_head_dim)
+        return self.residual(linear(gated, net.out_proj), h)
+
+    def mamba2(self, layer: Layer, m: Mamba2, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """Mamba2: x|B|C convolved (silu), the selective scan over each sequence, gated by silu(z)
+        then normed in groups; both states in layer i's slots."""
+        c = self.config
+        x = self.pre_norm(h, layer.attn_norm)
+        conv_state, ssm_state = kv.states[i]
+        xbc = ops.causal_conv1d(linear(x, m.xbc), m.conv_taps, m.conv_bias, conv_state, step.seq_start,
+                                step.positions, step.state_slots, activation="silu")
+        y = ops.ssm_scan(xbc, linear(x, m.dt), m.a_rate, m.skip, m.dt_bias, ssm_state, step.seq_start, step.positions,
+                         step.state_slots, c.mamba_num_heads, c.mamba_head_dim, c.mamba_n_groups, c.mamba_state_size,
+                         c.mamba_dt_min, c.mamba_dt_max)
+        group = c.mamba_num_heads * c.mamba_head_dim // c.mamba_n_groups
+        gated = ops.gated_rms_norm(y, linear(x, m.z), m.norm, c.rms_norm_eps, group_size=group, gate_first=True)
+        return self.residual(linear(gated, m.out_proj), h)
+
+    def pre_norm(self, h: Tensor, weight: Tensor | None) -> Tensor:
+        """The sublayer's input norm; None: it has none (OLMo 2's attention layers norm outputs only)."""
+        return h if weight is None else ops.rms_norm(h, weight, self.config.rms_norm_eps)
+
+    def feed_forward(self, layer: Layer, mlp: Mlp | Experts, h: Tensor) -> Tensor:
+        c = self.config
+        x = self.pre_norm(h, layer.ffn_norm)
+        out = self.sparse_mlp(mlp, x) if isinstance(mlp, Experts) else self.mlp(mlp, x)
         if layer.post_ffn_norm is not None:
             out = ops.rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps)
         return self.residual(out, h)
 
     def mlp(self, mlp: Mlp, x: Tensor) -> Tensor:
-        """down(act(gate(x)) * up(x)): the dense MLP, or a MoE layer's shared expert."""
+        """down(act(gate(x)) * up(x)): the dense MLP, or a MoE layer's shared expert; ungated
+        (relu2), down(act(up(x)))."""
         return linear(self.activation(linear(x, mlp.gate_up)), mlp.down)
 
     def sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:
         """Mixture of experts: each token through the gated MLPs of its k routed experts,
         summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
         c = self.config
-        ids, weights = ops.moe_router(linear(x, experts.router), c.num_experts_per_tok, c.norm_topk_prob)
+        logits = linear(x, experts.router)
+        if experts.bias is not None:  # LFM2-MoE: sigmoid scores, chosen with the expert bias
+            ids, weights = ops.moe_router_sigmoid(logits, experts.bias, c.num_experts_per_tok, c.norm_topk_prob,
+                                                  c.routed_scaling_factor)
+        else:
+            ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
         act = self.activation(self.expert_gate_up(experts, x, ids))  # [T, k, F]
         y = ops.moe_matmul(act, experts.down, ids)
         if experts.shared is None or experts.shared_gate is None:

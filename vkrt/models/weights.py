@@ -43,11 +43,62 @@ class Attention:
     o: Linear
     q_norm: Tensor | None  # [head_dim] per head, or [H * head_dim] over all of q (OLMoE)
     k_norm: Tensor | None
+    gate: Linear | None = None  # the output gate's projection, [H * head_dim] (Qwen3.5)
+
+
+@dataclass(frozen=True)
+class ShortConv:
+    """LFM2's gated short convolution: in_proj to [B | C | x], C * conv(B * x) with taps [C, K]
+    and a bias [C] (zeros where the checkpoint has none), out_proj."""
+
+    in_proj: Linear
+    taps: Tensor
+    bias: Tensor
+    out_proj: Linear
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Qwen3.5's linear attention: projections to q|k|v, z and b|a, the causal conv over q|k|v
+    (taps [C, K], zero bias), the decay's rate A = -exp(A_log) and dt_bias [Hv], the gated output norm [dv]
+    (plain w, not 1 + w), out_proj."""
+
+    qkv: Linear
+    z: Linear
+    ba: Linear
+    conv_taps: Tensor
+    conv_bias: Tensor
+    a_rate: Tensor
+    dt_bias: Tensor
+    norm: Tensor
+    out_proj: Linear
+
+
+@dataclass(frozen=True)
+class Mamba2:
+    """Mamba2 (Granite 4): in_proj's rows as three projections, z (the gate), x|B|C and dt; the
+    conv over x|B|C (taps [C, K], bias), A = -exp(A_log), D and dt_bias [H], the grouped norm
+    weight [inner] (gate before norm), out_proj."""
+
+    z: Linear
+    xbc: Linear
+    dt: Linear
+    conv_taps: Tensor
+    conv_bias: Tensor
+    a_rate: Tensor
+    skip: Tensor
+    dt_bias: Tensor
+    norm: Tensor
+    out_proj: Linear
+
+
+Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2
 
 
 @dataclass(frozen=True)
 class Mlp:
-    """down(act(gate(x)) * up(x)): gate rows over up rows in one projection."""
+    """down(act(gate(x)) * up(x)): gate rows over up rows in one projection (an ungated MLP,
+    relu2's, has up's rows alone there)."""
 
     gate_up: Linear
     down: Linear
@@ -64,16 +115,19 @@ class Experts:
     down: Tensor
     shared: Mlp | None = None
     shared_gate: Linear | None = None
+    bias: Tensor | None = None  # a sigmoid router's per-expert bias [E] (zeros when the file has none)
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One block's weights: the norms (post-norms with sandwich norms), attention, MLP or experts."""
+    """One block's weights: the norms (post-norms with sandwich norms), its token mixer (attention
+    or a recurrent mixer), MLP or experts. A block of one sublayer (Nemotron-H) has None for the
+    other and its norm."""
 
-    attn_norm: Tensor
-    attention: Attention
-    ffn_norm: Tensor
-    mlp: Mlp | Experts
+    attn_norm: Tensor | None
+    mixer: Mixer | None
+    ffn_norm: Tensor | None
+    mlp: Mlp | Experts | None
     post_attn_norm: Tensor | None = None
     post_ffn_norm: Tensor | None = None
 
@@ -188,28 +242,123 @@ class _Builder:
         c = self.config
         p = f"layers.{i}."
         sandwich = c.sandwich_norms
+        kind = c.layer(i)
+        if kind.post_norms:  # OLMo 2's attention layers: a norm after each sublayer, none before
+            return Layer(attn_norm=None, mixer=self.mixer(p, kind.mixer), ffn_norm=None,
+                         mlp=self.experts(p) if kind.moe else self.mlp(p),
+                         post_attn_norm=self.norm(p + "ffn_norm"), post_ffn_norm=self.norm(p + "post_ffn_norm"))
+        if kind.mixer == "none" or not kind.mlp:  # one sublayer (Nemotron-H): the block's one norm
+            norm = self.norm(p + "norm")
+            return Layer(attn_norm=None if kind.mixer == "none" else norm,
+                         mixer=None if kind.mixer == "none" else self.mixer(p, kind.mixer),
+                         ffn_norm=norm if kind.mlp else None, mlp=self.mlp(p) if kind.mlp else None)
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
-            attention=self.attention(p),
+            mixer=self.mixer(p, kind.mixer),
             ffn_norm=self.norm(p + "ffn_norm"),
-            mlp=self.experts(p) if c.layer(i).moe else self.mlp(p),
+            mlp=self.experts(p) if kind.moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
             post_ffn_norm=self.norm(p + "post_ffn_norm") if sandwich else None,
         )
 
     def attention(self, p: str) -> Attention:
         c = self.config
+        gate: WeightData | None = None  # Qwen3.5's output gate, from the rows q_proj holds beside q
         if p + "qkv_proj" in self.stored:  # a fused checkpoint (Phi-3): stacked as stored
             qkv = self.linear([p + "qkv_proj"])
         else:  # a norm over all of q and of k (OLMoE) needs their outputs apart
-            qkv = self.linear([p + n for n in ("q_proj", "k_proj", "v_proj")],
+            q: str | WeightData = p + "q_proj"
+            if c.attn_output_gate:
+                q, gate = self.query_and_gate(self.raw(p + "q_proj"))
+            qkv = self.linear([q, p + "k_proj", p + "v_proj"],
                               biases=[p + n for n in ("q_bias", "k_bias", "v_bias")] if c.qkv_bias else (),
                               apart=c.qk_norm and not c.qk_norm_per_head)
         q_norm = self.norm(p + "q_norm") if c.qk_norm else None
         k_norm = self.norm(p + "k_norm") if c.qk_norm else None
-        return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm)
+        return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm,
+                         gate=self.linear([gate]) if gate is not None else None)
+
+    def mixer(self, p: str, kind: str) -> Mixer:
+        if kind == "short_conv":
+            return self.short_conv(p)
+        if kind == "gated_delta_net":
+            return self.gated_delta_net(p)
+        if kind == "mamba2":
+            return self.mamba2(p)
+        return self.attention(p)
+
+    def per_key_head(self, w: WeightData, sizes: tuple[int, ...]) -> list[WeightData]:
+        """Qwen3-Next's projections hold per key head consecutive pieces of `sizes` rows: piece j
+        of every key head, as one row selection each (nothing copied)."""
+        heads, group, starts = self.config.linear_num_key_heads, sum(sizes), np.cumsum((0, *sizes))
+        orders = [np.concatenate([g * group + np.arange(starts[j], starts[j + 1]) for g in range(heads)])
+                  for j in range(len(sizes))]
+        return [WeightData(f"{w.name}[{j}]", w.fmt, (o.size, *w.shape[1:]), w.data, o) for j, o in enumerate(orders)]
+
+    def mamba2(self, p: str) -> Mamba2:
+        c = self.config
+        inner = c.mamba_num_heads * c.mamba_head_dim
+        channels = inner + 2 * c.mamba_n_groups * c.mamba_state_size
+        in_proj = self.raw(p + "mamba.in_proj")
+        z, xbc, dt = (_rows(in_proj, start, stop) for start, stop in
+                      ((0, inner), (inner, inner + channels), (inner + channels, in_proj.shape[0])))
+        bias = self.vector(p + "mamba.conv.bias") if c.conv_bias else np.zeros(channels, np.float32)
+        return Mamba2(z=self.linear([z]), xbc=self.linear([xbc]), dt=self.linear([dt]),
+                      conv_taps=self.f32(self.vector(p + "mamba.conv.weight").reshape(channels, c.conv_kernel)),
+                      conv_bias=self.f32(bias), a_rate=self.f32(self.decay_rate(p, "mamba")),
+                      skip=self.f32(self.vector(p + "mamba.D")), dt_bias=self.f32(self.vector(p + "mamba.dt_bias")),
+                      norm=self.f32(self.vector(p + "mamba.norm")), out_proj=self.linear([p + "mamba.out_proj"]))
+
+    def query_and_gate(self, q_proj: WeightData) -> tuple[WeightData, WeightData]:
+        """Qwen3.5's q_proj holds per head its query rows, then its gate rows: the two as row
+        selections of the stored tensor (nothing copied)."""
+        c = self.config
+        rows = np.arange(q_proj.shape[0]).reshape(c.num_heads, 2, c.head_dim)
+        shape = (c.num_heads * c.head_dim, q_proj.shape[1])
+        return (WeightData(q_proj.name + "[query]", q_proj.fmt, shape, q_proj.data, rows[:, 0].reshape(-1)),
+                WeightData(q_proj.name + "[gate]", q_proj.fmt, shape, q_proj.data, rows[:, 1].reshape(-1)))
+
+    def gated_delta_net(self, p: str) -> GatedDeltaNet:
+        c = self.config
+        channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        if p + "delta.conv_q" in self.stored:  # OLMo-hybrid: q, k and v convolved apart (depthwise: stacked)
+            taps = np.concatenate([self.vector(p + f"delta.conv_{n}") for n in "qkv"]).reshape(channels, c.conv_kernel)
+        else:
+            taps = self.vector(p + "delta.conv.weight").reshape(channels, c.conv_kernel)
+        qkv: list[str | WeightData] = [p + "delta.in_proj_qkv"]
+        if p + "delta.in_proj_q" in self.stored:  # OLMo-hybrid: projected apart
+            qkv = [p + "delta.in_proj_q", p + "delta.in_proj_k", p + "delta.in_proj_v"]
+        z: list[str | WeightData] = [p + "delta.in_proj_z"]
+        ba: list[str | WeightData] = [p + "delta.in_proj_b", p + "delta.in_proj_a"]
+        r, dk, dv = c.linear_num_value_heads // c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        if p + "delta.in_proj_qkvz" in self.stored:  # Qwen3-Next: per key head [q, k, v, z]
+            q, k, v, zs = self.per_key_head(self.raw(p + "delta.in_proj_qkvz"), (dk, dk, r * dv, r * dv))
+            qkv, z = [q, k, v], [zs]
+        if p + "delta.in_proj_ba" in self.stored:  # and per key head [b, a]
+            ba = list(self.per_key_head(self.raw(p + "delta.in_proj_ba"), (r, r)))
+        return GatedDeltaNet(
+            qkv=self.linear(qkv), z=self.linear(z), ba=self.linear(ba),
+            conv_taps=self.f32(taps), conv_bias=self.f32(np.zeros(channels, np.float32)),
+            a_rate=self.f32(self.decay_rate(p, "delta")), dt_bias=self.f32(self.vector(p + "delta.dt_bias")),
+            norm=self.f32(self.vector(p + "delta.norm")), out_proj=self.linear([p + "delta.out_proj"]))
+
+    def short_conv(self, p: str) -> ShortConv:
+        c = self.config
+        taps = self.vector(p + "conv.weight").reshape(c.hidden_size, c.conv_kernel)
+        bias = self.vector(p + "conv.bias") if c.conv_bias else np.zeros(c.hidden_size, np.float32)
+        return ShortConv(self.linear([p + "conv.in_proj"]), self.f32(taps), self.f32(bias),
+                         self.linear([p + "conv.out_proj"]))
+
+    def decay_rate(self, p: str, mixer: str) -> np.ndarray:
+        """A = -exp(A_log) of a delta net or Mamba2, in f32 as transformers computes it; llama.cpp's
+        GGUF stores A itself."""
+        if self.config.linear_decay_stored:
+            return self.vector(f"{p}{mixer}.A")
+        return -np.exp(self.vector(f"{p}{mixer}.A_log"))
 
     def mlp(self, p: str) -> Mlp:
+        if self.config.hidden_act == "relu2":  # ungated: up alone
+            return Mlp(self.linear([p + "up_proj"]), self.linear([p + "down_proj"]))
         gate_up = [p + "gate_up_proj"] if p + "gate_up_proj" in self.stored else [p + "gate_proj", p + "up_proj"]
         return Mlp(self.linear(gate_up), self.linear([p + "down_proj"]))
 
@@ -224,9 +373,14 @@ class _Builder:
         shared = None
         if self.config.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared_expert.")
+        bias = None
+        if self.config.moe_router == "sigmoid":
+            values = self.vector(p + "expert_bias") if self.config.expert_bias else None
+            bias = self.f32(values if values is not None else np.zeros(self.config.num_experts, np.float32))
         return Experts(router=self.linear([p + "router"]), gate_up=gate_up,
                        down=self.experts_weight(p + "experts.down_proj", down),
-                       shared=shared, shared_gate=self.linear([p + "shared_expert_gate"]) if shared else None)
+                       shared=shared, shared_gate=self.linear([p + "shared_expert_gate"]) if shared else None,
+                       bias=bias)
 
     # -- pieces ---------------------------------------------------------------------------
     def raw(self, name: str) -> WeightData:
@@ -235,10 +389,11 @@ class _Builder:
         except KeyError:
             raise ModelFormatError(f"{self.path}: missing weight {name!r}") from None
 
-    def linear(self, names: Sequence[str], biases: Sequence[str] = (), apart: bool = False) -> Linear:
-        """One projection from its stored pieces: one stacked matrix when they share a storage
-        format (and need not stay apart), else one matrix per piece; a bias per piece or none."""
-        parts = [self.raw(n) for n in names]
+    def linear(self, names: Sequence[str | WeightData], biases: Sequence[str] = (), apart: bool = False) -> Linear:
+        """One projection from its stored pieces (names, or row selections of stored tensors):
+        one stacked matrix when they share a storage format (and need not stay apart), else one
+        matrix per piece; a bias per piece or none."""
+        parts = [self.raw(n) if isinstance(n, str) else n for n in names]
         bias_values = [self.vector(n) for n in biases]
         if len(parts) == 1 or (not apart and len({w.fmt for w in parts}) == 1):
             bias = self.f32(np.concatenate(bias_values)) if bias_values else None
@@ -300,3 +455,9 @@ class _Builder:
     def norm(self, name: str) -> Tensor:
         """A norm's scale as f32; HF Gemma stores w of (1 + w), folded here once."""
         return self.f32(self.vector(name) + np.float32(self.config.norm_offset))
+
+
+def _rows(w: WeightData, start: int, stop: int) -> WeightData:
+    """Rows start .. stop - 1 of a stored weight, as a row selection (nothing copied)."""
+    order = np.arange(start, stop) if w.row_order is None else w.row_order[start:stop]
+    return WeightData(f"{w.name}[{start}:{stop}]", w.fmt, (stop - start, *w.shape[1:]), w.data, order)

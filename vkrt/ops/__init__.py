@@ -12,11 +12,12 @@ from vkrt.ops import elementwise as _elementwise
 from vkrt.ops import linear as _linear
 from vkrt.ops import moe as _moe
 from vkrt.ops import norm as _norm
+from vkrt.ops import recurrent as _recurrent
 from vkrt.ops import sampling as _sampling
 from vkrt.ops.attention import rope_cos_sin
 from vkrt.ops.dispatch import dispatch
 
-del _attention, _elementwise, _linear, _moe, _norm  # imported for their registrations
+del _attention, _elementwise, _linear, _moe, _norm, _recurrent  # imported for their registrations
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
@@ -71,6 +72,11 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     return dispatch("add", a, b)
 
 
+def sigmoid_mul(a: Tensor, b: Tensor) -> Tensor:
+    """a * sigmoid(b), elementwise f32 (b may be one row broadcast over a)."""
+    return dispatch("sigmoid_mul", a, b)
+
+
 def scale(x: Tensor, factor: float) -> Tensor:
     """x * factor, elementwise f32 (factor rounded to f32 first)."""
     return dispatch("scale", x, factor=float(factor))
@@ -84,6 +90,11 @@ def softcap(x: Tensor, cap: float) -> Tensor:
 def reshape(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     """A view of x's storage in a new contiguous shape (one dim may be -1): no copy, no dispatch."""
     return x.reshape(tuple(shape))
+
+
+def relu_squared(x: Tensor) -> Tensor:
+    """max(x, 0)^2, elementwise f32 (Nemotron-H's ungated MLP)."""
+    return dispatch("relu_squared", x)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
@@ -171,6 +182,13 @@ def moe_router(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Ten
     return dispatch("moe_router", logits, top_k=int(top_k), normalize=bool(normalize))
 
 
+def moe_router_sigmoid(logits: Tensor, bias: Tensor, top_k: int, normalize: bool,
+                       scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Expert ids and weights by sigmoid scores, chosen with an expert bias [E] (vkrt.ops.moe)."""
+    return dispatch("moe_router_sigmoid", logits, bias, top_k=int(top_k), normalize=bool(normalize),
+                    scale=float(scale))
+
+
 def moe_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
     """[T, k, N]: x [T, K] (or [T, k, K]) through the experts ids [T, k] pick of w [E, N, K]."""
     return dispatch("moe_matmul", x, w, ids)
@@ -191,16 +209,55 @@ def moe_combine_shared(y: Tensor, weights: Tensor, shared: Tensor, shared_logit:
     return dispatch("moe_combine_shared", y, weights, shared, shared_logit)
 
 
+def causal_conv1d(x: Tensor, w: Tensor, bias: Tensor, state: Tensor, seq_start: Tensor, positions: Tensor,
+                  state_slots: Tensor, activation: str = "") -> Tensor:
+    """[T, C]: each channel of x convolved over its sequence (w [C, K], bias [C]), the conv state
+    [slots, C, K - 1] carried and updated in place (vkrt.ops.recurrent); activation "" or "silu"."""
+    return dispatch("causal_conv1d", x, w, bias, state, seq_start, positions, state_slots, activation=activation)
+
+
+def short_conv(bcx: Tensor, w: Tensor, bias: Tensor, state: Tensor, seq_start: Tensor, positions: Tensor,
+               state_slots: Tensor) -> Tensor:
+    """[T, C]: LFM2's C * conv(B * x) of bcx = [B | C | x] per token, state carried as causal_conv1d's."""
+    return dispatch("short_conv", bcx, w, bias, state, seq_start, positions, state_slots)
+
+
+def gated_delta_net(qkv: Tensor, ba: Tensor, a_rate: Tensor, dt_bias: Tensor, state: Tensor, seq_start: Tensor,
+                    positions: Tensor, state_slots: Tensor, num_k_heads: int, num_v_heads: int, k_head_dim: int,
+                    v_head_dim: int, tiled_heads: bool = False, beta_scale: float = 1.0) -> Tensor:
+    """[T, Hv * dv]: the gated delta rule (Qwen3.5) over each sequence of the step (A = a_rate
+    = -exp(A_log)), its state [slots, Hv, dk, dv] carried and updated in place (vkrt.ops.recurrent)."""
+    return dispatch("gated_delta_net", qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots,
+                    num_k_heads=int(num_k_heads), num_v_heads=int(num_v_heads), k_head_dim=int(k_head_dim),
+                    v_head_dim=int(v_head_dim), tiled_heads=bool(tiled_heads), beta_scale=float(beta_scale))
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float, group_size: int = 0, gate_first: bool = False) -> Tensor:
+    """Per group of `group_size` columns (0: the row): rms_norm(x) * w * silu(z), or with
+    `gate_first` rms_norm(x * silu(z)) * w; w [D] or [group_size] (vkrt.ops.recurrent)."""
+    return dispatch("gated_rms_norm", x, z, w, eps=float(eps), group_size=int(group_size), gate_first=bool(gate_first))
+
+
+def ssm_scan(xbc: Tensor, dt: Tensor, a_rate: Tensor, skip: Tensor, dt_bias: Tensor, state: Tensor, seq_start: Tensor,
+             positions: Tensor, state_slots: Tensor, num_heads: int, head_dim: int, n_groups: int, state_size: int,
+             dt_min: float = 0.0, dt_max: float = float("inf")) -> Tensor:
+    """[T, H * P]: Mamba2's selective scan over each sequence of the step (A = a_rate, D = skip),
+    its state [slots, H, P, N] carried and updated in place (vkrt.ops.recurrent)."""
+    return dispatch("ssm_scan", xbc, dt, a_rate, skip, dt_bias, state, seq_start, positions, state_slots,
+                    num_heads=int(num_heads), head_dim=int(head_dim), n_groups=int(n_groups),
+                    state_size=int(state_size), dt_min=float(dt_min), dt_max=float(dt_max))
+
+
 def op_names() -> list[str]:
     return sorted(OPS)
 
 
 __all__ = [
-    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "concat_columns", "copy",
-    "dispatch", "embedding", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
+    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy",
+    "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
-    "moe_matmul", "moe_matmul_gated", "moe_router", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
+    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "silu_and_mul",
+    "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",
 ]

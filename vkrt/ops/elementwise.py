@@ -40,6 +40,12 @@ def _unary_infer(name: str, param: str):
     return infer
 
 
+@register_op("sigmoid_mul", _binary_infer("sigmoid_mul"))
+def sigmoid_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a * sigmoid(b): an output gate (Qwen3.5's gated attention)."""
+    return (a * (np.float32(1) / (np.float32(1) + np.exp(-b.astype(np.float32))))).astype(np.float32)
+
+
 @register_op("scale", _unary_infer("scale", "factor"))
 def scale(x: np.ndarray, factor: float) -> np.ndarray:
     """x * factor in f32 (Gemma's embedding scale sqrt(hidden), rounded to f32 as HF does)."""
@@ -50,6 +56,18 @@ def scale(x: np.ndarray, factor: float) -> np.ndarray:
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     """cap * tanh(x / cap): Gemma 2's final-logit softcapping."""
     return (cap * np.tanh(x.astype(np.float64) / cap)).astype(np.float32)
+
+
+def _relu_squared_infer(x: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(x.dtype == "f32", "relu_squared", (x,), "x must be f32")
+    return (TensorSpec(x.shape, "f32"),)
+
+
+@register_op("relu_squared", _relu_squared_infer)
+def relu_squared(x: np.ndarray) -> np.ndarray:
+    """max(x, 0)^2: the ungated MLP activation of Nemotron-H (transformers' "relu2")."""
+    r = np.maximum(x.astype(np.float32), np.float32(0))
+    return (r * r).astype(np.float32)
 
 
 def _gated_infer(name: str):

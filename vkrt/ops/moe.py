@@ -6,6 +6,9 @@ A sparse MLP is four ops (the router matmul is a plain `matmul` against [E, H]):
     a = silu_and_mul(moe_matmul(x, experts_gate_up, ids))         # [T, k, 2F] -> [T, k, F]
     out = moe_combine(moe_matmul(a, experts_down, ids), weights)  # [T, H]
 
+`moe_router_sigmoid(logits, bias, top_k, normalize, scale)` routes by sigmoid scores with an
+expert bias instead (LFM2-MoE).
+
 A shared expert (Qwen2-MoE) is a dense gated MLP every token runs; its output s [T, H] enters
 the combine as one more term, weighted by the sigmoid of its gate's logit g [T, 1]:
 `moe_combine_shared(y, weights, s, g)`, a sibling op rather than optional inputs of the combine.
@@ -55,6 +58,44 @@ def moe_router(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndar
     if normalize:
         chosen = chosen / chosen.sum(axis=1, keepdims=True)
     return order.astype(np.int32), chosen.astype(np.float32)
+
+
+def _sigmoid_router_infer(logits: TensorSpec, bias: TensorSpec, top_k: int, normalize: bool,
+                          scale: float) -> tuple[TensorSpec, ...]:
+    specs = (logits, bias)
+    require(logits.dtype == "f32" and len(logits.shape) == 2, "moe_router_sigmoid", specs,
+            "router logits must be f32 [T, E]")
+    require(bias.dtype == "f32" and bias.shape == logits.shape[1:], "moe_router_sigmoid", specs,
+            f"the expert bias must be f32 [E] (E = {logits.shape[1]})")
+    require(1 <= top_k <= logits.shape[1], "moe_router_sigmoid", specs,
+            f"top_k must be in 1..E ({logits.shape[1]}), got {top_k}")
+    require(bool(np.isfinite(scale)) and scale > 0, "moe_router_sigmoid", specs, f"scale must be > 0, got {scale}")
+    rows = logits.shape[0]
+    return TensorSpec((rows, top_k), "i32"), TensorSpec((rows, top_k), "f32")
+
+
+SIGMOID_NORM_EPS = 1e-6  # transformers adds it to the chosen weights' sum (LFM2-MoE)
+
+
+@register_op("moe_router_sigmoid", _sigmoid_router_infer)
+def moe_router_sigmoid(logits: np.ndarray, bias: np.ndarray, top_k: int, normalize: bool,
+                       scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Sigmoid routing with an expert bias (LFM2-MoE; DeepSeek-V3's without its groups).
+
+    Each expert's score is sigmoid(logit); the k experts are those of the largest score + bias
+    (descending, ties to the lower index), and their weights are their scores without the bias:
+    divided by (their sum + 1e-6) with `normalize`, then times `scale` (routed_scaling_factor).
+    The ranking is in f32 as transformers computes it (score rounded to f32, plus the f32 bias);
+    the weights in float64, rounded once to f32.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    scores = 1.0 / (1.0 + np.exp(-x))
+    ranked = scores.astype(np.float32) + np.asarray(bias, dtype=np.float32)
+    order = np.argsort(-ranked, axis=1, kind="stable")[:, :top_k]
+    chosen = np.take_along_axis(scores, order, axis=1)
+    if normalize:
+        chosen = chosen / (chosen.sum(axis=1, keepdims=True) + SIGMOID_NORM_EPS)
+    return order.astype(np.int32), (chosen * scale).astype(np.float32)
 
 
 def _moe_matmul_infer(x: TensorSpec, w: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:

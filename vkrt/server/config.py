@@ -35,6 +35,7 @@ class ServerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     kv_cache_memory: int | None = None  # bytes
+    state_memory: int | None = None  # bytes for a hybrid's recurrent state (--state-memory)
     kv_dtype: str = "f16"  # KV cache element type (--kv-cache-dtype)
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters/ids logged per request; None: all
@@ -95,6 +96,7 @@ class ServerConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=self.kv_cache_memory,
+            state_memory=self.state_memory,
             kv_dtype=self.kv_dtype,
             enable_replay=self.enable_replay,
         )

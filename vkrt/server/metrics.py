@@ -49,6 +49,11 @@ class _EngineCollector(Collector):
             ("vkrt_num_kv_blocks", "KV-cache blocks in the pool.", stats.num_kv_blocks),
             ("vkrt_num_free_kv_blocks", "KV-cache blocks free (cached prefixes included).",
              stats.num_free_kv_blocks),
+            ("vkrt_prefix_caching_enabled", "1 when prompts can be served from the prefix cache; 0 when it is "
+             "off (configured off, or a hybrid model, whose recurrent states are not cached).",
+             int(stats.prefix_caching)),
+            ("vkrt_num_state_slots", "Recurrent-state slots of a hybrid model (0: none).", stats.num_state_slots),
+            ("vkrt_num_free_state_slots", "Recurrent-state slots free.", stats.num_free_state_slots),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -1,4 +1,4 @@
-"""add, scale, softcap, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
+"""add, sigmoid_mul, scale, softcap, relu_squared, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
 
 from __future__ import annotations
 
@@ -48,6 +48,15 @@ def _unary(variant: str, param: str):
     return run
 
 
+def _relu_squared(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    (x,) = inputs
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "elementwise", "relu2"), [(x, "f32", False), (y, "f32", True)],
+                       grid_1d(x.numel), ("<IIf", (x.numel, 1, 0.0)), local_size())
+    return (y,)
+
+
 def _gather(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
             out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     x, index = inputs
@@ -61,7 +70,9 @@ def _gather(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
+    backend.register_kernel(Kernel("sigmoid_mul", "elementwise.sigmoid_mul", _binary("sigmoid_mul")))
     backend.register_kernel(Kernel("scale", "elementwise.scale", _unary("scale", "factor")))
     backend.register_kernel(Kernel("softcap", "elementwise.softcap", _unary("softcap", "cap")))
+    backend.register_kernel(Kernel("relu_squared", "elementwise.relu2", _relu_squared))
     backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))
     backend.register_kernel(Kernel("gelu_tanh_and_mul", "elementwise.gelu_mul", _gated("gelu_mul")))

@@ -1,4 +1,4 @@
-"""Mixture-of-experts kernels: moe_router and moe_combine (shaders/moe.comp), moe_matmul and
+"""Mixture-of-experts kernels: moe_router, moe_router_sigmoid and moe_combine (shaders/moe.comp), moe_matmul and
 moe_matmul_gated (shaders/matmul_id.comp, the id-indexed expert matmul; gated: spec constant
 GATES = 2, each expert's gate and up rows reduced together and act(g) * u written, as
 matmul_vec's gated mode does for a dense MLP).
@@ -153,6 +153,19 @@ def _run_router(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict
     return ids, weights
 
 
+def _run_sigmoid_router(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                        out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    logits, bias = inputs
+    tokens, experts = logits.shape
+    ids, weights = backend.empty(out[0].shape, "i32"), backend.empty(out[1].shape, "f32")
+    if tokens:
+        push = (tokens, experts, params["top_k"], int(params["normalize"]), params["scale"])
+        backend.run_shader(module(backend, "moe", "router_sigmoid"),
+                           [(logits, "f32", False), (bias, "f32", False), (ids, "i32", True), (weights, "f32", True)],
+                           grid_1d(tokens), ("<4If", push), local_size())
+    return ids, weights
+
+
 def _run_combine(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                  out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """moe_combine, or moe_combine_shared with the shared expert's output and gate logit."""
@@ -169,6 +182,7 @@ def _run_combine(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dic
 
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("moe_router", "moe.router", _run_router))
+    backend.register_kernel(Kernel("moe_router_sigmoid", "moe.router_sigmoid", _run_sigmoid_router))
     backend.register_kernel(Kernel("moe_matmul", "matmul_id", _run_matmul, supports=_matmul_supports))
     backend.register_kernel(Kernel("moe_matmul_gated", "matmul_id.gated", _run_matmul_gated,
                                    supports=_matmul_supports))

@@ -64,7 +64,22 @@ def _layer_norm(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict
     return (y,)
 
 
+def _gated_rms_norm(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    x, z, w = inputs
+    rows, width = x.shape
+    dim = params.get("group_size") or width  # a workgroup per group of a row
+    groups = rows * (width // dim)
+    y = backend.empty(out[0].shape, "f32")
+    spec = {0: row_workgroup(backend.caps), 1: int(params.get("gate_first", False)), 2: w.shape[0] // dim}
+    backend.run_shader(module(backend, "norm", "rms_gated"),
+                       [(x, "f32", False), (z, "f32", False), (w, "f32", False), (y, "f32", True)],
+                       _row_grid(groups), ("<IIf", (groups, dim, params["eps"])), spec)
+    return (y,)
+
+
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("rms_norm", "norm.rms", _rms_norm))
     backend.register_kernel(Kernel("rms_norm_add", "norm.rms_add", _rms_norm_add))
     backend.register_kernel(Kernel("layer_norm", "norm.layer", _layer_norm))
+    backend.register_kernel(Kernel("gated_rms_norm", "norm.rms_gated", _gated_rms_norm))

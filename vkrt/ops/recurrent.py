@@ -1,0 +1,261 @@
+"""Recurrent mixers' ops: the depthwise causal convolution, the gated delta rule, Mamba2's scan.
+
+A recurrent layer keeps a fixed-size state per sequence in a pool of slots (the engine hands
+each running sequence one slot, `state_slots[s]`), updated in place on the device. Ops are
+batch-shaped as attention is: sequence s of the step owns tokens seq_start[s] ..
+seq_start[s + 1] - 1, consecutive positions from positions[seq_start[s]]. A sequence whose
+first token is at position 0 starts from a zero state, whatever its slot held, so a slot needs
+no clearing when it is reused and a preempted sequence recomputes from nothing; otherwise its
+slot holds the state the previous step of that sequence left (chunked prefill, decode).
+
+The conv state is the layer's last K - 1 inputs, [slots, C, K - 1]: y[t, c] = sum over j of
+w[c, j] * in(p - K + 1 + j) + bias[c], in(q) the input at position q (0 before the first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vkrt.core.op import register_op, require
+from vkrt.core.tensor import TensorSpec
+
+CONV_ACTIVATIONS = ("", "silu")
+MAX_CONV_KERNEL = 8  # taps the kernels hold in registers (real models: 3 or 4)
+
+
+def _conv_infer(name: str, x: TensorSpec, w: TensorSpec, bias: TensorSpec, state: TensorSpec,
+                seq_start: TensorSpec, positions: TensorSpec, state_slots: TensorSpec,
+                channels: int) -> tuple[TensorSpec, ...]:
+    specs = (x, w, bias, state, seq_start, positions, state_slots)
+    require(x.dtype == "f32" and len(x.shape) == 2, name, specs, "x must be f32 [T, channels]")
+    require(w.dtype == "f32" and len(w.shape) == 2 and w.shape[0] == channels and 2 <= w.shape[1] <= MAX_CONV_KERNEL,
+            name, specs, f"weight must be f32 [channels, K] with 2 <= K <= {MAX_CONV_KERNEL}")
+    require(bias.dtype == "f32" and bias.shape == (channels,), name, specs, "bias must be f32 [channels]")
+    require(state.dtype == "f32" and len(state.shape) == 3 and state.shape[1:] == (channels, w.shape[1] - 1),
+            name, specs, "state must be f32 [slots, channels, K - 1]")
+    require(positions.dtype == "i32" and positions.shape == (x.shape[0],), name, specs, "positions must be i32 [T]")
+    require(seq_start.dtype == "i32" and state_slots.dtype == "i32" and len(seq_start.shape) == 1
+            and state_slots.shape == (seq_start.shape[0] - 1,), name, specs,
+            "seq_start must be i32 [S + 1] and state_slots i32 [S]")
+    return (TensorSpec((x.shape[0], channels), "f32"),)
+
+
+def _conv_rows(inputs: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.ndarray, seq_start: np.ndarray,
+               positions: np.ndarray, state_slots: np.ndarray) -> np.ndarray:
+    """The convolution of `inputs` [T, C] (updating `state`), in f32: taps in order, then bias."""
+    taps = w.shape[1]
+    y = np.zeros(inputs.shape, np.float32)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        window = state[slot] if positions[t0] > 0 else np.zeros_like(state[slot])  # [C, K - 1]
+        seq = np.concatenate([window, inputs[t0:t1].T], axis=1).astype(np.float32)  # [C, K - 1 + n]
+        for t in range(t1 - t0):
+            acc = np.zeros(inputs.shape[1], np.float32)
+            for j in range(taps):
+                acc = (acc + w[:, j] * seq[:, t + j]).astype(np.float32)
+            y[t0 + t] = acc + bias
+        state[slot] = seq[:, -(taps - 1):]
+    return y
+
+
+def _causal_conv1d_infer(x: TensorSpec, w: TensorSpec, bias: TensorSpec, state: TensorSpec, seq_start: TensorSpec,
+                         positions: TensorSpec, state_slots: TensorSpec, activation: str = "") -> tuple[TensorSpec, ...]:
+    require(activation in CONV_ACTIVATIONS, "causal_conv1d", (x,), f"activation must be one of {CONV_ACTIVATIONS}")
+    return _conv_infer("causal_conv1d", x, w, bias, state, seq_start, positions, state_slots, x.shape[-1])
+
+
+@register_op("causal_conv1d", _causal_conv1d_infer, inplace=(3,))
+def causal_conv1d(x: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.ndarray, seq_start: np.ndarray,
+                  positions: np.ndarray, state_slots: np.ndarray, activation: str = "") -> np.ndarray:
+    """y [T, C]: each channel of x convolved over its sequence's positions (state carried), then
+    act (Qwen3.5's gated delta net and Mamba2 convolve their projections this way, with silu)."""
+    y = _conv_rows(x, w, bias, state, seq_start, positions, state_slots)
+    return (y / (np.float32(1) + np.exp(-y))).astype(np.float32) if activation == "silu" else y
+
+
+def _short_conv_infer(bcx: TensorSpec, w: TensorSpec, bias: TensorSpec, state: TensorSpec, seq_start: TensorSpec,
+                      positions: TensorSpec, state_slots: TensorSpec) -> tuple[TensorSpec, ...]:
+    require(len(bcx.shape) == 2 and bcx.shape[1] % 3 == 0, "short_conv", (bcx,), "bcx must be [T, 3 * channels]")
+    return _conv_infer("short_conv", bcx, w, bias, state, seq_start, positions, state_slots, bcx.shape[1] // 3)
+
+
+@register_op("short_conv", _short_conv_infer, inplace=(3,))
+def short_conv(bcx: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.ndarray, seq_start: np.ndarray,
+               positions: np.ndarray, state_slots: np.ndarray) -> np.ndarray:
+    """LFM2's gated short convolution: with bcx = [B | C | x] per token, C * conv(B * x) [T, channels]."""
+    b, c, x = np.split(bcx.astype(np.float32), 3, axis=1)
+    return (c * _conv_rows(b * x, w, bias, state, seq_start, positions, state_slots)).astype(np.float32)
+
+
+# ---- the gated delta rule (Qwen3.5, Qwen3-Next) -------------------------------------------------
+#
+# Per value head h of sequence s, a state S [dk, dv] (its key head serves num_v_heads /
+# num_k_heads consecutive value heads): for each token, with q and k of h's key head
+# L2-normalised (x / sqrt(sum x^2 + 1e-6)) and q also scaled by 1 / sqrt(dk),
+#   beta = sigmoid(b[h]) (x beta_scale: 2 lets OLMo-hybrid's eigenvalues go negative), g = A[h] * softplus(a[h] + dt_bias[h]) (A = -exp(A_log) < 0),
+#   S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;  o = S^T q,
+# the order transformers' torch_recurrent_gated_delta_rule computes it in. With `tiled_heads`
+# value head h uses key head h % num_k_heads instead of h // (num_v_heads / num_k_heads): llama.cpp's
+# converter reorders a GGUF's value heads that way (every tensor that has them, consistently).
+
+L2_EPS = 1e-6
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    """torch's softplus (beta 1, threshold 20): x itself above 20."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a: TensorSpec, dt_bias: TensorSpec, state: TensorSpec,
+               seq_start: TensorSpec, positions: TensorSpec, state_slots: TensorSpec, num_k_heads: int,
+               num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False,
+               beta_scale: float = 1.0) -> tuple[TensorSpec, ...]:
+    specs = (qkv, ba, a, dt_bias, state, seq_start, positions, state_slots)
+    name = "gated_delta_net"
+    require(beta_scale in (1.0, 2.0), name, specs, f"beta_scale must be 1 or 2, got {beta_scale}")
+    require(num_k_heads > 0 and num_v_heads % num_k_heads == 0, name, specs,
+            f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+    width = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
+    require(qkv.dtype == "f32" and len(qkv.shape) == 2 and qkv.shape[1] == width, name, specs,
+            f"qkv must be f32 [T, {width}] (q, k of {num_k_heads} heads of {k_head_dim}, v of {num_v_heads} of {v_head_dim})")
+    require(ba.dtype == "f32" and ba.shape == (qkv.shape[0], 2 * num_v_heads), name, specs,
+            "ba must be f32 [T, 2 * num_v_heads] (b, then a)")
+    require(a.dtype == dt_bias.dtype == "f32" and a.shape == dt_bias.shape == (num_v_heads,), name, specs,
+            "A and dt_bias must be f32 [num_v_heads]")
+    require(state.dtype == "f32" and len(state.shape) == 4 and state.shape[1:] == (num_v_heads, k_head_dim, v_head_dim),
+            name, specs, "state must be f32 [slots, num_v_heads, k_head_dim, v_head_dim]")
+    require(positions.dtype == "i32" and positions.shape == (qkv.shape[0],), name, specs, "positions must be i32 [T]")
+    require(seq_start.dtype == "i32" and state_slots.dtype == "i32" and len(seq_start.shape) == 1
+            and state_slots.shape == (seq_start.shape[0] - 1,), name, specs,
+            "seq_start must be i32 [S + 1] and state_slots i32 [S]")
+    return (TensorSpec((qkv.shape[0], num_v_heads * v_head_dim), "f32"),)
+
+
+@register_op("gated_delta_net", _gdn_infer, inplace=(4,))
+def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, state: np.ndarray,
+                    seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_k_heads: int,
+                    num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False,
+                    beta_scale: float = 1.0) -> np.ndarray:
+    """o [T, Hv * dv]: the gated delta rule over each sequence (float64 within a step; the state
+    is stored f32 between steps, as the device holds it)."""
+    t = qkv.shape[0]
+    kd = num_k_heads * k_head_dim
+    repeat = num_v_heads // num_k_heads
+    x = qkv.astype(np.float64)
+    key_head = np.arange(num_v_heads) % num_k_heads if tiled_heads else np.arange(num_v_heads) // repeat
+    q = x[:, :kd].reshape(t, num_k_heads, k_head_dim)[:, key_head]
+    k = x[:, kd:2 * kd].reshape(t, num_k_heads, k_head_dim)[:, key_head]
+    v = x[:, 2 * kd:].reshape(t, num_v_heads, v_head_dim)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPS) / np.sqrt(k_head_dim)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPS)
+    b, a = ba.astype(np.float64)[:, :num_v_heads], ba.astype(np.float64)[:, num_v_heads:]
+    beta = beta_scale / (1.0 + np.exp(-b))
+    decay = np.exp(a_rate.astype(np.float64) * _softplus(a + dt_bias.astype(np.float64)))  # exp(g)
+    out = np.zeros((t, num_v_heads, v_head_dim), np.float64)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        S = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+        for i in range(t0, t1):
+            S = S * decay[i][:, None, None]
+            kv_mem = np.einsum("hkv,hk->hv", S, k[i])
+            delta = (v[i] - kv_mem) * beta[i][:, None]
+            S = S + k[i][:, :, None] * delta[:, None, :]
+            out[i] = np.einsum("hkv,hk->hv", S, q[i])
+        state[slot] = S.astype(np.float32)
+    return out.reshape(t, -1).astype(np.float32)
+
+
+def _gated_norm_infer(x: TensorSpec, z: TensorSpec, w: TensorSpec, eps: float, group_size: int = 0,
+                      gate_first: bool = False) -> tuple[TensorSpec, ...]:
+    specs = (x, z, w)
+    require(x.dtype == z.dtype == w.dtype == "f32" and len(x.shape) == 2 and z == x, "gated_rms_norm", specs,
+            "x and z must be f32 [R, D]")
+    size = group_size or x.shape[1]
+    require(x.shape[1] % size == 0 and w.shape in ((x.shape[1],), (size,)), "gated_rms_norm", specs,
+            f"groups of {size} must tile D, and w be f32 [D] or [group_size]")
+    return (x,)
+
+
+@register_op("gated_rms_norm", _gated_norm_infer)
+def gated_rms_norm(x: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float, group_size: int = 0,
+                   gate_first: bool = False) -> np.ndarray:
+    """Per group of `group_size` columns (0: the whole row): rms_norm(x) * w * silu(z) (Qwen3.5's
+    delta net), or with `gate_first` rms_norm(x * silu(z)) * w (Mamba2's); w is [D], or [group_size]
+    for every group."""
+    rows, dim = x.shape
+    size = group_size or dim
+    x64, z64 = x.astype(np.float64), z.astype(np.float64)
+    gate = z64 / (1.0 + np.exp(-z64))
+    if gate_first:
+        x64 = x64 * gate
+    groups = x64.reshape(rows, dim // size, size)
+    normed = (groups / np.sqrt((groups * groups).mean(axis=-1, keepdims=True) + eps)).reshape(rows, dim)
+    weight = np.tile(w.astype(np.float64), dim // w.shape[0])
+    return (normed * weight * (1.0 if gate_first else gate)).astype(np.float32)
+
+
+# ---- Mamba2's selective scan (Granite 4, Nemotron-H, Falcon-H1) -----------------------------------
+#
+# Per head h of sequence s (head_dim P, state size N, head h reading B and C of group
+# h // (num_heads / n_groups)), a state [P, N]: for each token, with dt = clamp(softplus(dt[h] +
+# dt_bias[h]), dt_min, dt_max),
+#   state <- state * exp(dt * A[h]) + dt * x ⊗ B;   y = state C + D[h] * x,
+# transformers' mamba2_selective_state_update (its chunked prefill computes the same sums).
+
+
+def _ssm_infer(xbc: TensorSpec, dt: TensorSpec, a_rate: TensorSpec, skip: TensorSpec, dt_bias: TensorSpec,
+               state: TensorSpec, seq_start: TensorSpec, positions: TensorSpec, state_slots: TensorSpec,
+               num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0,
+               dt_max: float = float("inf")) -> tuple[TensorSpec, ...]:
+    specs = (xbc, dt, a_rate, skip, dt_bias, state, seq_start, positions, state_slots)
+    name = "ssm_scan"
+    require(n_groups > 0 and num_heads % n_groups == 0, name, specs, "num_heads must be a multiple of n_groups")
+    width = num_heads * head_dim + 2 * n_groups * state_size
+    require(xbc.dtype == "f32" and len(xbc.shape) == 2 and xbc.shape[1] == width, name, specs,
+            f"xbc must be f32 [T, {width}] (x of {num_heads} heads of {head_dim}, B and C of {n_groups} groups of "
+            f"{state_size})")
+    require(dt.dtype == "f32" and dt.shape == (xbc.shape[0], num_heads), name, specs, "dt must be f32 [T, num_heads]")
+    require(all(t.dtype == "f32" and t.shape == (num_heads,) for t in (a_rate, skip, dt_bias)), name, specs,
+            "A, D and dt_bias must be f32 [num_heads]")
+    require(state.dtype == "f32" and len(state.shape) == 4 and state.shape[1:] == (num_heads, head_dim, state_size),
+            name, specs, "state must be f32 [slots, num_heads, head_dim, state_size]")
+    require(positions.dtype == "i32" and positions.shape == (xbc.shape[0],), name, specs, "positions must be i32 [T]")
+    require(seq_start.dtype == "i32" and state_slots.dtype == "i32" and len(seq_start.shape) == 1
+            and state_slots.shape == (seq_start.shape[0] - 1,), name, specs,
+            "seq_start must be i32 [S + 1] and state_slots i32 [S]")
+    return (TensorSpec((xbc.shape[0], num_heads * head_dim), "f32"),)
+
+
+@register_op("ssm_scan", _ssm_infer, inplace=(5,))
+def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
+             state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_heads: int,
+             head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0, dt_max: float = float("inf"),
+             ) -> np.ndarray:
+    """y [T, H * P]: Mamba2's scan over each sequence (float64 within a step, the state stored f32)."""
+    t = xbc.shape[0]
+    inner = num_heads * head_dim
+    x64 = xbc.astype(np.float64)
+    x = x64[:, :inner].reshape(t, num_heads, head_dim)
+    group = np.arange(num_heads) // (num_heads // n_groups)
+    b = x64[:, inner:inner + n_groups * state_size].reshape(t, n_groups, state_size)[:, group]
+    c = x64[:, inner + n_groups * state_size:].reshape(t, n_groups, state_size)[:, group]
+    step = np.clip(_softplus(dt.astype(np.float64) + dt_bias.astype(np.float64)), dt_min, dt_max)  # [T, H]
+    decay = np.exp(step * a_rate.astype(np.float64))
+    y = np.zeros((t, num_heads, head_dim), np.float64)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        h = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+        for i in range(t0, t1):
+            h = h * decay[i][:, None, None] + (step[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
+            y[i] = np.einsum("hpn,hn->hp", h, c[i]) + skip.astype(np.float64)[:, None] * x[i]
+        state[slot] = h.astype(np.float32)
+    return y.reshape(t, inner).astype(np.float32)
