@@ -358,12 +358,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
             if not bool(torch.isfinite(values).all()) or float(values.std()) == 0.0 and values.numel() > 1:
                 raise SystemExit(f"{fixture}: parameter {name} is not initialised")
         out_dir = fixtures / fixture
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for old in out_dir.iterdir():
-            old.unlink()
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if (out_dir / "generation_config.json").exists():
-            (out_dir / "generation_config.json").unlink()  # tests feed ids and drive decoding
+        _save_fresh(model, out_dir)
         reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             a = model(torch.tensor([LONG_PROMPT])).logits
@@ -389,6 +384,16 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
 
+def _save_fresh(model, out_dir: Path) -> None:
+    """`model` as the only contents of `out_dir` (safetensors, config.json; no generation_config.json:
+    tests feed ids and drive decoding themselves)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+
+
 def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_model, prompts: list[list[int]],
                      golden_for, sha256_file) -> None:
     """The text fixture's weights as the language model of the family's multimodal checkpoint (a tiny
@@ -409,12 +414,7 @@ def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_m
     model = model_cls(cfg).to(torch.float32).eval()
     model.model.language_model.load_state_dict(text_model.model.state_dict())
     model.lm_head.load_state_dict(text_model.lm_head.state_dict())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.iterdir():
-        old.unlink()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if (out_dir / "generation_config.json").exists():
-        (out_dir / "generation_config.json").unlink()
+    _save_fresh(model, out_dir)
     reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         a = text_model(torch.tensor([LONG_PROMPT])).logits
