@@ -219,6 +219,19 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                              "projected apart and q, k, v convolved apart; beta x 2) in layers 0, 1, 3; OLMo 2 "
                              "attention (QK-norm over all of q and k, RoPE, norms after attention and MLP only) in "
                              "layer 2"),
+        "tiny_granite4_moe": ("GraniteMoeHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True,
+                                                       eos_token_id=None, initializer_range=0.1, num_local_experts=6,
+                                                       num_experts_per_tok=2, intermediate_size=32,
+                                                       shared_intermediate_size=96,
+                                                       layer_types=["mamba", "mamba", "attention", "mamba"],
+                                                       mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
+                                                       mamba_d_head=32, mamba_d_conv=4, mamba_expand=2,
+                                                       mamba_conv_bias=True, position_embedding_type="nope",
+                                                       embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                       residual_multiplier=0.6, logits_scaling=2.5),
+                              "Granite 4 hybrid with experts (granite-4.0-h-tiny's kind): tiny_granite4's mixers, "
+                              "every MLP 6 experts of 32 (top-2, softmax over the chosen logits, gate|up stacked per "
+                              "expert) plus the layer's own MLP of 96 added ungated"),
     }
 
 

@@ -356,6 +356,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
+        shared_expert_gated=spec.shared_expert_gated,
         moe_router=spec.moe_router,
         expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
         routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,
