@@ -219,6 +219,19 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                              "projected apart and q, k, v convolved apart; beta x 2) in layers 0, 1, 3; OLMo 2 "
                              "attention (QK-norm over all of q and k, RoPE, norms after attention and MLP only) in "
                              "layer 2"),
+        "tiny_granite4_moe": ("GraniteMoeHybrid", dict(BASE, num_hidden_layers=4, tie_word_embeddings=True,
+                                                       eos_token_id=None, initializer_range=0.1, num_local_experts=6,
+                                                       num_experts_per_tok=2, intermediate_size=32,
+                                                       shared_intermediate_size=96,
+                                                       layer_types=["mamba", "mamba", "attention", "mamba"],
+                                                       mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
+                                                       mamba_d_head=32, mamba_d_conv=4, mamba_expand=2,
+                                                       mamba_conv_bias=True, position_embedding_type="nope",
+                                                       embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                       residual_multiplier=0.6, logits_scaling=2.5),
+                              "Granite 4 hybrid with experts (granite-4.0-h-tiny's kind): tiny_granite4's mixers, "
+                              "every MLP 6 experts of 32 (top-2, softmax over the chosen logits, gate|up stacked per "
+                              "expert) plus the layer's own MLP of 96 added ungated"),
     }
 
 
@@ -358,12 +371,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
             if not bool(torch.isfinite(values).all()) or float(values.std()) == 0.0 and values.numel() > 1:
                 raise SystemExit(f"{fixture}: parameter {name} is not initialised")
         out_dir = fixtures / fixture
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for old in out_dir.iterdir():
-            old.unlink()
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if (out_dir / "generation_config.json").exists():
-            (out_dir / "generation_config.json").unlink()  # tests feed ids and drive decoding
+        _save_fresh(model, out_dir)
         reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             a = model(torch.tensor([LONG_PROMPT])).logits
@@ -389,6 +397,16 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
 
+def _save_fresh(model, out_dir: Path) -> None:
+    """`model` as the only contents of `out_dir` (safetensors, config.json; no generation_config.json:
+    tests feed ids and drive decoding themselves)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        old.unlink()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+
+
 def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_model, prompts: list[list[int]],
                      golden_for, sha256_file) -> None:
     """The text fixture's weights as the language model of the family's multimodal checkpoint (a tiny
@@ -409,12 +427,7 @@ def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_m
     model = model_cls(cfg).to(torch.float32).eval()
     model.model.language_model.load_state_dict(text_model.model.state_dict())
     model.lm_head.load_state_dict(text_model.lm_head.state_dict())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.iterdir():
-        old.unlink()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if (out_dir / "generation_config.json").exists():
-        (out_dir / "generation_config.json").unlink()
+    _save_fresh(model, out_dir)
     reloaded = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         a = text_model(torch.tensor([LONG_PROMPT])).logits

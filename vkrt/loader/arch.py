@@ -196,8 +196,10 @@ class ArchSpec:
     # Mixture of experts: whether the k router weights are renormalised when the file does
     # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
     norm_topk_prob: bool = False
-    # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file.
+    # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file; gated by
+    # sigmoid(x @ shared_expert_gate) (Qwen2-MoE), or not (Granite 4: the layer's own MLP).
     shared_expert: bool = False
+    shared_expert_gated: bool = True
     moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
     # -- config.json in this family's own words --
     hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
@@ -469,15 +471,21 @@ _GRANITE4 = ArchSpec(
     name="granite4_hybrid",
     gguf_archs=("granitehybrid",),
     hf_archs=("GraniteMoeHybridForCausalLM",),
-    # The shared MLP's gate and up are stored apart.
-    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF},
+    # The shared MLP's gate and up are stored apart; with experts it is written as a shared expert.
+    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
     hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
-              "shared_mlp.output_linear.weight": "down_proj", "mamba.in_proj.weight": "mamba.in_proj",
+              "shared_mlp.output_linear.weight": "down_proj", "block_sparse_moe.router.layer.weight": "router",
+              "block_sparse_moe.input_linear.weight": "experts.gate_up_proj",
+              "block_sparse_moe.output_linear.weight": "experts.down_proj", "mamba.in_proj.weight": "mamba.in_proj",
               "mamba.conv1d.weight": "mamba.conv.weight", "mamba.conv1d.bias": "mamba.conv.bias",
               "mamba.A_log": "mamba.A_log", "mamba.D": "mamba.D", "mamba.dt_bias": "mamba.dt_bias",
               "mamba.norm.weight": "mamba.norm", "mamba.out_proj.weight": "mamba.out_proj"},
     layer_weights=("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm", "gate_up_proj", "down_proj"),
     mixer_types={"linear_attention": "mamba2", "mamba": "mamba2", "attention": "attention"},
+    hf_renames={"shared_intermediate_size": "shared_expert_intermediate_size"},
+    norm_topk_prob=True,  # top-k logits, then a softmax over them
+    shared_expert=True,
+    shared_expert_gated=False,
 )
 
 # Nemotron-H (dense): blocks of one sublayer each, Mamba2 (its conv with a bias), NoPE attention
@@ -730,10 +738,17 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     if config.expert_bias:
         out[p + "expert_bias"] = (experts,)
     shared = config.shared_expert_intermediate_size
-    if shared:
+    if shared and config.shared_expert_gated:
         out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),
                 p + "shared_expert.down_proj": (hidden, shared), p + "shared_expert_gate": (1, hidden)}
+    elif shared and p + "shared_expert.gate_proj" in weights:  # Granite 4's ungated shared MLP, from GGUF
+        out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),
+                p + "shared_expert.down_proj": (hidden, shared)}
+    elif shared:  # Granite 4: the layer's own MLP (gate|up fused) runs beside the experts, ungated
+        out |= {p + "gate_up_proj": (2 * shared, hidden), p + "down_proj": (hidden, shared)}
     proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    if p + "experts.gate_up_proj" in weights:  # Granite 4: gate|up stacked per expert [E, 2F, H]
+        return out | {p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
     if p + "experts.gate_proj" in weights:
         return out | {f"{p}experts.{n}": (experts, *shape) for n, shape in proj.items()}
     prefix = p + "experts."

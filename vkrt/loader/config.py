@@ -101,6 +101,7 @@ class ModelConfig:
     # A dense gated MLP every token runs beside the experts, scaled by sigmoid of its own gate
     # (Qwen2-MoE's shared_expert and shared_expert_gate); 0 = none.
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # False: the shared expert is added as it is (Granite 4)
     # "softmax" (the k largest logits, softmax weights) or "sigmoid" (LFM2-MoE: sigmoid scores,
     # chosen with a per-expert bias when expert_bias, weights times routed_scaling_factor).
     moe_router: str = "softmax"

@@ -356,6 +356,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         num_experts_per_tok=moe[1],
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
+        shared_expert_gated=spec.shared_expert_gated,
         moe_router=spec.moe_router,
         expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
         routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,
@@ -621,15 +622,9 @@ def _gguf_mamba(path: Path, arch: str, meta: dict[str, Any], values: dict[str, A
     """Mamba2's settings from the `ssm.*` keys llama.cpp writes (granitehybrid), in Granite 4's
     config.json names; its hybrids do not rotate positions (llama.cpp's converter marks that by
     rope.scaling.finetuned false), and a model without experts runs its shared MLP."""
-    for key, suffix in (("mamba_d_conv", "ssm.conv_kernel"), ("mamba_d_state", "ssm.state_size"),
-                        ("mamba_n_groups", "ssm.group_count"), ("mamba_n_heads", "ssm.time_step_rank")):
-        values[key] = meta.get(f"{arch}.{suffix}")
-        spelled[key] = f"{arch}.{suffix}"
-    inner, heads = meta.get(f"{arch}.ssm.inner_size"), values["mamba_n_heads"]
-    values["mamba_d_head"] = inner // heads if _is_int(inner) and _is_int(heads) and heads else None
-    spelled["mamba_d_head"] = f"{arch}.ssm.inner_size"
+    _gguf_ssm(arch, meta, values, spelled, ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads",
+                                            "mamba_d_head"))
     values["mamba_conv_bias"] = values.pop("conv_bias")
-    values["linear_decay_stored"] = True  # A = -exp(A_log) stored as ssm_a
     if meta.get(f"{arch}.rope.scaling.finetuned") is False:
         values["position_embedding_type"] = "nope"
     if not values.get("num_experts") and _is_int(values.get("shared_expert_intermediate_size")):
@@ -646,15 +641,26 @@ def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any]
         raise ModelFormatError(f"{path}: '{arch}.attention.recurrent_layers' must list {layers} flags; the file is corrupt")
     mixer = next(t for t, m in spec.mixer_types.items() if m == "gated_delta_net")
     values["layer_types"] = [mixer if flag else "full_attention" for flag in recurrent]
-    for key, suffix in (("linear_conv_kernel_dim", "ssm.conv_kernel"), ("linear_key_head_dim", "ssm.state_size"),
-                        ("linear_num_key_heads", "ssm.group_count"), ("linear_num_value_heads", "ssm.time_step_rank")):
+    _gguf_ssm(arch, meta, values, spelled, ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
+                                            "linear_num_value_heads", "linear_value_head_dim"))
+    values["linear_v_heads_tiled"] = spec.gguf_v_heads_tiled
+
+
+_SSM_KEYS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank")
+
+
+def _gguf_ssm(arch: str, meta: dict[str, Any], values: dict[str, Any], spelled: dict[str, str],
+              names: tuple[str, str, str, str, str]) -> None:
+    """llama.cpp's `ssm.*` keys (conv taps, state size, groups, heads; inner size / heads is the
+    head dim), which it writes for Mamba2 and delta nets alike, under the family's config names;
+    A = -exp(A_log) is stored (ssm_a)."""
+    for key, suffix in zip(names, _SSM_KEYS, strict=False):
         values[key] = meta.get(f"{arch}.{suffix}")
         spelled[key] = f"{arch}.{suffix}"
-    inner, v_heads = meta.get(f"{arch}.ssm.inner_size"), values["linear_num_value_heads"]
-    values["linear_value_head_dim"] = inner // v_heads if _is_int(inner) and _is_int(v_heads) and v_heads else None
-    spelled["linear_value_head_dim"] = f"{arch}.ssm.inner_size"
-    values["linear_decay_stored"] = True  # llama.cpp's converter stores A = -exp(A_log)
-    values["linear_v_heads_tiled"] = spec.gguf_v_heads_tiled
+    inner, heads = meta.get(f"{arch}.ssm.inner_size"), values[names[3]]
+    values[names[4]] = inner // heads if _is_int(inner) and _is_int(heads) and heads else None
+    spelled[names[4]] = f"{arch}.ssm.inner_size"
+    values["linear_decay_stored"] = True
 
 
 def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],

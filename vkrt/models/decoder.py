@@ -190,8 +190,10 @@ class DecoderModel(CausalLM):
             ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
         act = self.activation(self.expert_gate_up(experts, x, ids))  # [T, k, F]
         y = ops.moe_matmul(act, experts.down, ids)
-        if experts.shared is None or experts.shared_gate is None:
+        if experts.shared is None:
             return ops.moe_combine(y, weights)
+        if experts.shared_gate is None:  # Granite 4: the layer's MLP added as it is
+            return ops.add(ops.moe_combine(y, weights), self.mlp(experts.shared, x))
         # Qwen2-MoE: + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
         return ops.moe_combine_shared(y, weights, self.mlp(experts.shared, x), linear(x, experts.shared_gate))
 

@@ -363,6 +363,17 @@ class _Builder:
         return Mlp(self.linear(gate_up), self.linear([p + "down_proj"]))
 
     def experts(self, p: str) -> Experts:
+        c = self.config
+        shared, shared_gate = None, None
+        if c.shared_expert_intermediate_size:  # Qwen2-MoE's gated shared expert, or the layer's own MLP
+            own = not c.shared_expert_gated and p + "shared_expert.gate_proj" not in self.stored  # (HF Granite 4)
+            shared = self.mlp(p) if own else self.mlp(p + "shared_expert.")
+            shared_gate = self.linear([p + "shared_expert_gate"]) if c.shared_expert_gated else None
+        if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4)
+            down = self.expert_stack(p, "down_proj")
+            return Experts(router=self.linear([p + "router"]),
+                           gate_up=(self.experts_weight(p + "experts.gate_up_proj", self.expert_stack(p, "gate_up_proj")),),
+                           down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate)
         gate, up, down = (self.expert_stack(p, n) for n in ("gate_proj", "up_proj", "down_proj"))
         if gate.fmt == up.fmt:  # one [E, 2F, K] stack, gate over up per expert
             both = _ExpertStack(gate.fmt, [g + u for g, u in zip(gate.blocks, up.blocks, strict=True)], gate.shape,
@@ -370,17 +381,13 @@ class _Builder:
             gate_up: tuple[Tensor, ...] = (self.experts_weight(p + "experts.gate_up_proj", both),)
         else:  # kept in their own formats: two expert matmuls whose outputs are concatenated
             gate_up = (self.experts_weight(p + "experts.gate_proj", gate), self.experts_weight(p + "experts.up_proj", up))
-        shared = None
-        if self.config.shared_expert_intermediate_size:
-            shared = self.mlp(p + "shared_expert.")
         bias = None
         if self.config.moe_router == "sigmoid":
             values = self.vector(p + "expert_bias") if self.config.expert_bias else None
             bias = self.f32(values if values is not None else np.zeros(self.config.num_experts, np.float32))
         return Experts(router=self.linear([p + "router"]), gate_up=gate_up,
                        down=self.experts_weight(p + "experts.down_proj", down),
-                       shared=shared, shared_gate=self.linear([p + "shared_expert_gate"]) if shared else None,
-                       bias=bias)
+                       shared=shared, shared_gate=shared_gate, bias=bias)
 
     # -- pieces ---------------------------------------------------------------------------
     def raw(self, name: str) -> WeightData:
