@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.ops.test_formats import random_blocks
+from tests.core.test_formats import random_blocks
 from vkrt.core.formats import BLOCK_FORMATS, FORMATS
 from vkrt.core.quant import dequantize
 from vkrt.errors import UnsupportedModelError

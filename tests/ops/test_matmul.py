@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
-from tests.ops.test_formats import random_blocks
+from tests.core.test_formats import random_blocks
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
 from vkrt.core.formats import FORMATS as REGISTRY
@@ -26,7 +26,7 @@ from vkrt.core.tensor import Tensor, TensorSpec
 
 FORMATS = tuple(REGISTRY)  # every registered format runs natively
 K_QUANTS = tuple(f for f in FORMATS if REGISTRY[f].block_values == 256)  # 256-value super-blocks
-# Random blocks (tests.ops.test_formats.random_blocks): quantize() has no encoder for them.
+# Random blocks (tests.core.test_formats.random_blocks): quantize() has no encoder for them.
 RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q5_k", "iq4_xs")
 NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
