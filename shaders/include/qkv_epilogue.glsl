@@ -1,4 +1,4 @@
-// The attention prologue as a matmul epilogue (matmul_vec.comp FUSE=qkv): the
+// The attention prologue as a matmul epilogue (matmul_vec.comp EPILOGUE=qkv): the
 // stacked q|k|v projection is computed, q and k are roped, q is written out and rope(k), v
 // go to the token's KV-cache slot, all from registers. Bit-identical to the matmul followed
 // by qkv_rope.comp: each row is reduced exactly as the plain matmul reduces it, the rotation
