@@ -43,7 +43,7 @@ layout(constant_id = 1) const uint ROWS = 8u;
 layout(constant_id = 3) const uint TOKENS = 16u;
 layout(constant_id = 4) const uint GATES = 1u;  // weight rows per output row: 1 or 2 (gated)
 layout(constant_id = 5) const uint LANES = 1u;  // a power of two dividing SPLIT
-layout(constant_id = 6) const uint FUSE = 0u;  // FUSE_NONE, FUSE_RMS or FUSE_ADD
+layout(constant_id = 6) const uint FUSE = 0u;  // FUSE_NONE, FUSE_RMS or FUSE_ADD: matmul_vec's bits, one at a time
 layout(constant_id = 8) const uint SPLIT = 1u;  // matmul_vec's SPLIT: a power of two
 layout(constant_id = 10) const bool GELU = false;  // the gated activation: gelu_tanh, else silu
 layout(constant_id = 11) const float OUT_SCALE = 1.0;

@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs FUSE=none,rms,add,rms_add,qkv ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs EPILOGUE=plain,qkv ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -15,6 +15,9 @@
 // reduces its ROWS gate rows and the matching ROWS up rows exactly as the plain matmul does
 // (so g and u are bit-identical to its outputs) and writes y[t, n] = silu(g) * u in
 // elementwise.comp's silu_mul expression, bit-identical to matmul then silu_and_mul.
+// FUSE (spec constant 6; bits FUSE_RMS, FUSE_ADD) picks the fused prologue and epilogue over
+// bindings every plain module declares (the host binds x where one is unused), so one module
+// per format and access path serves all four, as matmul_tiled.comp's FUSE does:
 // FUSE_RMS (rms_norm_matmul): x is the un-normalised residual stream. The same single pass
 // over x also sums each token's x^2 (in block order, so batch invariant), the blocks are
 // multiplied by the norm weight g as they load, and the finished sums are scaled by
@@ -27,27 +30,28 @@
 // FUSE_ADD (matmul_add): y = x @ w.T + residual, the residual add of a block's output
 // projection, bit-identical to matmul then add. BIAS (spec constant 12): the residual is one
 // row [N] broadcast over the tokens, a projection's bias (Qwen2's q/k/v).
-// FUSE_RMS_ADD (rms_norm_matmul_add): FUSE_RMS's prologue and FUSE_ADD's epilogue, e.g. a
-// normed q/k/v projection plus its bias; bit-identical to rms_norm_matmul then add.
-// FUSE_QKV (rms_norm_qkv_rope_kv_write): FUSE_RMS's prologue, the stacked qkv projection,
-// then include/qkv_epilogue.glsl (rope, q out, k and v into an f32 or f16 cache: spec
-// constant KV_F16, so both caches share one module per format).
+// FUSE_RMS | FUSE_ADD (rms_norm_matmul_add): FUSE_RMS's prologue and FUSE_ADD's epilogue,
+// e.g. a normed q/k/v projection plus its bias; bit-identical to rms_norm_matmul then add.
+// EPILOGUE=qkv (rms_norm_qkv_rope_kv_write), a variant because its bindings and push
+// constants are its own: FUSE_RMS's prologue, the stacked qkv projection, then
+// include/qkv_epilogue.glsl (rope, q out, k and v into an f32 or f16 cache: spec constant
+// KV_F16, so both caches share one module per format).
 #include "access.glsl"
 #include "gelu.glsl"
-#ifdef FUSE_QKV
-#define FUSE_RMS
-#define QKV_EPILOGUE
-#endif
-#ifdef FUSE_RMS_ADD
-#define FUSE_RMS
-#define FUSE_ADD
-#endif
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint ROWS = 8u;
 layout(constant_id = 3) const uint TOKENS = 1u;
 layout(constant_id = 4) const uint GATES = 1u;  // weight rows per output row: 1 or 2 (gated)
 layout(constant_id = 10) const bool GELU = false;  // the gated activation: gelu_tanh, else silu
 layout(constant_id = 11) const float OUT_SCALE = 1.0;
+const uint FUSE_NONE = 0u, FUSE_RMS = 1u, FUSE_ADD = 2u;  // bits of FUSE, as matmul_tiled.comp's
+#ifdef EPILOGUE_QKV
+const uint FUSE = FUSE_RMS;  // the qkv epilogue always follows the folded norm
+#else
+layout(constant_id = 6) const uint FUSE = FUSE_NONE;
+#endif
+const bool RMS = (FUSE & FUSE_RMS) != 0u;
+const bool ADD = (FUSE & FUSE_ADD) != 0u;
 const uint WROWS = ROWS * GATES;
 // SPLIT > 1 (GPUs): split-K. The workgroup is SPLIT lanes sharing one set of ROWS rows x
 // TOKENS tokens; lane j folds blocks j, j + SPLIT, ... in order (each in quant.glsl's block
@@ -56,11 +60,7 @@ const uint WROWS = ROWS * GATES;
 // device and K, never per T: decode and prefill stay bit-identical (batch invariance).
 // SPLIT = 1 (CPU devices): one invocation walks all blocks; the rows spread over invocations.
 layout(constant_id = 8) const uint SPLIT = 1u;  // a power of two
-#ifdef FUSE_RMS
-const uint NSUM = WROWS * TOKENS + 4u * TOKENS;  // the accumulators, then each token's x^2 sums
-#else
-const uint NSUM = WROWS * TOKENS;
-#endif
+const uint NSUM = WROWS * TOKENS + (RMS ? 4u * TOKENS : 0u);  // the accumulators, then FUSE_RMS's x^2 sums
 shared float partial[SPLIT * NSUM];
 
 #ifdef WFMT_F32
@@ -78,29 +78,22 @@ IN_U32X2(3, ws);  // (d or d|m, fifth bits) per block; iq4_xs: its scales per su
 #define HAS_SCALES
 IN_U32(3, ws);  // the scales word per block; q6_k: f16 d, q2_k: f16 d | dmin per super-block
 #endif
-#if defined(FUSE_RMS)
-IN_F32(4, norm_w);    // the norm weight [K]
-#endif
-#if defined(FUSE_RMS) && defined(FUSE_ADD)
-IN_F32(5, residual);  // [T, N], or [N] with BIAS
-#elif defined(FUSE_ADD)
-IN_F32(4, residual);
-#endif
-#ifdef FUSE_ADD
-layout(constant_id = 12) const bool BIAS = false;  // the residual is one row [N] for every token
-#endif
-#ifdef QKV_EPILOGUE
+IN_F32(4, norm_w);  // FUSE_RMS: the norm weight [K]
+#ifdef EPILOGUE_QKV
 IN_I32(5, positions);
 IN_F32(6, cos_sin);
 layout(constant_id = 9) const bool KV_F16 = false;  // the cache holds f16 pairs, else f32 bits
 OUT_U32(7, k_cache);
 OUT_U32(8, v_cache);
 IN_I32(9, slots);
+#else
+IN_F32(5, residual);  // FUSE_ADD: [T, N], or [N] with BIAS
+layout(constant_id = 12) const bool BIAS = false;  // the residual is one row [N] for every token
 #endif
 
 // N: output rows (the weight has GATES * N); w_row: quants texels per weight row; s_base: index of the first scales word (u32 units).
 // eps: FUSE_RMS's epsilon (unused otherwise).
-#ifdef QKV_EPILOGUE
+#ifdef EPILOGUE_QKV
 // H, KVH: q and kv heads of D dims; rot: rotated dims per head; max_pos: rows of cos_sin.
 layout(push_constant) uniform Push {
     uint T; uint N; uint K; uint blocks; uint w_row; uint s_base; float eps;
@@ -112,6 +105,7 @@ layout(push_constant) uniform Push { uint T; uint N; uint K; uint blocks; uint w
 #endif
 
 #define MATMUL_IO
+#define MATMUL_NORM_W
 #include "quant.glsl"
 
 void main() {
@@ -126,33 +120,29 @@ void main() {
         // Weight row: gate (or plain) rows first, then the up rows N further on. Past the
         // last row/token: recompute, never store.
         uint n = min(row0 + r % ROWS, pc.N - 1u) + (r / ROWS) * pc.N;
-#ifdef QKV_EPILOGUE
+#ifdef EPILOGUE_QKV
         n = qkv_row(row0 + r);  // ROWS = 8 rows closed under rotation partners (N % 8 == 0)
 #endif
         wrow[r] = row_base(n, pc.w_row);
         srow[r] = row_scales(n, pc.s_base, pc.blocks, GATES * pc.N);
     }
     [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = 0.0;
-#ifdef FUSE_RMS
-    vec4 sq[TOKENS];  // per token, four running sums of x^2 (one per vec4 component)
+    vec4 sq[TOKENS];  // FUSE_RMS: per token, four running sums of x^2 (one per vec4 component)
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) sq[tt] = vec4(0.0);
-#endif
     for (uint b = lane; b < pc.blocks; b += SPLIT) {
         vec4 xv[TOKENS][8];
         PART_T xsum[TOKENS];
-#ifdef FUSE_RMS
         vec4 gv[8];
-        load_norm_weight(b, pc.K, gv);
-#endif
+        if (RMS) load_norm_weight(b, pc.K, gv);
         [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
             load_x(min(t0 + tt, pc.T - 1u), b, pc.K, xv[tt]);
-#ifdef FUSE_RMS
-            [[unroll]] for (uint j = 0u; j < 8u; j++) {
-                precise vec4 s = fma(xv[tt][j], xv[tt][j], sq[tt]);
-                sq[tt] = s;
-                xv[tt][j] *= gv[j];
+            if (RMS) {
+                [[unroll]] for (uint j = 0u; j < 8u; j++) {
+                    precise vec4 s = fma(xv[tt][j], xv[tt][j], sq[tt]);
+                    sq[tt] = s;
+                    xv[tt][j] *= gv[j];
+                }
             }
-#endif
             xsum[tt] = PART_T(0.0);
 #ifdef NEEDS_XSUM
             xsum[tt] = block_xsum(xv[tt]);
@@ -173,10 +163,10 @@ void main() {
     if (SPLIT > 1u) {
         uint base = lane * NSUM;
         [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) partial[base + i] = acc[i];
-#ifdef FUSE_RMS
-        [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
-            [[unroll]] for (uint c = 0u; c < 4u; c++) partial[base + WROWS * TOKENS + 4u * tt + c] = sq[tt][c];
-#endif
+        if (RMS) {
+            [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
+                [[unroll]] for (uint c = 0u; c < 4u; c++) partial[base + WROWS * TOKENS + 4u * tt + c] = sq[tt][c];
+        }
         memoryBarrierShared();
         barrier();
         for (uint half_ = SPLIT / 2u; half_ > 0u; half_ /= 2u) {
@@ -191,20 +181,20 @@ void main() {
         }
         if (lane != 0u) return;
         [[unroll]] for (uint i = 0u; i < WROWS * TOKENS; i++) acc[i] = partial[i];
-#ifdef FUSE_RMS
-        [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
-            sq[tt] = vec4(partial[WROWS * TOKENS + 4u * tt], partial[WROWS * TOKENS + 4u * tt + 1u],
-                          partial[WROWS * TOKENS + 4u * tt + 2u], partial[WROWS * TOKENS + 4u * tt + 3u]);
-#endif
+        if (RMS) {
+            [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++)
+                sq[tt] = vec4(partial[WROWS * TOKENS + 4u * tt], partial[WROWS * TOKENS + 4u * tt + 1u],
+                              partial[WROWS * TOKENS + 4u * tt + 2u], partial[WROWS * TOKENS + 4u * tt + 3u]);
+        }
     }
     [[unroll]] for (uint tt = 0u; tt < TOKENS; tt++) {
-#ifdef FUSE_RMS
-        precise vec2 s2 = sq[tt].xy + sq[tt].zw;
-        precise float inv = 1.0 / sqrt((s2.x + s2.y) / float(pc.K) + pc.eps);
-#else
-        const float inv = 1.0;
-#endif
-#ifdef QKV_EPILOGUE
+        float inv = 1.0;
+        if (RMS) {
+            precise vec2 s2 = sq[tt].xy + sq[tt].zw;
+            precise float rms_inv = 1.0 / sqrt((s2.x + s2.y) / float(pc.K) + pc.eps);
+            inv = rms_inv;
+        }
+#ifdef EPILOGUE_QKV
         if (t0 + tt < pc.T) {
             float v[8];
             [[unroll]] for (uint r = 0u; r < 8u; r++) v[r] = acc[tt * WROWS + r] * inv;
@@ -226,12 +216,13 @@ void main() {
                     precise float scaled = g * OUT_SCALE;
                     g = scaled;
                 }
-#ifdef FUSE_ADD
-                // precise: the add of the rounded output, as the add op sees it (never an
-                // fma of acc * inv + residual, which FUSE_RMS_ADD's compile might contract).
-                precise float sum = g + LD_F32(residual, (BIAS ? 0u : (t0 + tt) * pc.N) + row0 + r);
-                g = sum;
-#endif
+                if (ADD) {
+                    // precise: the add of the rounded output, as the add op sees it (never an
+                    // fma of acc * inv + residual, which FUSE_RMS | FUSE_ADD's compile might
+                    // contract).
+                    precise float sum = g + LD_F32(residual, (BIAS ? 0u : (t0 + tt) * pc.N) + row0 + r);
+                    g = sum;
+                }
                 y[(t0 + tt) * pc.N + row0 + r] = g;
             }
         }

@@ -4,8 +4,9 @@
 // qkv_rope_kv_write: the attention prologue in one dispatch. qkv [T, (H + 2 KVH) * head_dim]
 // is the stacked q/k/v projection; q = rope(qkv[:, q cols]) goes to the output, and
 // rope(k) and v are stored at the token's cache slot (slot < 0: padding, nothing stored).
-// Bit-identical to rope.comp followed by kv_write.comp: the same `precise` rotation per
-// element, and f16 caches encoded with include/cast.glsl's integer encoder (numpy rounding).
+// Bit-identical to rope.comp followed by kv_write.comp: the same rotation per element
+// (include/rope.glsl), and f16 caches encoded with include/cast.glsl's integer encoder
+// (numpy rounding).
 // Per token the invocations are: q_width q elements, then kv_items cache items (f32: one
 // element of k and v each; f16: one u32 word = two halves of k and v each; head_dim is even,
 // so kv_dim is even and every cache row is whole words, no edge merging; q8_0: one 32-value
@@ -78,30 +79,12 @@ float source(uint i, uint d) { return LD_F32(qkv, i); }
 #endif
 
 // Element `col` of token t's qkv row after rope (k and v columns start on head boundaries,
-// so col % head_dim is the dim within its head). As rope.comp, term for term.
+// so col % head_dim is the dim within its head): include/rope.glsl's, as rope.comp's.
+#define ROPE_LOAD(i, d) source(i, d)
+#include "rope.glsl"
 float roped(uint t, uint col, uint p) {
-    uint i = t * (pc.q_width + 2u * pc.kv_dim) + col;
-    uint d = col % pc.head_dim;
-    if (d >= pc.rot_dim) return source(i, d);
-    uint half_rot = pc.rot_dim / 2u;
-    uint j, partner, partner_d;
-    bool first;
-    if (pc.interleaved != 0u) {
-        j = d / 2u;
-        first = (d & 1u) == 0u;
-        partner = first ? i + 1u : i - 1u;
-        partner_d = first ? d + 1u : d - 1u;
-    } else {
-        first = d < half_rot;
-        j = first ? d : d - half_rot;
-        partner = first ? i + half_rot : i - half_rot;
-        partner_d = first ? d + half_rot : d - half_rot;
-    }
-    float c = LD_F32(cos_sin, p * pc.rot_dim + j);
-    float s = LD_F32(cos_sin, p * pc.rot_dim + half_rot + j);
-    float x = source(i, d), y = source(partner, partner_d);
-    precise float out_value = first ? x * c - y * s : x * c + y * s;
-    return out_value;
+    return rope_element(t * (pc.q_width + 2u * pc.kv_dim) + col, col % pc.head_dim, p, pc.rot_dim,
+                        pc.interleaved != 0u);
 }
 
 #ifdef NORM_QK
@@ -124,7 +107,7 @@ void main() {
         }
         head_inv = 1.0 / sqrt(workgroup_sum(sq) / float(pc.head_dim) + pc.eps);
     }
-    uint p = uint(clamp(LD_I32(positions, t), 0, int(pc.max_positions) - 1));
+    uint p = rope_position(t, pc.max_positions);
     if (head_is_q) {
         for (uint j = lane; j < pc.head_dim; j += ROW_LANES) q[t * pc.q_width + col0 + j] = roped(t, col0 + j, p);
         return;
@@ -156,8 +139,7 @@ void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     if (i >= pc.tokens * pc.row_items) return;
     uint t = i / pc.row_items, item = i % pc.row_items;
-    // Clamped so a bad position reads a wrong angle instead of out of bounds.
-    uint p = uint(clamp(LD_I32(positions, t), 0, int(pc.max_positions) - 1));
+    uint p = rope_position(t, pc.max_positions);
     if (item < pc.q_width) {
         q[t * pc.q_width + item] = roped(t, item, p);
         return;

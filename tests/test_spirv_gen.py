@@ -14,6 +14,7 @@ import pytest
 
 from spirv_gen import __main__ as gen
 from spirv_gen.reflect import reflect
+from vkrt.core.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[1]
 SPIRV = REPO / "vkrt" / "spirv"
@@ -248,3 +249,28 @@ def test_manifest_matches_committed_spirv() -> None:
         for key in ("bindings", "push_constant_size", "spec_constants", "local_size"):
             assert meta[key] == reflected[key], (name, key)
         assert (REPO / "shaders" / meta["source"]).is_file(), name
+
+
+def test_matmul_vec_fuses_by_spec_constant() -> None:
+    """matmul_vec's fused norm and residual add are spec constant 6 (FUSE) of one `plain`
+    module per format and access path, whose norm-weight and residual bindings (4, 5) are
+    always declared; only the qkv epilogue, with bindings and push constants of its own, is a
+    variant. So the modules are formats x {plain, qkv} x access paths, and the manifest's
+    layouts are the ones dispatch_matmul binds."""
+    modules = json.loads((SPIRV / "manifest.json").read_text())["modules"]
+    vec = {name: meta for name, meta in modules.items() if meta["source"] == "matmul_vec.comp"}
+    assert {name.split(".")[1] for name in vec} == set(FORMATS)  # every registered format
+    assert len(vec) == len(FORMATS) * 2 * 2, sorted(vec)
+    for name, meta in vec.items():
+        _, _, epilogue, access = name.split(".")
+        assert epilogue in ("plain", "qkv") and access in ("texel", "ssbo"), name
+        numbers = [b["binding"] for b in meta["bindings"]]
+        written = [b["binding"] for b in meta["bindings"] if b["written"]]
+        if epilogue == "plain":
+            assert {"6", "12"} <= set(meta["spec_constants"]), name  # FUSE, BIAS
+            assert numbers[-2:] == [4, 5] and written == [2], name  # norm weight, residual
+            assert meta["push_constant_size"] == 28, name
+        else:
+            assert not {"6", "12"} & set(meta["spec_constants"]) and "9" in meta["spec_constants"], name
+            assert numbers[-6:] == [4, 5, 6, 7, 8, 9] and written == [2, 7, 8], name  # y, k and v caches
+            assert meta["push_constant_size"] == 52, name

@@ -1,8 +1,8 @@
-// The attention prologue as a matmul epilogue (matmul_vec.comp FUSE=qkv): the
+// The attention prologue as a matmul epilogue (matmul_vec.comp EPILOGUE=qkv): the
 // stacked q|k|v projection is computed, q and k are roped, q is written out and rope(k), v
 // go to the token's KV-cache slot, all from registers. Bit-identical to the matmul followed
-// by qkv_rope.comp: each row is reduced exactly as the plain matmul reduces it and the
-// rotation and f16 encoding are qkv_rope.comp's expressions.
+// by qkv_rope.comp: each row is reduced exactly as the plain matmul reduces it, the rotation
+// is include/rope.glsl's and the f16 encoding qkv_rope.comp's expression.
 //
 // An invocation owns ROWS = 8 rows chosen so that every rotation partner, and every f16
 // word's two halves, are among its own 8 (qkv_row below): the "slot" s = 8 g + r (group g,
@@ -17,6 +17,7 @@
 // bool spec constant KV_F16 (caches bound as uint words: f16 pairs, or f32 bits).
 
 #include "cast.glsl"
+#include "rope.glsl"
 
 // Dim within its head of slot (group gi of the head, lane-row r).
 uint qkv_dim(uint head, uint gi, uint r) {
@@ -38,9 +39,7 @@ void qkv_epilogue(uint t, uint s0, float v[8]) {
     uint g = s0 / 8u, per_head = pc.D / 8u;
     uint head = g / per_head, gi = g % per_head;
     bool roped = head < pc.H + pc.KVH;
-    // Clamped so a bad position reads a wrong angle instead of out of bounds (as qkv_rope.comp).
-    uint p = uint(clamp(LD_I32(positions, t), 0, int(pc.max_pos) - 1));
-    uint half_rot = pc.rot / 2u;
+    uint p = rope_position(t, pc.max_pos);
     float o[8];
     uint dim[8];
     [[unroll]] for (uint r = 0u; r < 8u; r++) {
@@ -49,21 +48,12 @@ void qkv_epilogue(uint t, uint s0, float v[8]) {
         o[r] = v[r];
         if (roped && d < pc.rot) {
             bool first;
-            uint j;
-            float partner;
-            if (pc.interleaved != 0u) {
-                first = (d & 1u) == 0u;
-                j = d / 2u;
-                partner = v[r ^ 1u];
-            } else {
-                first = r < 4u;
-                j = 4u * gi + (r & 3u);
-                partner = v[r ^ 4u];
-            }
-            float c = LD_F32(cos_sin, p * pc.rot + j);
-            float s = LD_F32(cos_sin, p * pc.rot + half_rot + j);
-            precise float out_value = first ? v[r] * c - partner * s : v[r] * c + partner * s;
-            o[r] = out_value;
+            uint partner_dim;
+            uint j = rope_pair(d, pc.rot, pc.interleaved != 0u, first, partner_dim);
+            // The partner's value is lane-row r ^ 1's or r ^ 4's (qkv_row's grouping). Selected
+            // by value, not by a computed index, so v stays in registers.
+            float partner = pc.interleaved != 0u ? v[r ^ 1u] : v[r ^ 4u];
+            o[r] = rope_rotate(v[r], partner, p, j, pc.rot, first);
         }
     }
     if (head < pc.H) {

@@ -460,8 +460,9 @@ void load_x(uint t, uint b, uint K, out vec4 xv[8]) {
     }
 }
 
-#ifdef FUSE_RMS
-// Block b of the norm weight (binding norm_w, read like x: texels when X_VEC4), 0 past K.
+#ifdef MATMUL_NORM_W
+// Block b of the norm weight (binding norm_w, which the including shader declares when it
+// defines MATMUL_NORM_W; read like x: texels when X_VEC4), 0 past K.
 void load_norm_weight(uint b, uint K, out vec4 gv[8]) {
     uint k0 = b * 32u;
 #ifdef ACCESS_TEXEL

@@ -1,5 +1,5 @@
-"""rms_norm_matmul (FUSE=rms), matmul_add (FUSE=add) and rms_norm_matmul_add (FUSE=rms_add)
-of matmul_vec.comp vs the unfused native kernels they replace, both kernels (vec at T = 1
+"""rms_norm_matmul, matmul_add and rms_norm_matmul_add (matmul_vec.comp's FUSE rms, add and
+rms | add) vs the unfused native kernels they replace, both kernels (vec at T = 1
 and 3, tiled at T = 13).
 
 The fused prologue / epilogue is the same code for every weight format (test_matmul.py

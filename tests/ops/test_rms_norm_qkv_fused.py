@@ -1,4 +1,4 @@
-"""rms_norm_qkv_rope_kv_write: one dispatch (matmul_vec.comp FUSE=qkv / qkv16) for the norm,
+"""rms_norm_qkv_rope_kv_write: one dispatch (matmul_vec.comp EPILOGUE=qkv) for the norm,
 the stacked qkv projection, both ropes and the KV-cache write, vs the two native ops it
 replaces (rms_norm_matmul then qkv_rope_kv_write): q and both caches bit-identical, for f32
 and f16 caches, NeoX and interleaved rotation, full and partial rotary dims, decode (vec)

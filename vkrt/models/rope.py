@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from vkrt.errors import UnsupportedModelError
-from vkrt.ops.attention import rope_cos_sin
+from vkrt.ops.attention import rope_cos_sin, rope_inv_freq
 
 
 def inv_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -20,7 +20,7 @@ def inv_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
     context size. transformers switches per call on the current length instead, which
     agrees while sequences stay within the original context.
     """
-    inv = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    inv = rope_inv_freq(rot_dim, theta)
     if freq_factors is not None:  # GGUF rope_freqs: llama3 scaling baked per frequency
         return inv / np.asarray(freq_factors, dtype=np.float64)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))

@@ -19,11 +19,18 @@ from vkrt.ops.norm import rms_norm
 KV_DTYPES = ("f32", "f16", KV_Q8_0)  # cache tensor dtypes (kv_format.tensor_dtype of each format)
 
 
+def rope_inv_freq(rot_dim: int, theta: float) -> np.ndarray:
+    """RoPE's unscaled inverse frequencies theta^(-2i / rot_dim), i < rot_dim / 2, in float64:
+    the one definition, which rope scaling adjusts."""
+    return 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+
+
 def rope_cos_sin(max_positions: int, rot_dim: int, theta: float,
                  inv_freq: np.ndarray | None = None) -> np.ndarray:
-    """[P, rot_dim] float32 table: cos in the first half, sin in the second (float64 math)."""
+    """[P, rot_dim] float32 table: cos in the first half, sin in the second (float64 math);
+    inv_freq defaults to rope_inv_freq(rot_dim, theta)."""
     if inv_freq is None:
-        inv_freq = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+        inv_freq = rope_inv_freq(rot_dim, theta)
     angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 

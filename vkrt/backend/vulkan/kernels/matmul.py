@@ -14,15 +14,18 @@ order is just as independent of T. Weights are read in the row-tiled layout of l
 constant GATES = 2: each invocation reduces ROWS gate rows and the matching ROWS up rows in
 that same order and writes silu(g) * u, bit-identical to matmul then silu_and_mul.
 
-The FUSE variant axis adds a prologue or epilogue to any of these: `rms_norm_matmul`
-(FUSE=rms: the pass over x also sums x^2 per token, x is multiplied by the norm weight as
-it loads, and the finished sums are scaled by 1/rms; equal to rms_norm then matmul up to
-rounding), `matmul_add` (FUSE=add: + residual [T, N], or a bias [N] broadcast over the
-tokens with spec constant 12; bit-identical to matmul then add), `rms_norm_matmul_add`
-(FUSE=rms_add: both, bit-identical to rms_norm_matmul then add), and
-`rms_norm_qkv_rope_kv_write` (FUSE=qkv: FUSE=rms plus include/qkv_epilogue.glsl, rope
-and the f32 / f16 KV-cache write, chosen by spec constant 9; bit-identical to rms_norm_matmul then
-qkv_rope_kv_write, which is what runs for shapes its 8-row groups cannot take).
+Spec constant 6 (FUSE, bits FUSE_CODES) adds a prologue or epilogue to any of these, over
+bindings the shader always declares (the norm weight, then the residual; x is bound where
+one is unused): `rms_norm_matmul` (rms: the pass over x also sums x^2 per token, x is
+multiplied by the norm weight as it loads, and the finished sums are scaled by 1/rms; equal
+to rms_norm then matmul up to rounding), `matmul_add` (add: + residual [T, N], or a bias [N]
+broadcast over the tokens with spec constant 12; bit-identical to matmul then add) and
+`rms_norm_matmul_add` (rms_add: both, bit-identical to rms_norm_matmul then add). So each
+format and access path is one `plain` module. `rms_norm_qkv_rope_kv_write` is the
+EPILOGUE=qkv variant, whose bindings and push constants are its own: the rms prologue plus
+include/qkv_epilogue.glsl, rope and the f32 / f16 KV-cache write, chosen by spec constant
+9; bit-identical to rms_norm_matmul then qkv_rope_kv_write, which is what runs for shapes
+its 8-row groups cannot take.
 
 On GPUs (`staged_device`) on the storage-buffer path, `matmul.tiled` runs
 shaders/matmul_tiled.comp instead: a workgroup per tile of rows x tokens with both operands
@@ -121,7 +124,7 @@ def dispatch_config(caps: DeviceCaps, dtype: str, n: int, k: int, t: int, tiled:
     """The configuration `dispatch_matmul` runs for n weight rows, K = k and t tokens on `caps`:
     `config_for`, adjusted for the gated / qkv row groups and split-K's lanes per K; prefill
     on a `staged_device`'s storage-buffer path takes matmul_tiled.comp at the same split,
-    except for the fused qkv epilogue and a folded norm with an add (FUSE=rms_add), which
+    except for the fused qkv epilogue and a folded norm with an add (FUSE "rms_add"), which
     matmul_tiled's one fused operand cannot carry."""
     cfg = config_for(caps, dtype, n, t, prefill=tiled)
     blocks = -(-k // 32)
@@ -166,7 +169,7 @@ def _groups(invocations: int, workgroup: int, y: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class QkvEpilogue:
-    """FUSE=qkv: rope q and k of the stacked qkv rows, return q, store k and v."""
+    """EPILOGUE=qkv: rope q and k of the stacked qkv rows, return q, store k and v."""
 
     positions: Tensor
     cos_sin: Tensor
@@ -187,9 +190,10 @@ def dispatch_matmul(backend: KernelBackend, x: Tensor, w: Tensor, tiled: bool, g
     gated: y = silu_and_mul(x @ w.T) of w = [gate; up] (2F rows), y [T, F], in one dispatch
     (gelu_tanh_and_mul for activation "gelu_tanh": spec constant 10).
     scale: y = (x @ w.T) * scale before any residual add (spec constant 11).
-    norm = (g, eps): x is normalised first, rms_norm(x, g, eps) (FUSE=rms).
-    residual: y += residual (FUSE=add; with norm FUSE=rms_add), [T, N] or a bias [N].
-    qkv (with norm): y is rope(q) [T, num_heads * head_dim]; rope(k), v go to the caches.
+    norm = (g, eps): x is normalised first, rms_norm(x, g, eps) (spec constant 6, FUSE "rms").
+    residual: y += residual (FUSE "add"; with norm "rms_add"), [T, N] or a bias [N] (spec constant 12).
+    qkv (with norm): y is rope(q) [T, num_heads * head_dim]; rope(k), v go to the caches (the
+    matmul_vec EPILOGUE=qkv module).
     """
     t, k = x.shape
     gates = 2 if gated else 1
@@ -201,37 +205,40 @@ def dispatch_matmul(backend: KernelBackend, x: Tensor, w: Tensor, tiled: bool, g
                           norm_and_add=norm is not None and residual is not None)
     texel = backend.caps.access_path == "texel"
     x_vec4 = texel and k % 4 == 0
-    bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False),
-                (x, "f32x4" if x_vec4 else "f32", False), (y, "f32", True)]
+    x_binding = (x, "f32x4" if x_vec4 else "f32", False)
+    bindings = [(w, "f32x4" if w.dtype == "f32" else "u32x4", False), x_binding, (y, "f32", True)]
     side_view = LAYOUTS[w.dtype].side_view
     if side_view:  # the scales region, through its own view of the weight
         bindings.append((w, side_view, False))
-    fuse, eps = "none", 0.0
-    if norm is not None:
-        fuse, eps = "rms", norm[1]
-        bindings.append((norm[0], "f32x4" if x_vec4 else "f32", False))
+    fuse = "rms" if norm is not None else "none"
     if residual is not None:
         fuse = "rms_add" if norm is not None else "add"
-        bindings.append((residual, "f32", False))
+    eps = norm[1] if norm is not None else 0.0
     push_format = "<6If"
     push_values: tuple = (t, n, k, -(-k // 32), row_texels(w.dtype, k), quants_bytes(w.dtype, w.shape[0], k) // 4,
                           eps)
-    if cfg.shader == "matmul_tiled":
-        if fuse == "none":  # its fused operand's binding is always declared; unread here
-            bindings.append((x, "f32", False))
+    # The fused operands' bindings are always declared; where one is unread x is bound there,
+    # in x's own view (no texel view is made for it).
+    if cfg.shader == "matmul_tiled":  # one operand: the norm weight or the residual
+        operand = norm[0] if norm is not None else residual
+        bindings.append((operand, "f32", False) if operand is not None else x_binding)
         bias = residual is not None and len(residual.shape) == 1
         _dispatch_tiled(backend, cfg, w.dtype, FUSE_CODES[fuse], bindings, (push_format, push_values),
                         gates, activation, scale, n, t, bias)
         return y
-    if qkv:
-        fuse = "qkv"  # the caches are bound as uint words (f32 caches written as their bits)
+    bindings.append((norm[0], x_binding[1], False) if norm is not None else x_binding)  # read like x
+    if qkv:  # the caches are bound as uint words (f32 caches written as their bits)
         bindings += [(qkv.positions, "i32", False), (qkv.cos_sin, "f32", False), (qkv.k_cache, "u32", True),
                      (qkv.v_cache, "u32", True), (qkv.slots, "i32", False)]
         max_positions, rot_dim = qkv.cos_sin.shape
         push_format += "6I"
         push_values += (qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, rot_dim, max_positions, int(qkv.interleaved))
+    else:
+        bindings.append((residual, "f32", False) if residual is not None else x_binding)
     push = (push_format, push_values)
     spec = {0: cfg.workgroup, 1: cfg.rows, 3: cfg.tokens, 4: gates, 7: TILE_ROWS, 8: cfg.split}
+    if not qkv and fuse != "none":  # the qkv variant's norm prologue is not a constant
+        spec[6] = FUSE_CODES[fuse]
     if gated and activation == "gelu_tanh":
         spec[10] = 1
     if scale != 1.0:
@@ -244,11 +251,14 @@ def dispatch_matmul(backend: KernelBackend, x: Tensor, w: Tensor, tiled: bool, g
         spec[2] = int(x_vec4)
     row_sets = -(-n // cfg.rows)  # invocations, or with split-K workgroups
     groups = _groups(row_sets * cfg.split if cfg.split > 1 else row_sets, cfg.workgroup, -(-t // cfg.tokens))
-    backend.run_shader(module(backend, "matmul_vec", w.dtype, fuse), bindings, groups, push, spec)
+    backend.run_shader(module(backend, "matmul_vec", w.dtype, "qkv" if qkv else "plain"), bindings, groups, push,
+                       spec)
     return y
 
 
-FUSE_CODES = {"none": 0, "rms": 1, "add": 2}  # matmul_tiled.comp's FUSE (spec constant 6)
+# FUSE (spec constant 6) of both shaders: bits rms (the norm prologue) and add (the residual
+# epilogue); matmul_tiled takes none, rms and add (its one fused operand).
+FUSE_CODES = {"none": 0, "rms": 1, "add": 2, "rms_add": 3}
 
 
 def _dispatch_tiled(backend: KernelBackend, cfg: MatmulConfig, dtype: str, fuse: int, bindings: list,
@@ -316,7 +326,7 @@ QKV_OP = "rms_norm_qkv_rope_kv_write"
 
 
 def _qkv_shapes_fit(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> bool:
-    """FUSE=qkv's row grouping (include/qkv_epilogue.glsl): whole 8-dim groups per head and,
+    """EPILOGUE=qkv's row grouping (include/qkv_epilogue.glsl): whole 8-dim groups per head and,
     for NeoX rotation, a rotated part of whole 8-dim groups (4 dims from each half)."""
     head_dim = params["head_dim"]
     rot_dim = inputs[4].shape[1]
@@ -332,7 +342,7 @@ def _qkv_fused_supports(inputs: tuple[Tensor, ...], params: dict[str, Any]) -> b
 
 def _run_qkv_fused(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    """One dispatch: FUSE=qkv (an f32 or f16 cache, spec constant 9)."""
+    """One dispatch: EPILOGUE=qkv (an f32 or f16 cache, spec constant 9)."""
     x, g, w, positions, cos_sin, k_cache, v_cache, slots = inputs
     epilogue = QkvEpilogue(positions, cos_sin, k_cache, v_cache, slots, params["num_heads"],
                            params["num_kv_heads"], params["head_dim"], params.get("interleaved", False))
