@@ -99,6 +99,23 @@ MISTRAL_TOOL_TURN = [
     {"role": "assistant", "content": "It is 21 degrees."},
     {"role": "user", "content": "Thanks"},
 ]
+# Qwen3.5 writes each argument as its own <parameter=...> block: strings bare, the rest as JSON.
+QWEN3_5_TYPED_ARGS = [
+    {"role": "user", "content": "Weather in Paris, three days?"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather",
+                                          "arguments": {"city": "Paris", "days": 3, "units": ["c", "f"],
+                                                        "opts": {"wind": True}}}},
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}}]},
+    {"role": "tool", "content": "{\"temp\": 21}"},
+    {"role": "tool", "content": "{\"temp\": 19}"},
+]
+# LFM2 has no tool_calls field in its template: the call is the assistant's content, pythonic.
+LFM2_TOOL_TURN = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "<|tool_call_start|>[get_weather(city=\"Paris\")]<|tool_call_end|>"},
+    {"role": "tool", "content": "{\"temp\": 21}"},
+]
 CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("gemma3_user", "gemma3", "<bos>", "<eos>", [USER], True, {}),
     ("gemma3_system_folded", "gemma3", "<bos>", "<eos>", [SYSTEM, USER], True, {}),
@@ -125,6 +142,26 @@ CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
      {"date_string": "01 Dec 2026"}),
     ("llama3_1_tools", "llama3_1", "<|begin_of_text|>", "<|eot_id|>", TOOL_TURN, True,
      {"tools": TOOLS, "date_string": "01 Dec 2026"}),
+    # The hybrid families' templates (Qwen3.5: thinking on by default, XML tool calls).
+    ("qwen3_5_thinking_default", "qwen3_5", None, "<|im_end|>", [SYSTEM, USER], True, {}),
+    ("qwen3_5_thinking_off", "qwen3_5", None, "<|im_end|>", [USER], True, {"enable_thinking": False}),
+    ("qwen3_5_past_reasoning", "qwen3_5", None, "<|im_end|>", THOUGHT, True, {}),
+    ("qwen3_5_reasoning_field", "qwen3_5", None, "<|im_end|>",
+     [USER, {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy."}], False, {}),
+    ("qwen3_5_tools", "qwen3_5", None, "<|im_end|>", [SYSTEM, *TOOL_TURN], True, {"tools": TOOLS}),
+    ("qwen3_5_tool_args_typed", "qwen3_5", None, "<|im_end|>", QWEN3_5_TYPED_ARGS, True, {"tools": TOOLS}),
+    ("qwen3_5_content_parts", "qwen3_5", None, "<|im_end|>",
+     [{"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image"},
+                                   {"type": "text", "text": "briefly."}]}], True, {}),
+    ("granite4_default_system", "granite4", None, "<|end_of_text|>", MULTI, True, {}),
+    ("granite4_system", "granite4", None, "<|end_of_text|>", [SYSTEM, USER], True, {}),
+    ("granite4_tools", "granite4", None, "<|end_of_text|>", TOOL_TURN, True, {"tools": TOOLS}),
+    ("lfm2_multi", "lfm2", "<|startoftext|>", "<|im_end|>", [SYSTEM, *MULTI], True, {}),
+    ("lfm2_tools", "lfm2", "<|startoftext|>", "<|im_end|>", LFM2_TOOL_TURN, True, {"tools": TOOLS}),
+    ("nemotron_h_think", "nemotron_h", None, "<SPECIAL_12>", [SYSTEM, USER], True, {}),
+    ("nemotron_h_no_think", "nemotron_h", None, "<SPECIAL_12>",
+     [{"role": "system", "content": "/no_think"}, *MULTI], True, {}),
+    ("nemotron_h_tools", "nemotron_h", None, "<SPECIAL_12>", TOOL_TURN, True, {"tools": TOOLS}),
 ]
 # Conversations a template must refuse (raise_exception), recorded with transformers' message.
 CHAT_ERRORS: list[tuple[str, str, list]] = [

@@ -99,7 +99,7 @@ def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int
     reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = result.finish_reason
-    calls = _tool_calls(text, parser, body.parallel_tool_calls)
+    calls = _tool_calls(text, parser, body.parallel_tool_calls, body.tools)
     if calls is not None:
         message = {"role": "assistant", "content": calls[0] or None,
                    "tool_calls": [call.to_json() for call in calls[1]]}
@@ -110,11 +110,12 @@ def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int
             "stop_reason": result.stop_reason}
 
 
-def _tool_calls(text: str, parser: str | None, parallel: bool) -> tuple[str, list[ToolCall]] | None:
+def _tool_calls(text: str, parser: str | None, parallel: bool,
+                tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]] | None:
     """(content, calls) when tools were offered and the output holds calls, else None."""
     if parser is None:
         return None
-    content, calls = parse_tool_calls(text, parser)
+    content, calls = parse_tool_calls(text, parser, tools)
     if not calls:
         return None
     return content, calls if parallel else calls[:1]
@@ -127,10 +128,10 @@ class _ChoiceStream:
     """One choice's stream: its updates turned into deltas of reasoning, content and tool calls."""
 
     def __init__(self, tokenizer: Tokenizer | None, parser: str | None, parallel: bool,
-                 inside: bool | None) -> None:
+                 inside: bool | None, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.splitter = ReasoningSplitter(inside) if inside is not None else None
-        self.calls = ToolCallStream(parser, parallel) if parser is not None else None
+        self.calls = ToolCallStream(parser, parallel, tools) if parser is not None else None
 
     def deltas(self, update: Update) -> Iterator[Delta]:
         logprobs = chat_logprobs(self.tokenizer, update.logprobs) if update.logprobs is not None else None
@@ -177,7 +178,7 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: ChatComple
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    streams = [_ChoiceStream(tokenizer, parser, body.parallel_tool_calls, inside) for _ in generations]
+    streams = [_ChoiceStream(tokenizer, parser, body.parallel_tool_calls, inside, body.tools) for _ in generations]
     # OpenAI sends each choice's role first, alone, before any content.
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)

@@ -15,7 +15,7 @@ PUBLIC_PATHS = frozenset({"/health", "/version"})
 
 
 # The syntaxes vkrt/server/tools.py parses (named here so the config does not import the server).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "llama3_json", "mistral")
 REASONING_PARSERS = ("auto", "think", "none")
 
 

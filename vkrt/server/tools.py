@@ -4,7 +4,8 @@
 Each parser knows one model family's call syntax: "hermes" (Hermes, Qwen 2.5/3:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), "llama3_json" (Llama 3.x:
 a bare `{"name": ..., "parameters": {...}}`), "mistral" (`[TOOL_CALLS][{"name": ...,
-"arguments": {...}}]`). The forcing grammar writes the same syntax, so a forced call always
+"arguments": {...}}]`), and "qwen3_xml" (Qwen3.5, Qwen3-Coder: an XML block per argument,
+vkrt/server/tool_xml.py). The forcing grammar writes the same syntax, so a forced call always
 parses.
 A call's `arguments` is the model's own JSON text of the arguments value (not re-encoded), so
 the argument fragments streamed as they are generated join to exactly the non-streamed text.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vkrt.engine.guided import JSON_WHITESPACE, GuidedDecoding
+from vkrt.server import tool_xml
 from vkrt.server.errors import APIError, shown
 
 
@@ -98,6 +100,8 @@ def _call_schema(tools: list[dict[str, Any]], forced: str, arguments_key: str) -
 def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, parallel: bool) -> GuidedDecoding:
     """A Lark grammar whose sentences are one call (or, with `parallel`, several) of the
     forced function(s), in `parser`'s syntax, with arguments valid for their schema."""
+    if parser == "qwen3_xml":
+        return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel))
     key = "parameters" if parser == "llama3_json" else "arguments"
     call = "call: %json " + json.dumps(_call_schema(tools, forced, key))
     if parser == "hermes":
@@ -117,6 +121,8 @@ def pick_parser(chat_template: str | None, override: str | None) -> str:
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<function=" in template:  # inside <tool_call>: checked before hermes
+        return "qwen3_xml"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or "ipython" in template:
@@ -126,7 +132,8 @@ def pick_parser(chat_template: str | None, override: str | None) -> str:
 
 def call_opener(parser: str) -> str:
     """The text that starts a tool call in `parser`'s syntax (streamed content stops there)."""
-    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+    return {"hermes": "<tool_call>", "qwen3_xml": tool_xml.OPENER, "mistral": "[TOOL_CALLS]",
+            "llama3_json": "{"}[parser]
 
 
 def _call(obj: Any, raw: str, arguments_key: str) -> ToolCall | None:
@@ -139,9 +146,14 @@ def _call(obj: Any, raw: str, arguments_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], raw[span.arguments_start:span.arguments_end])
 
 
-def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
-    """(content before the calls, the calls); no calls when the text holds none that parse."""
+def parse_tool_calls(text: str, parser: str,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content before the calls, the calls); no calls when the text holds none that parse.
+    `tools` types qwen3_xml's bare values (the JSON syntaxes carry their own types)."""
     decoder = json.JSONDecoder()
+    if parser == "qwen3_xml":
+        content, named = tool_xml.parse(text, tools)
+        return content, [ToolCall(name, arguments) for name, arguments in named]
     if parser == "hermes":
         calls = []
         for match in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
@@ -369,9 +381,10 @@ class ToolCallStream:
     OpenAI deltas: `{index, id, type, function: {name, arguments: ""}}` once its name is
     written, then `{index, function: {arguments}}` fragments as its arguments are generated."""
 
-    def __init__(self, parser: str, parallel: bool) -> None:
+    def __init__(self, parser: str, parallel: bool, tools: list[dict[str, Any]] | None = None) -> None:
         self.parser = parser
         self.parallel = parallel
+        self.tools = tools  # types qwen3_xml's values
         self.text = ""
         self.content_sent = 0
         self.ids: list[str] = []  # the calls announced so far
@@ -387,14 +400,20 @@ class ToolCallStream:
         content = self.text[self.content_sent:safe]
         self.content_sent = safe
         deltas = []
-        for index, span in enumerate(call_spans(self.text, self.parser)[:None if self.parallel else 1]):
-            if span.name is None and index >= len(self.ids):
+        for index, (name, written) in enumerate(self._written()[:None if self.parallel else 1]):
+            if name is None and index >= len(self.ids):
                 break  # calls are announced in order, each once its name is known
-            written = "" if span.arguments_start is None else self.text[span.arguments_start:span.arguments_end]
-            delta = self._delta(index, span.name, written)
+            delta = self._delta(index, name, written)
             if delta is not None:
                 deltas.append(delta)
         return content, deltas
+
+    def _written(self) -> list[tuple[str | None, str]]:
+        """Each call written so far: its name (None until complete) and its arguments so far."""
+        if self.parser == "qwen3_xml":
+            return list(tool_xml.written(self.text, self.tools))
+        return [(span.name, "" if span.arguments_start is None else self.text[span.arguments_start:span.arguments_end])
+                for span in call_spans(self.text, self.parser)]
 
     def _delta(self, index: int, name: str | None, arguments: str) -> dict[str, Any] | None:
         """The delta that brings call `index` up to `arguments`, None if nothing is new."""
@@ -411,7 +430,7 @@ class ToolCallStream:
         return {"index": index, "function": {"arguments": arguments[len(sent):]}}
 
     def _finish(self) -> tuple[str, list[dict[str, Any]]]:
-        content, calls = parse_tool_calls(self.text, self.parser)
+        content, calls = parse_tool_calls(self.text, self.parser, self.tools)
         if not calls:
             rest = "" if self.ids else self.text[self.content_sent:]
             self.content_sent = len(self.text)
