@@ -8,9 +8,11 @@
 // does, and no per-token mask is needed (k passes over E logits). Weights are the picks'
 // softmax probabilities over all E (max subtracted, exps summed in index order), divided by
 // their sum when NORMALIZE (norm_topk_prob). ids and weights are written as [T, k].
-// OP_ROUTER_SIGMOID: the same walk over score = sigmoid(logit) + bias[e] (LFM2-MoE's expert
-// bias steers the choice only); the weights are the picks' sigmoid(logit), divided by their sum
-// + 1e-6 when NORMALIZE, then times pc.scale (routed_scaling_factor).
+// OP_ROUTER_SIGMOID: the same walk over rank = sigmoid(logit) + bias[e] (the expert bias steers
+// the choice only), over the experts of the top_groups best of `groups` consecutive groups (each
+// valued by its two best ranks; the groups are picked by the same walk); the weights are the
+// picks' sigmoid(logit), divided by their sum + norm_eps when NORMALIZE, then times pc.scale
+// (routed_scaling_factor).
 // OP_COMBINE: one invocation per output element of [T, N]: sum over slots j = 0..k-1 of
 // weights[t, j] * y[t, j, n], in slot order (a fixed order per element: batch invariant).
 // OP_COMBINE_SHARED: the same, then + sigmoid(shared_logit[t]) * shared[t, n] (a shared
@@ -65,14 +67,55 @@ IN_F32(0, logits);
 IN_F32(1, bias);
 OUT_I32(2, ids);
 RW_F32(3, weights);
-layout(push_constant) uniform Push { uint T; uint E; uint k; uint normalize; float scale; } pc;
+layout(push_constant) uniform Push {
+    uint T; uint E; uint k; uint normalize; float scale; float norm_eps; uint groups; uint top_groups;
+} pc;
 
 float sigmoid_of(float x) { return 1.0 / (1.0 + exp(-x)); }
+float rank_of(uint base, uint e) { return sigmoid_of(LD_F32(logits, base + e)) + LD_F32(bias, e); }
+
+// A group's value: the sum of its two best ranks (equal ranks count twice, as topk(2) takes them).
+float group_value(uint base, uint first, uint size) {
+    float best = -1.0 / 0.0, second = -1.0 / 0.0;
+    for (uint e = first; e < first + size; e++) {
+        float v = rank_of(base, e);
+        if (v > best) {
+            second = best;
+            best = v;
+        } else if (v > second) {
+            second = v;
+        }
+    }
+    return best + second;
+}
 
 void main() {
     uint t = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     if (t >= pc.T) return;
     uint base = t * pc.E;
+    uint size = pc.E / pc.groups;
+    uint allowed = 0xffffffffu;  // bit g: group g's experts may be chosen
+    if (pc.groups > 1u) {  // the top_groups best groups, picked in order as the experts are below
+        allowed = 0u;
+        float prev = 1.0 / 0.0;
+        int prev_id = -1;
+        for (uint j = 0u; j < pc.top_groups; j++) {
+            int best = -1;
+            float best_v = -1.0 / 0.0;
+            for (uint g = 0u; g < pc.groups; g++) {
+                float v = group_value(base, g * size, size);
+                bool after = v < prev || (v == prev && int(g) > prev_id);
+                if (after && (best < 0 || v > best_v)) {
+                    best = int(g);
+                    best_v = v;
+                }
+            }
+            best = max(best, 0);
+            allowed |= 1u << uint(best);
+            prev = best_v;
+            prev_id = best;
+        }
+    }
     float prev = 1.0 / 0.0;
     int prev_id = -1;
     precise float chosen = 0.0;
@@ -80,6 +123,7 @@ void main() {
         int best = -1;
         float best_v = -1.0 / 0.0, best_w = 0.0;
         for (uint e = 0u; e < pc.E; e++) {
+            if (((allowed >> (e / size)) & 1u) == 0u) continue;
             float w = sigmoid_of(LD_F32(logits, base + e));
             float v = w + LD_F32(bias, e);
             bool after = v < prev || (v == prev && int(e) > prev_id);  // ranked after the last pick
@@ -96,7 +140,7 @@ void main() {
         prev = best_v;
         prev_id = best;
     }
-    precise float denominator = pc.normalize != 0u ? chosen + 1e-6 : 1.0;
+    precise float denominator = pc.normalize != 0u ? chosen + pc.norm_eps : 1.0;
     for (uint j = 0u; j < pc.k; j++) weights[t * pc.k + j] = weights[t * pc.k + j] / denominator * pc.scale;
 }
 #endif

@@ -232,6 +232,22 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                               "Granite 4 hybrid with experts (granite-4.0-h-tiny's kind): tiny_granite4's mixers, "
                               "every MLP 6 experts of 32 (top-2, softmax over the chosen logits, gate|up stacked per "
                               "expert) plus the layer's own MLP of 96 added ungated"),
+        "tiny_nemotron_h_moe": ("NemotronH", dict(vocab_size=256, hidden_size=64, max_position_embeddings=256,
+                                                  initializer_range=0.1, bos_token_id=1, eos_token_id=None,
+                                                  pad_token_id=0,
+                                                  layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                     "moe", "linear_attention", "moe"],
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  mamba_num_heads=8, mamba_head_dim=24, n_groups=2, ssm_state_size=16,
+                                                  conv_kernel=4, layer_norm_epsilon=1e-5, n_routed_experts=8,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  moe_shared_expert_intermediate_size=48, n_shared_experts=1,
+                                                  n_group=2, topk_group=1, norm_topk_prob=True,
+                                                  routed_scaling_factor=2.5),
+                                "Nemotron-H with experts (Nemotron 3 Nano's kind): tiny_nemotron_h's Mamba2 and "
+                                "attention blocks, MoE blocks of 8 ungated relu^2 experts of 32 (sigmoid scores, "
+                                "chosen with the score-correction bias within the best 1 of 2 groups, top-2 "
+                                "renormalised, x 2.5) plus a shared relu^2 expert of 48"),
     }
 
 
@@ -253,7 +269,7 @@ def _randomise(model, gemma: bool) -> None:
             elif name.endswith((".bias", ".dt_bias", ".D")):
                 p.copy_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):  # LFM2-MoE's starts at 0: large enough to change choices
+            if name.endswith(("expert_bias", "e_score_correction_bias")):  # start at 0: large enough to change choices
                 b.copy_(0.3 * torch.randn_like(b))
 
 

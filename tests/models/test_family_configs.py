@@ -167,9 +167,9 @@ def test_nemotron_h_blocks_of_one_sublayer(tmp_path: Path) -> None:
     _edit_config(d, layers_block_type=None, hybrid_override_pattern="M-*-M-", num_hidden_layers=6)
     assert load_model(d).config.layers == saved.layers
     _edit_config(d, hybrid_override_pattern="M-*-ME")
-    with pytest.raises(UnsupportedModelError) as exc:  # Nemotron 3's mixtures of experts
+    with pytest.raises(ModelFormatError) as exc:  # an MoE block ('E') needs its router and experts
         load_model(d)
-    _one_line(exc, "config.json", "hybrid_override_pattern", "'moe'", "not supported")
+    _one_line(exc, "tiny_nemotron_h", "'layers.5.router' is missing")
     _edit_config(d, hybrid_override_pattern="M-*-MX")
     with pytest.raises(ModelFormatError) as exc:
         load_model(d)
@@ -178,6 +178,32 @@ def test_nemotron_h_blocks_of_one_sublayer(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(d)
     _one_line(exc, "config.json", "use_bias", "not supported")
+
+
+def test_nemotron_h_experts_in_groups(tmp_path: Path) -> None:
+    """Nemotron 3's MoE blocks: ungated relu^2 experts with a shared one, sigmoid routing with the
+    score-correction bias within the best groups (n_group / topk_group, and llama.cpp's
+    expert_group_count / expert_group_used_count), its 1e-20 renormalising eps; the same blocks
+    from the GGUF; bad groups and a latent expert projection refused."""
+    saved = load_model(FIXTURES / "tiny_nemotron_h_moe").config
+    assert [(layer.mixer, layer.moe) for layer in saved.layers] == [
+        ("mamba2", False), ("none", True), ("attention", False), ("none", True), ("mamba2", False), ("none", True)]
+    assert (saved.num_experts, saved.num_experts_per_tok, saved.moe_intermediate_size,
+            saved.shared_expert_intermediate_size, saved.shared_expert_gated) == (8, 2, 32, 48, False)
+    assert (saved.moe_router, saved.expert_bias, saved.moe_groups, saved.moe_top_groups, saved.router_norm_eps,
+            saved.routed_scaling_factor, saved.norm_topk_prob) == ("sigmoid", True, 2, 1, 1e-20, 2.5, True)
+    gguf = load_model(FIXTURES / "tiny_nemotron_h_moe_gguf" / "model.gguf").config
+    assert gguf.layers == saved.layers
+    assert (gguf.num_experts, gguf.moe_groups, gguf.moe_top_groups, gguf.routed_scaling_factor, gguf.expert_bias,
+            gguf.shared_expert_intermediate_size) == (8, 2, 1, 2.5, True, 48)
+    d = _copy("tiny_nemotron_h_moe", tmp_path)
+    for fields, error, words in (({"n_group": 3}, ModelFormatError, ("n_group", "equal groups")),
+                                 ({"topk_group": 3}, ModelFormatError, ("topk_group",)),
+                                 ({"moe_latent_size": 16}, UnsupportedModelError, ("moe_latent_size", "latent"))):
+        _edit_config(d, **{"n_group": 2, "topk_group": 1, "moe_latent_size": None, **fields})
+        with pytest.raises(error) as exc:
+            load_model(d)
+        _one_line(exc, "config.json", *words)
 
 
 def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,

@@ -356,24 +356,51 @@ def test_expert_formats_are_the_shader_variants() -> None:
     assert line.split("WFMT=")[1].split()[0].split(",") == list(moe.FORMATS)
 
 
+# (experts, k, groups, top groups): one group (LFM2-MoE), and group-limited choices of odd sizes.
+SIGMOID_ROUTER_CASES = [*((e, k, 1, 1) for e, k in ROUTER_CASES), (8, 2, 2, 1), (12, 5, 4, 2), (18, 3, 3, 3),
+                        (64, 8, 8, 4), (6, 2, 3, 1)]
+
+
 @pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize(("experts", "k"), ROUTER_CASES)
+@pytest.mark.parametrize(("experts", "k", "groups", "top_groups"), SIGMOID_ROUTER_CASES)
 def test_native_sigmoid_router_matches_reference(vk: Backend, rng: np.random.Generator, experts: int, k: int,
-                                                 normalize: bool) -> None:
-    """LFM2-MoE's routing: the bias steers the choice (ties: integer logits, a zero bias, an
-    all-equal row), the weights are the unbiased sigmoids, normalised (+1e-6) and scaled."""
-    tied = rng.integers(-2, 3, size=(13, experts)).astype(np.float32)
+                                                 groups: int, top_groups: int, normalize: bool) -> None:
+    """Sigmoid routing: the bias steers the choice (ties: integer logits, a zero bias, an
+    all-equal row), groups limit it, the weights are the unbiased sigmoids, normalised (+ eps)
+    and scaled."""
+    # Ties in the groups' values must be ties in f32 too: sigmoid(x) + sigmoid(-x) is 1 in the
+    # reals for every x, but not in every rounding, so grouped rows tie with equal ranks only.
+    tied = rng.integers(-2 if groups == 1 else 0, 3, size=(13, experts)).astype(np.float32)
     tied[0] = 1.0
     spread = rng.standard_normal((70, experts)).astype(np.float32) * 3
+    eps = 1e-6 if groups == 1 else 1e-20
     for logits, bias in ((tied, np.zeros(experts, np.float32)),
                          (spread, (rng.standard_normal(experts) * 0.3).astype(np.float32))):
         before = vk.counters.snapshot()
-        ids, weights = ops.moe_router_sigmoid(vk.upload(logits), vk.upload(bias), k, normalize, 2.5)
+        ids, weights = ops.moe_router_sigmoid(vk.upload(logits), vk.upload(bias), k, normalize, 2.5, eps, groups,
+                                              top_groups)
         got_ids, got_w = ids.numpy(), weights.numpy()
         assert vk.counters.since(before)["drains"] == 0
-        want_ids, want_w = ops.OPS["moe_router_sigmoid"].reference(logits, bias, k, normalize, 2.5)
+        want_ids, want_w = ops.OPS["moe_router_sigmoid"].reference(logits, bias, k, normalize, 2.5, eps, groups,
+                                                                  top_groups)
         np.testing.assert_array_equal(got_ids, want_ids)
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+
+
+def test_sigmoid_router_groups_limit_the_choice(ref: Backend) -> None:
+    """Two groups of three: the one whose two best ranks sum higher is the only one chosen
+    from, though the other holds the single best expert."""
+    logits = np.array([[3.0, -3.0, -3.0, 1.0, 1.0, 0.5]], np.float32)
+    bias = np.zeros(6, np.float32)
+    ids, _ = ops.moe_router_sigmoid(ref.upload(logits), ref.upload(bias), 2, True, 1.0, 1e-20, 1, 1)
+    assert ids.numpy().tolist() == [[0, 3]]
+    ids, weights = ops.moe_router_sigmoid(ref.upload(logits), ref.upload(bias), 2, True, 1.0, 1e-20, 2, 1)
+    assert ids.numpy().tolist() == [[3, 4]]  # group 1: 0.73 + 0.73 > group 0: 0.95 + 0.05
+    np.testing.assert_allclose(weights.numpy()[0], [0.5, 0.5], rtol=1e-6)
+    with pytest.raises(OpError, match="groups must divide"):
+        ops.moe_router_sigmoid(ref.upload(logits), ref.upload(bias), 2, True, 1.0, 1e-20, 4, 1)
+    with pytest.raises(OpError, match="top_k must be in 1..3"):
+        ops.moe_router_sigmoid(ref.upload(logits), ref.upload(bias), 4, True, 1.0, 1e-20, 2, 1)
 
 
 def test_sigmoid_router_bias_steers_only_the_choice(ref: Backend) -> None:

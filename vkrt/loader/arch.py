@@ -201,6 +201,7 @@ class ArchSpec:
     shared_expert: bool = False
     shared_expert_gated: bool = True
     moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
+    router_norm_eps: float = 1e-6  # ModelConfig.router_norm_eps (the sigmoid router's)
     # -- config.json in this family's own words --
     hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
     hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads
@@ -488,35 +489,51 @@ _GRANITE4 = ArchSpec(
     shared_expert_gated=False,
 )
 
-# Nemotron-H (dense): blocks of one sublayer each, Mamba2 (its conv with a bias), NoPE attention
-# or an ungated relu^2 MLP, in the order hybrid_override_pattern spells (M, *, -).
+# Nemotron-H: blocks of one sublayer each, Mamba2 (its conv with a bias), NoPE attention, an
+# ungated relu^2 MLP or a mixture of ungated relu^2 experts with a shared one (Nemotron 3: sigmoid
+# routing with a score-correction bias within the best expert groups), in the order
+# hybrid_override_pattern spells (M, *, -, E).
 _NEMOTRON_H_MIXER = {"mixer.in_proj.weight": "mamba.in_proj", "mixer.conv1d.weight": "mamba.conv.weight",
                      "mixer.conv1d.bias": "mamba.conv.bias", "mixer.A_log": "mamba.A_log", "mixer.D": "mamba.D",
                      "mixer.dt_bias": "mamba.dt_bias", "mixer.norm.weight": "mamba.norm",
                      "mixer.out_proj.weight": "mamba.out_proj"}
 _NEMOTRON_H = ArchSpec(
     name="nemotron_h",
-    gguf_archs=("nemotron_h",),
+    gguf_archs=("nemotron_h", "nemotron_h_moe"),
     hf_archs=("NemotronHForCausalLM",),
     gguf_layer={"attn_norm.weight": "norm", "attn_q.weight": "q_proj", "attn_k.weight": "k_proj",
                 "attn_v.weight": "v_proj", "attn_output.weight": "o_proj", "ffn_up.weight": "up_proj",
-                "ffn_down.weight": "down_proj", **_MAMBA2_GGUF},
+                "ffn_down.weight": "down_proj", **_MAMBA2_GGUF, "ffn_gate_inp.weight": "router",
+                "exp_probs_b.bias": "expert_bias", "ffn_up_exps.weight": "experts.up_proj",
+                "ffn_down_exps.weight": "experts.down_proj", "ffn_up_shexp.weight": "shared_expert.up_proj",
+                "ffn_down_shexp.weight": "shared_expert.down_proj"},
     hf_global={"backbone.embeddings.weight": "embed_tokens", "backbone.norm_f.weight": "final_norm",
                "lm_head.weight": "lm_head"},
     hf_layer={"norm.weight": "norm", "mixer.q_proj.weight": "q_proj", "mixer.k_proj.weight": "k_proj",
               "mixer.v_proj.weight": "v_proj", "mixer.o_proj.weight": "o_proj", "mixer.up_proj.weight": "up_proj",
-              "mixer.down_proj.weight": "down_proj", **_NEMOTRON_H_MIXER},
+              "mixer.down_proj.weight": "down_proj", **_NEMOTRON_H_MIXER, "mixer.gate.weight": "router",
+              "mixer.gate.e_score_correction_bias": "expert_bias",
+              "mixer.experts.{e}.up_proj.weight": "experts.{e}.up_proj",
+              "mixer.experts.{e}.down_proj.weight": "experts.{e}.down_proj",
+              "mixer.shared_experts.up_proj.weight": "shared_expert.up_proj",
+              "mixer.shared_experts.down_proj.weight": "shared_expert.down_proj"},
     layer_weights=("norm", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
     activation="relu2",
-    mixer_types={"linear_attention": "mamba2", "mlp": "none"},
+    mixer_types={"linear_attention": "mamba2", "mlp": "none", "moe": "none"},
     hf_prefix="backbone",
     hf_renames={"layers_block_type": "layer_types", "mamba_num_heads": "mamba_n_heads",
                 "mamba_head_dim": "mamba_d_head", "n_groups": "mamba_n_groups", "ssm_state_size": "mamba_d_state",
                 "conv_kernel": "mamba_d_conv", "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
-                "layer_norm_epsilon": "rms_norm_eps", "mlp_hidden_act": "hidden_act"},
+                "layer_norm_epsilon": "rms_norm_eps", "mlp_hidden_act": "hidden_act", "n_routed_experts": "num_experts",
+                "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size"},
     hf_pattern={"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"},
-    hf_defaults={"position_embedding_type": "nope"},
+    hf_defaults={"position_embedding_type": "nope", "use_expert_bias": True},
     one_sublayer=True,
+    moe_router="sigmoid",
+    router_norm_eps=1e-20,
+    norm_topk_prob=True,
+    shared_expert=True,
+    shared_expert_gated=False,
 )
 
 # OLMo-hybrid: gated delta nets (q, k, v, a, b, g projected apart, q|k|v convolved apart, beta x 2
@@ -738,7 +755,10 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     if config.expert_bias:
         out[p + "expert_bias"] = (experts,)
     shared = config.shared_expert_intermediate_size
-    if shared and config.shared_expert_gated:
+    ungated = config.hidden_act == "relu2"  # Nemotron-H's experts and shared expert: up and down only
+    if shared and ungated:
+        out |= {p + "shared_expert.up_proj": (shared, hidden), p + "shared_expert.down_proj": (hidden, shared)}
+    elif shared and config.shared_expert_gated:
         out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),
                 p + "shared_expert.down_proj": (hidden, shared), p + "shared_expert_gate": (1, hidden)}
     elif shared and p + "shared_expert.gate_proj" in weights:  # Granite 4's ungated shared MLP, from GGUF
@@ -747,9 +767,11 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     elif shared:  # Granite 4: the layer's own MLP (gate|up fused) runs beside the experts, ungated
         out |= {p + "gate_up_proj": (2 * shared, hidden), p + "down_proj": (hidden, shared)}
     proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    if ungated:
+        del proj["gate_proj"]
     if p + "experts.gate_up_proj" in weights:  # Granite 4: gate|up stacked per expert [E, 2F, H]
         return out | {p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
-    if p + "experts.gate_proj" in weights:
+    if p + "experts.down_proj" in weights:  # stacked (GGUF)
         return out | {f"{p}experts.{n}": (experts, *shape) for n, shape in proj.items()}
     prefix = p + "experts."
     for name in weights:

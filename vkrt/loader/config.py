@@ -107,6 +107,12 @@ class ModelConfig:
     moe_router: str = "softmax"
     expert_bias: bool = False
     routed_scaling_factor: float = 1.0
+    # The sigmoid router: the eps added to the chosen weights' sum when renormalising (LFM2-MoE
+    # 1e-6, Nemotron-H 1e-20), and its expert groups: only the moe_top_groups best of moe_groups
+    # consecutive groups are chosen from (Nemotron-H's and DeepSeek-V3's n_group, topk_group).
+    router_norm_eps: float = 1e-6
+    moe_groups: int = 1
+    moe_top_groups: int = 1
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's mixer, attention window and rope settings."""

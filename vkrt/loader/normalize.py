@@ -33,6 +33,7 @@ from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, WeightData
 from vkrt.loader.gguf_file import GGUFFile
+from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,12 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     moe = _moe_fields(src)
     if moe[0] and src.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
-    sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
+    if spec.one_sublayer:  # Nemotron-H: its "moe" blocks are the sparse ones (and its dense
+        sparse = [t == "moe" for t in src.get("layer_types") or []]  # configs carry expert fields too)
+        moe = moe if any(sparse) else (0, 0, 0)
+        sparse = sparse if moe[0] else [False] * num_layers
+    else:
+        sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
     layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer,
                                mlp=not spec.one_sublayer or mixer == "none",
                                post_norms=spec.attention_post_norms and mixer == "attention")
@@ -360,7 +366,33 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         moe_router=spec.moe_router,
         expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
         routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,
+        router_norm_eps=spec.router_norm_eps,
+        **_expert_groups(src, spec, moe),
     )
+
+
+def _expert_groups(src: ConfigFields, spec: ArchSpec, moe: tuple[int, int, int]) -> dict[str, int]:
+    """The sigmoid router's expert groups (n_group, topk_group), checked; Nemotron-H's latent
+    expert projection (moe_latent_size), which vkrt does not run, refused."""
+    experts, per_token, _ = moe
+    if not experts:
+        return {}
+    if src.get("moe_latent_size") is not None:
+        raise UnsupportedModelError(f"{src.source}: {src.name('moe_latent_size')} {src.get('moe_latent_size')!r}: "
+                                    "experts working in a latent projection are not supported yet")
+    groups, top = src.get("n_group") or 1, src.get("topk_group") or 1
+    if not (_is_int(groups) and _is_int(top) and 1 <= top <= groups and experts % groups == 0
+            and (groups == 1 or experts // groups >= 2) and groups <= MAX_ROUTER_GROUPS):
+        raise ModelFormatError(f"{src.source}: {src.name('n_group')} {groups!r} and {src.name('topk_group')} {top!r} "
+                               f"must split the {experts} experts into equal groups of at least 2 (at most "
+                               f"{MAX_ROUTER_GROUPS} groups) and choose from 1 to all of them")
+    if groups > 1 and spec.moe_router != "sigmoid":
+        raise UnsupportedModelError(f"{src.source}: expert groups ({src.name('n_group')} {groups}) with "
+                                    f"{spec.moe_router} routing are not supported yet")
+    if per_token > top * (experts // groups):
+        raise ModelFormatError(f"{src.source}: {src.name('num_experts_per_tok')} {per_token} is more than the "
+                               f"{top * (experts // groups)} experts of the {top} groups chosen from")
+    return {"moe_groups": groups, "moe_top_groups": top}
 
 
 def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
@@ -495,6 +527,8 @@ _GGUF_NAMES = {
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
     "expert_weights_norm": "norm_topk_prob",
     "expert_weights_scale": "routed_scaling_factor",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
     # Granite's multipliers
     "attention.scale": "attention_multiplier",
     "embedding_scale": "embedding_multiplier",
@@ -571,6 +605,9 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         values["mlp_only_layers"] = [i for i in range(values["num_hidden_layers"])
                                      if f"layers.{i}.router" not in weights]
         values["use_expert_bias"] = any(name.endswith(".expert_bias") for name in weights)
+        if spec.one_sublayer:  # Nemotron-H: the blocks with a router are its MoE blocks
+            values["layer_types"] = ["moe" if f"layers.{i}.router" in weights else kind
+                                     for i, kind in enumerate(values.get("layer_types") or [])]
         gating = meta.get(f"{arch}.expert_gating_func")
         if gating is not None and _GGUF_GATING.get(gating) != spec.moe_router:
             raise UnsupportedModelError(f"{path}: '{arch}.expert_gating_func' {gating!r} is not this family's "

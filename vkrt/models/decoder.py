@@ -179,13 +179,14 @@ class DecoderModel(CausalLM):
         return linear(self.activation(linear(x, mlp.gate_up)), mlp.down)
 
     def sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:
-        """Mixture of experts: each token through the gated MLPs of its k routed experts,
+        """Mixture of experts: each token through the MLPs (gated, or relu2's ungated) of its k routed experts,
         summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
         c = self.config
         logits = linear(x, experts.router)
-        if experts.bias is not None:  # LFM2-MoE: sigmoid scores, chosen with the expert bias
+        if experts.bias is not None:  # LFM2-MoE, Nemotron-H: sigmoid scores, chosen with the expert bias
             ids, weights = ops.moe_router_sigmoid(logits, experts.bias, c.num_experts_per_tok, c.norm_topk_prob,
-                                                  c.routed_scaling_factor)
+                                                  c.routed_scaling_factor, c.router_norm_eps, c.moe_groups,
+                                                  c.moe_top_groups)
         else:
             ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
         act = self.activation(self.expert_gate_up(experts, x, ids))  # [T, k, F]

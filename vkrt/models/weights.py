@@ -251,7 +251,8 @@ class _Builder:
             norm = self.norm(p + "norm")
             return Layer(attn_norm=None if kind.mixer == "none" else norm,
                          mixer=None if kind.mixer == "none" else self.mixer(p, kind.mixer),
-                         ffn_norm=norm if kind.mlp else None, mlp=self.mlp(p) if kind.mlp else None)
+                         ffn_norm=norm if kind.mlp else None,
+                         mlp=(self.experts(p) if kind.moe else self.mlp(p)) if kind.mlp else None)
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
             mixer=self.mixer(p, kind.mixer),
@@ -366,7 +367,8 @@ class _Builder:
         c = self.config
         shared, shared_gate = None, None
         if c.shared_expert_intermediate_size:  # Qwen2-MoE's gated shared expert, or the layer's own MLP
-            own = not c.shared_expert_gated and p + "shared_expert.gate_proj" not in self.stored  # (HF Granite 4)
+            own = (not c.shared_expert_gated and p + "shared_expert.gate_proj" not in self.stored  # (HF Granite 4)
+                   and p + "shared_expert.up_proj" not in self.stored)
             shared = self.mlp(p) if own else self.mlp(p + "shared_expert.")
             shared_gate = self.linear([p + "shared_expert_gate"]) if c.shared_expert_gated else None
         if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4)
@@ -374,6 +376,14 @@ class _Builder:
             return Experts(router=self.linear([p + "router"]),
                            gate_up=(self.experts_weight(p + "experts.gate_up_proj", self.expert_stack(p, "gate_up_proj")),),
                            down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate)
+        bias = None
+        if self.config.moe_router == "sigmoid":
+            values = self.vector(p + "expert_bias") if self.config.expert_bias else None
+            bias = self.f32(values if values is not None else np.zeros(self.config.num_experts, np.float32))
+        if c.hidden_act == "relu2":  # ungated experts (Nemotron-H): up alone
+            up, down = self.expert_stack(p, "up_proj"), self.expert_stack(p, "down_proj")
+            return Experts(router=self.linear([p + "router"]), gate_up=(self.experts_weight(p + "experts.up_proj", up),),
+                           down=self.experts_weight(p + "experts.down_proj", down), shared=shared, bias=bias)
         gate, up, down = (self.expert_stack(p, n) for n in ("gate_proj", "up_proj", "down_proj"))
         if gate.fmt == up.fmt:  # one [E, 2F, K] stack, gate over up per expert
             both = _ExpertStack(gate.fmt, [g + u for g, u in zip(gate.blocks, up.blocks, strict=True)], gate.shape,
@@ -381,10 +391,6 @@ class _Builder:
             gate_up: tuple[Tensor, ...] = (self.experts_weight(p + "experts.gate_up_proj", both),)
         else:  # kept in their own formats: two expert matmuls whose outputs are concatenated
             gate_up = (self.experts_weight(p + "experts.gate_proj", gate), self.experts_weight(p + "experts.up_proj", up))
-        bias = None
-        if self.config.moe_router == "sigmoid":
-            values = self.vector(p + "expert_bias") if self.config.expert_bias else None
-            bias = self.f32(values if values is not None else np.zeros(self.config.num_experts, np.float32))
         return Experts(router=self.linear([p + "router"]), gate_up=gate_up,
                        down=self.experts_weight(p + "experts.down_proj", down),
                        shared=shared, shared_gate=shared_gate, bias=bias)

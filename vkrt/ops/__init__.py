@@ -182,11 +182,12 @@ def moe_router(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Ten
     return dispatch("moe_router", logits, top_k=int(top_k), normalize=bool(normalize))
 
 
-def moe_router_sigmoid(logits: Tensor, bias: Tensor, top_k: int, normalize: bool,
-                       scale: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Expert ids and weights by sigmoid scores, chosen with an expert bias [E] (vkrt.ops.moe)."""
+def moe_router_sigmoid(logits: Tensor, bias: Tensor, top_k: int, normalize: bool, scale: float = 1.0,
+                       norm_eps: float = 1e-6, groups: int = 1, top_groups: int = 1) -> tuple[Tensor, Tensor]:
+    """Expert ids and weights by sigmoid scores, chosen with an expert bias [E] within the
+    `top_groups` best of `groups` groups of experts (vkrt.ops.moe)."""
     return dispatch("moe_router_sigmoid", logits, bias, top_k=int(top_k), normalize=bool(normalize),
-                    scale=float(scale))
+                    scale=float(scale), norm_eps=float(norm_eps), groups=int(groups), top_groups=int(top_groups))
 
 
 def moe_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:

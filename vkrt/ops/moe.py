@@ -6,8 +6,9 @@ A sparse MLP is four ops (the router matmul is a plain `matmul` against [E, H]):
     a = silu_and_mul(moe_matmul(x, experts_gate_up, ids))         # [T, k, 2F] -> [T, k, F]
     out = moe_combine(moe_matmul(a, experts_down, ids), weights)  # [T, H]
 
-`moe_router_sigmoid(logits, bias, top_k, normalize, scale)` routes by sigmoid scores with an
-expert bias instead (LFM2-MoE).
+`moe_router_sigmoid(logits, bias, top_k, normalize, scale, norm_eps, groups, top_groups)` routes
+by sigmoid scores with an expert bias instead, within the best groups of experts (LFM2-MoE,
+Nemotron-H, DeepSeek-V3's router).
 
 A shared expert (Qwen2-MoE) is a dense gated MLP every token runs; its output s [T, H] enters
 the combine as one more term, weighted by the sigmoid of its gate's logit g [T, 1]:
@@ -61,40 +62,59 @@ def moe_router(logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndar
 
 
 def _sigmoid_router_infer(logits: TensorSpec, bias: TensorSpec, top_k: int, normalize: bool,
-                          scale: float) -> tuple[TensorSpec, ...]:
+                          scale: float, norm_eps: float, groups: int, top_groups: int) -> tuple[TensorSpec, ...]:
     specs = (logits, bias)
     require(logits.dtype == "f32" and len(logits.shape) == 2, "moe_router_sigmoid", specs,
             "router logits must be f32 [T, E]")
+    experts = logits.shape[1]
     require(bias.dtype == "f32" and bias.shape == logits.shape[1:], "moe_router_sigmoid", specs,
-            f"the expert bias must be f32 [E] (E = {logits.shape[1]})")
-    require(1 <= top_k <= logits.shape[1], "moe_router_sigmoid", specs,
-            f"top_k must be in 1..E ({logits.shape[1]}), got {top_k}")
+            f"the expert bias must be f32 [E] (E = {experts})")
+    require(1 <= groups <= MAX_ROUTER_GROUPS and experts % groups == 0 and (groups == 1 or experts // groups >= 2),
+            "moe_router_sigmoid", specs, f"groups must divide E ({experts}) into groups of at least 2 experts, "
+            f"at most {MAX_ROUTER_GROUPS} groups; got {groups}")
+    require(1 <= top_groups <= groups, "moe_router_sigmoid", specs, f"top_groups must be in 1..{groups}, got {top_groups}")
+    require(1 <= top_k <= top_groups * (experts // groups), "moe_router_sigmoid", specs,
+            f"top_k must be in 1..{top_groups * (experts // groups)} (the experts of the top groups), got {top_k}")
     require(bool(np.isfinite(scale)) and scale > 0, "moe_router_sigmoid", specs, f"scale must be > 0, got {scale}")
+    require(bool(np.isfinite(norm_eps)) and norm_eps >= 0, "moe_router_sigmoid", specs,
+            f"norm_eps must be >= 0, got {norm_eps}")
     rows = logits.shape[0]
     return TensorSpec((rows, top_k), "i32"), TensorSpec((rows, top_k), "f32")
 
 
-SIGMOID_NORM_EPS = 1e-6  # transformers adds it to the chosen weights' sum (LFM2-MoE)
+MAX_ROUTER_GROUPS = 32  # the native kernel keeps the chosen groups as the bits of one word
 
 
 @register_op("moe_router_sigmoid", _sigmoid_router_infer)
 def moe_router_sigmoid(logits: np.ndarray, bias: np.ndarray, top_k: int, normalize: bool,
-                       scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Sigmoid routing with an expert bias (LFM2-MoE; DeepSeek-V3's without its groups).
+                       scale: float, norm_eps: float, groups: int, top_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sigmoid routing with an expert bias, limited to the best groups of experts (DeepSeek-V3's,
+    Nemotron-H's; LFM2-MoE's is one group).
 
-    Each expert's score is sigmoid(logit); the k experts are those of the largest score + bias
-    (descending, ties to the lower index), and their weights are their scores without the bias:
-    divided by (their sum + 1e-6) with `normalize`, then times `scale` (routed_scaling_factor).
-    The ranking is in f32 as transformers computes it (score rounded to f32, plus the f32 bias);
-    the weights in float64, rounded once to f32.
+    Each expert's score is sigmoid(logit) and its rank score + bias. With `groups` > 1 the E
+    experts are split into that many consecutive groups, each valued by the sum of its two best
+    ranks, and only the `top_groups` best groups are chosen from. The k experts are those of the
+    largest rank (descending, ties to the lower index; groups likewise), and their weights are
+    their scores without the bias: divided by (their sum + norm_eps) with `normalize`, then times
+    `scale` (routed_scaling_factor). Ranks and group values are in f32 as transformers computes
+    them (score rounded to f32, plus the f32 bias); the weights in float64, rounded once to f32.
     """
     x = np.asarray(logits, dtype=np.float64)
     scores = 1.0 / (1.0 + np.exp(-x))
     ranked = scores.astype(np.float32) + np.asarray(bias, dtype=np.float32)
+    if groups > 1:
+        tokens, experts = ranked.shape
+        by_group = ranked.reshape(tokens, groups, experts // groups)
+        best_two = -np.sort(-by_group, axis=2)[:, :, :2]
+        value = best_two[:, :, 0] + best_two[:, :, 1]  # f32, as torch sums the two
+        chosen_groups = np.argsort(-value, axis=1, kind="stable")[:, :top_groups]
+        keep = np.zeros((tokens, groups), bool)
+        np.put_along_axis(keep, chosen_groups, True, axis=1)
+        ranked = np.where(np.repeat(keep, experts // groups, axis=1), ranked, np.float32(-np.inf))
     order = np.argsort(-ranked, axis=1, kind="stable")[:, :top_k]
     chosen = np.take_along_axis(scores, order, axis=1)
     if normalize:
-        chosen = chosen / (chosen.sum(axis=1, keepdims=True) + SIGMOID_NORM_EPS)
+        chosen = chosen / (chosen.sum(axis=1, keepdims=True) + norm_eps)
     return order.astype(np.int32), (chosen * scale).astype(np.float32)
 
 

@@ -159,10 +159,11 @@ def _run_sigmoid_router(backend: KernelBackend, inputs: tuple[Tensor, ...], para
     tokens, experts = logits.shape
     ids, weights = backend.empty(out[0].shape, "i32"), backend.empty(out[1].shape, "f32")
     if tokens:
-        push = (tokens, experts, params["top_k"], int(params["normalize"]), params["scale"])
+        push = (tokens, experts, params["top_k"], int(params["normalize"]), params["scale"], params["norm_eps"],
+                params["groups"], params["top_groups"])
         backend.run_shader(module(backend, "moe", "router_sigmoid"),
                            [(logits, "f32", False), (bias, "f32", False), (ids, "i32", True), (weights, "f32", True)],
-                           grid_1d(tokens), ("<4If", push), local_size())
+                           grid_1d(tokens), ("<4I2f2I", push), local_size())
     return ids, weights
 
 
