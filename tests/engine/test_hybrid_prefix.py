@@ -224,3 +224,38 @@ def test_metrics_show_the_snapshots() -> None:
             assert (metrics.num_state_snapshots > 0) is enabled and metrics.num_cached_state_snapshots == 0
         finally:
             llm.shutdown()
+
+
+# ---- the bookkeeping alone (no model): which copies a step makes, eviction ---------------------------
+
+
+def test_snapshots_are_taken_at_block_ends_restored_on_hits_and_die_with_their_block() -> None:
+    """Blocks of 4, 2 state slots (0, 1) and 2 snapshot slots (2, 3), a pool of 4 blocks."""
+    from vkrt.engine.kv_groups import KVCacheManager
+    from vkrt.engine.request import Request
+    from vkrt.models.base import KVGroup
+
+    blocks = KVCacheManager([KVGroup(0, (0,))], [4], 4, True, num_state_slots=2, num_snapshot_slots=2)
+    assert blocks.chunk_alignment == 4
+    a = Request("a", list(range(10)), SamplingParams())
+    assert blocks.allocate_slots(a, 8, blocks.get_computed_blocks(a))
+    copies = blocks.state_copies([(a, 0, 8)])  # ends block 1: a snapshot of slot 0 into slot 2
+    assert (copies.restore, copies.snapshot) == ([], [(0, 2)])
+    assert blocks.get_computed_blocks(Request("x", list(range(10)), SamplingParams())).num_tokens == 0  # not yet
+    blocks.commit_state_snapshots()
+    a.num_computed_tokens = 8
+    blocks.free(a)
+
+    b = Request("b", list(range(9)) + [99], SamplingParams())  # shares 8 tokens: the snapshot's prefix
+    hit = blocks.get_computed_blocks(b)
+    assert (hit.num_tokens, hit.state_snapshot) == (8, 2)
+    assert blocks.allocate_slots(b, 2, hit)
+    copies = blocks.state_copies([(b, 8, 2)])  # restored before the forward; 10 ends no block
+    assert (copies.restore, copies.snapshot) == ([(2, 0)], [])
+    blocks.free(b)
+
+    c = Request("c", [50 + i for i in range(16)], SamplingParams())  # needs every block: evicts a's
+    assert blocks.allocate_slots(c, 16, blocks.get_computed_blocks(c))
+    snapshots = blocks.snapshots
+    assert snapshots is not None and snapshots.num_cached == 0 and snapshots.num_free == 2
+    assert blocks.get_computed_blocks(b).num_tokens == 0
