@@ -41,6 +41,9 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
     p.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV cache size, e.g. 256M")
     p.add_argument("--state-memory", type=_parse_bytes, default=None,
                    help="recurrent-state memory of hybrid models, e.g. 1G (default 512M; caps concurrent sequences)")
+    p.add_argument("--state-snapshot-memory", type=_parse_bytes, default=None,
+                   help="hybrid models: memory for the recurrent-state snapshots prefix caching keeps at cached "
+                        "block boundaries, e.g. 1G (default 256M; 0: prefix caching off for them)")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f16",
                    help="KV cache format (default f16: half the memory of f32; q8_0: GGUF 8-bit blocks, "
                         "~0.53x of f16, needs head_dim a multiple of 32; f32 for exactness checks)")
@@ -74,7 +77,8 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
     return LLM(args.model or "", device=args.device, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, default_max_model_len=DEFAULT_MAX_MODEL_LEN,
                kv_cache_memory=args.kv_cache_memory, kv_dtype=args.kv_cache_dtype,
-               state_memory=args.state_memory, enable_replay=not args.no_replay, **overrides)
+               state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
+               enable_replay=not args.no_replay, **overrides)
 
 
 def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
@@ -307,7 +311,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, kv_dtype=args.kv_cache_dtype,
-                       state_memory=args.state_memory, enable_log_requests=args.enable_log_requests,
+                       state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
+                       enable_log_requests=args.enable_log_requests,
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics,
                        enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,

@@ -4,7 +4,8 @@ tiny_lfm2 (three gated short-convolution layers, one attention layer) and tiny_q
 gated delta nets, one gated attention layer) through LLM on Vulkan:
 concurrent requests equal sequential ones (ids and logprobs), chunked prefill equals one
 prefill, preemption recomputes the state and aborts return it, every path leaves the pool full,
-and prefix caching is off (a repeated prompt is recomputed, never served a state it lacks).
+all with prefix caching on (its state snapshots: test_hybrid_prefix.py); without snapshot memory
+prefix caching is off (a repeated prompt is recomputed, never served a state it lacks).
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ def test_aborts_return_the_slots(fixture: str) -> None:
     assert_pool_full(llm)
 
 
-def test_prefix_caching_is_off_and_a_repeat_is_recomputed(fixture: str) -> None:
-    llm = make_llm(fixture)
-    assert llm.engine.prefix_caching is False
+def test_without_snapshot_memory_prefix_caching_is_off(fixture: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="vkrt.engine.engine"):
+        llm = make_llm(fixture, state_snapshot_memory=0)
+    assert "prefix caching is off for this model: --state-snapshot-memory" in caplog.text
+    assert llm.engine.prefix_caching is False and llm.engine.block_manager.snapshots is None
     first, again = (llm.generate([prompts(fixture)[-1]], GREEDY)[0] for _ in range(2))
     assert again.num_cached_tokens == 0
     assert again.token_ids == first.token_ids

@@ -288,3 +288,33 @@ def test_ssm_scan_chunks_equal_one_step(vk: Backend, rng: np.random.Generator) -
         got, got_state = run(chunks)
         np.testing.assert_array_equal(got, whole)
         np.testing.assert_array_equal(got_state, whole_state)
+
+
+# ---- copy_state_slots: prefix caching's state snapshots ---------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 3), (5, 2, 4, 8)], ids=["conv-state", "delta-state"])
+def test_copy_state_slots_matches_reference(vk: Backend, rng: np.random.Generator, shape: tuple[int, ...]) -> None:
+    """Each destination slot gets its source's bytes, every other slot keeps its own, and the copy
+    runs on the device (no drain) after the writes recorded before it."""
+    state = rng.standard_normal(shape).astype(np.float32)
+    src, dst = (0, 3), (4, 1)
+    want = state.copy()
+    ops.OPS["copy_state_slots"].reference(want, src, dst)
+    np.testing.assert_array_equal(want[[4, 1]], state[[0, 3]])  # the spec, by arithmetic
+    np.testing.assert_array_equal(want[[0, 2, 3]], state[[0, 2, 3]])
+    s = vk.upload(state)
+    drains = vk.counters.drains
+    ops.copy_state_slots(s, src, dst)
+    ops.copy_state_slots(s, (4,), (2,))  # reads what the copy before it wrote
+    assert vk.counters.drains == drains, "copy_state_slots ran on the host"
+    ops.OPS["copy_state_slots"].reference(want, (4,), (2,))
+    np.testing.assert_array_equal(s.numpy(), want)
+
+
+def test_copy_state_slots_refuses_overlaps(ref: Backend) -> None:
+    s = ref.upload(np.zeros((4, 3), np.float32))
+    with pytest.raises(ops.OpError, match=r"dst slots must be distinct and none a src"):
+        ops.copy_state_slots(s, (0, 1), (1, 2))
+    with pytest.raises(ops.OpError, match=r"slots in \[0, 4\)"):
+        ops.copy_state_slots(s, (0,), (4,))

@@ -86,7 +86,8 @@ def test_non_streaming_disconnect_aborts(serve_fake: Any) -> None:
 
 
 def test_prefix_caching_and_state_slots_are_gauges() -> None:
-    """A hybrid's server says prefix caching is off and shows its state slots (in use = slots - free)."""
+    """A hybrid's server shows its state slots (in use = slots - free) and its prefix cache's state
+    snapshots; without snapshot slots it says prefix caching is off."""
     from prometheus_client.parser import text_string_to_metric_families as parse
 
     from vkrt.engine.async_llm import EngineMetrics
@@ -96,8 +97,13 @@ def test_prefix_caching_and_state_slots_are_gauges() -> None:
         text = ServerMetrics(lambda: stats, "m").render().decode()
         return {s.name: s.value for f in parse(text) for s in f.samples}
 
-    hybrid = gauges(EngineMetrics(prefix_caching=False, num_state_slots=6, num_free_state_slots=4))
+    hybrid = gauges(EngineMetrics(prefix_caching=True, num_state_slots=6, num_free_state_slots=4,
+                                  num_state_snapshots=16, num_cached_state_snapshots=3))
     assert (hybrid["vkrt_prefix_caching_enabled"], hybrid["vkrt_num_state_slots"],
-            hybrid["vkrt_num_free_state_slots"]) == (0, 6, 4)
+            hybrid["vkrt_num_free_state_slots"], hybrid["vkrt_num_state_snapshots"],
+            hybrid["vkrt_num_cached_state_snapshots"]) == (1, 6, 4, 16, 3)
+    no_snapshots = gauges(EngineMetrics(prefix_caching=False, num_state_slots=6, num_free_state_slots=6))
+    assert (no_snapshots["vkrt_prefix_caching_enabled"], no_snapshots["vkrt_num_state_snapshots"]) == (0, 0)
     dense = gauges(EngineMetrics(prefix_caching=True))
-    assert (dense["vkrt_prefix_caching_enabled"], dense["vkrt_num_state_slots"]) == (1, 0)
+    assert (dense["vkrt_prefix_caching_enabled"], dense["vkrt_num_state_slots"],
+            dense["vkrt_num_state_snapshots"]) == (1, 0, 0)

@@ -38,9 +38,11 @@ class EngineMetrics:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    prefix_caching: bool = False  # on for this model (off for hybrids: their states are not cached)
+    prefix_caching: bool = False  # on for this model (off when configured so, or a hybrid without snapshot memory)
     num_state_slots: int = 0  # a hybrid's recurrent-state slots (0: no recurrent layer)
     num_free_state_slots: int = 0
+    num_state_snapshots: int = 0  # a hybrid's prefix-cache state snapshot slots (0: none)
+    num_cached_state_snapshots: int = 0  # of which hold the state after a cached prefix
     steps: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # summed over all steps
     last_step_counters: dict[str, int] = field(default_factory=dict)
@@ -285,6 +287,8 @@ class AsyncLLM:
             prefix_caching=engine.prefix_caching,
             num_state_slots=blocks.states.num_slots if blocks.states is not None else 0,
             num_free_state_slots=blocks.states.num_free if blocks.states is not None else 0,
+            num_state_snapshots=blocks.snapshots.num_slots if blocks.snapshots is not None else 0,
+            num_cached_state_snapshots=blocks.snapshots.num_cached if blocks.snapshots is not None else 0,
             steps=totals.steps,
             counters=dict(totals.counters),
             last_step_counters=dict(stats.step.counters) if stats is not None else {},

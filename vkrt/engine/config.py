@@ -20,6 +20,9 @@ DEFAULT_KV_BUDGET = 512 * 1024 * 1024
 # Default budget for a hybrid model's recurrent state (one fixed-size slot per sequence) when
 # state_memory is not given; max_num_seqs is capped to the slots that fit.
 DEFAULT_STATE_BUDGET = 512 * 1024 * 1024
+# Default budget for the snapshots of a hybrid's recurrent state that prefix caching keeps at
+# cached block boundaries (one slot each, as big as a sequence's) when state_snapshot_memory is not given.
+DEFAULT_SNAPSHOT_BUDGET = 256 * 1024 * 1024
 
 
 @dataclass
@@ -36,6 +39,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None: sized below
     num_kv_blocks: int | None = None  # exact pool size, overrides kv_cache_memory (tests)
     state_memory: int | None = None  # bytes for recurrent-state slots (hybrids); None: DEFAULT_STATE_BUDGET
+    # bytes for prefix caching's recurrent-state snapshots (hybrids); None: DEFAULT_SNAPSHOT_BUDGET,
+    # 0: none, so prefix caching is off for hybrids
+    state_snapshot_memory: int | None = None
     kv_dtype: str = "f16"  # KV cache format (vkrt.core.kv_format); f32 where tests compare against goldens tightly
     enable_prefix_caching: bool = True
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
@@ -53,6 +59,8 @@ class EngineConfig:
             raise VkrtError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.state_memory is not None and self.state_memory < 1:
             raise VkrtError(f"EngineConfig.state_memory must be >= 1 byte, got {self.state_memory}")
+        if self.state_snapshot_memory is not None and self.state_snapshot_memory < 0:
+            raise VkrtError(f"EngineConfig.state_snapshot_memory must be >= 0 bytes, got {self.state_snapshot_memory}")
 
     def state_slots(self, bytes_per_slot: int) -> int:
         """How many sequences can run at once given each one's recurrent state: max_num_seqs, or
@@ -66,6 +74,18 @@ class EngineConfig:
                             f"memory is {budget / 2**20:.1f} MiB; raise --state-memory "
                             f"(>= {bytes_per_slot} bytes)")
         return min(self.max_num_seqs, fits)
+
+    def snapshot_slots(self, bytes_per_slot: int, num_blocks: int) -> int:
+        """Snapshot slots for prefix caching of a hybrid: as many as state_snapshot_memory holds,
+        but no more than the `num_blocks` cached blocks they can belong to (0: no recurrent state,
+        or prefix caching off)."""
+        if bytes_per_slot == 0 or not self.enable_prefix_caching:
+            return 0
+        return min(self.snapshot_budget // bytes_per_slot, num_blocks)
+
+    @property
+    def snapshot_budget(self) -> int:
+        return self.state_snapshot_memory if self.state_snapshot_memory is not None else DEFAULT_SNAPSHOT_BUDGET
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """KV pool size in blocks: explicit, from kv_cache_memory, or sized for the batch limits."""

@@ -106,16 +106,20 @@ class EngineCore:
         groups = model.kv_groups()
         bytes_per_block = model.kv_group_bytes_per_block(config.block_size, config.kv_dtype)
         num_blocks = size_kv_pools(config, groups, bytes_per_block, self.max_model_len)
+        # A hybrid's prefix hit needs the recurrent state at its end: snapshot slots follow the
+        # running sequences' in the state tensors (engine/state_snapshots.py).
+        slot_bytes = model.state_bytes_per_slot()
+        snapshots = config.snapshot_slots(slot_bytes, num_blocks[0])
         kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=self.max_model_len,
-                                     state_slots=config.max_num_seqs)
-        # A prefix hit would skip the tokens whose recurrent state it does not have: hybrid models
-        # recompute every prompt until states are kept at block boundaries.
-        self.prefix_caching = config.enable_prefix_caching and not kv.states
-        if config.enable_prefix_caching and kv.states:
-            log.info("prefix caching is off for this model: its recurrent layers' states are not kept "
-                     "for cached prefixes yet")
+                                     state_slots=config.max_num_seqs + snapshots)
+        self.prefix_caching = config.enable_prefix_caching and (not kv.states or snapshots > 0)
+        if config.enable_prefix_caching and kv.states and not snapshots:
+            log.warning("prefix caching is off for this model: --state-snapshot-memory (%.1f MiB) holds no "
+                        "snapshot of its recurrent state (%.1f MiB each), so a cached prefix would lack it",
+                        config.snapshot_budget / 2**20, slot_bytes / 2**20)
         self.block_manager = KVCacheManager(groups, num_blocks, config.block_size, self.prefix_caching,
-                                            num_state_slots=kv.num_state_slots)
+                                            num_state_slots=config.max_num_seqs if kv.states else 0,
+                                            num_snapshot_slots=snapshots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, kv, config.max_num_seqs, self.max_model_len, replay=config.enable_replay)
         self.sampler = Sampler()
@@ -131,8 +135,8 @@ class EngineCore:
                             for n, g in zip(num_blocks, groups, strict=True)),
                  config.block_size, kv.nbytes >> 20, self.max_model_len)
         if kv.states:
-            log.info("recurrent state: %d slots x %d KiB (%d layers), %d MiB", kv.num_state_slots,
-                     model.state_bytes_per_slot() >> 10, len(kv.states), kv.state_nbytes >> 20)
+            log.info("recurrent state: %d slots + %d prefix-cache snapshots x %d KiB (%d layers), %d MiB",
+                     config.max_num_seqs, snapshots, slot_bytes >> 10, len(kv.states), kv.state_nbytes >> 20)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: CausalLM | None = None,
@@ -215,7 +219,10 @@ class EngineCore:
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled token, as the host's would).
         sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
-        result = self.runner.execute(batch, sampling, masks)
+        # A hybrid's prefix caching: states restored from snapshots and snapshots taken this step.
+        copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens) for s in scheduled.scheduled)
+        result = self.runner.execute(batch, sampling, masks, copies)
+        self.block_manager.commit_state_snapshots()
         now = time.monotonic()
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_tokens

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class BlockManager:
         self._req_num_hashed: dict[str, int] = {}  # leading blocks of a request already in the cache map
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which served from the cache
+        self.on_evict: Callable[[BlockHash], None] | None = None  # told each hash that leaves the cache
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -71,6 +72,9 @@ class BlockManager:
         """Blocks the request references (its table minus NULL_BLOCK entries)."""
         return sum(1 for b in self._req_blocks.get(request_id, []) if b != NULL_BLOCK)
 
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
@@ -82,7 +86,7 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------------
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of the request's first `num_blocks` full blocks (memoised on it)."""
         hashes: list[BlockHash] = request.block_hashes
         bs = self.block_size
@@ -110,7 +114,7 @@ class BlockManager:
         length whose last ceil((W - 1) / block_size) blocks are cached (all of them when the
         hit is shorter); entries before those are NULL_BLOCK.
         """
-        hashes = self._block_hashes(request, max_blocks)
+        hashes = self.block_hashes(request, max_blocks)
         if not self.window:
             blocks: list[int] = []
             for block_hash in hashes:
@@ -182,6 +186,8 @@ class BlockManager:
         if old_hash is not None:  # evict: the block is about to hold other tokens
             if self._cached.get(old_hash) == block_id:
                 del self._cached[old_hash]
+                if self.on_evict is not None:
+                    self.on_evict(old_hash)
             self._block_hash[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id
@@ -190,7 +196,7 @@ class BlockManager:
         start = self._req_num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._block_hashes(request, num_full)
+        hashes = self.block_hashes(request, num_full)
         for i in range(start, num_full):
             block_id = blocks[i]
             if block_id != NULL_BLOCK and self._block_hash[block_id] is None and hashes[i] not in self._cached:

@@ -10,13 +10,15 @@ SlidingWindowSpec with a coordinator over one manager per group).
 `KVCacheManager` is what the scheduler sees: an allocation succeeds in every group or in
 none; a prefix hit is the longest length every group can serve (the minimum over groups). A
 hybrid model's recurrent layers add a group of their own, the state slots (`StatePool`): a
-request takes its slot with its first blocks and frees it with them.
+request takes its slot with its first blocks and frees it with them. With prefix caching, a
+hybrid's hits are also cut to the longest prefix whose recurrent state was kept
+(`state_snapshots`), and the manager says which state copies each step makes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,7 @@ from vkrt.engine.config import DEFAULT_KV_BUDGET, EngineConfig
 from vkrt.engine.kv_cache import BlockManager
 from vkrt.engine.request import Request
 from vkrt.engine.state_pool import StatePool
+from vkrt.engine.state_snapshots import SnapshotPool, StateCopies
 from vkrt.errors import VkrtError
 from vkrt.models.base import KVGroup
 
@@ -35,6 +38,7 @@ class CacheHit:
 
     blocks: list[list[int]] = field(default_factory=list)
     num_tokens: int = 0
+    state_snapshot: int | None = None  # hybrids: the snapshot slot holding the state after the hit
 
 
 def blocks_per_sequence(window: int, block_size: int, max_model_len: int, max_chunk: int) -> int:
@@ -93,13 +97,23 @@ class KVCacheManager:
     """One BlockManager per KV group, driven together; the scheduler's view of the KV pools."""
 
     def __init__(self, groups: Sequence[KVGroup], num_blocks: Sequence[int], block_size: int,
-                 enable_prefix_caching: bool = True, num_state_slots: int = 0) -> None:
+                 enable_prefix_caching: bool = True, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
+        """`num_snapshot_slots` (a hybrid with prefix caching: > 0) follow the state slots in the
+        state tensors; a hybrid without them must not cache prefixes (its hits would lack state)."""
+        if num_state_slots and enable_prefix_caching and not num_snapshot_slots:
+            raise VkrtError("prefix caching for a model with recurrent layers needs state snapshot slots")
         self.groups = list(groups)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.managers = [BlockManager(n, block_size, enable_prefix_caching, window=g.window)
                          for g, n in zip(self.groups, num_blocks, strict=True)]
         self.states = StatePool(num_state_slots) if num_state_slots else None
+        self.snapshots: SnapshotPool | None = None
+        self._restores: dict[str, int] = {}  # request id -> snapshot slot its next step starts from
+        if num_state_slots and enable_prefix_caching:
+            self.snapshots = SnapshotPool(num_state_slots, num_snapshot_slots)
+            # A snapshot is named by the hash of the block ending its prefix, in the first group.
+            self.managers[0].on_evict = self.snapshots.drop
 
     # ---- queries (sums over groups) ------------------------------------------------------
 
@@ -138,19 +152,38 @@ class KVCacheManager:
         """The request's recurrent-state slot (0 for a model without recurrent layers)."""
         return self.states.slot(request_id) if self.states is not None else 0
 
+    @property
+    def chunk_alignment(self) -> int:
+        """Tokens prefill chunks should end on a multiple of (0: any): a hybrid's state is kept
+        only where a chunk ends, so with snapshots chunks end on block boundaries."""
+        return self.block_size if self.snapshots is not None else 0
+
     # ---- prefix cache, allocation, release -------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> CacheHit:
         """The longest prefix every group holds: shrink the candidate length until all agree."""
         n = self.managers[0].max_cache_hit_blocks(request)
-        if n == 0:
-            return CacheHit([[] for _ in self.managers])
         while True:
+            n, snapshot = self._snapshot_before(request, n)
+            if n == 0:
+                return CacheHit([[] for _ in self.managers])
             hits = [m.find_cache_hit(request, n) for m in self.managers]
             shortest = min(len(h) for h in hits)
             if shortest == n:
-                return CacheHit(hits, n * self.block_size)
+                return CacheHit(hits, n * self.block_size, snapshot)
             n = shortest  # each group's hit at a shorter length is recomputed: a window moves with it
+
+    def _snapshot_before(self, request: Request, n: int) -> tuple[int, int | None]:
+        """The longest hit of at most `n` blocks whose recurrent state was kept, with its snapshot
+        slot (a model without recurrent layers: n itself, and no snapshot)."""
+        if self.snapshots is None or n == 0:
+            return n, None
+        hashes = self.managers[0].block_hashes(request, n)
+        for length in range(n, 0, -1):
+            slot = self.snapshots.lookup(hashes[length - 1])
+            if slot is not None:
+                return length, slot
+        return 0, None
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
         """Room for `num_new_tokens` after the computed ones in every group, or False and no change."""
@@ -165,7 +198,42 @@ class KVCacheManager:
         for m, c in zip(self.managers, computed, strict=True):
             allocated = m.allocate_slots(request, num_new_tokens, c)
             assert allocated, "every group was checked above"
+        if hit is not None and hit.state_snapshot is not None:
+            self._restores[request.request_id] = hit.state_snapshot
+            assert self.snapshots is not None
+            self.snapshots.touch(request.block_hashes[hit.num_tokens // self.block_size - 1])
         return True
+
+    def state_copies(self, chunks: Iterable[tuple[Request, int, int]]) -> StateCopies:
+        """The state copies of a step running `chunks` (request, first position, tokens): each
+        request admitted on a hit starts from its snapshot, and each prefill chunk that ends a
+        cached block, with no snapshot yet, leaves one (`commit_state_snapshots` after the step).
+        Decode tokens take none, so pure decode steps stay free of copies (and replayable)."""
+        copies = StateCopies()
+        if self.snapshots is None:
+            return copies
+        first = self.managers[0]
+        for request, start, num_tokens in chunks:
+            slot = self.state_slot(request.request_id)
+            restore = self._restores.pop(request.request_id, None)
+            if restore is not None:
+                copies.restore.append((restore, slot))
+            end = start + num_tokens
+            if end % self.block_size or (num_tokens == 1 and start >= request.num_prompt_tokens):
+                continue
+            hashes = request.block_hashes  # this step's full blocks were hashed as they were allocated
+            block_hash = hashes[end // self.block_size - 1] if len(hashes) >= end // self.block_size else None
+            if block_hash is None or not first.is_cached(block_hash):
+                continue
+            snapshot = self.snapshots.take(block_hash)
+            if snapshot is not None:
+                copies.snapshot.append((slot, snapshot))
+        return copies
+
+    def commit_state_snapshots(self) -> None:
+        """The step ran: the snapshots it took may serve hits from now on."""
+        if self.snapshots is not None:
+            self.snapshots.commit()
 
     def free_skipped_blocks(self, request: Request) -> int:
         """After a step: sliding groups release the blocks that left the request's window."""
@@ -176,3 +244,4 @@ class KVCacheManager:
             m.free(request)
         if self.states is not None:
             self.states.release(request.request_id)
+        self._restores.pop(request.request_id, None)

@@ -15,6 +15,7 @@ from vkrt.engine.kv_groups import KVCacheManager
 from vkrt.engine.request import Request
 from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
 from vkrt.engine.scheduler import SchedulerOutput
+from vkrt.engine.state_snapshots import StateCopies
 from vkrt.errors import NotReplayable
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.ops.sampling import ALL_ALLOWED, mask_words
@@ -129,7 +130,7 @@ class ModelRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
 
     def execute(self, batch: ForwardBatch, sampling: SampleInputs | None = None,
-                masks: MaskSource | None = None) -> StepResult:
+                masks: MaskSource | None = None, copies: StateCopies | None = None) -> StepResult:
         """Run the step; its K/V land in the cache. Without `sampling` the result holds the
         logits [len(batch.logits_index), vocab] float32.
 
@@ -139,6 +140,10 @@ class ModelRunner:
         row is constrained) is called exactly once: for a replayed step after its submit,
         while the device runs the forward (the sampling waits for the masks on the device);
         otherwise before the step. With `sampling` its rows mask the draws.
+
+        `copies` (a hybrid's prefix caching) are recurrent-state slot copies recorded around the
+        forward, on the device: restores before it, snapshots after it. A step with any runs
+        eagerly (only prefill steps have them).
         """
         counters = self.backend.counters
         before = counters.snapshot()
@@ -146,13 +151,16 @@ class ModelRunner:
         rows = int(batch.logits_index.shape[0])
         if sampling is not None and sampling.uniforms.shape != (rows,):
             raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
-        graph = self._graph_for(batch)
+        graph = None if copies else self._graph_for(batch)
         if graph is not None:
             result = graph.run(batch, sampling, masks)
         else:
             host_masks = None if masks is None else masks()
             step = StepTensors.upload(self.backend, batch)
+            copies = copies or StateCopies()
+            self._copy_states(copies.restore)
             logits = self.model.forward(step, self.kv)
+            self._copy_states(copies.snapshot)
             if sampling is not None:
                 mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
                 ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
@@ -169,6 +177,15 @@ class ModelRunner:
             replayed=graph is not None,
         )
         return result
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slot src to dst in every recurrent layer's tensors, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+        for tensors in self.kv.states.values():
+            for state in tensors:
+                ops.copy_state_slots(state, src, dst)
 
     def _graph_for(self, batch: ForwardBatch) -> _DecodeGraph | None:
         """The recorded step for this decode batch's bucket, or None to run eagerly."""

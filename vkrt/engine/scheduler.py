@@ -6,6 +6,9 @@ token), all in ONE forward. Running requests go first, oldest first; waiting one
 admitted while the token budget, `max_num_seqs` and the KV pool allow. When blocks run out
 the newest running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the queue, to be prefilled again (prompt + tokens generated so far).
+
+A hybrid model with prefix caching keeps its recurrent state only where a chunk ends, so a
+chunk that crosses a block boundary is cut at the last one it crosses (the rest runs next step).
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
+                                                                   budget))
             while not self.block_manager.allocate_slots(request, num_new):
                 # The victim is always at the tail, so it was not scheduled yet in this step.
                 victim = self.running.pop()
@@ -111,7 +115,7 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.block_manager.get_computed_blocks(request)
             num_cached = hit.num_tokens
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._chunk(num_cached, min(request.num_tokens - num_cached, budget))
             if not self.block_manager.allocate_slots(request, num_new, hit):
                 break
             self.waiting.popleft()
@@ -125,6 +129,13 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
         return out
+
+    def _chunk(self, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, cut to end on the last boundary they cross when chunks
+        are aligned (KVCacheManager.chunk_alignment)."""
+        align = self.block_manager.chunk_alignment
+        end = (start + num_new) // align * align if align else 0
+        return end - start if end > start else num_new
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

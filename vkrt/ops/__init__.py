@@ -239,6 +239,12 @@ def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float, group_size: int 
     return dispatch("gated_rms_norm", x, z, w, eps=float(eps), group_size=int(group_size), gate_first=bool(gate_first))
 
 
+def copy_state_slots(state: Tensor, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+    """In place: slot dst[i] of a recurrent state [slots, ...] becomes a copy of slot src[i], on the
+    device (the destinations distinct, none of them a source)."""
+    dispatch("copy_state_slots", state, src=tuple(int(i) for i in src), dst=tuple(int(i) for i in dst))
+
+
 def ssm_scan(xbc: Tensor, dt: Tensor, a_rate: Tensor, skip: Tensor, dt_bias: Tensor, state: Tensor, seq_start: Tensor,
              positions: Tensor, state_slots: Tensor, num_heads: int, head_dim: int, n_groups: int, state_size: int,
              dt_min: float = 0.0, dt_max: float = float("inf")) -> Tensor:
@@ -254,7 +260,7 @@ def op_names() -> list[str]:
 
 
 __all__ = [
-    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy",
+    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy", "copy_state_slots",
     "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "qkv_norm_rope_kv_write",

@@ -259,3 +259,26 @@ def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarr
             y[i] = np.einsum("hpn,hn->hp", h, c[i]) + skip.astype(np.float64)[:, None] * x[i]
         state[slot] = h.astype(np.float32)
     return y.reshape(t, inner).astype(np.float32)
+
+
+# ---- copying state slots (prefix caching's snapshots) ---------------------------------------------
+#
+# The engine keeps a copy of a sequence's state at a cached block boundary in a spare slot of the
+# same [slots, ...] tensor, and starts a later sequence whose prompt hits that prefix from it.
+
+
+def _copy_slots_infer(state: TensorSpec, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[TensorSpec, ...]:
+    name = "copy_state_slots"
+    require(state.dtype == "f32" and len(state.shape) >= 2, name, (state,), "state must be f32 [slots, ...]")
+    slots = state.shape[0]
+    require(len(src) == len(dst) and all(0 <= int(i) < slots for i in (*src, *dst)), name, (state,),
+            f"src and dst must be equally many slots in [0, {slots}), got {list(src)} and {list(dst)}")
+    require(len(set(dst)) == len(dst) and not set(src) & set(dst), name, (state,),
+            f"dst slots must be distinct and none a src, got {list(src)} -> {list(dst)}")
+    return ()
+
+
+@register_op("copy_state_slots", _copy_slots_infer, inplace=(0,))
+def copy_state_slots(state: np.ndarray, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+    """state[dst[i]] = state[src[i]] for every i, in place (the bytes, unchanged)."""
+    state[list(dst)] = state[list(src)]

@@ -36,6 +36,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 512
     kv_cache_memory: int | None = None  # bytes
     state_memory: int | None = None  # bytes for a hybrid's recurrent state (--state-memory)
+    state_snapshot_memory: int | None = None  # bytes for its prefix-cache state snapshots (--state-snapshot-memory)
     kv_dtype: str = "f16"  # KV cache element type (--kv-cache-dtype)
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters/ids logged per request; None: all
@@ -97,6 +98,7 @@ class ServerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=self.kv_cache_memory,
             state_memory=self.state_memory,
+            state_snapshot_memory=self.state_snapshot_memory,
             kv_dtype=self.kv_dtype,
             enable_replay=self.enable_replay,
         )

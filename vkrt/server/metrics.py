@@ -50,10 +50,14 @@ class _EngineCollector(Collector):
             ("vkrt_num_free_kv_blocks", "KV-cache blocks free (cached prefixes included).",
              stats.num_free_kv_blocks),
             ("vkrt_prefix_caching_enabled", "1 when prompts can be served from the prefix cache; 0 when it is "
-             "off (configured off, or a hybrid model, whose recurrent states are not cached).",
+             "off (configured off, or a hybrid model given no memory for state snapshots).",
              int(stats.prefix_caching)),
             ("vkrt_num_state_slots", "Recurrent-state slots of a hybrid model (0: none).", stats.num_state_slots),
             ("vkrt_num_free_state_slots", "Recurrent-state slots free.", stats.num_free_state_slots),
+            ("vkrt_num_state_snapshots", "Recurrent-state snapshot slots of a hybrid's prefix cache (0: none).",
+             stats.num_state_snapshots),
+            ("vkrt_num_cached_state_snapshots", "State snapshots holding the state after a cached prefix.",
+             stats.num_cached_state_snapshots),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

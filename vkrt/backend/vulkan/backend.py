@@ -306,6 +306,17 @@ class VulkanBackend(Backend):
         if self.batch.over_cap:
             self.batch.flush()
 
+    def copy_regions(self, src: Tensor, dst: Tensor, regions: list[tuple[int, int, int]]) -> None:
+        """Record a device copy of (src byte offset, dst byte offset, size) regions of `src` into
+        `dst`, in the command stream after what was recorded before it (no host round trip)."""
+        for src_offset, dst_offset, size in regions:
+            for tensor, offset in ((src, src_offset), (dst, dst_offset)):
+                if offset < 0 or offset + size > tensor.nbytes:
+                    raise VkrtError(f"copy_regions: bytes {offset}..{offset + size} are outside {tensor}")
+        if self._graph_tensors is not None:
+            self._graph_tensors.extend((src, dst))
+        self.batch.copy_regions(src.handle, dst.handle, regions)
+
     # -- record once, replay -------------------------------------------------------
     @contextlib.contextmanager
     def capture(self) -> Iterator[StepGraph]:

@@ -180,6 +180,21 @@ class CommandBatch:
             self._timeline.mark(self.cmd, COPY_LABEL)
         self.recorded += 1
 
+    def copy_regions(self, src: Allocation, dst: Allocation, regions: list[tuple[int, int, int]]) -> None:
+        """Record one copy of (src byte offset, dst byte offset, size) regions from `src` to `dst`
+        (the same allocation may be both: no source region may overlap a destination one)."""
+        if not regions:
+            return
+        self._begin()
+        self._hazards((src.id,), (dst.id,))
+        array = self.ffi.new("VkBufferCopy[]", len(regions))
+        for entry, (src_offset, dst_offset, size) in zip(array, regions, strict=True):
+            entry.srcOffset, entry.dstOffset, entry.size = src.offset + src_offset, dst.offset + dst_offset, size
+        self.lib.vkCmdCopyBuffer(self.cmd, src.block.buffer, dst.block.buffer, len(regions), array)
+        if self.profiling and self._timeline is not None:
+            self._timeline.mark(self.cmd, COPY_LABEL)
+        self.recorded += 1
+
     def defer_free(self, alloc: Allocation) -> bool:
         """Hold `alloc` until the open batch completes; False if nothing is open."""
         if not self.recording:

@@ -23,6 +23,8 @@ class KernelBackend(Protocol):
     def run_shader(self, module: str, bindings: list[tuple[Tensor, str, bool]], groups: tuple[int, int, int],
                    push: tuple[str, tuple] | None = None, spec: dict[int, int] | None = None) -> None: ...
 
+    def copy_regions(self, src: Tensor, dst: Tensor, regions: list[tuple[int, int, int]]) -> None: ...
+
 
 def backend_of(t: Tensor) -> KernelBackend:
     """The Vulkan backend a tensor lives on, as kernel code sees it (in `supports` checks)."""

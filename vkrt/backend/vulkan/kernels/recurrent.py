@@ -1,7 +1,7 @@
 """The recurrent mixers' kernels: causal_conv1d and short_conv (shaders/causal_conv1d.comp, an
 invocation per (sequence, channel)), gated_delta_net (shaders/gated_delta_net.comp, an invocation
 per (sequence, value head, state column)), ssm_scan (shaders/ssm_scan.comp, an invocation per
-(sequence, head, state row))."""
+(sequence, head, state row)); copy_state_slots, one buffer copy of a region per slot (no shader)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,15 @@ def _ssm_scan(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[s
     return (y,)
 
 
+def _copy_state_slots(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    (state,) = inputs
+    size = state.nbytes // state.shape[0]  # one slot's bytes ([slots, ...] is contiguous f32)
+    backend.copy_regions(state, state, [(s * size, d * size, size) for s, d in zip(params["src"], params["dst"],
+                                                                                  strict=True)])
+    return ()
+
+
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("causal_conv1d", "causal_conv1d.plain", _conv("plain")))
     backend.register_kernel(Kernel("short_conv", "causal_conv1d.gated", _conv("gated")))
@@ -77,3 +86,4 @@ def register(backend: KernelBackend) -> None:
                                    supports=lambda inputs, params: params["k_head_dim"] <= MAX_KEY_DIM))
     backend.register_kernel(Kernel("ssm_scan", "ssm_scan", _ssm_scan,
                                    supports=lambda inputs, params: params["state_size"] <= MAX_STATE_SIZE))
+    backend.register_kernel(Kernel("copy_state_slots", "copy_state_slots.buffer_copy", _copy_state_slots))
