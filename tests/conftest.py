@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import numpy as np
 import pytest
 
-from vkrt.backend import get_backend, vulkan_unavailable_reason
+from vkrt.backend import get_backend, started_vulkan_backend, vulkan_unavailable_reason
 from vkrt.backend.base import Backend
 from vkrt.errors import VkrtError
 from vkrt.ops import fusion
@@ -86,6 +86,18 @@ def _vulkan_or_skip() -> Backend:
     if reason is not None:
         missing("Vulkan", reason)
     return get_backend("vulkan")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_pipelines_after_each_file() -> Iterator[None]:
+    """A test process shares one Vulkan backend, which keeps every pipeline it creates; on
+    llvmpipe each holds ~3 MB of JIT-compiled code, and a file of kernel tests creates hundreds
+    (one process reached 13 GB). Dropping them after each file bounds that; the next file
+    creates what it uses again (pipelines of one file are mostly its own)."""
+    yield
+    backend = started_vulkan_backend()
+    if backend is not None and not getattr(backend, "_closed", True):
+        backend.release_pipelines()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(params=["texel", "ssbo"])

@@ -32,6 +32,11 @@ def _vulkan() -> Backend:
     return _vulkan_singleton
 
 
+def started_vulkan_backend() -> Backend | None:
+    """The process's Vulkan backend if something has started it, else None (starts nothing)."""
+    return _vulkan_singleton
+
+
 def get_backend(name: str = "auto") -> Backend:
     """The Vulkan backend, the reference backend, or ("auto") Vulkan falling back to reference."""
     if name == "reference":
@@ -49,4 +54,5 @@ def get_backend(name: str = "auto") -> Backend:
     raise VkrtError(f"unknown device {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 
-__all__ = ["BACKEND_NAMES", "Backend", "Counters", "Kernel", "get_backend", "vulkan_unavailable_reason"]
+__all__ = ["BACKEND_NAMES", "Backend", "Counters", "Kernel", "get_backend", "started_vulkan_backend",
+           "vulkan_unavailable_reason"]

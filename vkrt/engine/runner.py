@@ -198,6 +198,9 @@ class ModelRunner:
             return None
         bucket = 1 << (t - 1).bit_length()
         graph = self._graphs.get(bucket)
+        if graph is not None and graph.graph.stale:  # the backend released its pipelines: record again
+            graph.graph.release()
+            graph = None
         if graph is None:
             try:
                 graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks)

@@ -42,6 +42,12 @@ class StepGraph:
         self.backend = backend
         self.tensors: list[Tensor] = []
         self.recorded: RecordedCommands | None = None
+        self.epoch = backend.pipelines.epoch  # the pipelines its commands bind
+
+    @property
+    def stale(self) -> bool:
+        """The backend released the pipelines this graph binds (`release_pipelines`)."""
+        return self.epoch != self.backend.pipelines.epoch
 
     @property
     def dispatches(self) -> int:
@@ -59,6 +65,9 @@ class StepGraph:
         writes the late inputs; its exception is raised once the step has completed."""
         if self.recorded is None:
             raise VkrtError("this step graph was released")
+        if self.stale:
+            raise VkrtError("this step graph was recorded before the backend released its pipelines; "
+                            "record it again")
         self.backend.batch.replay(self.recorded, during)
 
     def release(self) -> None:
@@ -397,6 +406,13 @@ class VulkanBackend(Backend):
 
     def memory_stats(self) -> dict[str, int]:
         return self.memory.stats()
+
+    def release_pipelines(self) -> int:
+        """Wait for the device, then destroy every pipeline (they are re-created on next use),
+        returning how many: bounds the memory of a long-lived process that has run many kernel
+        configurations (a test session). Step graphs recorded before it become stale."""
+        self.sync()  # every submit is waited for: the device is idle after it
+        return self.pipelines.release_pipelines()
 
     def close(self) -> None:
         if self._closed:

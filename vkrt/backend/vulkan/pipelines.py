@@ -67,6 +67,7 @@ class PipelineCache:
             pass
         self._vk_cache = self._create_vk_cache(initial)
         self.created = 0
+        self.epoch = 0  # bumped by release_pipelines: graphs recorded before it are stale
 
     def _create_vk_cache(self, data: bytes) -> Any:
         vk, ffi = self.vk, self.vk.ffi
@@ -167,6 +168,20 @@ class PipelineCache:
             tmp.replace(self.cache_path)
         except OSError as exc:
             log.info("could not save the pipeline cache to %s: %s", self.cache_path, exc)
+
+    def release_pipelines(self) -> int:
+        """Destroy every pipeline (on llvmpipe each holds its JIT-compiled code, ~3 MB) while
+        keeping shader modules and descriptor-set layouts; later dispatches create them again.
+        The caller makes sure the device is idle and no recorded command buffer is replayed
+        afterwards (the epoch tells). Returns how many were released."""
+        vk = self.vk
+        for p in self._pipelines.values():
+            vk.vkDestroyPipeline(self.device, p.pipeline, None)
+            vk.vkDestroyPipelineLayout(self.device, p.layout, None)
+        released = len(self._pipelines)
+        self._pipelines.clear()
+        self.epoch += 1
+        return released
 
     def close(self) -> None:
         vk = self.vk
