@@ -156,3 +156,31 @@ def test_failed_host_work_still_releases_the_device(vk_default, monkeypatch) -> 
     assert np.array_equal(y.numpy(), np.full(8, 6.0, np.float32))
     with pytest.raises(VkrtError, match="recorded"):
         graph.wait_for_host(x)  # late inputs are declared only while recording
+
+
+def test_released_pipelines_make_recorded_graphs_stale(vk) -> None:
+    """release_pipelines destroys every pipeline: a graph recorded before refuses to replay
+    (its command buffer binds them), eager dispatches create them again with the same results,
+    and the engine's runner records its decode step again."""
+    from vkrt.engine import LLM, EngineConfig, SamplingParams
+
+    x = vk.upload(np.arange(12, dtype=np.float32).reshape(3, 4))
+    with vk.capture() as graph:
+        y = ops.add(x, x)
+    graph.replay()
+    first = y.numpy().copy()
+    assert vk.release_pipelines() > 0 and graph.stale
+    with pytest.raises(VkrtError, match="released its pipelines"):
+        graph.replay()
+    np.testing.assert_array_equal(ops.add(x, x).numpy(), first)
+    graph.release()
+    llm = LLM(EngineConfig(model=str(FIXTURES / "tiny_llama"), device="vulkan", max_num_seqs=1, num_kv_blocks=8,
+                           max_model_len=64, block_size=16))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    expected = llm.generate([[5, 9, 11, 200]], greedy)[0].token_ids
+    vk.release_pipelines()
+    before = vk.counters.snapshot()
+    assert llm.generate([[5, 9, 11, 200]], greedy)[0].token_ids == expected
+    assert vk.counters.since(before)["drains"] == 0
+    graphs = llm.engine.runner._graphs.values()
+    assert graphs and not any(g.graph.stale for g in graphs)  # recorded again, not run eagerly
