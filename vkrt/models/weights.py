@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from vkrt.backend.base import Backend
 from vkrt.core.host_weight import HostWeight, RowBlock
 from vkrt.core.quant import dequantize
 from vkrt.core.tensor import Tensor
@@ -164,7 +165,7 @@ class WeightSink(Protocol):
     def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int: ...
 
 
-def build_weights(loaded: LoadedModel, backend: Any) -> Weights:
+def build_weights(loaded: LoadedModel, backend: Backend) -> Weights:
     """Upload `loaded`'s weights to `backend` as a model's records, reserving their device memory first."""
     sizes = _Sizes(backend)
     sizing = _Builder(loaded, sizes)
@@ -187,7 +188,7 @@ class _Sizes:
 
     name = "sizes"
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.total = 0
 
