@@ -278,7 +278,7 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
 
 
 # Text fixtures also written as their family's multimodal checkpoint (language model + vision tower).
-MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl"}
+MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl", "tiny_qwen3_5_moe": "tiny_qwen3_5_moe_vl"}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
