@@ -46,13 +46,18 @@ BASE = dict(
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
-CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH")
+CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
+                      "FalconH1")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
     "GraniteMoeHybrid": lambda cfg: cfg | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}
                                                            .get(t, t) for t in cfg["layer_types"]]},
 }
+# Converted families' fixtures that are not converted (one GGUF of the family is enough).
+NOT_CONVERTED = ("tiny_falcon_h1_nonorm",)
+# What a conversion changes, said in its golden's description (the golden stays the HF one).
+CONVERT_NOTES = {"FalconH1": "; the converter folds the muP multipliers into the weights, which rounds them"}
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
@@ -248,11 +253,32 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                 "attention blocks, MoE blocks of 8 ungated relu^2 experts of 32 (sigmoid scores, "
                                 "chosen with the score-correction bias within the best 1 of 2 groups, top-2 "
                                 "renormalised, x 2.5) plus a shared relu^2 expert of 48"),
+        "tiny_falcon_h1": ("FalconH1", dict(BASE, num_hidden_layers=3, eos_token_id=None, initializer_range=0.1,
+                                            mamba_d_ssm=96, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
+                                            mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True,
+                                            mamba_norm_before_gate=False, embedding_multiplier=3.0,
+                                            lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.3], key_multiplier=0.7,
+                                            attention_in_multiplier=1.2, attention_out_multiplier=0.9,
+                                            ssm_in_multiplier=1.1, ssm_out_multiplier=0.95,
+                                            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05]),
+                           "Falcon-H1: in each of 3 layers attention (4 / 2 heads of 16) and Mamba2 (4 heads of 24: "
+                           "mamba_d_ssm 96, not 2 x hidden; 2 groups, state 16, conv 4 with bias, norm after the "
+                           "gate as the released models have it) on the same input, summed; a SwiGLU MLP of 128; "
+                           "every muP multiplier away from 1"),
+        "tiny_falcon_h1_nonorm": ("FalconH1", dict(BASE, num_hidden_layers=2, eos_token_id=None, initializer_range=0.1,
+                                                   tie_word_embeddings=True, mamba_d_ssm=96, mamba_n_heads=4,
+                                                   mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=3,
+                                                   mamba_chunk_size=8, mamba_rms_norm=False,
+                                                   embedding_multiplier=2.0, lm_head_multiplier=0.7,
+                                                   key_multiplier=1.3, ssm_multipliers=[0.9, 1.1, 1.0, 1.2, 0.8]),
+                                  "Falcon-H1 as transformers' defaults have it: tiny_falcon_h1's mixers with no "
+                                  "norm on Mamba2's output (y * silu(z)), conv 3, tied embeddings (scaled on the "
+                                  "way in, the head by lm_head_multiplier), some multipliers left at 1"),
     }
 
 
 # Text fixtures also written as their family's multimodal checkpoint (language model + vision tower).
-MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl"}
+MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl", "tiny_qwen3_5_moe": "tiny_qwen3_5_moe_vl"}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
@@ -407,8 +433,9 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
 
         if fixture in MULTIMODAL:
             _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
-        if family in CONVERTED_FAMILIES:
-            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family))
+        if family in CONVERTED_FAMILIES and fixture not in NOT_CONVERTED:
+            _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
+                          CONVERT_NOTES.get(family, " (an exact conversion)"))
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
@@ -580,9 +607,11 @@ convert_hf_to_gguf.main()
 """
 
 
-def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None) -> None:
+def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None,
+                  note: str = "") -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
-    (f32 in, f32 out, no row permutation for these families), so the golden is the HF one."""
+    (f32 in, f32 out, no row permutation for these families) but for what `note` says, so the
+    golden is the HF one."""
     import shutil
     import subprocess
     import sys
@@ -605,7 +634,7 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, e
     gold = json.loads(json.dumps(hf_golden))
     gold["meta"] |= {"model_file": "model.gguf", "model_sha256": _sha256(gguf_path),
                      "description": f"{fixture} through llama.cpp's convert_hf_to_gguf.py (f32, vocabulary "
-                                    "step skipped); golden = the HF fixture's (an exact conversion)"}
+                                    f"step skipped); golden = the HF fixture's{note}"}
     (out_dir / "golden.json").write_text(json.dumps(gold, separators=(",", ":")) + "\n")
     print(f"{fixture}_gguf: {time.time() - t0:.1f}s", flush=True)
 

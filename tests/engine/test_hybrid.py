@@ -23,7 +23,7 @@ MAX_LEN = 64
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module", params=["tiny_lfm2", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_granite4", "tiny_qwen3_next", "tiny_nemotron_h", "tiny_lfm2_moe", "tiny_olmo_hybrid", "tiny_granite4_moe", "tiny_nemotron_h_moe"])
+@pytest.fixture(scope="module", params=["tiny_lfm2", "tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_granite4", "tiny_qwen3_next", "tiny_nemotron_h", "tiny_lfm2_moe", "tiny_olmo_hybrid", "tiny_granite4_moe", "tiny_nemotron_h_moe", "tiny_falcon_h1"])
 def fixture(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -1,7 +1,8 @@
 """Prefix caching for hybrid models: recurrent-state snapshots at cached block boundaries.
 
-tiny_lfm2 (short convolutions), tiny_qwen3_5 (gated delta nets) and tiny_granite4 (Mamba2), on
-Vulkan and on the numpy reference device, each loaded once per module and shared by fresh
+tiny_lfm2 (short convolutions), tiny_qwen3_5 (gated delta nets), tiny_granite4 (Mamba2) and
+tiny_falcon_h1 (attention and Mamba2 in the same layers: a hit serves both their blocks and their
+snapshot), on Vulkan and on the numpy reference device, each loaded once per module and shared by fresh
 engines. A hit serves the attention layers' blocks and starts the recurrent layers from the
 snapshot taken where a chunk of an earlier prompt ended on that boundary; it must give the ids
 and logprobs of the same prompt computed without it (a miss on a cold cache, whose chunks end
@@ -32,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 MODELS: dict[tuple[str, str], CausalLM] = {}
 
 
-@pytest.fixture(scope="module", params=["tiny_lfm2", "tiny_qwen3_5", "tiny_granite4"])
+@pytest.fixture(scope="module", params=["tiny_lfm2", "tiny_qwen3_5", "tiny_granite4", "tiny_falcon_h1"])
 def fixture(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -206,6 +206,51 @@ def test_nemotron_h_experts_in_groups(tmp_path: Path) -> None:
         _one_line(exc, "config.json", *words)
 
 
+def test_falcon_h1_attention_and_mamba2_in_every_layer(tmp_path: Path) -> None:
+    """Falcon-H1: every layer attends (a KV group of all of them) and holds a Mamba2 state; its muP
+    multipliers are read for folding into the weights (a GGUF has them folded: none there); the
+    Mamba2 norm's three forms; biases refused."""
+    from vkrt.backend.reference import ReferenceBackend
+    from vkrt.loader.config import Multipliers
+    from vkrt.models.base import kv_groups, state_shapes
+    from vkrt.models.decoder import DecoderModel
+    from vkrt.models.weights import AttentionMamba2
+
+    saved = load_model(FIXTURES / "tiny_falcon_h1").config
+    assert [(layer.mixer, layer.attends, layer.recurrent) for layer in saved.layers] == [
+        ("attention_mamba2", True, "mamba2")] * 3
+    assert [g.layers for g in kv_groups(saved)] == [(0, 1, 2)] and sorted(state_shapes(saved)) == [0, 1, 2]
+    assert (saved.mamba_num_heads, saved.mamba_head_dim, saved.mamba_n_groups, saved.mamba_norm) == (4, 24, 2, "after_gate")
+    assert saved.multipliers == Multipliers(1.2, 0.7, 0.9, 1.1, 0.95, (1.1, 0.9, 1.2, 0.8, 1.05), 0.8, 1.3)
+    assert (saved.embedding_scale, saved.logit_scale) == (3.0, 0.5)
+    gguf = load_model(FIXTURES / "tiny_falcon_h1_gguf" / "model.gguf").config
+    assert gguf.layers == saved.layers and gguf.mamba_norm == "after_gate" and gguf.conv_bias
+    assert (gguf.multipliers, gguf.embedding_scale, gguf.logit_scale) == (Multipliers(), 1.0, 1.0)
+    assert load_model(FIXTURES / "tiny_falcon_h1_nonorm").config.mamba_norm == "none"
+    # the folded weights: k's rows are attention_in x key times the stored ones
+    model = DecoderModel(load_model(FIXTURES / "tiny_falcon_h1"), ReferenceBackend())
+    mixer = model.weights.layers[0].mixer
+    assert isinstance(mixer, AttentionMamba2)
+    from safetensors.numpy import load_file
+
+    stored = load_file(FIXTURES / "tiny_falcon_h1" / "model.safetensors")
+    qkv = model.backend.read(mixer.attention.qkv.parts[0])
+    k = qkv[64:96]
+    np.testing.assert_allclose(k, stored["model.layers.0.self_attn.k_proj.weight"] * np.float32(1.2 * 0.7), rtol=1e-6)
+    d = _copy("tiny_falcon_h1", tmp_path)
+    _edit_config(d, mamba_norm_before_gate=True)
+    assert load_model(d).config.mamba_norm == "before_gate"
+    for key in ("attention_bias", "projectors_bias"):
+        _edit_config(d, **{"attention_bias": None, "projectors_bias": None, key: True})
+        with pytest.raises(UnsupportedModelError) as exc:
+            load_model(d)
+        _one_line(exc, "config.json", key, "not supported")
+    _edit_config(d, projectors_bias=None, ssm_multipliers=[1.0, 2.0])
+    with pytest.raises(ModelFormatError) as bad:
+        load_model(d)
+    _one_line(bad, "ssm_multipliers", "5 finite numbers")
+
+
 def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Qwen3_5ForConditionalGeneration as users download it: text_config is the model, tensors under

@@ -12,23 +12,40 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vkrt.core.quant import bf16_to_f32, f32_to_bf16
+
 
 @dataclass(frozen=True)
 class RowBlock:
     """Storage-format rows [rows, ...] (block formats: uint8 rows of blocks; floats: typed
     values), usually a view of a file's memory map. `order`, when given, reads row order[j] as
-    row j (llama.cpp's q/k head interleaving undone without copying the file's rows)."""
+    row j (llama.cpp's q/k head interleaving undone without copying the file's rows); `scale`
+    (f32 [rows], float formats only) multiplies row j by scale[j] as the rows are read
+    (Falcon-H1's multipliers, folded into a weight as it is uploaded)."""
 
     data: np.ndarray
     order: np.ndarray | None = None
+    scale: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.data.shape[0] if self.order is None else self.order.shape[0])
 
     def rows(self) -> np.ndarray:
-        """The rows in weight order (a view when there is no `order`)."""
-        return self.data if self.order is None else self.data[self.order]
+        """The rows in weight order (a view when there is neither `order` nor `scale`)."""
+        rows = self.data if self.order is None else self.data[self.order]
+        return rows if self.scale is None else scaled_rows(rows, self.scale)
+
+
+def scaled_rows(rows: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Float-format rows (f32, f16, or bf16 as uint16) times one factor per row, computed in
+    f32 and stored back in the rows' format."""
+    factors = np.asarray(scale, np.float32).reshape(-1, *([1] * (rows.ndim - 1)))
+    if rows.dtype == np.uint16:
+        return f32_to_bf16(bf16_to_f32(rows) * factors)
+    if rows.dtype not in (np.float32, np.float16):
+        raise TypeError(f"rows of dtype {rows.dtype} cannot be scaled (block formats are never scaled)")
+    return (rows.astype(np.float32) * factors).astype(rows.dtype)
 
 
 @dataclass(frozen=True)

@@ -123,15 +123,15 @@ _SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_p
                      "mlp.shared_expert.up_proj.weight": "shared_expert.up_proj",
                      "mlp.shared_expert.down_proj.weight": "shared_expert.down_proj",
                      "mlp.shared_expert_gate.weight": "shared_expert_gate"}
-# The attention's own weights, which a layer of another mixer has instead of its mixer's.
+# The attention's own weights, which a layer without attention does not have; a recurrent
+# layer has its mixer's (MIXER_WEIGHTS, by LayerConfig.recurrent).
 _ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
 MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
                  "gated_delta_net": ("delta.in_proj_qkv", "delta.in_proj_z", "delta.in_proj_b", "delta.in_proj_a",
                                      "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
                                      "delta.out_proj"),
                  "mamba2": ("mamba.in_proj", "mamba.conv.weight", "mamba.A_log", "mamba.D", "mamba.dt_bias",
-                            "mamba.norm", "mamba.out_proj"),
-                 "none": ()}  # a block that is only an MLP (Nemotron-H)
+                            "mamba.norm", "mamba.out_proj")}
 # A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
@@ -189,6 +189,10 @@ class ArchSpec:
     # Recurrent mixers some of the family's layers use instead of attention: config.json's
     # layer type -> LayerConfig.mixer ("conv" -> "short_conv" for LFM2).
     mixer_types: dict[str, str] = field(default_factory=dict)
+    # Every layer's mixer when the file lists no layer types (Falcon-H1: "attention_mamba2").
+    default_mixer: str = "attention"
+    # config.json's muP multipliers (Falcon-H1's) are read into ModelConfig.multipliers.
+    hf_multipliers: bool = False
     # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
     attn_output_gate: bool = False
     # llama.cpp's converter reorders this family's delta-net value heads tiled over key heads (Qwen3.5).
@@ -466,6 +470,11 @@ _MAMBA2_GGUF = {"ssm_in.weight": "mamba.in_proj", "ssm_conv1d.weight": "mamba.co
                 "ssm_conv1d.bias": "mamba.conv.bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
                 "ssm_dt.bias": "mamba.dt_bias", "ssm_norm.weight": "mamba.norm", "ssm_out.weight": "mamba.out_proj"}
 
+_MAMBA2_HF = {"mamba.in_proj.weight": "mamba.in_proj", "mamba.conv1d.weight": "mamba.conv.weight",
+              "mamba.conv1d.bias": "mamba.conv.bias", "mamba.A_log": "mamba.A_log", "mamba.D": "mamba.D",
+              "mamba.dt_bias": "mamba.dt_bias", "mamba.norm.weight": "mamba.norm",
+              "mamba.out_proj.weight": "mamba.out_proj"}
+
 # Granite 4 hybrid (dense): Mamba2 in most layers, attention in a few, one shared MLP (its gate and
 # up fused as input_linear), Granite's multipliers; positions unrotated ("nope") in the small models.
 _GRANITE4 = ArchSpec(
@@ -477,10 +486,7 @@ _GRANITE4 = ArchSpec(
     hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
               "shared_mlp.output_linear.weight": "down_proj", "block_sparse_moe.router.layer.weight": "router",
               "block_sparse_moe.input_linear.weight": "experts.gate_up_proj",
-              "block_sparse_moe.output_linear.weight": "experts.down_proj", "mamba.in_proj.weight": "mamba.in_proj",
-              "mamba.conv1d.weight": "mamba.conv.weight", "mamba.conv1d.bias": "mamba.conv.bias",
-              "mamba.A_log": "mamba.A_log", "mamba.D": "mamba.D", "mamba.dt_bias": "mamba.dt_bias",
-              "mamba.norm.weight": "mamba.norm", "mamba.out_proj.weight": "mamba.out_proj"},
+              "block_sparse_moe.output_linear.weight": "experts.down_proj", **_MAMBA2_HF},
     layer_weights=("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm", "gate_up_proj", "down_proj"),
     mixer_types={"linear_attention": "mamba2", "mamba": "mamba2", "attention": "attention"},
     hf_renames={"shared_intermediate_size": "shared_expert_intermediate_size"},
@@ -534,6 +540,23 @@ _NEMOTRON_H = ArchSpec(
     norm_topk_prob=True,
     shared_expert=True,
     shared_expert_gated=False,
+)
+
+# Falcon-H1: in every layer attention and Mamba2 side by side on the same normed input, their
+# outputs summed, then a SwiGLU MLP; muP multipliers (ModelConfig.multipliers, folded into the
+# weights; llama.cpp's converter folds them into a GGUF's weights itself).
+_FALCON_H1 = ArchSpec(
+    name="falcon_h1",
+    gguf_archs=("falcon-h1",),
+    hf_archs=("FalconH1ForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF, "ffn_norm": "ffn_norm"},  # (llama.cpp names it without ".weight")
+    hf_global={**_HF_GLOBAL, "model.final_layernorm.weight": "final_norm"},
+    hf_layer={**_HF_LAYER, "pre_ff_layernorm.weight": "ffn_norm", "feed_forward.gate_proj.weight": "gate_proj",
+              "feed_forward.up_proj.weight": "up_proj", "feed_forward.down_proj.weight": "down_proj",
+              **_MAMBA2_HF},
+    default_mixer="attention_mamba2",
+    hf_defaults={"mamba_rms_norm": False, "mamba_norm_before_gate": True},  # transformers' FalconH1Config's
+    hf_multipliers=True,
 )
 
 # OLMo-hybrid: gated delta nets (q, k, v, a, b, g projected apart, q|k|v convolved apart, beta x 2
@@ -604,7 +627,7 @@ _QWEN3_5_MOE = ArchSpec(
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
@@ -701,10 +724,14 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     for i in range(config.num_layers):
         layer = config.layer(i)
         names = list(arch_named(config.architecture).layer_weights)
-        if layer.mixer != "attention":
-            names = [n for n in names if n not in _ATTENTION_ONLY] + list(MIXER_WEIGHTS[layer.mixer])
-            if config.conv_bias and layer.mixer in ("mamba2", "short_conv"):
-                names.append("mamba.conv.bias" if layer.mixer == "mamba2" else "conv.bias")
+        if not layer.attends:
+            names = [n for n in names if n not in _ATTENTION_ONLY]
+        if layer.recurrent:
+            names += MIXER_WEIGHTS[layer.recurrent]
+            if config.mamba_norm == "none":  # Mamba2 without its gated norm (Falcon-H1's option)
+                names = [n for n in names if n != "mamba.norm"]
+            if config.conv_bias and layer.recurrent in ("mamba2", "short_conv"):
+                names.append("mamba.conv.bias" if layer.recurrent == "mamba2" else "conv.bias")
             if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
                 names = [{"delta.A_log": "delta.A", "mamba.A_log": "mamba.A"}.get(n, n) for n in names]
             for fused, apart in (("delta.in_proj_qkvz", ("delta.in_proj_qkv", "delta.in_proj_z")),

@@ -24,11 +24,41 @@ class LayerConfig:
     moe: bool = False  # the MLP is a mixture of experts (ModelConfig.num_experts), not dense
     # The token mixer: "attention" (paged attention over the KV cache) or a recurrent mixer with
     # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution),
-    # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan); or
-    # "none": the block is only its MLP (Nemotron-H).
+    # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan);
+    # "attention_mamba2": both side by side on the same input, their outputs summed (Falcon-H1);
+    # or "none": the block is only its MLP (Nemotron-H).
     mixer: str = "attention"
     mlp: bool = True  # False: the block is only its mixer (Nemotron-H)
     post_norms: bool = False  # OLMo 2's order: no norm before attention or MLP, one after each
+
+    @property
+    def attends(self) -> bool:
+        """The layer attends over a KV cache (alone, or beside a recurrent mixer)."""
+        return self.mixer in ("attention", "attention_mamba2")
+
+    @property
+    def recurrent(self) -> str:
+        """The layer's recurrent mixer, whose state lives in a slot per sequence ("" if none)."""
+        if self.mixer == "attention_mamba2":
+            return "mamba2"
+        return "" if self.mixer in ("attention", "none") else self.mixer
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Falcon-H1's muP multipliers, each folded into the rows of the weight it scales as that
+    weight is uploaded (llama.cpp's converter folds them into a GGUF's weights, so a GGUF has
+    none): attention's input (q, k, v) and output, the keys again, Mamba2's input and output,
+    its in_proj's five row ranges z | x | B | C | dt, and the MLP's gate and down."""
+
+    attention_in: float = 1.0
+    key: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    ssm_zxbcdt: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +101,7 @@ class ModelConfig:
     qk_norm_per_head: bool = True  # QK-norm over each head; False: over all of q and of k (OLMoE)
     rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head (partial rotary); 0 = all
     rope_interleaved: bool = False  # RoPE pairs (2i, 2i + 1) instead of (i, i + rotated / 2) (ERNIE 4.5)
-    # -- recurrent mixers (layers whose LayerConfig.mixer is not "attention") ----------------
+    # -- recurrent mixers (layers whose LayerConfig.recurrent is set) -------------------------
     conv_kernel: int = 0  # taps K of the depthwise causal convolution (LFM2's conv_L_cache)
     conv_bias: bool = False  # the convolution adds a bias per channel
     # Gated delta nets: key heads (each serving num_v / num_k value heads) and their dims.
@@ -86,6 +116,10 @@ class ModelConfig:
     mamba_state_size: int = 0
     mamba_dt_min: float = 0.0
     mamba_dt_max: float = float("inf")
+    # The gated output norm: "after_gate" rms_norm(y * silu(z)) * w (Mamba2's, Granite 4's),
+    # "before_gate" rms_norm(y) * w * silu(z), or "none": y * silu(z) (Falcon-H1's options).
+    mamba_norm: str = "after_gate"
+    multipliers: Multipliers = Multipliers()  # folded into the weights (Falcon-H1)
     # A GGUF as llama.cpp converts it: value heads tiled over key heads; A = -exp(A_log) stored
     # (delta.A, mamba.A) instead of A_log.
     linear_v_heads_tiled: bool = False
@@ -136,14 +170,15 @@ class WeightData:
     shape: tuple[int, ...]
     data: np.ndarray  # float formats: float32/float16/uint16(bf16); block formats: uint8 [rows, row_bytes]
     row_order: np.ndarray | None = None
+    row_scale: np.ndarray | None = None  # f32 [rows]: each row times its factor as it is read (floats only)
 
     def rows(self) -> np.ndarray:
-        """The weight's rows in vkrt's order (a view of `data` unless they are reordered)."""
-        return self.data if self.row_order is None else self.data[self.row_order]
+        """The weight's rows in vkrt's order (a view of `data` unless they are reordered or scaled)."""
+        return self.block().rows()
 
     def block(self) -> RowBlock:
         """The weight as a row block of a HostWeight (no copy)."""
-        return RowBlock(self.data, self.row_order)
+        return RowBlock(self.data, self.row_order, self.row_scale)
 
 
 @dataclass

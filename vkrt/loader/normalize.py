@@ -31,7 +31,7 @@ from gguf import GGUFValueType
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch import ArchSpec
-from vkrt.loader.config import LayerConfig, ModelConfig, WeightData
+from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers, WeightData
 from vkrt.loader.gguf_file import GGUFFile
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
@@ -172,7 +172,7 @@ def _layer_kinds(src: ConfigFields, spec: ArchSpec, num_layers: int) -> list[tup
     types = src.get("layer_types")
     if types is None:
         rule: Callable[[int, dict[str, Any]], bool] | None = spec.default_sliding
-        return [("attention", bool(rule and rule(i, src.values))) for i in range(num_layers)]
+        return [(spec.default_mixer, bool(rule and rule(i, src.values))) for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers:
         raise ModelFormatError(f"{src.source}: {src.name('layer_types')} must list one type per layer ({num_layers})")
     known = [*_LAYER_TYPES, *spec.mixer_types]
@@ -312,6 +312,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     query_scale = _positive(src, "attention_multiplier") or query_scale
     embedding_scale = _positive(src, "embedding_multiplier") or embedding_scale
     logits_scaling = _positive(src, "logits_scaling")
+    lm_head_multiplier = _positive(src, "lm_head_multiplier")  # Falcon-H1's: logits times it
     eos_ids: list[int] = []
     for value in (src.get("eos_token_id"), (generation or {}).get("eos_token_id")):
         eos_ids += [i for i in _int_list(value) if i not in eos_ids]
@@ -342,6 +343,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         attn_output_gate=spec.attn_output_gate,
         **_delta_net(src, layers),
         **_mamba(src, layers),
+        **_multipliers(src, spec),
         linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
         linear_decay_stored=bool(src.get("linear_decay_stored", False)),
         linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
@@ -355,7 +357,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         attn_softcap=_softcap(src.get("attn_logit_softcapping")),
         final_softcap=_softcap(src.get("final_logit_softcapping")),
         residual_scale=_positive(src, "residual_multiplier") or 1.0,
-        logit_scale=1.0 / logits_scaling if logits_scaling else 1.0,
+        logit_scale=1.0 / logits_scaling if logits_scaling else lm_head_multiplier or 1.0,
         qk_norm_per_head=spec.qk_norm_per_head,
         norm_topk_prob=bool(src.get("norm_topk_prob", spec.norm_topk_prob)),
         num_experts=moe[0],
@@ -371,7 +373,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     )
 
 
-def _expert_groups(src: ConfigFields, spec: ArchSpec, moe: tuple[int, int, int]) -> dict[str, int]:
+def _expert_groups(src: ConfigFields, spec: ArchSpec, moe: tuple[int, int, int]) -> dict[str, Any]:
     """The sigmoid router's expert groups (n_group, topk_group), checked; Nemotron-H's latent
     expert projection (moe_latent_size), which vkrt does not run, refused."""
     experts, per_token, _ = moe
@@ -398,7 +400,7 @@ def _expert_groups(src: ConfigFields, spec: ArchSpec, moe: tuple[int, int, int])
 def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
     """The convolution's taps where a layer convolves (LFM2's conv_L_cache, a delta net's
     linear_conv_kernel_dim), checked; else 0."""
-    mixers = {layer.mixer for layer in layers}
+    mixers = {layer.recurrent for layer in layers}
     key = next((k for mixer, k in (("short_conv", "conv_L_cache"), ("gated_delta_net", "linear_conv_kernel_dim"),
                                    ("mamba2", "mamba_d_conv")) if mixer in mixers), "")
     if not key:
@@ -413,7 +415,7 @@ def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
 _DELTA_NET = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 
 
-def _delta_net(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, int]:
+def _delta_net(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]:
     """A gated delta net's head counts and dims (ModelConfig's fields of those names), checked."""
     if not any(layer.mixer == "gated_delta_net" for layer in layers):
         return {}
@@ -448,12 +450,14 @@ def _ffn_width(src: ConfigFields, width: int) -> int:
 
 def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]:
     """Mamba2's heads, groups and state (ModelConfig's mamba_* fields), checked."""
-    if not any(layer.mixer == "mamba2" for layer in layers):
+    if not any(layer.recurrent == "mamba2" for layer in layers):
         return {}
     hidden = int(src.values["hidden_size"])
     heads, groups, state = (src.get(k) for k in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state"))
-    # Granite 4's inner width is mamba_expand x hidden; Nemotron-H's is simply heads x head_dim.
-    inner = int(src.get("mamba_expand", 2)) * hidden
+    # Granite 4's inner width is mamba_expand x hidden, Falcon-H1's mamba_d_ssm when it says;
+    # Nemotron-H's is simply heads x head_dim.
+    d_ssm = src.get("mamba_d_ssm")
+    inner = d_ssm if _is_int(d_ssm) and d_ssm > 0 else int(src.get("mamba_expand", 2)) * hidden
     head_dim = src.get("mamba_d_head", "auto")
     if head_dim == "auto" and _is_int(heads) and heads > 0:
         head_dim = inner // heads
@@ -464,7 +468,7 @@ def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]
     assert _is_int(heads) and _is_int(groups) and _is_int(head_dim)
     if src.get("mamba_expand") is not None and heads * head_dim != inner:
         raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} x {src.name('mamba_d_head')} must be "
-                               f"mamba_expand x hidden_size ({inner})")
+                               f"the inner width ({'mamba_d_ssm' if d_ssm else 'mamba_expand x hidden_size'}: {inner})")
     if heads % groups:
         raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} ({heads}) must be a multiple of "
                                f"{src.name('mamba_n_groups')} ({groups})")
@@ -476,8 +480,40 @@ def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]
     limit = src.get("time_step_limit") or (0.0, math.inf)
     if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit):
         raise ModelFormatError(f"{src.source}: time_step_limit must be two numbers, got {limit!r}")
+    # Falcon-H1 may norm before the gate or not at all (mamba_rms_norm, mamba_norm_before_gate).
+    norm = "none" if not src.get("mamba_rms_norm", True) else (
+        "before_gate" if src.get("mamba_norm_before_gate", False) else "after_gate")
     return {"mamba_num_heads": heads, "mamba_head_dim": head_dim, "mamba_n_groups": groups, "mamba_state_size": state,
-            "mamba_dt_min": float(limit[0]), "mamba_dt_max": float(limit[1])}
+            "mamba_dt_min": float(limit[0]), "mamba_dt_max": float(limit[1]), "mamba_norm": norm}
+
+
+def _multipliers(src: ConfigFields, spec: ArchSpec) -> dict[str, Any]:
+    """Falcon-H1's muP multipliers (ModelConfig.multipliers), checked; a GGUF has them folded in."""
+    if not spec.hf_multipliers:
+        return {}
+    for key in ("attention_bias", "mlp_bias", "projectors_bias"):
+        if src.get(key):
+            raise UnsupportedModelError(f"{src.source}: {src.name(key)} (biases on these projections) is not supported")
+
+    def factor(key: str) -> float:
+        value = src.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a finite number, got {value!r}")
+        return float(value)
+
+    def factors(key: str, count: int) -> tuple[float, ...]:
+        values = src.get(key) or [1.0] * count
+        if (not isinstance(values, list) or len(values) != count
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)):
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be {count} finite numbers, got {values!r}")
+        return tuple(float(v) for v in values)
+
+    gate, down = factors("mlp_multipliers", 2)
+    z, x, b, c, dt = factors("ssm_multipliers", 5)
+    return {"multipliers": Multipliers(
+        attention_in=factor("attention_in_multiplier"), key=factor("key_multiplier"),
+        attention_out=factor("attention_out_multiplier"), ssm_in=factor("ssm_in_multiplier"),
+        ssm_out=factor("ssm_out_multiplier"), ssm_zxbcdt=(z, x, b, c, dt), mlp_gate=gate, mlp_down=down)}
 
 
 def hf_fields(config_path: Path, cfg: dict[str, Any], spec: ArchSpec) -> ConfigFields:
@@ -578,6 +614,12 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
     if ffn_per_layer is not None:
         _gguf_one_sublayer_blocks(path, arch, spec, values, ffn_per_layer)
+    if spec.default_mixer == "attention_mamba2":  # Falcon-H1: Mamba2 beside attention in every layer
+        _gguf_ssm(arch, meta, values, spelled, ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads",
+                                                "mamba_d_head"))
+        values["mamba_conv_bias"] = any(name.endswith(".mamba.conv.bias") for name in weights)
+        # llama.cpp gates Mamba2's output before its norm, and runs no norm where the file has none
+        values["mamba_rms_norm"] = any(name.endswith(".mamba.norm") for name in weights)
     recurrent = reader.fields.get(f"{arch}.attention.recurrent_layers")
     if recurrent is not None and "gated_delta_net" in spec.mixer_types.values():
         _gguf_delta_nets(path, arch, spec, meta, values, spelled, recurrent.value)

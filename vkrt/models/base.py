@@ -28,7 +28,7 @@ def kv_groups(config: ModelConfig) -> list[KVGroup]:
     first. Recurrent layers have no KV cache (their state is a slot of `StatePool`)."""
     by_window: dict[int, list[int]] = {}
     for i in range(config.num_layers):
-        if config.layer(i).mixer == "attention":
+        if config.layer(i).attends:
             by_window.setdefault(config.layer(i).window, []).append(i)
     return [KVGroup(w, tuple(by_window[w])) for w in sorted(by_window)]
 
@@ -37,7 +37,7 @@ def state_shapes(config: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
     """Each recurrent layer's state tensors, as the shape of one sequence's slot (f32)."""
     shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
     for i in range(config.num_layers):
-        mixer = config.layer(i).mixer
+        mixer = config.layer(i).recurrent
         if mixer == "short_conv":  # the last K - 1 inputs of every channel
             shapes[i] = ((config.hidden_size, config.conv_kernel - 1),)
         elif mixer == "gated_delta_net":  # the conv's window over q|k|v, and S per value head
@@ -138,7 +138,7 @@ class KVCache:
     block_size: int
     dtype: str  # the --kv-cache-dtype (f32, f16, q8_0; vkrt.core.kv_format)
     groups: list[KVGroup] = field(default_factory=list)
-    layer_group: list[int] = field(default_factory=list)  # KV group of each layer (-1: a recurrent layer)
+    layer_group: list[int] = field(default_factory=list)  # KV group of each layer (-1: it does not attend)
     # Recurrent layers' states: each layer's tensors [num_state_slots, *slot shape] (state_shapes).
     states: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     num_state_slots: int = 0

@@ -2,14 +2,14 @@
 
 embedding (x scale) -> N x [norm, token mixer: attention (+bias, QK-norm, RoPE, window,
 softcap, output gate) or a recurrent mixer (LFM2's gated short convolution, the gated delta
-net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence), (post-norm), residual
-(x scale), norm, gated MLP (or relu2's ungated one) or mixture of experts, (post-norm),
-residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama, Mistral, Qwen2/3,
-Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next, Granite 4,
-Nemotron-H (a block is only its mixer or only its MLP), Qwen3-MoE, Mixtral and OLMoE differ
-only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read from there,
-never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into fused
-kernels.
+net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence) or attention and Mamba2
+summed, (post-norm), residual (x scale), norm, gated MLP (or relu2's ungated one) or mixture of
+experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama,
+Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
+Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, Qwen3-MoE, Mixtral
+and OLMoE differ only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read
+from there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
+fused kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.models.rope import rope_table
 from vkrt.models.weights import (
     Attention,
+    AttentionMamba2,
     Experts,
     GatedDeltaNet,
     Layer,
@@ -97,6 +98,8 @@ class DecoderModel(CausalLM):
                 h = self.gated_delta_net(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, Mamba2):
                 h = self.mamba2(layer, mixer, h, step, kv, i)
+            elif isinstance(mixer, AttentionMamba2):
+                h = self.attention_mamba2(layer, mixer, h, step, kv, i)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
         # Only the rows that need logits go through the final norm and the LM head.
@@ -108,7 +111,22 @@ class DecoderModel(CausalLM):
 
     def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         c = self.config
+        out = self.attend(attn, self.pre_norm(h, layer.attn_norm), step, kv, i)
+        if layer.post_attn_norm is not None:
+            out = ops.rms_norm(out, layer.post_attn_norm, c.rms_norm_eps)
+        return self.residual(out, h)
+
+    def attention_mamba2(self, layer: Layer, both: AttentionMamba2, h: Tensor, step: StepTensors, kv: KVCache,
+                         i: int) -> Tensor:
+        """Falcon-H1: attention and Mamba2 on the same normed input, their outputs summed (each
+        one's multipliers folded into its weights)."""
         x = self.pre_norm(h, layer.attn_norm)
+        return self.residual(ops.add(self.attend(both.attention, x, step, kv, i),
+                                     self.selective_scan(both.mamba, x, step, kv, i)), h)
+
+    def attend(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """Attention of the normed input x over layer i's cache (its K/V written first), through o_proj."""
+        c = self.config
         q = self.query_and_cache_write(attn, x, step, kv, i)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
@@ -116,10 +134,7 @@ class DecoderModel(CausalLM):
                                 softcap=c.attn_softcap)
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
-        out = linear(a, attn.o)
-        if layer.post_attn_norm is not None:
-            out = ops.rms_norm(out, layer.post_attn_norm, c.rms_norm_eps)
-        return self.residual(out, h)
+        return linear(a, attn.o)
 
     def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """LFM2's gated convolution over each sequence, its state in layer i's slots."""
@@ -147,19 +162,27 @@ class DecoderModel(CausalLM):
         return self.residual(linear(gated, net.out_proj), h)
 
     def mamba2(self, layer: Layer, m: Mamba2, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
-        """Mamba2: x|B|C convolved (silu), the selective scan over each sequence, gated by silu(z)
-        then normed in groups; both states in layer i's slots."""
+        return self.residual(self.selective_scan(m, self.pre_norm(h, layer.attn_norm), step, kv, i), h)
+
+    def selective_scan(self, m: Mamba2, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """Mamba2 of the normed input x: x|B|C convolved (silu), the selective scan over each
+        sequence, gated by silu(z) and normed in groups (ModelConfig.mamba_norm says in which
+        order, or without the norm), through out_proj; both states in layer i's slots."""
         c = self.config
-        x = self.pre_norm(h, layer.attn_norm)
         conv_state, ssm_state = kv.states[i]
         xbc = ops.causal_conv1d(linear(x, m.xbc), m.conv_taps, m.conv_bias, conv_state, step.seq_start,
                                 step.positions, step.state_slots, activation="silu")
         y = ops.ssm_scan(xbc, linear(x, m.dt), m.a_rate, m.skip, m.dt_bias, ssm_state, step.seq_start, step.positions,
                          step.state_slots, c.mamba_num_heads, c.mamba_head_dim, c.mamba_n_groups, c.mamba_state_size,
                          c.mamba_dt_min, c.mamba_dt_max)
-        group = c.mamba_num_heads * c.mamba_head_dim // c.mamba_n_groups
-        gated = ops.gated_rms_norm(y, linear(x, m.z), m.norm, c.rms_norm_eps, group_size=group, gate_first=True)
-        return self.residual(linear(gated, m.out_proj), h)
+        z = linear(x, m.z)
+        if m.norm is None:  # y * silu(z)
+            gated = ops.silu_and_mul(ops.concat_columns(z, y))
+        else:
+            group = c.mamba_num_heads * c.mamba_head_dim // c.mamba_n_groups
+            gated = ops.gated_rms_norm(y, z, m.norm, c.rms_norm_eps, group_size=group,
+                                       gate_first=c.mamba_norm == "after_gate")
+        return linear(gated, m.out_proj)
 
     def pre_norm(self, h: Tensor, weight: Tensor | None) -> Tensor:
         """The sublayer's input norm; None: it has none (OLMo 2's attention layers norm outputs only)."""

@@ -79,7 +79,7 @@ class GatedDeltaNet:
 class Mamba2:
     """Mamba2 (Granite 4): in_proj's rows as three projections, z (the gate), x|B|C and dt; the
     conv over x|B|C (taps [C, K], bias), A = -exp(A_log), D and dt_bias [H], the grouped norm
-    weight [inner] (gate before norm), out_proj."""
+    weight [inner] (None: no norm, Falcon-H1's option), out_proj."""
 
     z: Linear
     xbc: Linear
@@ -89,11 +89,19 @@ class Mamba2:
     a_rate: Tensor
     skip: Tensor
     dt_bias: Tensor
-    norm: Tensor
+    norm: Tensor | None
     out_proj: Linear
 
 
-Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2
+@dataclass(frozen=True)
+class AttentionMamba2:
+    """Falcon-H1's mixer: attention and Mamba2 on the same input, their outputs summed."""
+
+    attention: Attention
+    mamba: Mamba2
+
+
+Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2 | AttentionMamba2
 
 
 @dataclass(frozen=True)
@@ -272,12 +280,14 @@ class _Builder:
             q: str | WeightData = p + "q_proj"
             if c.attn_output_gate:
                 q, gate = self.query_and_gate(self.raw(p + "q_proj"))
-            qkv = self.linear([q, p + "k_proj", p + "v_proj"],
+            m = c.multipliers
+            qkv = self.linear([self.scaled(q, m.attention_in), self.scaled(p + "k_proj", m.attention_in * m.key),
+                               self.scaled(p + "v_proj", m.attention_in)],
                               biases=[p + n for n in ("q_bias", "k_bias", "v_bias")] if c.qkv_bias else (),
                               apart=c.qk_norm and not c.qk_norm_per_head)
         q_norm = self.norm(p + "q_norm") if c.qk_norm else None
         k_norm = self.norm(p + "k_norm") if c.qk_norm else None
-        return Attention(qkv, self.linear([p + "o_proj"]), q_norm, k_norm,
+        return Attention(qkv, self.linear([self.scaled(p + "o_proj", c.multipliers.attention_out)]), q_norm, k_norm,
                          gate=self.linear([gate]) if gate is not None else None)
 
     def mixer(self, p: str, kind: str) -> Mixer:
@@ -287,6 +297,8 @@ class _Builder:
             return self.gated_delta_net(p)
         if kind == "mamba2":
             return self.mamba2(p)
+        if kind == "attention_mamba2":
+            return AttentionMamba2(self.attention(p), self.mamba2(p))
         return self.attention(p)
 
     def per_key_head(self, w: WeightData, sizes: tuple[int, ...]) -> list[WeightData]:
@@ -304,12 +316,18 @@ class _Builder:
         in_proj = self.raw(p + "mamba.in_proj")
         z, xbc, dt = (_rows(in_proj, start, stop) for start, stop in
                       ((0, inner), (inner, inner + channels), (inner + channels, in_proj.shape[0])))
+        m = c.multipliers  # Falcon-H1's: its input times ssm_in, each of z, x, B, C, dt times its own
+        bc = c.mamba_n_groups * c.mamba_state_size
+        xbc_scale = np.repeat(np.float32(m.ssm_in) * np.array(m.ssm_zxbcdt[1:4], np.float32), (inner, bc, bc))
         bias = self.vector(p + "mamba.conv.bias") if c.conv_bias else np.zeros(channels, np.float32)
-        return Mamba2(z=self.linear([z]), xbc=self.linear([xbc]), dt=self.linear([dt]),
+        return Mamba2(z=self.linear([self.scaled(z, m.ssm_in * m.ssm_zxbcdt[0])]),
+                      xbc=self.linear([self.scaled(xbc, xbc_scale)]),
+                      dt=self.linear([self.scaled(dt, m.ssm_in * m.ssm_zxbcdt[4])]),
                       conv_taps=self.f32(self.vector(p + "mamba.conv.weight").reshape(channels, c.conv_kernel)),
                       conv_bias=self.f32(bias), a_rate=self.f32(self.decay_rate(p, "mamba")),
                       skip=self.f32(self.vector(p + "mamba.D")), dt_bias=self.f32(self.vector(p + "mamba.dt_bias")),
-                      norm=self.f32(self.vector(p + "mamba.norm")), out_proj=self.linear([p + "mamba.out_proj"]))
+                      norm=None if c.mamba_norm == "none" else self.f32(self.vector(p + "mamba.norm")),
+                      out_proj=self.linear([self.scaled(p + "mamba.out_proj", m.ssm_out)]))
 
     def query_and_gate(self, q_proj: WeightData) -> tuple[WeightData, WeightData]:
         """Qwen3.5's q_proj holds per head its query rows, then its gate rows: the two as row
@@ -361,8 +379,13 @@ class _Builder:
     def mlp(self, p: str) -> Mlp:
         if self.config.hidden_act == "relu2":  # ungated: up alone
             return Mlp(self.linear([p + "up_proj"]), self.linear([p + "down_proj"]))
-        gate_up = [p + "gate_up_proj"] if p + "gate_up_proj" in self.stored else [p + "gate_proj", p + "up_proj"]
-        return Mlp(self.linear(gate_up), self.linear([p + "down_proj"]))
+        m = self.config.multipliers  # Falcon-H1's: gate and down (their rows) times their own
+        gate_up: list[str | WeightData] = [p + "gate_up_proj"]
+        if p + "gate_up_proj" not in self.stored:
+            gate_up = [self.scaled(p + "gate_proj", m.mlp_gate), p + "up_proj"]
+        elif m.mlp_gate != 1.0:
+            raise UnsupportedModelError(f"{self.path}: a gate multiplier on a stacked gate_up_proj is not supported")
+        return Mlp(self.linear(gate_up), self.linear([self.scaled(p + "down_proj", m.mlp_down)]))
 
     def experts(self, p: str) -> Experts:
         c = self.config
@@ -459,6 +482,19 @@ class _Builder:
             self.release(stored)
         return tensor
 
+    def scaled(self, weight: str | WeightData, factor: float | np.ndarray) -> str | WeightData:
+        """`weight` with its rows times `factor` (one, or one per row) as they are uploaded: a muP
+        multiplier folded in (float formats only: a GGUF has them folded by its converter)."""
+        if np.all(np.asarray(factor) == 1.0):
+            return weight
+        w = self.raw(weight) if isinstance(weight, str) else weight
+        if w.fmt not in ("f32", "f16", "bf16"):
+            raise UnsupportedModelError(f"{self.path}: weight {w.name} is {w.fmt}; multipliers fold into float weights only")
+        scale = np.broadcast_to(np.asarray(factor, np.float32), (w.shape[0],)).copy()
+        if w.row_scale is not None:
+            scale *= w.row_scale
+        return WeightData(w.name, w.fmt, w.shape, w.data, w.row_order, scale)
+
     def vector(self, name: str) -> np.ndarray:
         w = self.raw(name)
         return dequantize(w.data, w.fmt).reshape(-1).astype(np.float32)
@@ -474,4 +510,5 @@ class _Builder:
 def _rows(w: WeightData, start: int, stop: int) -> WeightData:
     """Rows start .. stop - 1 of a stored weight, as a row selection (nothing copied)."""
     order = np.arange(start, stop) if w.row_order is None else w.row_order[start:stop]
-    return WeightData(f"{w.name}[{start}:{stop}]", w.fmt, (stop - start, *w.shape[1:]), w.data, order)
+    scale = None if w.row_scale is None else w.row_scale[start:stop]
+    return WeightData(f"{w.name}[{start}:{stop}]", w.fmt, (stop - start, *w.shape[1:]), w.data, order, scale)
