@@ -139,3 +139,16 @@ def test_serve_prints_the_page_address_and_the_flag_turns_it_off(
     err = capsys.readouterr().err
     assert ("chat and status page at http://127.0.0.1:8123/" in err) is not disable
     assert len(seen) == 1 and seen[0].state.server.config.disable_ui is disable
+
+
+def test_every_file_of_the_page_is_package_data() -> None:
+    """The wheel ships what pyproject.toml's package-data names: each UI file must match."""
+    import fnmatch
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["vkrt"]
+    for file in sorted(UI_DIR.iterdir()):
+        relative = file.relative_to(UI_DIR.parents[1]).as_posix()  # server/ui/<name>, under vkrt/
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
+    assert {name for name, _ in UI_FILES.values()} <= {f.name for f in UI_DIR.iterdir()}
