@@ -190,3 +190,32 @@ def test_the_page_asks_for_the_api_key_and_sends_it(browser: Any, keyed: str) ->
     set_field(browser, "max-tokens", "5")
     send(browser, "hi")
     wait_until(browser, lambda d: idle(d) and last_reply(d) == "abcde", 30, "the fake engine's reply")
+
+
+STORED = [{"id": "1", "title": "formats", "messages": [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": '{"city":"Paris","temp":[1,2]}', "reasoning": "The user wants JSON.",
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+]}]
+
+
+def test_stored_conversations_render_reasoning_tool_calls_and_json(browser: Any, keyed: str) -> None:
+    """A conversation kept in localStorage comes back on reload: reasoning folded apart from the
+    answer, a JSON answer and the tool call's arguments as formatted blocks."""
+    import json
+
+    browser.get(f"{keyed}/")
+    browser.execute_script("localStorage.setItem('vkrt.conversations', arguments[0])", json.dumps(STORED))
+    browser.refresh()
+    reply = wait_until(browser, lambda d: d.find_elements("css selector", "#messages .msg.assistant"), 30,
+                       "the stored reply")[0]
+    reasoning = reply.find_element("css selector", "details.reasoning")
+    assert reasoning.get_attribute("open") is None  # folded
+    assert reasoning.find_element("tag name", "pre").get_attribute("textContent") == "The user wants JSON."
+    answer = reply.find_element("css selector", ".content pre.json").get_attribute("textContent")
+    assert answer == json.dumps({"city": "Paris", "temp": [1, 2]}, indent=2)
+    call = reply.find_element("css selector", ".tool-call")
+    assert call.find_element("css selector", ".tool-name").text == "tool call: get_weather"
+    assert call.find_element("css selector", "pre.json").get_attribute("textContent") == '{\n  "city": "Paris"\n}'
+    assert reply.find_elements("css selector", "button.copy")
