@@ -26,7 +26,7 @@ GOLDEN_LOGIT_ATOL_FOR = {"tiny_qwen3_5_moe": 1e-3, "tiny_qwen3_5_moe_gguf": 1e-3
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 # Skip reasons that mean "a prerequisite is missing", from helpers here and elsewhere.
 PREREQUISITES = ("Vulkan unavailable", "default model unavailable", "shader compiler unavailable",
-                 "glslangValidator")
+                 "glslangValidator", "Chromium unavailable")
 
 
 # The fixtures that hand tests a pulled model, by model name. VKRT_TEST_DESELECT_MODELS names

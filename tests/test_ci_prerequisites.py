@@ -77,3 +77,24 @@ def test_tests_needing_a_named_model_can_be_deselected_and_are_counted() -> None
     assert f"{len(kept)}/{total} tests collected ({total - len(kept)} deselected)" in dropped.stdout
     unknown = _collect("smollm2-135m-instruct,nonesuch")
     assert unknown.returncode != 0 and "unknown model nonesuch" in unknown.stdout + unknown.stderr
+
+
+NEEDS_CHROMIUM = "tests/server/test_webui_browser.py::test_the_page_asks_for_the_api_key_and_sends_it"
+
+
+def _pytest_without_chromium(ci: bool) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["VKRT_TEST_CHROMIUM"] = "/nonexistent/chromium"
+    if ci:
+        env["CI"] = "true"
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", NEEDS_CHROMIUM],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_missing_chromium_fails_under_ci_and_skips_elsewhere() -> None:
+    child = _pytest_without_chromium(ci=True)
+    assert child.returncode == 1, child.stdout[-2000:]
+    assert "CI=true and Chromium unavailable: /nonexistent/chromium not found" in child.stdout, child.stdout[-2000:]
+    child = _pytest_without_chromium(ci=False)
+    assert child.returncode == 0, child.stdout[-2000:]
+    assert "1 skipped" in child.stdout and "apt-get install chromium" in child.stdout, child.stdout[-2000:]

@@ -1,4 +1,5 @@
-"""Check what the test suite needs: a Vulkan device, the default model, the shader compiler.
+"""Check what the test suite needs: a Vulkan device, the default model, the shader compiler,
+headless Chromium (the browser tests of the page at /).
 
 Under CI (CI=true) a missing one is an error (exit 1, one line per missing prerequisite), so
 a CI run cannot pass by skipping every test that needs it; elsewhere each is reported and
@@ -44,8 +45,15 @@ def _shader_compiler() -> str | None:
     return None
 
 
+def _chromium() -> str | None:
+    from tests.server.browser import chromium_unavailable_reason
+
+    return chromium_unavailable_reason()
+
+
 CHECKS: dict[str, Callable[[], str | None]] = {
     "Vulkan device": _vulkan, "default model": _default_model, "shader compiler": _shader_compiler,
+    "Chromium": _chromium,
 }
 
 

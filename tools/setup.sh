@@ -47,22 +47,32 @@ else
   for pkg in mesa-vulkan-drivers libvulkan1; do
     have_deb "$pkg" || missing+=("$pkg")
   done
+  # Headless Chromium and its driver: the browser tests of the page `vkrt serve` answers at /
+  # (tests/server/test_webui_browser.py). Debian packages them; where apt has none (Ubuntu
+  # ships Chromium as a snap) those tests skip, and fail under CI=true.
+  browser=()
+  for pkg in chromium chromium-driver; do
+    have_deb "$pkg" || browser+=("$pkg")
+  done
   if [[ ! -x "$VENV/bin/python" ]] && ! have_ensurepip; then
     missing+=("python3-venv")
   fi
-  if ((${#missing[@]} == 0)); then
+  if ((${#missing[@]} == 0 && ${#browser[@]} == 0)); then
     say "system packages: already installed"
   else
     sudo=""
     if [[ "$(id -u)" != 0 ]]; then
       command -v sudo >/dev/null \
-        || die "need root to install ${missing[*]}; run as root, install them, or set VKRT_SETUP_SKIP_APT=1"
+        || die "need root to install ${missing[*]} ${browser[*]}; run as root, install them, or set VKRT_SETUP_SKIP_APT=1"
       sudo="sudo"
     fi
     apt_get() { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -qq "$@"; }
-    say "system packages: installing ${missing[*]}"
+    say "system packages: installing ${missing[*]} ${browser[*]}"
     quietly apt_get update
-    quietly apt_get install --no-install-recommends "${missing[@]}"
+    ((${#missing[@]} == 0)) || quietly apt_get install --no-install-recommends "${missing[@]}"
+    if ((${#browser[@]})) && ! apt_get install --no-install-recommends "${browser[@]}" >/dev/null 2>&1; then
+      say "system packages: ${browser[*]} unavailable from apt here; the browser tests will skip (fail under CI=true)"
+    fi
     # vulkaninfo only lists the devices below; never fail over it.
     have_deb vulkan-tools || apt_get install --no-install-recommends vulkan-tools >/dev/null 2>&1 \
       || say "system packages: vulkan-tools unavailable (optional), continuing"

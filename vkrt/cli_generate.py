@@ -313,7 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        kv_cache_memory=args.kv_cache_memory, kv_dtype=args.kv_cache_dtype,
                        state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
                        enable_log_requests=args.enable_log_requests,
-                       max_log_len=args.max_log_len, disable_metrics=args.disable_metrics,
+                       max_log_len=args.max_log_len, disable_metrics=args.disable_metrics, disable_ui=args.disable_ui,
                        enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
@@ -369,7 +369,7 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /version "
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /version and the page at / "
                         "(visible in ps: prefer --api-key-file or VKRT_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from the first line of PATH")
     p.add_argument("--public-metrics", action="store_true", help="let GET /metrics answer without the API key")
@@ -381,6 +381,8 @@ def register(sub: Any) -> None:
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--max-log-len", type=int, default=None)
     p.add_argument("--disable-metrics", action="store_true")
+    p.add_argument("--disable-ui", action="store_true",
+                   help="no chat and status page at / (it answers 404)")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="queued requests beyond which new ones get HTTP 429")
     p.add_argument("--max-prompt-chars", type=int, default=ServerConfig.max_prompt_chars,

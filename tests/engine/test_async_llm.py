@@ -144,3 +144,23 @@ def test_shutdown_lets_the_model_go_while_the_caller_keeps_the_engine() -> None:
     assert gone() is None
     with pytest.raises(Exception, match="shut down"):
         llm.engine  # noqa: B018
+
+
+def test_metrics_name_the_device_and_count_tokens_per_step(engine: AsyncLLM) -> None:
+    """What /metrics' vkrt_device_* and vkrt_engine_generation_tokens_total read: the model's
+    backend, known from the load on, and the tokens of unfinished requests too."""
+    backend = engine.engine.model.backend
+    before = engine.metrics()
+    assert before.backend == backend.name and before.device and before.generation_tokens == 0
+
+    async def main() -> None:
+        stream = engine.generate("abc", SamplingParams(max_tokens=50, ignore_eos=True), "partial")
+        received = 0
+        async for out in stream:
+            received += len(out.token_ids)
+            if received == 4:
+                assert engine.metrics().generation_tokens >= 4  # counted before the request ends
+                break
+        await stream.aclose()
+
+    asyncio.run(main())

@@ -44,6 +44,10 @@ class EngineMetrics:
     num_state_snapshots: int = 0  # a hybrid's prefix-cache state snapshot slots (0: none)
     num_cached_state_snapshots: int = 0  # of which hold the state after a cached prefix
     steps: int = 0
+    device: str = ""  # the device the model runs on, as its backend names it ("" before the load)
+    backend: str = ""
+    device_memory_bytes: int = 0  # the device's memory (its largest device-local heap; 0: unknown)
+    device_memory_reserved_bytes: int = 0  # of which vkrt has reserved (weights, KV cache, state, scratch)
     counters: dict[str, int] = field(default_factory=dict)  # summed over all steps
     last_step_counters: dict[str, int] = field(default_factory=dict)
 
@@ -80,6 +84,7 @@ class AsyncLLM:
         self._aborts: list[str] = []
         self._listeners: list[StatsListener] = []
         self._metrics = EngineMetrics()
+        self._device: tuple[str, str, int] = ("", "", 0)  # name, backend, memory bytes: set at load
         self._cond = threading.Condition()
         self._stopped = False
         self._ready = threading.Event()
@@ -202,6 +207,7 @@ class AsyncLLM:
         assert self._engine is not None
         self._engine.stats_listeners.extend(self._listeners)
         self._engine.stats_listeners.append(self._update_metrics)
+        self._device = _device_of(self._engine.model.backend)
         self._update_metrics(None)
         self._ready.set()
 
@@ -290,8 +296,20 @@ class AsyncLLM:
             num_state_snapshots=blocks.snapshots.num_slots if blocks.snapshots is not None else 0,
             num_cached_state_snapshots=blocks.snapshots.num_cached if blocks.snapshots is not None else 0,
             steps=totals.steps,
+            device=self._device[0],
+            backend=self._device[1],
+            device_memory_bytes=self._device[2],
+            device_memory_reserved_bytes=int(engine.model.backend.memory_stats().get("reserved_bytes", 0)),
             counters=dict(totals.counters),
             last_step_counters=dict(stats.step.counters) if stats is not None else {},
         )
         with self._cond:
             self._metrics = metrics
+
+
+def _device_of(backend: Any) -> tuple[str, str, int]:
+    """(device name, backend name, device memory bytes) from what the backend describes."""
+    device = backend.describe().get("device")
+    if not isinstance(device, dict):  # a backend with no device of its own (the numpy reference)
+        return (backend.name, backend.name, 0)
+    return (str(device.get("name", backend.name)), backend.name, int(device.get("device_local_bytes", 0) or 0))

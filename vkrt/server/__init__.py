@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from vkrt.engine.async_llm import AsyncLLM
 from vkrt.server.app import build_app
 from vkrt.server.config import ServerConfig
 from vkrt.server.http import uvicorn_config
+from vkrt.server.webui import page_url
 
 __all__ = ["ServerConfig", "build_app", "load_engine", "serve"]
 
@@ -35,6 +37,8 @@ def serve(config: ServerConfig) -> None:
     server = uvicorn.Server(uvicorn_config(app, config, host=config.host, port=config.port,
                                            log_level=config.uvicorn_log_level))
     log.info("serving %s on http://%s:%d", config.model_name(), config.host, config.port)
+    if not config.disable_ui:
+        print(f"vkrt: chat and status page at {page_url(config.host, config.port)}", file=sys.stderr, flush=True)
     server.run()
     if failure:
         raise failure[0]

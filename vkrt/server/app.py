@@ -34,6 +34,7 @@ from vkrt.server.protocol import (
     TokenizeRequest,
 )
 from vkrt.server.responses import check_model
+from vkrt.server.webui import UI_PATHS, add_ui_routes
 from vkrt.tokenizer import Tokenizer
 
 log = logging.getLogger("vkrt.server")
@@ -69,6 +70,9 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
     app.state.server = state
     install_error_handlers(app)
     public = PUBLIC_PATHS | ({"/metrics"} if config.public_metrics else set())
+    if not config.disable_ui:
+        add_ui_routes(app)  # the page is public; what it calls needs the key
+        public |= UI_PATHS
     app.add_middleware(ServerMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
                        max_header_bytes=config.max_header_bytes, read_timeout=config.timeout_read,
                        public_paths=frozenset(public))

@@ -41,6 +41,7 @@ class ServerConfig:
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters/ids logged per request; None: all
     disable_metrics: bool = False
+    disable_ui: bool = False  # no chat and status page at / (--disable-ui): / answers 404
     enable_replay: bool = True  # replay recorded decode steps (vkrt serve --no-replay turns it off)
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256

@@ -64,6 +64,19 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("vkrt_num_preemptions", "Requests preempted (recomputed) so far.",
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("vkrt_engine_steps", "Engine steps run.", value=stats.steps)
+        # Counted as each step generates them, so a rate moves while a long request streams
+        # (vkrt_generation_tokens_total counts a request's tokens when it finishes).
+        yield CounterMetricFamily("vkrt_engine_generation_tokens", "Tokens generated, counted at every engine step.",
+                                  value=stats.generation_tokens)
+        info = GaugeMetricFamily("vkrt_device_info", "The device the model runs on (1; the labels say which).",
+                                 labels=["device", "backend"])
+        if stats.backend:  # empty until the model has loaded
+            info.add_metric([stats.device, stats.backend], 1)
+        yield info
+        yield GaugeMetricFamily("vkrt_device_memory_bytes", "The device's memory (its largest device-local heap; "
+                                "0: the backend does not say).", value=stats.device_memory_bytes)
+        yield GaugeMetricFamily("vkrt_device_memory_reserved_bytes", "Device memory vkrt has reserved: weights, "
+                                "KV cache, recurrent state, scratch.", value=stats.device_memory_reserved_bytes)
         for key in dict.fromkeys([*_STEP_COUNTERS, *stats.last_step_counters]):
             yield GaugeMetricFamily(f"vkrt_step_{key}", f"Device {key} of the last engine step.",
                                     value=stats.last_step_counters.get(key, 0))
