@@ -257,3 +257,70 @@ def test_parser_picked_by_template_or_flag() -> None:
     assert pick_parser("{{ '<|python_tag|>' }}{% if m.role == 'ipython' %}{% endif %}", None) == "llama3_json"
     assert pick_parser("{{ messages }}", None) == "hermes"
     assert pick_parser(QWEN_TOOLS_TEMPLATE, "mistral") == "mistral"
+
+
+# ---- forced calls over a scripted model ---------------------------------------------------
+# The fake engine writes a script, except where the grammar's mask refuses a token: what the
+# server's forcing grammar lets through is then exactly what a model trying to write the
+# script could write, deterministically.
+
+PARIS = {"city": "Paris", "unit": "celsius"}
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+            "celsius\n</parameter>\n</function>\n</tool_call>")
+CALLS = {"hermes": HERMES_CALL, "qwen3_xml": XML_CALL}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _scripted(serve_fake: Any, script: str, parser: str) -> openai.OpenAI:
+    from tests.server.fake_engine import FakeEngine
+
+    live = serve_fake(FakeEngine(max_model_len=2048, script=script), tool_call_parser=parser)
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _ask(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """The calls of the reply ((name, arguments decoded)), and its finish reason, streamed or not."""
+    body: dict[str, Any] = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1500, **kwargs}
+    if not stream:
+        choice = client.chat.completions.create(**body).choices[0]
+        return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []], \
+            choice.finish_reason
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml"])
+def test_named_choice_is_one_call_then_the_turn_ends(serve_fake: Any, parser: str, stream: bool) -> None:
+    """A model that would go on calling get_weather (three calls scripted) gets exactly one
+    call under a named tool_choice, parallel_tool_calls or not, and the turn ends there."""
+    client = _scripted(serve_fake, "\n".join([CALLS[parser]] * 3), parser)
+    for parallel in (True, False):
+        calls, finish = _ask(client, stream, tool_choice=NAMED, parallel_tool_calls=parallel)
+        assert calls == [("get_weather", PARIS)] and finish == "tool_calls", (parallel, calls, finish)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml"])
+def test_required_is_at_least_one_call_and_may_stop_after_any(serve_fake: Any, parser: str, stream: bool) -> None:
+    """"required": the model may end its turn after any complete call (one scripted: one call,
+    "tool_calls"), write several with parallel_tool_calls (two scripted: two), and with
+    parallel_tool_calls false it gets one whatever it would write."""
+    call = CALLS[parser]
+    one = _scripted(serve_fake, call + "<eos>", parser)
+    assert _ask(one, stream, tool_choice="required") == ([("get_weather", PARIS)], "tool_calls")
+    two = _scripted(serve_fake, f"{call}\n{call}<eos>", parser)
+    assert _ask(two, stream, tool_choice="required") == ([("get_weather", PARIS)] * 2, "tool_calls")
+    assert _ask(two, stream, tool_choice="required", parallel_tool_calls=False) == (
+        [("get_weather", PARIS)], "tool_calls")
+    # Chatter after a call is not a call's start: masked away, the turn ends with one call.
+    chatty = _scripted(serve_fake, call + " All done, it is sunny!", parser)
+    assert _ask(chatty, stream, tool_choice="required") == ([("get_weather", PARIS)], "tool_calls")

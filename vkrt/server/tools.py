@@ -97,9 +97,18 @@ def _call_schema(tools: list[dict[str, Any]], forced: str, arguments_key: str) -
     return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
+def several_calls(forced: str | None, parallel: bool) -> bool:
+    """Whether a reply may hold more than one call: `parallel_tool_calls` allows it, except
+    under a named tool_choice, which means exactly one call of that function."""
+    return parallel and forced in (None, "*")
+
+
 def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, parallel: bool) -> GuidedDecoding:
-    """A Lark grammar whose sentences are one call (or, with `parallel`, several) of the
-    forced function(s), in `parser`'s syntax, with arguments valid for their schema."""
+    """A Lark grammar whose sentences are one call (or, with `parallel` and any function
+    forced, several) of the forced function(s), in `parser`'s syntax, with arguments valid for
+    their schema. The grammar ends with the call: a single call completes it, so the engine
+    stops there; after each of several calls the model may end its turn (EOS) or call again."""
+    parallel = several_calls(forced, parallel)
     if parser == "qwen3_xml":
         return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel))
     key = "parameters" if parser == "llama3_json" else "arguments"
