@@ -66,11 +66,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if tools:
         parser = pick_parser(template, state.config.tool_call_parser)
         if forced:
-            body._tool_grammar = forcing_grammar(tools, forced, parser, parallel)
+            body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits())
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
-    params = sampling_params(body)
+    params = sampling_params(body, state.config.max_digits())
     response_id = new_response_id("chatcmpl")
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
