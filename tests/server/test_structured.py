@@ -232,6 +232,29 @@ def _reply(client: openai.OpenAI, **kwargs: Any) -> Any:
     return client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=1500, **kwargs).choices[0]
 
 
+def test_llama_cpp_json_object_with_schema_is_honoured(serve_fake: Any) -> None:
+    """response_format {"type": "json_object", "schema": ...} (llama.cpp's form, instructor's
+    JSON_SCHEMA mode) constrains to the schema, not to any object: a script that writes the
+    population as text, then as a number, gets the number. The same for {"type": "json_schema",
+    "schema": ...} and the request's top-level json_schema; plain json_object stays any object."""
+    script = '{"name": "Lyon", "population": "many", "population": 522250}'
+    for form in ({"response_format": {"type": "json_object", "schema": CITY_SCHEMA}},
+                 {"response_format": {"type": "json_schema", "schema": CITY_SCHEMA}},
+                 {"extra_body": {"json_schema": CITY_SCHEMA}}):
+        choice = _reply(_scripted(serve_fake, script), **form)
+        assert choice.finish_reason == "stop", (form, choice.message.content)
+        assert choice.message.content == '{"name": "Lyon", "population": 522250}', form
+        assert City.model_validate_json(choice.message.content) == City(name="Lyon", population=522250)
+    anything = _reply(_scripted(serve_fake, '{"name": "Lyon", "population": "many"}'),
+                      response_format={"type": "json_object"})
+    assert json.loads(anything.message.content) == {"name": "Lyon", "population": "many"}
+    # A bad schema in that form is a 400 naming response_format.
+    client = _scripted(serve_fake, script)
+    with pytest.raises(openai.BadRequestError) as caught:
+        _reply(client, response_format={"type": "json_object", "schema": {"type": "frobnicate"}})
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "response_format"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_unbounded_integer_ends_at_16_digits(serve_fake: Any, stream: bool) -> None:
     """A small model's run-on "population": 1111... ends: an integer the schema leaves

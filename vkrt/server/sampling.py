@@ -88,14 +88,19 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
     found: list[tuple[GuidedDecoding, str]] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
-        found.append((GuidedDecoding("json_object"), "response_format"))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise _bad("response_format", "type 'json_schema' needs json_schema.schema")
-        # OpenAI's strict=false asks for best effort; vkrt then ignores schema keywords llguidance
-        # does not implement instead of refusing them. The output always follows the rest.
-        found.append((GuidedDecoding("json", fmt.json_schema.schema_, strict=fmt.json_schema.strict is not False),
+        # llama.cpp's {"type": "json_object", "schema": {...}}: JSON valid for the schema.
+        found.append((GuidedDecoding("json_object") if fmt.schema_ is None else GuidedDecoding("json", fmt.schema_),
                       "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+            # OpenAI's strict=false asks for best effort; vkrt then ignores schema keywords llguidance
+            # does not implement instead of refusing them. The output always follows the rest.
+            found.append((GuidedDecoding("json", fmt.json_schema.schema_, strict=fmt.json_schema.strict is not False),
+                          "response_format"))
+        elif fmt.schema_ is not None:  # llama.cpp also takes the schema beside the type
+            found.append((GuidedDecoding("json", fmt.schema_), "response_format"))
+        else:
+            raise _bad("response_format", "type 'json_schema' needs json_schema.schema")
     elif fmt is not None and fmt.type == "structural_tag":
         tag: dict[str, Any] = {"structures": fmt.structures, "triggers": fmt.triggers}
         found.append((GuidedDecoding("structural_tag", tag if fmt.format is None else {"format": fmt.format}),
