@@ -48,6 +48,9 @@ def test_objects_listing_properties_are_closed_unless_they_allow_more() -> None:
     assert props["map"]["additionalProperties"] == {"type": "integer"}
     assert "additionalProperties" not in props["any"]
     assert all("additionalProperties" not in member for member in props["both"]["allOf"])
+    # A required key missing from the properties stays allowed, so the schema stays satisfiable.
+    assert close_objects({"properties": {"a": {}}, "required": ["a", "b"]}) == {
+        "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "additionalProperties": False}
 
 
 def test_any_object_bounds_numbers_at_every_depth() -> None:

@@ -266,11 +266,22 @@ def test_parser_picked_by_template_or_flag() -> None:
 # script could write, deterministically.
 
 PARIS = {"city": "Paris", "unit": "celsius"}
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+JSON_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
             "celsius\n</parameter>\n</function>\n</tool_call>")
-CALLS = {"hermes": HERMES_CALL, "qwen3_xml": XML_CALL}
+PARSERS = ["hermes", "qwen3_xml", "mistral", "llama3_json"]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _calls(parser: str, n: int) -> str:
+    """n calls of get_weather(Paris, celsius) in `parser`'s syntax, as a model writes them."""
+    if parser == "hermes":
+        return "\n".join([f"<tool_call>\n{JSON_CALL}\n</tool_call>"] * n)
+    if parser == "qwen3_xml":
+        return "\n".join([XML_CALL] * n)
+    if parser == "mistral":
+        return "[TOOL_CALLS][" + ",".join([JSON_CALL] * n) + "]"
+    return ";".join([JSON_CALL.replace('"arguments"', '"parameters"')] * n)
 
 
 def _scripted(serve_fake: Any, script: str, parser: str) -> openai.OpenAI:
@@ -299,26 +310,26 @@ def _ask(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[list[tuple
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml"])
+@pytest.mark.parametrize("parser", PARSERS)
 def test_named_choice_is_one_call_then_the_turn_ends(serve_fake: Any, parser: str, stream: bool) -> None:
     """A model that would go on calling get_weather (three calls scripted) gets exactly one
     call under a named tool_choice, parallel_tool_calls or not, and the turn ends there."""
-    client = _scripted(serve_fake, "\n".join([CALLS[parser]] * 3), parser)
+    client = _scripted(serve_fake, _calls(parser, 3), parser)
     for parallel in (True, False):
         calls, finish = _ask(client, stream, tool_choice=NAMED, parallel_tool_calls=parallel)
         assert calls == [("get_weather", PARIS)] and finish == "tool_calls", (parallel, calls, finish)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml"])
+@pytest.mark.parametrize("parser", PARSERS)
 def test_required_is_at_least_one_call_and_may_stop_after_any(serve_fake: Any, parser: str, stream: bool) -> None:
     """"required": the model may end its turn after any complete call (one scripted: one call,
     "tool_calls"), write several with parallel_tool_calls (two scripted: two), and with
     parallel_tool_calls false it gets one whatever it would write."""
-    call = CALLS[parser]
+    call = _calls(parser, 1)
     one = _scripted(serve_fake, call + "<eos>", parser)
     assert _ask(one, stream, tool_choice="required") == ([("get_weather", PARIS)], "tool_calls")
-    two = _scripted(serve_fake, f"{call}\n{call}<eos>", parser)
+    two = _scripted(serve_fake, _calls(parser, 2) + "<eos>", parser)
     assert _ask(two, stream, tool_choice="required") == ([("get_weather", PARIS)] * 2, "tool_calls")
     assert _ask(two, stream, tool_choice="required", parallel_tool_calls=False) == (
         [("get_weather", PARIS)], "tool_calls")

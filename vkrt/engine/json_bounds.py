@@ -12,8 +12,9 @@ properties) are left as they are; `any_object` is "any JSON object" with bounded
 
 `close_objects`: an object schema that lists `properties` and says nothing of
 `additionalProperties` (nor `patternProperties` / `unevaluatedProperties`) gets
-`additionalProperties: false`, as OpenAI's strict function calling has it; `allOf` members
-are left open (closing each would refuse the properties of the others).
+`additionalProperties: false`, as OpenAI's strict function calling has it (a key it lists in
+`required` but not in `properties` is added there, any value); `allOf` members are left open
+(closing each would refuse the properties of the others).
 """
 
 from __future__ import annotations
@@ -89,9 +90,17 @@ def close_objects(schema: Schema) -> Schema:
     """`schema` with every object that lists properties closed to others unless it allows them."""
 
     def close(node: dict[str, Any], in_all_of: bool) -> dict[str, Any]:
-        if (not in_all_of and isinstance(node.get("properties"), dict)
+        properties = node.get("properties")
+        if (not in_all_of and isinstance(properties, dict)
                 and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & node.keys()):
             node["additionalProperties"] = False
+            required = node.get("required")
+            # A required key the properties do not list stays allowed (any value), else closing
+            # would make the schema unsatisfiable.
+            missing = [k for k in required if isinstance(k, str) and k not in properties] \
+                if isinstance(required, list) else []
+            if missing:
+                node["properties"] = {**properties, **{key: {} for key in missing}}
         return node
 
     return _walk(schema, close)
