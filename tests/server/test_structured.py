@@ -289,3 +289,11 @@ def test_unbounded_integer_ends_at_16_digits(serve_fake: Any, stream: bool) -> N
     assert content(_scripted(serve_fake, script), extra_body={"json_schema": wide})["population"] == int("1" * 18)
     assert content(_scripted(serve_fake, script, json_max_digits=4), response_format=fmt)["population"] == 1111
     assert content(_scripted(serve_fake, script, json_max_digits=0), response_format=fmt)["population"] == int(ones)
+
+
+def test_json_max_digits_out_of_range_is_refused() -> None:
+    from vkrt.errors import VkrtError
+    from vkrt.server import ServerConfig
+
+    with pytest.raises(VkrtError, match=r"--json-max-digits must be in \[0, 18\]"):
+        ServerConfig(json_max_digits=19).validate()
