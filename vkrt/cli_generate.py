@@ -317,7 +317,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser,
+                       reasoning_parser=args.reasoning_parser, json_max_digits=args.json_max_digits,
                        timeout_keep_alive=args.timeout_keep_alive,
                        timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
                        max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins)))
@@ -394,6 +394,9 @@ def register(sub: Any) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
                    help="split <think>...</think> into reasoning_content: auto (when the chat template "
                         "has the tags), think (always), none (never)")
+    p.add_argument("--json-max-digits", type=int, default=ServerConfig.json_max_digits, metavar="N",
+                   help="digits an integer may have in schema-constrained JSON and forced tool calls when the "
+                        "schema sets no minimum/maximum (a number's fraction: at most 10); 0: unbounded")
     p.add_argument("--escape-special-tokens", action="store_true",
                    help="tokenise message content as text, so '<|im_end|>' typed by a user is not a control token")
     p.add_argument("--timeout-keep-alive", type=float, default=ServerConfig.timeout_keep_alive, metavar="SECONDS",

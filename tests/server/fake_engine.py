@@ -5,19 +5,29 @@ tested without loading a model: `generate` makes the request through the engine'
 RequestProcessor (so the server sees the engine's errors) and streams delta outputs, text
 that may start a stop string held back as the engine holds it. Output token i is the letter
 'a' + (i % 26), one per step of `step_delay` seconds.
+
+With a `script` the output is the script's tokens instead (its bytes, "<eos>" the EOS token),
+then EOS; and an output constraint is applied for real, as the engine applies it: the
+grammar is compiled by llguidance over the byte vocabulary, a script token the grammar's mask
+refuses is skipped (the scripted "model" would have written it, the mask prevents it), once
+the script is spent the first token the mask allows is taken (EOS when it may end), and the
+request stops when the grammar is complete. `script` may also be a function of the request's
+SamplingParams, to script each request differently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.config import SamplingParams
-from vkrt.engine.guided import GrammarCompiler
+from vkrt.engine.guided import GrammarCompiler, Guide
 from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 
@@ -83,11 +93,43 @@ class FakeTokenizer:
                                                        tools=tools, budget=budget, template_kwargs=kwargs)
 
 
+class ByteGrammarCompiler(GrammarCompiler):
+    """The engine's GrammarCompiler over the fake's byte vocabulary (llguidance indexes it
+    from the token bytes, as it indexes a real tokenizer from its JSON)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, FakeTokenizer.vocab_size, (EOS,))
+
+    def _llg_tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+                from llguidance._tokenizer import TokenizerWrapper
+
+                class Bytes:
+                    eos_token_id, bos_token_id = EOS, None
+                    tokens = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS.values()]
+                    special_token_ids = list(SPECIALS)
+
+                    def __call__(self, text: bytes) -> list[int]:
+                        return list(text)
+
+                self._ll_tokenizer = llguidance.LLTokenizer(TokenizerWrapper(Bytes()), n_vocab=self.vocab_size,
+                                                            eos_token=[EOS])
+            return self._ll_tokenizer
+
+
+Script = str | Callable[[SamplingParams], str]
+
+
 class FakeEngine:
     """AsyncLLM's interface over a scripted token stream."""
 
-    def __init__(self, max_model_len: int = 64, step_delay: float = 0.0, ready: bool = True) -> None:
+    def __init__(self, max_model_len: int = 64, step_delay: float = 0.0, ready: bool = True,
+                 script: Script | None = None) -> None:
         self.tokenizer = FakeTokenizer()
+        self.script = script
+        self.grammars = ByteGrammarCompiler()
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.ready = ready
@@ -107,16 +149,42 @@ class FakeEngine:
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  *, prompt_text: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        processor = RequestProcessor(self.tokenizer.vocab_size, self.max_model_len, (EOS,),
-                                     GrammarCompiler(None, self.tokenizer.vocab_size, (EOS,)))
-        # The fake has no tokenizer llguidance could index: a grammar is checked for form only.
-        if params.guided_decoding is not None:
-            params.guided_decoding.validate()
-        processor.make_request(request_id or "fake", ids, dataclasses.replace(params, guided_decoding=None))
-        return self._stream(request_id or "fake", ids, params, prompt_text)
+        if self.script is None:
+            # Letters as output: a grammar is checked for form only (they would not follow it).
+            processor = RequestProcessor(self.tokenizer.vocab_size, self.max_model_len, (EOS,),
+                                         GrammarCompiler(None, self.tokenizer.vocab_size, (EOS,)))
+            if params.guided_decoding is not None:
+                params.guided_decoding.validate()
+            processor.make_request(request_id or "fake", ids, dataclasses.replace(params, guided_decoding=None))
+            return self._stream(request_id or "fake", ids, params, prompt_text)
+        processor = RequestProcessor(self.tokenizer.vocab_size, self.max_model_len, (EOS,), self.grammars)
+        request = processor.make_request(request_id or "fake", ids, params)
+        script = self.script(params) if callable(self.script) else self.script
+        return self._stream(request_id or "fake", ids, params, prompt_text, script, request.guide)
 
-    async def _stream(self, rid: str, ids: list[int], params: SamplingParams,
-                      prompt_text: str | None) -> AsyncGenerator[RequestOutput, None]:
+    def _next_token(self, num_tokens: int, script: list[int] | None, guide: Guide | None) -> int:
+        """The token of step `num_tokens`: a letter, or the script's next one the grammar allows."""
+        if script is None:
+            return ord("a") + num_tokens % 26
+        if guide is None:
+            return script.pop(0) if script else EOS
+        mask = np.empty(self.grammars.words, np.uint32)
+        guide.fill_mask(mask)
+
+        def allowed(token: int) -> bool:
+            return bool(mask[token // 32] >> np.uint32(token % 32) & np.uint32(1))
+
+        while script:
+            token = script.pop(0)
+            if allowed(token):
+                return token
+        return EOS if allowed(EOS) else next(t for t in range(self.tokenizer.vocab_size) if allowed(t))
+
+    async def _stream(self, rid: str, ids: list[int], params: SamplingParams, prompt_text: str | None,
+                      script_text: str | None = None,
+                      guide: Guide | None = None) -> AsyncGenerator[RequestOutput, None]:
+        script = None if script_text is None else self.tokenizer.encode(script_text)
+        out_ids: list[int] = []
         self.requests.append((rid, ids, params, prompt_text))
         self.active.add(rid)
         num_tokens = 0
@@ -128,21 +196,33 @@ class FakeEngine:
                 await asyncio.sleep(self.step_delay)
                 if self.fail_with is not None and num_tokens >= self.fail_after:
                     raise self.fail_with
-                token = ord("a") + num_tokens % 26
+                token = self._next_token(num_tokens, script, guide)
                 num_tokens += 1
                 self.generation_tokens += 1
                 logprobs = None
                 if params.logprobs is not None:
                     top = [Logprob(token, -0.25, 1), Logprob(token + 1, -1.5, 2), Logprob(token + 2, -3.0, 3)]
                     logprobs = [TokenLogprobs(Logprob(token, -0.25, 1), top[: params.logprobs])]
-                text += chr(token)
                 reason, stop_reason = None, None
-                stop = next((s for s in params.stop_strings if s in text), None)
+                if script is None:
+                    text += chr(token)
+                else:
+                    if guide is not None and not guide.advance(token):
+                        raise AssertionError(f"the grammar refused token {token}, which its mask allowed")
+                    if token == EOS:
+                        reason = "stop"
+                    else:
+                        out_ids.append(token)
+                    text = self.tokenizer.decode(out_ids, skip_special_tokens=params.skip_special_tokens)
+                # As the engine decides: EOS, a stop string, max_tokens, then a complete grammar.
+                stop = None if reason else next((s for s in params.stop_strings if s in text), None)
                 if stop is not None:
                     text = text[: text.index(stop) + (len(stop) if params.include_stop_str_in_output else 0)]
                     reason, stop_reason = "stop", stop
-                elif num_tokens >= max_tokens:
+                elif reason is None and num_tokens >= max_tokens:
                     reason = "length"
+                elif reason is None and guide is not None and guide.is_complete:
+                    reason = "stop"
                 finished = reason is not None
                 end = len(text) if finished else len(text) - _held_back(text, params.stop_strings)
                 delta, sent = text[sent:end], max(sent, end)

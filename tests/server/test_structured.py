@@ -205,3 +205,95 @@ def test_bad_constraints_are_400(live: LiveModel, body: dict[str, Any], param: s
         assert isinstance(error, dict) and error["param"] == param, error
     ok = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+# ---- over a scripted model ------------------------------------------------------------------
+# The fake engine writes a script except where the grammar's mask refuses a token, so these
+# show exactly what the server's grammar lets a model write.
+
+class City(BaseModel):
+    model_config = {"extra": "forbid", "strict": True}
+    name: str
+    population: int
+
+
+CITY_SCHEMA = {"type": "object", "required": ["name", "population"], "additionalProperties": False,
+               "properties": {"name": {"type": "string"}, "population": {"type": "integer"}}}
+
+
+def _scripted(serve_fake: Any, script: str, **config: Any) -> openai.OpenAI:
+    from tests.server.fake_engine import FakeEngine
+
+    live = serve_fake(FakeEngine(max_model_len=2048, script=script), **config)
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _reply(client: openai.OpenAI, **kwargs: Any) -> Any:
+    return client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=1500, **kwargs).choices[0]
+
+
+def test_llama_cpp_json_object_with_schema_is_honoured(serve_fake: Any) -> None:
+    """response_format {"type": "json_object", "schema": ...} (llama.cpp's form, instructor's
+    JSON_SCHEMA mode) constrains to the schema, not to any object: a script that writes the
+    population as text, then as a number, gets the number. The same for {"type": "json_schema",
+    "schema": ...} and the request's top-level json_schema; plain json_object stays any object."""
+    script = '{"name": "Lyon", "population": "many", "population": 522250}'
+    for form in ({"response_format": {"type": "json_object", "schema": CITY_SCHEMA}},
+                 {"response_format": {"type": "json_schema", "schema": CITY_SCHEMA}},
+                 {"extra_body": {"json_schema": CITY_SCHEMA}}):
+        choice = _reply(_scripted(serve_fake, script), **form)
+        assert choice.finish_reason == "stop", (form, choice.message.content)
+        assert choice.message.content == '{"name": "Lyon", "population": 522250}', form
+        assert City.model_validate_json(choice.message.content) == City(name="Lyon", population=522250)
+    anything = _reply(_scripted(serve_fake, '{"name": "Lyon", "population": "many"}'),
+                      response_format={"type": "json_object"})
+    assert json.loads(anything.message.content) == {"name": "Lyon", "population": "many"}
+    # A bad schema in that form is a 400 naming response_format.
+    client = _scripted(serve_fake, script)
+    with pytest.raises(openai.BadRequestError) as caught:
+        _reply(client, response_format={"type": "json_object", "schema": {"type": "frobnicate"}})
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unbounded_integer_ends_at_16_digits(serve_fake: Any, stream: bool) -> None:
+    """A small model's run-on "population": 1111... ends: an integer the schema leaves
+    unbounded takes 16 digits at most (the 17th is masked), a number 10 after the point, in
+    any JSON object too; the schema's own bounds are kept, and --json-max-digits changes
+    the default (0: unbounded)."""
+    ones = "1" * 40
+
+    def content(client: openai.OpenAI, **kwargs: Any) -> Any:
+        if not stream:
+            choice = _reply(client, **kwargs)
+            assert choice.finish_reason == "stop", choice.message.content
+            return json.loads(choice.message.content)
+        text, finish = "", None
+        for chunk in client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=1500, stream=True,
+                                                    **kwargs):
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "stop", text
+        return json.loads(text)
+
+    script = f'{{"name": "Lyon", "population": {ones}}}'
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+    assert content(_scripted(serve_fake, script), response_format=fmt)["population"] == int("1" * 16)
+    assert content(_scripted(serve_fake, script), response_format={"type": "json_object"})["population"] == int(
+        "1" * 16)
+    ratio = {"type": "object", "properties": {"ratio": {"type": "number"}}, "required": ["ratio"]}
+    assert content(_scripted(serve_fake, '{"ratio": 0.' + "3" * 40 + "}"), extra_body={"json_schema": ratio}) == {
+        "ratio": float("0." + "3" * 10)}
+    wide = {**CITY_SCHEMA, "properties": {**CITY_SCHEMA["properties"], "population": {
+        "type": "integer", "minimum": 0, "maximum": 10**18}}}
+    assert content(_scripted(serve_fake, script), extra_body={"json_schema": wide})["population"] == int("1" * 18)
+    assert content(_scripted(serve_fake, script, json_max_digits=4), response_format=fmt)["population"] == 1111
+    assert content(_scripted(serve_fake, script, json_max_digits=0), response_format=fmt)["population"] == int(ones)
+
+
+def test_json_max_digits_out_of_range_is_refused() -> None:
+    from vkrt.errors import VkrtError
+    from vkrt.server import ServerConfig
+
+    with pytest.raises(VkrtError, match=r"--json-max-digits must be in \[0, 18\]"):
+        ServerConfig(json_max_digits=19).validate()

@@ -100,7 +100,7 @@ def test_forcing_grammar_accepts_the_template_syntax(smollm2_path: Path) -> None
     parameter, a value of the wrong type or another function's name are refused."""
     tokenizer = Tokenizer.from_gguf(smollm2_path)
     compiler = GrammarCompiler(tokenizer, 49152, tokenizer.eos_token_ids)
-    grammar = forcing_grammar([WEATHER], "get_weather", "qwen3_xml", parallel=True)
+    grammar = forcing_grammar([WEATHER], "*", "qwen3_xml", parallel=True)
     turn, _ = _rendered_calls()
     calls = turn[turn.index("<tool_call>"):]
     assert _accepts(compiler, tokenizer, grammar, calls)
@@ -108,6 +108,9 @@ def test_forcing_grammar_accepts_the_template_syntax(smollm2_path: Path) -> None
     first = calls[:calls.index("</tool_call>") + len("</tool_call>")]
     assert _accepts(compiler, tokenizer, single, first)
     assert not _accepts(compiler, tokenizer, single, calls)  # a second call needs parallel
+    named = forcing_grammar([WEATHER], "get_weather", "qwen3_xml", parallel=True)
+    assert _accepts(compiler, tokenizer, named, first)
+    assert not _accepts(compiler, tokenizer, named, calls)  # a named choice is one call
     head = "<tool_call>\n<function=get_weather>\n"
     for bad in (head + "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",  # no city
                 head + "<parameter=city>\nParis\n</parameter>\n<parameter=days>\nthree\n</parameter>\n"

@@ -9,10 +9,11 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict
 
 from tests.server.live_model import LiveModel, live_model
 from vkrt.chat_template import ChatTemplate
@@ -257,3 +258,154 @@ def test_parser_picked_by_template_or_flag() -> None:
     assert pick_parser("{{ '<|python_tag|>' }}{% if m.role == 'ipython' %}{% endif %}", None) == "llama3_json"
     assert pick_parser("{{ messages }}", None) == "hermes"
     assert pick_parser(QWEN_TOOLS_TEMPLATE, "mistral") == "mistral"
+
+
+# ---- forced calls over a scripted model ---------------------------------------------------
+# The fake engine writes a script, except where the grammar's mask refuses a token: what the
+# server's forcing grammar lets through is then exactly what a model trying to write the
+# script could write, deterministically.
+
+PARIS = {"city": "Paris", "unit": "celsius"}
+JSON_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+            "celsius\n</parameter>\n</function>\n</tool_call>")
+PARSERS = ["hermes", "qwen3_xml", "mistral", "llama3_json"]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _calls(parser: str, n: int) -> str:
+    """n calls of get_weather(Paris, celsius) in `parser`'s syntax, as a model writes them."""
+    if parser == "hermes":
+        return "\n".join([f"<tool_call>\n{JSON_CALL}\n</tool_call>"] * n)
+    if parser == "qwen3_xml":
+        return "\n".join([XML_CALL] * n)
+    if parser == "mistral":
+        return "[TOOL_CALLS][" + ",".join([JSON_CALL] * n) + "]"
+    return ";".join([JSON_CALL.replace('"arguments"', '"parameters"')] * n)
+
+
+def _scripted(serve_fake: Any, script: str, parser: str) -> openai.OpenAI:
+    from tests.server.fake_engine import FakeEngine
+
+    live = serve_fake(FakeEngine(max_model_len=2048, script=script), tool_call_parser=parser)
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _ask(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """The calls of the reply ((name, arguments decoded)), and its finish reason, streamed or not."""
+    body: dict[str, Any] = {"model": "fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1500, **kwargs}
+    if not stream:
+        choice = client.chat.completions.create(**body).choices[0]
+        return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []], \
+            choice.finish_reason
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parser", PARSERS)
+def test_named_choice_is_one_call_then_the_turn_ends(serve_fake: Any, parser: str, stream: bool) -> None:
+    """A model that would go on calling get_weather (three calls scripted) gets exactly one
+    call under a named tool_choice, parallel_tool_calls or not, and the turn ends there."""
+    client = _scripted(serve_fake, _calls(parser, 3), parser)
+    for parallel in (True, False):
+        calls, finish = _ask(client, stream, tool_choice=NAMED, parallel_tool_calls=parallel)
+        assert calls == [("get_weather", PARIS)] and finish == "tool_calls", (parallel, calls, finish)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parser", PARSERS)
+def test_required_is_at_least_one_call_and_may_stop_after_any(serve_fake: Any, parser: str, stream: bool) -> None:
+    """"required": the model may end its turn after any complete call (one scripted: one call,
+    "tool_calls"), write several with parallel_tool_calls (two scripted: two), and with
+    parallel_tool_calls false it gets one whatever it would write."""
+    call = _calls(parser, 1)
+    one = _scripted(serve_fake, call + "<eos>", parser)
+    assert _ask(one, stream, tool_choice="required") == ([("get_weather", PARIS)], "tool_calls")
+    two = _scripted(serve_fake, _calls(parser, 2) + "<eos>", parser)
+    assert _ask(two, stream, tool_choice="required") == ([("get_weather", PARIS)] * 2, "tool_calls")
+    assert _ask(two, stream, tool_choice="required", parallel_tool_calls=False) == (
+        [("get_weather", PARIS)], "tool_calls")
+    # Chatter after a call is not a call's start: masked away, the turn ends with one call.
+    chatty = _scripted(serve_fake, call + " All done, it is sunny!", parser)
+    assert _ask(chatty, stream, tool_choice="required") == ([("get_weather", PARIS)], "tool_calls")
+
+
+class Forecast(BaseModel):
+    """The LOOSE tool's parameters as pydantic checks them: no other keys, each typed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+    days: int | None = None
+    where: dict[str, str] | None = None
+
+
+# A schema that says nothing of additionalProperties: the forced grammar is strict anyway.
+LOOSE: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"],
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": UNITS}, "days": {"type": "integer"},
+                   "where": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}}}]
+
+
+# get_weather of the issue: city and unit only, additionalProperties not said.
+CITY_UNIT: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"],
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": UNITS}}}}}]
+
+
+def _forced_arguments(serve_fake: Any, parser: str, script: str, tools: list[Any] = LOOSE, **config: Any) -> str:
+    from tests.server.fake_engine import FakeEngine
+
+    live = serve_fake(FakeEngine(max_model_len=2048, script=script), tool_call_parser=parser, **config)
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    choice = client.chat.completions.create(model="fake", messages=MESSAGES, tools=tools, tool_choice=NAMED,
+                                            max_tokens=1500).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    return call.function.arguments
+
+
+def test_forced_arguments_take_no_property_outside_the_schema(serve_fake: Any) -> None:
+    """A model that writes "unit_type" beside city and unit (and "zip" inside an object that
+    lists only city) cannot: the mask refuses the extra keys, and the arguments validate
+    against the schema, closed. A required property the model skips is written after all."""
+    head = '<tool_call>\n{"name": "get_weather", "arguments": '
+    extra = head + '{"city": "Paris", "unit": "celsius", "unit_type": "weather"}}\n</tool_call>'
+    arguments = _forced_arguments(serve_fake, "hermes", extra, CITY_UNIT)
+    assert Forecast.model_validate_json(arguments) == Forecast(city="Paris", unit="celsius")
+    nested = head + '{"city": "Paris", "unit": "celsius", "where": {"city": "Paris", "zip": "75001"}}}\n</tool_call>'
+    arguments = _forced_arguments(serve_fake, "hermes", nested)
+    assert Forecast.model_validate_json(arguments).where == {"city": "Paris"}
+    # "unit" is required: the object cannot close after city, so the model's later "unit" lands.
+    missing = head + '{"city": "Paris"}, "unit": "fahrenheit"}}\n</tool_call>'
+    assert Forecast.model_validate_json(_forced_arguments(serve_fake, "hermes", missing)).unit == "fahrenheit"
+
+    xml = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+           '</parameter>\n<parameter=where>\n{"city": "Lyon", "zip": "69001"}\n</parameter>\n'
+           "<parameter=unit_type>\nweather\n</parameter>\n</function>\n</tool_call>")
+    arguments = _forced_arguments(serve_fake, "qwen3_xml", xml)
+    assert Forecast.model_validate_json(arguments) == Forecast(city="Paris", unit="celsius", where={"city": "Lyon"})
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml"])
+def test_forced_integer_ends_at_16_digits(serve_fake: Any, parser: str) -> None:
+    """An integer argument with no bounds in its schema takes at most 16 digits (the 17th is
+    masked), so a model writing 1111... ends its call; --json-max-digits 0 lifts the bound."""
+    ones = "1" * 30
+    if parser == "hermes":
+        script = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", '
+                  f'"days": {ones}}}}}\n</tool_call>')
+    else:
+        script = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+                  f"celsius\n</parameter>\n<parameter=days>\n{ones}\n</parameter>\n</function>\n</tool_call>")
+    assert Forecast.model_validate_json(_forced_arguments(serve_fake, parser, script)).days == int("1" * 16)
+    unbounded = _forced_arguments(serve_fake, parser, script, json_max_digits=0)
+    assert Forecast.model_validate_json(unbounded).days == int(ones)

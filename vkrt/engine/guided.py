@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from vkrt.engine.json_bounds import DEFAULT_MAX_DIGITS, any_object, bound_numbers
 from vkrt.errors import RequestError, VkrtError
 from vkrt.ops.sampling import ALL_ALLOWED, mask_words
 
@@ -57,11 +58,18 @@ class GuidedDecoding:
     "structural_tag": `spec` is vLLM's structural tag (dict or its JSON text): `{"structures":
     [{"begin", "schema", "end"}], "triggers": [...]}`, free text in which each structure, once
     its trigger is written, continues with JSON valid for its schema, then its end.
+
+    `max_digits` bounds the JSON numbers of the schema kinds ("json", "json_object", the
+    structural tag's schemas), as llama.cpp does, so that a small model's run-on `1111...`
+    ends: an integer or number the schema leaves unbounded gets at most that many digits
+    (a number at most min(max_digits, 10) after the point); None leaves them unbounded
+    (vkrt/engine/json_bounds.py). Bounds the schema gives itself are kept.
     """
 
     kind: GuidedKind
     spec: Any = None
     strict: bool = True
+    max_digits: int | None = DEFAULT_MAX_DIGITS
 
     def validate(self) -> None:
         """Raise RequestError for a malformed spec (the grammar itself is checked at compile)."""
@@ -77,6 +85,8 @@ class GuidedDecoding:
             raise RequestError(f"{PARAM}: choice must be a non-empty list of non-empty strings", param=PARAM)
         if self.kind == "structural_tag" and not isinstance(self.spec, (dict, str)):
             raise RequestError(f"{PARAM}: a structural tag must be an object (or its JSON text)", param=PARAM)
+        if self.max_digits is not None and not (isinstance(self.max_digits, int) and 1 <= self.max_digits <= 18):
+            raise RequestError(f"{PARAM}: max_digits must be None or 1..18, got {self.max_digits!r}", param=PARAM)
 
     def grammar(self) -> str:
         """The llguidance grammar definition of this spec."""
@@ -85,22 +95,25 @@ class GuidedDecoding:
         matcher = llguidance.LLMatcher
         options: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not self.strict}
         if self.kind == "json_object":
-            return str(matcher.grammar_from_json_schema({"type": "object"}, overrides=options))  # type: ignore[arg-type]
+            schema = any_object(self.max_digits)
+            return str(matcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
         if self.kind == "json":
             schema = json.loads(self.spec) if isinstance(self.spec, str) else self.spec
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
+            schema = bound_numbers(schema, self.max_digits)
             return str(matcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
         if self.kind == "regex":
             return str(matcher.grammar_from_regex(self.spec))
         if self.kind == "choice":
             return str(matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.spec)))
         if self.kind == "structural_tag":
-            return _structural_tag_grammar(json.loads(self.spec) if isinstance(self.spec, str) else self.spec)
+            return _structural_tag_grammar(json.loads(self.spec) if isinstance(self.spec, str) else self.spec,
+                                           self.max_digits)
         return str(llguidance.grammar_from("grammar", self.spec))  # Lark, or GBNF converted to Lark
 
 
-def _structural_tag_grammar(tag: Any) -> str:
+def _structural_tag_grammar(tag: Any, max_digits: int | None) -> str:
     """vLLM's structural tag as llguidance's: each structure under the trigger its begin starts with."""
     import llguidance
 
@@ -121,7 +134,7 @@ def _structural_tag_grammar(tag: Any) -> str:
         trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structures.{i}.begin {structure['begin']!r} starts with none of the triggers")
-        schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+        schema = {**bound_numbers(schema, max_digits), "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"], grammar=schema,
                                          end=structure["end"]))
     # Triggers are text: a tokenizer's special tokens are not assumed to spell them.
@@ -168,7 +181,7 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self._cache_lock = threading.Lock()
         # spec key -> a compiled matcher that is never advanced, or the error message it gave
-        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool, int | None], Any] = OrderedDict()
 
     def _llg_tokenizer(self) -> Any:
         with self._tokenizer_lock:
@@ -226,10 +239,10 @@ class GrammarCompiler:
         return matcher
 
 
-def _cache_key(guided: GuidedDecoding) -> tuple[str, str, bool]:
+def _cache_key(guided: GuidedDecoding) -> tuple[str, str, bool, int | None]:
     spec = guided.spec
     text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
-    return guided.kind, text, guided.strict
+    return guided.kind, text, guided.strict, guided.max_digits
 
 
 class StepMasks:

@@ -45,6 +45,7 @@ from vkrt.server.tools import (
     forcing_grammar,
     parse_tool_calls,
     pick_parser,
+    several_calls,
 )
 from vkrt.tokenizer import Tokenizer
 
@@ -60,14 +61,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     parser = None
     template = engine.tokenizer.chat_template if engine.tokenizer else None
+    # A named tool_choice is exactly one call, whatever parallel_tool_calls says.
+    parallel = several_calls(forced, body.parallel_tool_calls)
     if tools:
         parser = pick_parser(template, state.config.tool_call_parser)
         if forced:
-            body._tool_grammar = forcing_grammar(tools, forced, parser, body.parallel_tool_calls)
+            body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits())
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
-    params = sampling_params(body)
+    params = sampling_params(body, state.config.max_digits())
     response_id = new_response_id("chatcmpl")
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
@@ -82,10 +85,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, candidates, body, base, parser, inside), candidates)
+        return event_stream(_stream(state, candidates, body, base, parser, parallel, inside), candidates)
 
     [results] = await run_all(candidates.groups, raw)
-    choices = [_choice(engine.tokenizer, body, index, result, parser, inside) for index, result in enumerate(results)]
+    choices = [_choice(engine.tokenizer, body, index, result, parser, parallel, inside)
+               for index, result in enumerate(results)]
     response: dict[str, Any] = {**base, "object": "chat.completion", "choices": choices,
                                 "usage": combined_usage([results]), "system_fingerprint": None}
     if results[0].prompt_logprobs is not None:
@@ -94,12 +98,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
-            parser: str | None, inside: bool | None) -> dict[str, Any]:
+            parser: str | None, parallel: bool, inside: bool | None) -> dict[str, Any]:
     logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
     reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = result.finish_reason
-    calls = _tool_calls(text, parser, body.parallel_tool_calls, body.tools)
+    calls = _tool_calls(text, parser, parallel, body.tools)
     if calls is not None:
         message = {"role": "assistant", "content": calls[0] or None,
                    "tool_calls": [call.to_json() for call in calls[1]]}
@@ -158,8 +162,8 @@ class _ChoiceStream:
             yield {}, None, "tool_calls" if called else update.finish_reason
 
 
-async def _stream(state: ServerState, candidates: CandidateSet, body: ChatCompletionRequest,
-                  base: dict[str, Any], parser: str | None, inside: bool | None) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, candidates: CandidateSet, body: ChatCompletionRequest, base: dict[str, Any],
+                  parser: str | None, parallel: bool, inside: bool | None) -> AsyncIterator[bytes]:
     """Chunks of every choice as they come, each with its index."""
     options = body.stream_options
     include_usage = options is not None and options.include_usage
@@ -178,7 +182,7 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: ChatComple
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    streams = [_ChoiceStream(tokenizer, parser, body.parallel_tool_calls, inside, body.tools) for _ in generations]
+    streams = [_ChoiceStream(tokenizer, parser, parallel, inside, body.tools) for _ in generations]
     # OpenAI sends each choice's role first, alone, before any content.
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)

@@ -52,7 +52,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     check_unsupported(body)
     check_request_text(body, state.config.max_prompt_chars)
     prompts = await state.run_cpu(completion_prompts, engine, body, state.config.max_prompt_chars)
-    params = _candidate_params(body)
+    params = _candidate_params(body, state.config.max_digits())
     response_id = new_response_id("cmpl")
     per_prompt = body.best_of or body.n
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
@@ -79,8 +79,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     return JSONResponse({**base, "choices": choices, "usage": combined_usage(groups), "system_fingerprint": None})
 
 
-def _candidate_params(body: CompletionRequest) -> SamplingParams:
-    params = sampling_params(body)
+def _candidate_params(body: CompletionRequest, max_digits: int | None) -> SamplingParams:
+    params = sampling_params(body, max_digits)
     changes: dict[str, Any] = {}
     if body.best_of is not None and body.best_of > body.n and params.logprobs is None:
         changes["logprobs"] = 0  # ranking by cumulative logprob needs each sampled token's

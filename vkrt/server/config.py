@@ -53,6 +53,9 @@ class ServerConfig:
     escape_special_tokens: bool = False  # message content tokenised as text, never as control tokens
     tool_call_parser: str | None = None  # None: picked from the chat template (server/tools.py)
     reasoning_parser: str = "auto"  # <think> split into reasoning_content: auto (by template), think, none
+    # Digits an integer (or a number's integer part) may have under a JSON-schema constraint
+    # or a forced tool call when the schema sets no bounds (--json-max-digits; 0: unbounded).
+    json_max_digits: int = 16
     cpu_workers: int = 2  # threads that tokenise and render templates off the event loop (niced)
     # Connection limits (uvicorn/h11 underneath).
     timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this
@@ -82,6 +85,8 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise VkrtError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                             f"got {self.tool_call_parser!r}")
+        if not 0 <= self.json_max_digits <= 18:
+            raise VkrtError(f"--json-max-digits must be in [0, 18] (0: unbounded), got {self.json_max_digits}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise VkrtError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                             f"got {self.reasoning_parser!r}")
@@ -103,6 +108,10 @@ class ServerConfig:
             kv_dtype=self.kv_dtype,
             enable_replay=self.enable_replay,
         )
+
+    def max_digits(self) -> int | None:
+        """GuidedDecoding.max_digits for the schemas this server compiles (None: unbounded)."""
+        return self.json_max_digits or None
 
     def model_name(self) -> str:
         """The id clients send as `model` (and see in /v1/models)."""

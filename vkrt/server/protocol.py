@@ -33,6 +33,8 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    # llama.cpp's form: {"type": "json_object", "schema": {...}} (instructor's JSON_SCHEMA mode)
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     # vLLM's type "structural_tag"
     structures: list[dict[str, Any]] | None = None
     triggers: list[str] | None = None

@@ -7,11 +7,13 @@ field behind whatever it refuses.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import PARAM as GUIDED_PARAM
 from vkrt.engine.guided import GuidedDecoding
+from vkrt.engine.json_bounds import DEFAULT_MAX_DIGITS
 from vkrt.errors import RequestError
 from vkrt.server.errors import APIError, shown
 from vkrt.server.protocol import (
@@ -86,14 +88,19 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
     found: list[tuple[GuidedDecoding, str]] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
-        found.append((GuidedDecoding("json_object"), "response_format"))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise _bad("response_format", "type 'json_schema' needs json_schema.schema")
-        # OpenAI's strict=false asks for best effort; vkrt then ignores schema keywords llguidance
-        # does not implement instead of refusing them. The output always follows the rest.
-        found.append((GuidedDecoding("json", fmt.json_schema.schema_, strict=fmt.json_schema.strict is not False),
+        # llama.cpp's {"type": "json_object", "schema": {...}}: JSON valid for the schema.
+        found.append((GuidedDecoding("json_object") if fmt.schema_ is None else GuidedDecoding("json", fmt.schema_),
                       "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+            # OpenAI's strict=false asks for best effort; vkrt then ignores schema keywords llguidance
+            # does not implement instead of refusing them. The output always follows the rest.
+            found.append((GuidedDecoding("json", fmt.json_schema.schema_, strict=fmt.json_schema.strict is not False),
+                          "response_format"))
+        elif fmt.schema_ is not None:  # llama.cpp also takes the schema beside the type
+            found.append((GuidedDecoding("json", fmt.schema_), "response_format"))
+        else:
+            raise _bad("response_format", "type 'json_schema' needs json_schema.schema")
     elif fmt is not None and fmt.type == "structural_tag":
         tag: dict[str, Any] = {"structures": fmt.structures, "triggers": fmt.triggers}
         found.append((GuidedDecoding("structural_tag", tag if fmt.format is None else {"format": fmt.format}),
@@ -112,8 +119,9 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
     return found[0] if found else None
 
 
-def sampling_params(body: SamplingFields) -> SamplingParams:
-    """The OpenAI fields as SamplingParams (400 only for what cannot be mapped at all)."""
+def sampling_params(body: SamplingFields, max_digits: int | None = DEFAULT_MAX_DIGITS) -> SamplingParams:
+    """The OpenAI fields as SamplingParams (400 only for what cannot be mapped at all); a JSON
+    schema constraint bounds its numbers to `max_digits` digits (the server's --json-max-digits)."""
     if isinstance(body, ChatCompletionRequest):
         # None: until the context is full.
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -123,6 +131,11 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         logprobs = body.logprobs
     constraint = guided_decoding(body)
+    guided = None
+    if constraint is not None:
+        guided = constraint[0]
+        if guided.kind != "grammar":  # a forced tool call's grammar has its bounds written in already
+            guided = dataclasses.replace(guided, max_digits=max_digits)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -143,7 +156,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         n=1,  # each choice is its own engine request (server/choices.py)
-        guided_decoding=constraint[0] if constraint else None,
+        guided_decoding=guided,
     )
 
 

@@ -27,6 +27,7 @@ import re
 from typing import Any
 
 from vkrt.engine.guided import JSON_WHITESPACE
+from vkrt.engine.json_bounds import DEFAULT_MAX_DIGITS, bound_numbers, close_objects
 
 OPENER = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\n?(.*?)</function>\s*</tool_call>", re.DOTALL)
@@ -107,10 +108,13 @@ def _string_value(schema: dict[str, Any]) -> str:
     return f'/(?s:.){span}/'
 
 
-def forcing_grammar(tools: list[dict[str, Any]], forced: str, parallel: bool) -> str:
+def forcing_grammar(tools: list[dict[str, Any]], forced: str, parallel: bool,
+                    max_digits: int | None = DEFAULT_MAX_DIGITS) -> str:
     """Lark whose sentences are calls of the forced function(s) in this syntax: a schema's
-    properties in their declared order, the required ones always, strings bare and every
-    other value as JSON valid for its schema."""
+    properties (and no others) in their declared order, the required ones always, strings
+    bare and every other value as JSON valid for its schema, strictly (an object value that
+    lists properties takes no others unless it allows them), its numbers bounded to
+    `max_digits` digits."""
     lines = ['start: one ("\\n" one)*' if parallel else "start: one"]
     functions = []
     for f, tool in enumerate(tools):
@@ -132,7 +136,8 @@ def forcing_grammar(tools: list[dict[str, Any]], forced: str, parallel: bool) ->
                 else:
                     lines.append(f"{rule}: {head} ({value})")
             else:
-                value_schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+                value_schema = {**bound_numbers(close_objects(schema), max_digits),
+                                "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
                 lines.append(f"{rule}_v: %json {json.dumps(value_schema)}")
                 lines.append(f'{rule}: {head} {rule}_v "\\n</parameter>\\n"')
             parts.append(rule if key in required else f"{rule}?")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vkrt.engine.guided import JSON_WHITESPACE, GuidedDecoding
+from vkrt.engine.json_bounds import DEFAULT_MAX_DIGITS, bound_numbers, close_objects
 from vkrt.server import tool_xml
 from vkrt.server.errors import APIError, shown
 
@@ -83,27 +84,46 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
         raise _bad(param, f"invalid JSON schema: {error}")
 
 
-def _call_schema(tools: list[dict[str, Any]], forced: str, arguments_key: str) -> dict[str, Any]:
+def arguments_schema(parameters: Any, max_digits: int | None) -> Any:
+    """A tool's parameters as the forcing grammar holds its arguments to them: strict (an
+    object listing properties takes no others unless it says so: vkrt/engine/json_bounds.py),
+    its numbers bounded to `max_digits` digits."""
+    return bound_numbers(close_objects(parameters), max_digits)
+
+
+def _call_schema(tools: list[dict[str, Any]], forced: str, arguments_key: str,
+                 max_digits: int | None) -> dict[str, Any]:
     variants = []
     for tool in tools:
         function = tool["function"]
         if forced not in ("*", function["name"]):
             continue
+        arguments = arguments_schema(function.get("parameters", {"type": "object"}), max_digits)
         variants.append({"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-                         "properties": {"name": {"const": function["name"]},
-                                        arguments_key: function.get("parameters", {"type": "object"})}})
+                         "properties": {"name": {"const": function["name"]}, arguments_key: arguments}})
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     # %json inside Lark takes llguidance's any-run whitespace unless told the engine's.
     return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
-def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, parallel: bool) -> GuidedDecoding:
-    """A Lark grammar whose sentences are one call (or, with `parallel`, several) of the
-    forced function(s), in `parser`'s syntax, with arguments valid for their schema."""
+def several_calls(forced: str | None, parallel: bool) -> bool:
+    """Whether a reply may hold more than one call: `parallel_tool_calls` allows it, except
+    under a named tool_choice, which means exactly one call of that function."""
+    return parallel and forced in (None, "*")
+
+
+def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, parallel: bool,
+                    max_digits: int | None = DEFAULT_MAX_DIGITS) -> GuidedDecoding:
+    """A Lark grammar whose sentences are one call (or, with `parallel` and any function
+    forced, several) of the forced function(s), in `parser`'s syntax, with arguments valid for
+    their schema, strictly (`arguments_schema`). The grammar ends with the call: a single call
+    completes it, so the engine stops there; after each of several calls the model may end its
+    turn (EOS) or call again."""
+    parallel = several_calls(forced, parallel)
     if parser == "qwen3_xml":
-        return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel))
+        return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel, max_digits))
     key = "parameters" if parser == "llama3_json" else "arguments"
-    call = "call: %json " + json.dumps(_call_schema(tools, forced, key))
+    call = "call: %json " + json.dumps(_call_schema(tools, forced, key, max_digits))
     if parser == "hermes":
         start = 'start: one ("\\n" one)*' if parallel else "start: one"
         lines = [start, 'one: "<tool_call>\\n" call "\\n</tool_call>"']
