@@ -298,12 +298,11 @@ def _ssm_infer(xbc: TensorSpec, dt: TensorSpec, a_rate: TensorSpec, skip: Tensor
     return (TensorSpec((xbc.shape[0], num_heads * head_dim), "f32"),)
 
 
-@register_op("ssm_scan", _ssm_infer, inplace=(5,))
-def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
-             state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_heads: int,
-             head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0, dt_max: float = float("inf"),
-             ) -> np.ndarray:
-    """y [T, H * P]: Mamba2's scan over each sequence (float64 within a step, the state stored f32)."""
+def _ssm_operands(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, num_heads: int,
+                  head_dim: int, n_groups: int, state_size: int, dt_min: float, dt_max: float,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, H, P], each head's B and C [T, H, N], the step dt and log decay dt * A [T, H], in
+    float64: what the scan's two forms share."""
     t = xbc.shape[0]
     inner = num_heads * head_dim
     x64 = xbc.astype(np.float64)
@@ -312,8 +311,19 @@ def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarr
     b = x64[:, inner:inner + n_groups * state_size].reshape(t, n_groups, state_size)[:, group]
     c = x64[:, inner + n_groups * state_size:].reshape(t, n_groups, state_size)[:, group]
     step = np.clip(_softplus(dt.astype(np.float64) + dt_bias.astype(np.float64)), dt_min, dt_max)  # [T, H]
-    decay = np.exp(step * a_rate.astype(np.float64))
-    y = np.zeros((t, num_heads, head_dim), np.float64)
+    return x, b, c, step, step * a_rate.astype(np.float64)
+
+
+@register_op("ssm_scan", _ssm_infer, inplace=(5,))
+def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
+             state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_heads: int,
+             head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0, dt_max: float = float("inf"),
+             ) -> np.ndarray:
+    """y [T, H * P]: Mamba2's scan over each sequence (float64 within a step, the state stored f32)."""
+    x, b, c, step, log_decay = _ssm_operands(xbc, dt, a_rate, dt_bias, num_heads, head_dim, n_groups, state_size,
+                                             dt_min, dt_max)
+    decay = np.exp(log_decay)
+    y = np.zeros(x.shape, np.float64)
     for s in range(state_slots.shape[0]):
         t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
         if t1 <= t0:
@@ -324,7 +334,44 @@ def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarr
             h = h * decay[i][:, None, None] + (step[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
             y[i] = np.einsum("hpn,hn->hp", h, c[i]) + skip.astype(np.float64)[:, None] * x[i]
         state[slot] = h.astype(np.float32)
-    return y.reshape(t, inner).astype(np.float32)
+    return y.reshape(xbc.shape[0], -1).astype(np.float32)
+
+
+# Mamba2's chunked form (SSD, transformers' torch_forward for prefill): within a chunk starting
+# from state h0, with L_i the chunk's cumulative log decay (dt * A summed to i), every token's
+# contribution reaches a later one through exp(L_i - L_j) <= 1, so no solve is needed:
+#   y_i = exp(L_i) h0 C_i + sum_{j<=i} exp(L_i - L_j) (C_i . B_j) dt_j x_j + D x_i;
+#   h = exp(L_last) h0 + sum_j exp(L_last - L_j) dt_j x_j B_j^T.
+
+
+def ssm_scan_chunked(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
+                     state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray,
+                     num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0,
+                     dt_max: float = float("inf"), chunk: int = 64) -> np.ndarray:
+    """`ssm_scan` computed chunk by chunk (float64; the same arguments, the state updated in place)."""
+    x, b, c, step, log_decay = _ssm_operands(xbc, dt, a_rate, dt_bias, num_heads, head_dim, n_groups, state_size,
+                                             dt_min, dt_max)
+    y = np.zeros(x.shape, np.float64)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        h = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+        for c0 in range(t0, t1, chunk):
+            part = slice(c0, min(c0 + chunk, t1))
+            L = np.cumsum(log_decay[part], axis=0).T  # [H, n]
+            n = L.shape[1]
+            causal = np.tril(np.ones((n, n), bool))
+            D = np.where(causal, np.exp(np.where(causal, L[:, :, None] - L[:, None, :], 0.0)), 0.0)  # [H, i, j]
+            scores = D * np.einsum("ihn,jhn->hij", c[part], b[part]) * step[part].T[:, None, :]
+            y[part] = (np.exp(L).T[:, :, None] * np.einsum("hpn,ihn->ihp", h, c[part])
+                       + np.einsum("hij,jhp->ihp", scores, x[part]))
+            tail = np.exp(L[:, -1:] - L) * step[part].T  # [H, n]
+            h = np.exp(L[:, -1])[:, None, None] * h + np.einsum("hj,jhp,jhn->hpn", tail, x[part], b[part])
+        state[slot] = h.astype(np.float32)
+    y += skip.astype(np.float64)[:, None] * x
+    return y.reshape(xbc.shape[0], -1).astype(np.float32)
 
 
 # ---- copying state slots (prefix caching's snapshots) ---------------------------------------------
