@@ -51,8 +51,8 @@ MAX_CHUNK = 64  # the scan's per-column array of a chunk's solved values (gated_
 
 def delta_net_form(caps: DeviceCaps) -> str:
     """'chunked' or 'recurrent' for prefill on this device (VKRT_DELTA_NET overrides): chunked on
-    GPUs; on CPU devices (llvmpipe), where a few thousand invocations already fill the cores,
-    the recurrent walk does less work (docs/BENCHMARKS.md, "Hybrid vs dense")."""
+    GPUs; on CPU devices, where a sequence's few thousand invocations already fill the cores, the
+    recurrent walk measured ~1.3x faster on llvmpipe (docs/BENCHMARKS.md, "Hybrid vs dense")."""
     override = config.delta_net_form()
     if override is not None:
         if override not in ("chunked", "recurrent"):
