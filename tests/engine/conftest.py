@@ -29,7 +29,7 @@ def make_llm() -> Callable[..., LLM]:
 def recurrent_delta_net() -> Iterator[None]:
     """The recurrent gated delta rule for prefill too, for a whole test module. Tests that demand
     the same bits however a prompt is split into steps need it: the recurrent kernel does the
-    same arithmetic per token whatever the split, while the chunked form a GPU selects for
+    same arithmetic per token whatever the split, while the chunked form (VKRT_DELTA_NET=chunked) for
     prefill regroups the sums by chunk (tests/ops/test_gdn_chunked.py; its engine check is
     tests/engine/test_hybrid.py's test_chunked_delta_net_prefill_matches_recurrent)."""
     with pytest.MonkeyPatch.context() as patch:

@@ -1,4 +1,4 @@
-"""The chunked form of the gated delta rule (prefill on GPUs): its numpy definition against the
+"""The chunked form of the gated delta rule (an opt-in prefill kernel): its numpy definition against the
 recurrent reference, and its kernels (gated_delta_net_{norm,prep,chunk}.comp) against both.
 
 llvmpipe selects the recurrent kernel for prefill, so these tests force the chunked form with
@@ -167,12 +167,14 @@ def test_prefill_then_decode_equals_stepwise(vk: Backend, monkeypatch: pytest.Mo
 
 
 def test_selection(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunked prefill on GPUs, recurrent on CPU devices; VKRT_DELTA_NET overrides either."""
+    """Recurrent prefill on every device by default (the chunked form is opt-in until measured on a
+    GPU); VKRT_DELTA_NET picks either."""
     caps = vk_default.caps  # type: ignore[attr-defined]
     monkeypatch.delenv("VKRT_DELTA_NET", raising=False)
-    assert native.delta_net_form(replace(caps, device_type="cpu")) == "recurrent"
-    for kind in ("discrete", "integrated"):
-        assert native.delta_net_form(replace(caps, device_type=kind)) == "chunked"
+    for kind in ("cpu", "discrete", "integrated"):
+        assert native.delta_net_form(replace(caps, device_type=kind)) == "recurrent"
+    monkeypatch.setenv("VKRT_DELTA_NET", "chunked")
+    assert native.delta_net_form(replace(caps, device_type="cpu")) == "chunked"
     monkeypatch.setenv("VKRT_DELTA_NET", "recurrent")
     assert native.delta_net_form(replace(caps, device_type="discrete")) == "recurrent"
     monkeypatch.setenv("VKRT_DELTA_NET", "fast")

@@ -1,6 +1,6 @@
 """The recurrent mixers' kernels: causal_conv1d and short_conv (shaders/causal_conv1d.comp, an
 invocation per (sequence, channel)), gated_delta_net (shaders/gated_delta_net.comp, an invocation
-per (sequence, value head, state column), and for prefill on GPUs its chunked form), ssm_scan (shaders/ssm_scan.comp, an invocation per
+per (sequence, value head, state column), and its chunked form for prefill, opt-in), ssm_scan (shaders/ssm_scan.comp, an invocation per
 (sequence, head, state row)); copy_state_slots, one buffer copy of a region per slot (no shader)."""
 
 from __future__ import annotations
@@ -50,15 +50,17 @@ MAX_CHUNK = 64  # the scan's per-column array of a chunk's solved values (gated_
 
 
 def delta_net_form(caps: DeviceCaps) -> str:
-    """'chunked' or 'recurrent' for prefill on this device (VKRT_DELTA_NET overrides): chunked on
-    GPUs; on CPU devices, where a sequence's few thousand invocations already fill the cores, the
-    recurrent walk measured ~1.3x faster on llvmpipe (docs/BENCHMARKS.md, "Hybrid vs dense")."""
+    """'chunked' or 'recurrent' for prefill on this device: recurrent unless VKRT_DELTA_NET says
+    chunked. The recurrent walk measured ~1.3x faster on llvmpipe (docs/BENCHMARKS.md, "Hybrid vs
+    dense"), and it keeps a prompt's bits the same however its prefill is split into steps; the
+    chunked form is opt-in until it is measured faster on a GPU (`caps` is where that choice
+    will read the device)."""
     override = config.delta_net_form()
     if override is not None:
         if override not in ("chunked", "recurrent"):
             raise VkrtError(f"VKRT_DELTA_NET must be 'chunked' or 'recurrent', not {override!r}")
         return override
-    return "recurrent" if caps.device_type == "cpu" else "chunked"
+    return "recurrent"
 
 
 def delta_net_chunk(caps: DeviceCaps) -> int:
