@@ -25,7 +25,10 @@ IN_I32(7, state_slots);  // [S]
 OUT_F32(8, o);           // [T, Hv * dv]
 IN_F32(9, state_in);     // the state again, read through the fast read path (texel on CPU devices)
 
-layout(push_constant) uniform Push { uint seqs; uint k_heads; uint v_heads; uint dv; uint tiled; float beta_scale; } pc;
+// chunked_from: sequences of at least this many tokens are the chunked kernels' (0: none is)
+layout(push_constant) uniform Push {
+    uint seqs; uint k_heads; uint v_heads; uint dv; uint tiled; float beta_scale; uint chunked_from;
+} pc;
 
 const float L2_EPS = 1e-6;
 
@@ -35,7 +38,7 @@ void main() {
     if (i >= pc.seqs * per_seq) return;
     uint s = i / per_seq, h = (i % per_seq) / pc.dv, j = i % pc.dv;
     int t0 = LD_I32(seq_start, s), t1 = LD_I32(seq_start, s + 1u);
-    if (t1 <= t0) return;
+    if (t1 <= t0 || (pc.chunked_from != 0u && uint(t1 - t0) >= pc.chunked_from)) return;
     // the key head: value heads grouped by key head (HF), or tiled over them (llama.cpp's GGUF)
     uint hk = pc.tiled != 0u ? h % pc.k_heads : h / (pc.v_heads / pc.k_heads);
     uint width = 2u * pc.k_heads * DK + pc.v_heads * pc.dv;

@@ -22,6 +22,12 @@ def access_path_override() -> str | None:
     return value.lower() if value else None
 
 
+def delta_net_form() -> str | None:
+    """VKRT_DELTA_NET: force the gated delta rule's prefill kernel ('chunked' or 'recurrent')."""
+    value = _env("VKRT_DELTA_NET")
+    return value.lower() if value else None
+
+
 def force_staging() -> bool:
     """VKRT_FORCE_STAGING=1: use device-local memory with staging copies even on unified memory."""
     return _env("VKRT_FORCE_STAGING") == "1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,3 +23,15 @@ def make_llm() -> Callable[..., LLM]:
         return LLM(model=FakeLM(), tokenizer=byte_tokenizer(), **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def recurrent_delta_net() -> Iterator[None]:
+    """The recurrent gated delta rule for prefill too, for a whole test module. Tests that demand
+    the same bits however a prompt is split into steps need it: the recurrent kernel does the
+    same arithmetic per token whatever the split, while the chunked form (VKRT_DELTA_NET=chunked) for
+    prefill regroups the sums by chunk (tests/ops/test_gdn_chunked.py; its engine check is
+    tests/engine/test_hybrid.py's test_chunked_delta_net_prefill_matches_recurrent)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VKRT_DELTA_NET", "recurrent")
+        yield

@@ -19,6 +19,9 @@ import pytest
 from tests.conftest import FIXTURES
 from vkrt.engine import LLM, SamplingParams
 
+# bit-exact across splits of a prompt into steps: the recurrent delta-net kernel (conftest.py)
+pytestmark = pytest.mark.usefixtures("recurrent_delta_net")
+
 MAX_LEN = 64
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -73,6 +76,23 @@ def test_chunked_prefill_equals_one_prefill(fixture: str, alone: list[tuple[list
     llm = make_llm(fixture, max_num_batched_tokens=7)  # the 40-token prompt is prefilled in chunks of <= 7
     assert ids_and_logprobs(llm.generate(prompts(fixture), GREEDY)) == alone
     assert_pool_full(llm)
+
+
+DELTA_NET_FIXTURES = ("tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_qwen3_next", "tiny_olmo_hybrid")
+CHUNKED_LOGPROB_TOLERANCE = 1e-4
+
+
+def test_chunked_delta_net_prefill_matches_recurrent(fixture: str, alone: list[tuple[list[int], list[float]]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked delta-rule prefill a GPU selects (forced here) gives the recurrent run's greedy
+    ids, and logprobs within a tolerance (the same sums regrouped by chunk, so not the same bits)."""
+    if fixture not in DELTA_NET_FIXTURES:
+        pytest.skip("no gated delta net")
+    monkeypatch.setenv("VKRT_DELTA_NET", "chunked")
+    got = ids_and_logprobs(make_llm(fixture, max_num_seqs=1).generate(prompts(fixture), GREEDY))
+    assert [ids for ids, _ in got] == [ids for ids, _ in alone]
+    diffs = [abs(a - b) for (_, lps), (_, want) in zip(got, alone, strict=True) for a, b in zip(lps, want, strict=True)]
+    assert 0 < max(diffs) <= CHUNKED_LOGPROB_TOLERANCE  # 0 would mean the chunked kernels never ran
 
 
 def test_preemption_recomputes_the_state(fixture: str, alone: list[tuple[list[int], list[float]]]) -> None:

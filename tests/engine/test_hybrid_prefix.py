@@ -27,6 +27,9 @@ from vkrt.loader import load_model
 from vkrt.models import build_model
 from vkrt.models.base import CausalLM
 
+# bit-exact across splits of a prompt into steps: the recurrent delta-net kernel (conftest.py)
+pytestmark = pytest.mark.usefixtures("recurrent_delta_net")
+
 MAX_LEN = 64
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)

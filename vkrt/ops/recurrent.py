@@ -134,13 +134,11 @@ def _gdn_infer(qkv: TensorSpec, ba: TensorSpec, a: TensorSpec, dt_bias: TensorSp
     return (TensorSpec((qkv.shape[0], num_v_heads * v_head_dim), "f32"),)
 
 
-@register_op("gated_delta_net", _gdn_infer, inplace=(4,))
-def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, state: np.ndarray,
-                    seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_k_heads: int,
-                    num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False,
-                    beta_scale: float = 1.0) -> np.ndarray:
-    """o [T, Hv * dv]: the gated delta rule over each sequence (float64 within a step; the state
-    is stored f32 between steps, as the device holds it)."""
+def _gdn_operands(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, num_k_heads: int,
+                  num_v_heads: int, k_head_dim: int, tiled_heads: bool, beta_scale: float,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """q, k [T, Hv, dk] (L2-normalised, q also by 1 / sqrt(dk), each value head's key head),
+    v [T, Hv, dv], beta and the log decay g [T, Hv], in float64: what both forms share."""
     t = qkv.shape[0]
     kd = num_k_heads * k_head_dim
     repeat = num_v_heads // num_k_heads
@@ -148,13 +146,26 @@ def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias
     key_head = np.arange(num_v_heads) % num_k_heads if tiled_heads else np.arange(num_v_heads) // repeat
     q = x[:, :kd].reshape(t, num_k_heads, k_head_dim)[:, key_head]
     k = x[:, kd:2 * kd].reshape(t, num_k_heads, k_head_dim)[:, key_head]
-    v = x[:, 2 * kd:].reshape(t, num_v_heads, v_head_dim)
+    v = x[:, 2 * kd:].reshape(t, num_v_heads, -1)
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPS) / np.sqrt(k_head_dim)
     k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPS)
     b, a = ba.astype(np.float64)[:, :num_v_heads], ba.astype(np.float64)[:, num_v_heads:]
     beta = beta_scale / (1.0 + np.exp(-b))
-    decay = np.exp(a_rate.astype(np.float64) * _softplus(a + dt_bias.astype(np.float64)))  # exp(g)
-    out = np.zeros((t, num_v_heads, v_head_dim), np.float64)
+    g = a_rate.astype(np.float64) * _softplus(a + dt_bias.astype(np.float64))
+    return q, k, v, beta, g
+
+
+@register_op("gated_delta_net", _gdn_infer, inplace=(4,))
+def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, state: np.ndarray,
+                    seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_k_heads: int,
+                    num_v_heads: int, k_head_dim: int, v_head_dim: int, tiled_heads: bool = False,
+                    beta_scale: float = 1.0) -> np.ndarray:
+    """o [T, Hv * dv]: the gated delta rule over each sequence (float64 within a step; the state
+    is stored f32 between steps, as the device holds it)."""
+    q, k, v, beta, g = _gdn_operands(qkv, ba, a_rate, dt_bias, num_k_heads, num_v_heads, k_head_dim, tiled_heads,
+                                     beta_scale)
+    decay = np.exp(g)
+    out = np.zeros(v.shape, np.float64)
     for s in range(state_slots.shape[0]):
         t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
         if t1 <= t0:
@@ -168,7 +179,62 @@ def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias
             S = S + k[i][:, :, None] * delta[:, None, :]
             out[i] = np.einsum("hkv,hk->hv", S, q[i])
         state[slot] = S.astype(np.float32)
-    return out.reshape(t, -1).astype(np.float32)
+    return out.reshape(qkv.shape[0], -1).astype(np.float32)
+
+
+# The chunked form (the WY / chunked delta-rule formulation; transformers' torch_chunk_gated_delta_rule
+# computes it for prefill): the same sums regrouped so a chunk of C tokens costs a few matrix products
+# and one C x C triangular solve instead of C dependent steps. Within a chunk starting from state S0,
+# with G_i = g_0 + ... + g_i (the chunk's cumulative log decay) and D_ij = exp(G_i - G_j) for j <= i
+# (never above 1, so nothing overflows however long the chunk decays):
+#   delta_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_{j<i} D_ij (k_i . k_j) delta_j)
+#     i.e. (I + A) delta = beta (v - exp(G) K S0), A = strictly-lower(beta_i D_ij k_i . k_j), solved forwards;
+#   o_i = exp(G_i) S0^T q_i + sum_{j<=i} D_ij (q_i . k_j) delta_j;
+#   S = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j delta_j^T.
+# Chunks start at each sequence's first token of the step (the last one may be short).
+
+
+def gated_delta_net_chunked(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray,
+                            state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray,
+                            num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
+                            tiled_heads: bool = False, beta_scale: float = 1.0, chunk: int = 64) -> np.ndarray:
+    """`gated_delta_net` computed chunk by chunk (float64; the same arguments, the state updated in
+    place): the readable definition of what the chunked kernels compute."""
+    q, k, v, beta, g = _gdn_operands(qkv, ba, a_rate, dt_bias, num_k_heads, num_v_heads, k_head_dim, tiled_heads,
+                                     beta_scale)
+    out = np.zeros(v.shape, np.float64)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        S = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+        for c0 in range(t0, t1, chunk):
+            c1 = min(c0 + chunk, t1)
+            out[c0:c1], S = _gdn_chunk(q[c0:c1], k[c0:c1], v[c0:c1], beta[c0:c1], g[c0:c1], S)
+        state[slot] = S.astype(np.float32)
+    return out.reshape(qkv.shape[0], -1).astype(np.float32)
+
+
+def _gdn_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, beta: np.ndarray, g: np.ndarray,
+               S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of n tokens (q, k [n, H, dk], v [n, H, dv], beta, g [n, H]) from state S [H, dk, dv]:
+    the chunk's outputs [n, H, dv] and the state after it."""
+    n = q.shape[0]
+    G = np.cumsum(g, axis=0).T  # [H, n]
+    causal = np.tril(np.ones((n, n), bool))
+    D = np.where(causal, np.exp(np.where(causal, G[:, :, None] - G[:, None, :], 0.0)), 0.0)  # [H, i, j]
+    kk = np.einsum("ihd,jhd->hij", k, k)
+    A = np.tril(beta.T[:, :, None] * D * kk, -1)
+    rhs = beta.T[:, :, None] * (v.transpose(1, 0, 2) - np.exp(G)[:, :, None] * np.einsum("ihd,hde->hie", k, S))
+    delta = np.zeros_like(rhs)  # [H, n, dv]: forward substitution through the unit lower-triangular I + A
+    for i in range(n):
+        delta[:, i] = rhs[:, i] - np.einsum("hj,hje->he", A[:, i, :i], delta[:, :i])
+    qk = D * np.einsum("ihd,jhd->hij", q, k)
+    o = np.exp(G)[:, :, None] * np.einsum("ihd,hde->hie", q, S) + np.einsum("hij,hje->hie", qk, delta)
+    tail = np.exp(G[:, -1:] - G)  # [H, n]: exp(G_last - G_j)
+    S = np.exp(G[:, -1])[:, None, None] * S + np.einsum("jhd,hj,hje->hde", k, tail, delta)
+    return o.transpose(1, 0, 2), S
 
 
 def _gated_norm_infer(x: TensorSpec, z: TensorSpec, w: TensorSpec, eps: float, group_size: int = 0,
@@ -232,12 +298,11 @@ def _ssm_infer(xbc: TensorSpec, dt: TensorSpec, a_rate: TensorSpec, skip: Tensor
     return (TensorSpec((xbc.shape[0], num_heads * head_dim), "f32"),)
 
 
-@register_op("ssm_scan", _ssm_infer, inplace=(5,))
-def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
-             state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_heads: int,
-             head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0, dt_max: float = float("inf"),
-             ) -> np.ndarray:
-    """y [T, H * P]: Mamba2's scan over each sequence (float64 within a step, the state stored f32)."""
+def _ssm_operands(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, dt_bias: np.ndarray, num_heads: int,
+                  head_dim: int, n_groups: int, state_size: int, dt_min: float, dt_max: float,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, H, P], each head's B and C [T, H, N], the step dt and log decay dt * A [T, H], in
+    float64: what the scan's two forms share."""
     t = xbc.shape[0]
     inner = num_heads * head_dim
     x64 = xbc.astype(np.float64)
@@ -246,8 +311,19 @@ def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarr
     b = x64[:, inner:inner + n_groups * state_size].reshape(t, n_groups, state_size)[:, group]
     c = x64[:, inner + n_groups * state_size:].reshape(t, n_groups, state_size)[:, group]
     step = np.clip(_softplus(dt.astype(np.float64) + dt_bias.astype(np.float64)), dt_min, dt_max)  # [T, H]
-    decay = np.exp(step * a_rate.astype(np.float64))
-    y = np.zeros((t, num_heads, head_dim), np.float64)
+    return x, b, c, step, step * a_rate.astype(np.float64)
+
+
+@register_op("ssm_scan", _ssm_infer, inplace=(5,))
+def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
+             state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, num_heads: int,
+             head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0, dt_max: float = float("inf"),
+             ) -> np.ndarray:
+    """y [T, H * P]: Mamba2's scan over each sequence (float64 within a step, the state stored f32)."""
+    x, b, c, step, log_decay = _ssm_operands(xbc, dt, a_rate, dt_bias, num_heads, head_dim, n_groups, state_size,
+                                             dt_min, dt_max)
+    decay = np.exp(log_decay)
+    y = np.zeros(x.shape, np.float64)
     for s in range(state_slots.shape[0]):
         t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
         if t1 <= t0:
@@ -258,7 +334,44 @@ def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarr
             h = h * decay[i][:, None, None] + (step[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
             y[i] = np.einsum("hpn,hn->hp", h, c[i]) + skip.astype(np.float64)[:, None] * x[i]
         state[slot] = h.astype(np.float32)
-    return y.reshape(t, inner).astype(np.float32)
+    return y.reshape(xbc.shape[0], -1).astype(np.float32)
+
+
+# Mamba2's chunked form (SSD, transformers' torch_forward for prefill): within a chunk starting
+# from state h0, with L_i the chunk's cumulative log decay (dt * A summed to i), every token's
+# contribution reaches a later one through exp(L_i - L_j) <= 1, so no solve is needed:
+#   y_i = exp(L_i) h0 C_i + sum_{j<=i} exp(L_i - L_j) (C_i . B_j) dt_j x_j + D x_i;
+#   h = exp(L_last) h0 + sum_j exp(L_last - L_j) dt_j x_j B_j^T.
+
+
+def ssm_scan_chunked(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarray, dt_bias: np.ndarray,
+                     state: np.ndarray, seq_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray,
+                     num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0,
+                     dt_max: float = float("inf"), chunk: int = 64) -> np.ndarray:
+    """`ssm_scan` computed chunk by chunk (float64; the same arguments, the state updated in place)."""
+    x, b, c, step, log_decay = _ssm_operands(xbc, dt, a_rate, dt_bias, num_heads, head_dim, n_groups, state_size,
+                                             dt_min, dt_max)
+    y = np.zeros(x.shape, np.float64)
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 <= t0:
+            continue
+        slot = int(state_slots[s])
+        h = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+        for c0 in range(t0, t1, chunk):
+            part = slice(c0, min(c0 + chunk, t1))
+            L = np.cumsum(log_decay[part], axis=0).T  # [H, n]
+            n = L.shape[1]
+            causal = np.tril(np.ones((n, n), bool))
+            D = np.where(causal, np.exp(np.where(causal, L[:, :, None] - L[:, None, :], 0.0)), 0.0)  # [H, i, j]
+            scores = D * np.einsum("ihn,jhn->hij", c[part], b[part]) * step[part].T[:, None, :]
+            y[part] = (np.exp(L).T[:, :, None] * np.einsum("hpn,ihn->ihp", h, c[part])
+                       + np.einsum("hij,jhp->ihp", scores, x[part]))
+            tail = np.exp(L[:, -1:] - L) * step[part].T  # [H, n]
+            h = np.exp(L[:, -1])[:, None, None] * h + np.einsum("hj,jhp,jhn->hpn", tail, x[part], b[part])
+        state[slot] = h.astype(np.float32)
+    y += skip.astype(np.float64)[:, None] * x
+    return y.reshape(xbc.shape[0], -1).astype(np.float32)
 
 
 # ---- copying state slots (prefix caching's snapshots) ---------------------------------------------

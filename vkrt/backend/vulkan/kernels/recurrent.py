@@ -1,15 +1,18 @@
 """The recurrent mixers' kernels: causal_conv1d and short_conv (shaders/causal_conv1d.comp, an
 invocation per (sequence, channel)), gated_delta_net (shaders/gated_delta_net.comp, an invocation
-per (sequence, value head, state column)), ssm_scan (shaders/ssm_scan.comp, an invocation per
+per (sequence, value head, state column), and its chunked form for prefill, opt-in), ssm_scan (shaders/ssm_scan.comp, an invocation per
 (sequence, head, state row)); copy_state_slots, one buffer copy of a region per slot (no shader)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from vkrt import config
 from vkrt.backend.base import Kernel
+from vkrt.backend.vulkan.device import DeviceCaps
 from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
 from vkrt.core.tensor import Tensor, TensorSpec
+from vkrt.errors import VkrtError
 
 
 def _conv(form: str):
@@ -36,19 +39,92 @@ MAX_KEY_DIM = 256  # the delta net's state column in registers (gated_delta_net.
 # went from ~9 ms to ~5 ms on llvmpipe).
 
 
+# The chunked form (gated_delta_net_{norm,prep,chunk}.comp; vkrt/ops/recurrent.py has its math)
+# takes the sequences of a step with at least CHUNKED_FROM tokens: on a GPU the recurrent walk is
+# one dependent step per token with a few thousand invocations per sequence, which leaves most of
+# the device idle. Shorter sequences, decode rows among them, stay on the recurrent kernel in the
+# same step, so a sequence's result depends on its own tokens only, never on its neighbours
+# (batch invariance), and a decode step is exactly what it was.
+CHUNKED_FROM = 16
+MAX_CHUNK = 64  # the scan's per-column array of a chunk's solved values (gated_delta_net_chunk.comp)
+
+
+def delta_net_form(caps: DeviceCaps) -> str:
+    """'chunked' or 'recurrent' for prefill on this device: recurrent unless VKRT_DELTA_NET says
+    chunked. The recurrent walk measured ~1.3x faster on llvmpipe (docs/BENCHMARKS.md, "Hybrid vs
+    dense"), and it keeps a prompt's bits the same however its prefill is split into steps; the
+    chunked form is opt-in until it is measured faster on a GPU (`caps` is where that choice
+    will read the device)."""
+    override = config.delta_net_form()
+    if override is not None:
+        if override not in ("chunked", "recurrent"):
+            raise VkrtError(f"VKRT_DELTA_NET must be 'chunked' or 'recurrent', not {override!r}")
+        return override
+    return "recurrent"
+
+
+def delta_net_chunk(caps: DeviceCaps) -> int:
+    """Tokens per chunk: 64 on GPUs (transformers' and fla's size), 16 on CPU devices, where the
+    scan's per-token intra-chunk sums (2 x chunk) are memory traffic against 3 x dk loads."""
+    return 16 if caps.device_type == "cpu" else MAX_CHUNK
+
+
 def _gated_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots = inputs
-    seqs, v_heads, dv = state_slots.shape[0], params["num_v_heads"], params["v_head_dim"]
+    seqs, tokens = state_slots.shape[0], qkv.shape[0]
     o = backend.empty(out[0].shape, "f32")
+    # a sequence may reach CHUNKED_FROM tokens only if the others leave it that many
+    chunked = delta_net_form(backend.caps) == "chunked" and tokens - (seqs - 1) >= CHUNKED_FROM
+    if chunked:
+        _chunked_delta_net(backend, inputs, params, o)
+    if not chunked or seqs > 1:  # a lone sequence of CHUNKED_FROM tokens or more is the chunked kernels'
+        _recurrent_delta_net(backend, inputs, params, o, CHUNKED_FROM if chunked else 0)
+    return (o,)
+
+
+def _recurrent_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any], o: Tensor,
+                         chunked_from: int) -> None:
+    """gated_delta_net.comp over the sequences of fewer than `chunked_from` tokens (0: all)."""
+    qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots = inputs
+    seqs, v_heads, dv = state_slots.shape[0], params["num_v_heads"], params["v_head_dim"]
+    push = (seqs, params["num_k_heads"], v_heads, dv, int(params.get("tiled_heads", False)),
+            params.get("beta_scale", 1.0), chunked_from)
     backend.run_shader(module(backend, "gated_delta_net"),
                        [(qkv, "f32", False), (ba, "f32", False), (a_rate, "f32", False), (dt_bias, "f32", False),
                         (state, "f32", True), (seq_start, "i32", False), (positions, "i32", False),
                         (state_slots, "i32", False), (o, "f32", True), (state, "f32", False)],
-                       grid_1d(seqs * v_heads * dv), ("<5If", (seqs, params["num_k_heads"], v_heads, dv, int(params.get("tiled_heads", False)),
-                                  params.get("beta_scale", 1.0))),
-                       local_size() | {1: params["k_head_dim"]})
-    return (o,)
+                       grid_1d(seqs * v_heads * dv), ("<5IfI", push), local_size() | {1: params["k_head_dim"]})
+
+
+def _chunked_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                       o: Tensor) -> None:
+    """The chunked form over the sequences of at least CHUNKED_FROM tokens, in three passes:
+    normalised q and k rows; each token's rows of the chunk's triangular system and attention;
+    the walk over chunks carrying the state."""
+    qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots = inputs
+    seqs, tokens = state_slots.shape[0], qkv.shape[0]
+    k_heads, v_heads, dk, dv = (params[n] for n in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim"))
+    tiled = int(params.get("tiled_heads", False))
+    chunk = delta_net_chunk(backend.caps)
+    spec = local_size() | {1: dk, 2: chunk}
+    qk = backend.empty((tokens, 2 * k_heads, dk), "f32")
+    backend.run_shader(module(backend, "gated_delta_net_norm"), [(qkv, "f32", False), (qk, "f32", True)],
+                       grid_1d(tokens * 2 * k_heads), ("<3I", (tokens, k_heads, v_heads * dv)), local_size() | {1: dk})
+    amat, qkmat = (backend.empty((tokens, v_heads, chunk), "f32") for _ in range(2))
+    gcum, beta = (backend.empty((tokens, v_heads), "f32") for _ in range(2))
+    push = (tokens, seqs, k_heads, v_heads, tiled, params.get("beta_scale", 1.0), CHUNKED_FROM)
+    backend.run_shader(module(backend, "gated_delta_net_prep"),
+                       [(qk, "f32", False), (ba, "f32", False), (a_rate, "f32", False), (dt_bias, "f32", False),
+                        (seq_start, "i32", False), (amat, "f32", True), (qkmat, "f32", True), (gcum, "f32", True),
+                        (beta, "f32", True)],
+                       grid_1d(tokens * v_heads), ("<5IfI", push), spec)
+    backend.run_shader(module(backend, "gated_delta_net_chunk"),
+                       [(qkv, "f32", False), (qk, "f32", False), (amat, "f32", False), (qkmat, "f32", False),
+                        (gcum, "f32", False), (beta, "f32", False), (state, "f32", True), (seq_start, "i32", False),
+                        (positions, "i32", False), (state_slots, "i32", False), (o, "f32", True),
+                        (state, "f32", False)],
+                       grid_1d(seqs * v_heads * dv), ("<6I", (seqs, k_heads, v_heads, dv, tiled, CHUNKED_FROM)), spec)
 
 
 MAX_STATE_SIZE = 256  # a row of Mamba2's state in registers (ssm_scan.comp)
