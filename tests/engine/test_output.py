@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine_fakes import EOS, byte_tokenizer
 
@@ -199,7 +200,7 @@ def test_llm_stream_deltas_add_up_to_the_final_text(make_llm: Callable[..., LLM]
     assert [t for u in updates for t in u.token_ids] == final.token_ids
 
 
-def test_generated_text_is_decoded_in_the_prompt_s_context(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_generated_text_is_decoded_in_the_prompt_s_context(tmp_path: Path) -> None:
     """A SentencePiece vocabulary writes a word's space as the piece's leading "▁", which a
     decoder drops at the start of a text: the first generated word keeps its space only when it
     is decoded after the prompt (Llama 2, Mistral v0.1 and Phi-3 tokenizers; byte-level BPE
