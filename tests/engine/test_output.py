@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine_fakes import EOS, byte_tokenizer
 
@@ -197,3 +198,22 @@ def test_llm_stream_deltas_add_up_to_the_final_text(make_llm: Callable[..., LLM]
     assert "".join(u.outputs[0].text for u in updates) == final.text
     assert [len(u.outputs[0].token_ids) for u in updates] == [1] * 12  # deltas: one new token each
     assert [t for u in updates for t in u.token_ids] == final.token_ids
+
+
+def test_generated_text_is_decoded_in_the_prompt_s_context(tmp_path: Path) -> None:
+    """A SentencePiece vocabulary writes a word's space as the piece's leading "▁", which a
+    decoder drops at the start of a text: the first generated word keeps its space only when it
+    is decoded after the prompt (Llama 2, Mistral v0.1 and Phi-3 tokenizers; byte-level BPE
+    vocabularies such as SmolLM2's read the same either way)."""
+    from tests.test_tokenizer import _spm_gguf
+    from vkrt.tokenizer import Tokenizer
+
+    vocab = _spm_gguf(tmp_path / "spm.gguf")
+    tokenizer = Tokenizer.from_gguf(tmp_path / "spm.gguf")
+    processor = OutputProcessor(tokenizer, 100)
+    request = Request("r", [1, vocab["▁hello"]], SamplingParams(max_tokens=2), eos_token_ids=(2,))
+    processor.add(request)
+    for token in (vocab["▁hello"], vocab["▁hello"]):
+        processor.append_token(request, token, None)
+    output = processor.make_output(request)
+    assert output is not None and output.outputs[0].text == " hello hello"

@@ -59,3 +59,17 @@ def test_block_hash_covers_every_token_and_the_parent() -> None:
         changed[i] += 1
         assert hash_block(None, changed) != h, f"token {i} is not in the hash"
     assert hash_block(h, tokens) != h and hash_block(hash_block(None, [1, 2, 3, 4]), tokens) != hash_block(h, tokens)
+
+
+def test_sliding_window_hit_needs_the_whole_prefix_to_match() -> None:
+    """A sliding-window layer's hit reads only its last blocks, so those blocks' hashes must
+    carry everything before them: two prompts that share their later blocks but differ in the
+    first one share nothing (a hash not chained to its parent would reuse the later blocks)."""
+    bm = BlockManager(num_blocks=32, block_size=BLOCK, window=BLOCK + 1)  # the hit needs 1 block
+    tail = list(range(200, 200 + 3 * BLOCK)) + [7]
+    _, hits = admit(bm, "a", [1, 2, 3, 4, *tail])
+    assert hits == 0
+    _, hits = admit(bm, "b", [9, 9, 9, 9, *tail])
+    assert hits == 0, f"{hits} tokens of a prompt with another first block were reused"
+    _, hits = admit(bm, "c", [1, 2, 3, 4, *tail])
+    assert hits == 4 * BLOCK  # the same prompt again: its window's block is a hit (sanity)

@@ -64,6 +64,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert set(draws(row, 1000, top_p=0.3).tolist()) == {0}
 
 
+def test_top_p_keeps_a_set_whose_mass_equals_p_exactly() -> None:
+    """Four equal logits with top_p 0.5: two tokens hold exactly half the mass (in float32 too),
+    so the smallest set reaching p is those two, not three."""
+    kept = filter_distribution(np.zeros(4, np.float32), SamplingParams(temperature=1.0, top_p=0.5))
+    assert np.count_nonzero(kept) == 2 and kept[0] > 0 and kept[1] > 0
+    assert set(draws(np.zeros(4, np.float32), 400, top_p=0.5).tolist()) == {0, 1}
+
+
 def test_min_p_filters_relative_to_the_top_token() -> None:
     probs = np.array([0.4, 0.3, 0.2, 0.06, 0.04])
     row = np.log(probs).astype(np.float32)
