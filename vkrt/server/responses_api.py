@@ -51,11 +51,18 @@ _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_outp
            "messages": "input", "response_format": "text.format"}
 
 
+# The streamed form: named events (`event: response.output_text.delta` / `data: {...}`), as
+# the Responses API sends them, not the chat routes' bare data lines.
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "description": "event: <event type> / data: <event JSON> pairs, response.created ... response.completed"}}}
+
+
 def add_responses_routes(app: FastAPI, state: ServerState, errors: dict[int | str, dict[str, Any]]) -> None:
     """Register POST /v1/responses on `app`; `errors` are the OpenAPI error entries it may answer."""
 
     @app.post("/v1/responses", responses={
-        200: {"model": ResponseObject, "content": schemas.SSE,
+        200: {"model": ResponseObject, "content": EVENT_STREAM,
               "description": "the response; with stream=true, server-sent events (response.created ... "
                              "response.completed)"},
         **errors})
