@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from vkrt.server import schemas
 from vkrt.server.chat import start_chat, tool_calls_of
 from vkrt.server.choices import run_all
 from vkrt.server.errors import APIError
