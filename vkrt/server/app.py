@@ -34,6 +34,7 @@ from vkrt.server.protocol import (
     TokenizeRequest,
 )
 from vkrt.server.responses import check_model
+from vkrt.server.responses_api import add_responses_routes
 from vkrt.server.webui import UI_PATHS, add_ui_routes
 from vkrt.tokenizer import Tokenizer
 
@@ -126,6 +127,8 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         **schemas.error_responses(*_POST, 429)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
+
+    add_responses_routes(app, state, schemas.error_responses(*_POST, 429))
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=schemas.error_responses(*_POST))
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -22,6 +23,7 @@ from vkrt.server.choices import (
     run_all,
     start_candidates,
 )
+from vkrt.server.engine_client import EngineClient
 from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.middleware import request_id_of
@@ -50,8 +52,20 @@ from vkrt.server.tools import (
 from vkrt.tokenizer import Tokenizer
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
-    arrival = time.monotonic()
+@dataclass
+class StartedChat:
+    """A chat request rendered, admitted and generating: what a route needs to answer it."""
+
+    engine: EngineClient
+    candidates: CandidateSet
+    parser: str | None  # the tool-call parser, when tools were offered
+    parallel: bool  # several tool calls may be answered
+    inside: bool | None  # None: no reasoning split; else whether the output starts inside a thought
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Request, response_id: str,
+                     arrival: float) -> StartedChat:
+    """Check, render and start `body`; shared by /v1/chat/completions and /v1/responses."""
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
@@ -71,7 +85,6 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
     params = sampling_params(body, state.config.max_digits())
-    response_id = new_response_id("chatcmpl")
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
     except RequestError as exc:
@@ -80,8 +93,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
     mode = state.config.reasoning_parser
     thinks = mode == "think" or (mode == "auto" and template_thinks(template))
-    # None: no reasoning split; else whether the output starts inside an open thought.
     inside = starts_inside(prompt) if thinks else None
+    return StartedChat(engine, candidates, parser, parallel, inside)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
+    arrival = time.monotonic()
+    response_id = new_response_id("chatcmpl")
+    started = await start_chat(state, body, raw, response_id, arrival)
+    engine, candidates, parser, parallel, inside = (started.engine, started.candidates, started.parser,
+                                                    started.parallel, started.inside)
     base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
@@ -103,7 +124,7 @@ def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int
     reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = result.finish_reason
-    calls = _tool_calls(text, parser, parallel, body.tools)
+    calls = tool_calls_of(text, parser, parallel, body.tools)
     if calls is not None:
         message = {"role": "assistant", "content": calls[0] or None,
                    "tool_calls": [call.to_json() for call in calls[1]]}
@@ -114,7 +135,7 @@ def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int
             "stop_reason": result.stop_reason}
 
 
-def _tool_calls(text: str, parser: str | None, parallel: bool,
+def tool_calls_of(text: str, parser: str | None, parallel: bool,
                 tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]] | None:
     """(content, calls) when tools were offered and the output holds calls, else None."""
     if parser is None:
@@ -128,7 +149,7 @@ def _tool_calls(text: str, parser: str | None, parallel: bool,
 Delta = tuple[dict[str, Any], Any, str | None]  # (delta, logprobs, finish_reason) of one chunk
 
 
-class _ChoiceStream:
+class ChoiceStream:
     """One choice's stream: its updates turned into deltas of reasoning, content and tool calls."""
 
     def __init__(self, tokenizer: Tokenizer | None, parser: str | None, parallel: bool,
@@ -182,7 +203,7 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: ChatComple
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    streams = [_ChoiceStream(tokenizer, parser, parallel, inside, body.tools) for _ in generations]
+    streams = [ChoiceStream(tokenizer, parser, parallel, inside, body.tools) for _ in generations]
     # OpenAI sends each choice's role first, alone, before any content.
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)
