@@ -38,6 +38,11 @@ def disable_vulkan() -> bool:
     return _env("VKRT_DISABLE_VULKAN") == "1"
 
 
+def check_tensors() -> bool:
+    """VKRT_CHECK_TENSORS=1: scan every weight for NaN / Inf when loading (like --check-tensors)."""
+    return _env("VKRT_CHECK_TENSORS") == "1"
+
+
 def cache_dir() -> Path:
     """VKRT_CACHE: root of the model and pipeline caches (default: the user cache dir)."""
     value = _env("VKRT_CACHE")

@@ -14,7 +14,7 @@ from gguf import GGUFValueType, LlamaFileType
 
 from vkrt.core.formats import FORMATS, by_gguf_type
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
-from vkrt.loader import validate
+from vkrt.loader import gguf_checks, validate
 from vkrt.loader.arch import (
     ArchSpec,
     arch_for_gguf,
@@ -147,8 +147,10 @@ def _vocab_size(path: Path, reader: GGUFFile, weights: dict[str, WeightData]) ->
     return vocab
 
 
-def load_gguf(path: str | Path) -> LoadedModel:
-    """Load a GGUF file: weights memory-mapped in their storage format, q/k rows in HF order."""
+def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
+    """Load a GGUF file: weights memory-mapped in their storage format, q/k rows in HF order.
+
+    `check_tensors` also scans every weight for NaN / Inf (float values, block scales)."""
     path = Path(path)
     reader = open_gguf(path)
     meta = scalar_metadata(reader)
@@ -160,8 +162,10 @@ def load_gguf(path: str | Path) -> LoadedModel:
             f"(supported: {supported_gguf_archs()}); use a model of a supported family"
         )
     validate.gguf_metadata(str(path), arch, meta, _token_count(str(path), reader))
+    gguf_checks.metadata_types(str(path), reader.fields, arch)  # values first: their messages are plainer
 
     weights: dict[str, WeightData] = {}
+    file_names: dict[str, str] = {}
     for tensor in reader.tensors:
         name = _canonical_name(spec, tensor.name)
         if name is None:
@@ -171,6 +175,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
             )
         try:
             weights[name] = _weight(path, name, tensor)
+            file_names[name] = tensor.name
         except ValueError as exc:
             raise ModelFormatError(f"{path}: tensor {tensor.name!r} is malformed ({exc}); the file is corrupt") from exc
 
@@ -186,6 +191,8 @@ def load_gguf(path: str | Path) -> LoadedModel:
                 if w is not None:  # read in HF order when uploaded; the file's rows are not copied
                     w.row_order = unpermuted_qk_order(w.shape[0], n_heads)
     check_weights(str(path), config, weights)
+    if check_tensors:
+        gguf_checks.tensor_values(str(path), weights, file_names)
     return LoadedModel(
         path=str(path),
         config=config,

@@ -142,7 +142,37 @@ def gguf_tensor_layout(source: str, infos: list[TensorInfo], data_start: int, fi
         if begin < end:
             raise ModelFormatError(f"{source}: tensors {_show(name)} and {_show(other)} overlap; "
                                    "the file is corrupt")
+    gguf_tensors_packed(source, ranges, data_size, alignment)
     return sizes
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def gguf_tensors_packed(source: str, ranges: list[tuple[int, int, str]], data_size: int, alignment: int) -> None:
+    """The sorted, disjoint tensor ranges tile the data region: each starts where the one
+    before ends, rounded up to the alignment, and the file ends after the last (padding
+    allowed). Writers (gguf-py, llama.cpp) pack tensors so; a gap or a tail means a tensor's
+    type or shape was changed to a smaller one (Q4_1 -> Q4_0, F32 -> F16) or the alignment
+    lies, and the bytes would be read with the wrong meaning. A file without tensors (a
+    vocabulary-only GGUF) has no data region to check."""
+    if not ranges:
+        return
+    expected = 0
+    for begin, end, name in ranges:
+        if begin != expected:
+            where = "the start of the data" if expected == 0 else f"the tensor before it ends at {expected}"
+            raise ModelFormatError(
+                f"{source}: tensor {_show(name)} starts at data offset {begin}, but {where} (alignment "
+                f"{alignment}); a tensor's type or shape, or general.alignment, is wrong: the file is corrupt")
+        expected = _align(end, alignment)
+    last = ranges[-1][1]
+    if not last <= data_size <= _align(last, alignment):
+        tail = data_size - last
+        raise ModelFormatError(
+            f"{source}: {tail} bytes follow the last tensor (alignment {alignment}); a tensor's type or "
+            "shape, or general.alignment, is wrong, or data was appended: the file is corrupt")
 
 
 # ---- GGUF metadata ---------------------------------------------------------------------
