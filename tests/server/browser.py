@@ -49,7 +49,11 @@ def start_chromium(width: int = 1360, height: int = 900) -> Any:
 
 
 def wait_until(driver: Any, condition: Callable[[Any], Any], timeout: float, what: str) -> Any:
-    """Selenium's WebDriverWait with a message that says what did not happen."""
+    """Selenium's WebDriverWait with a message that says what did not happen. An element the page
+    re-rendered between finding and reading it (a streamed reply is redrawn per delta) is stale:
+    the condition is asked again, not failed."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition, message=f"timed out waiting for {what}")
+    return WebDriverWait(driver, timeout, poll_frequency=0.05, ignored_exceptions=[StaleElementReferenceException]
+                         ).until(condition, message=f"timed out waiting for {what}")
