@@ -14,6 +14,8 @@ w[c, j] * in(p - K + 1 + j) + bias[c], in(q) the input at position q (0 before t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from vkrt.core.op import register_op, require
@@ -45,11 +47,7 @@ def _conv_rows(inputs: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.nd
     """The convolution of `inputs` [T, C] (updating `state`), in f32: taps in order, then bias."""
     taps = w.shape[1]
     y = np.zeros(inputs.shape, np.float32)
-    for s in range(state_slots.shape[0]):
-        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
-        if t1 <= t0:
-            continue
-        slot = int(state_slots[s])
+    for t0, t1, slot in _sequences(seq_start, state_slots):
         window = state[slot] if positions[t0] > 0 else np.zeros_like(state[slot])  # [C, K - 1]
         seq = np.concatenate([window, inputs[t0:t1].T], axis=1).astype(np.float32)  # [C, K - 1 + n]
         for t in range(t1 - t0):
@@ -59,6 +57,19 @@ def _conv_rows(inputs: np.ndarray, w: np.ndarray, bias: np.ndarray, state: np.nd
             y[t0 + t] = acc + bias
         state[slot] = seq[:, -(taps - 1):]
     return y
+
+
+def _sequences(seq_start: np.ndarray, state_slots: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """(first token, end, state slot) of each sequence of a step that has tokens in it."""
+    for s in range(state_slots.shape[0]):
+        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
+        if t1 > t0:
+            yield t0, t1, int(state_slots[s])
+
+
+def _carried(state: np.ndarray, slot: int, first_position: int) -> np.ndarray:
+    """The float64 state a sequence starts its step from: its slot's, or zeros at position 0."""
+    return state[slot].astype(np.float64) if first_position > 0 else np.zeros(state.shape[1:], np.float64)
 
 
 def _causal_conv1d_infer(x: TensorSpec, w: TensorSpec, bias: TensorSpec, state: TensorSpec, seq_start: TensorSpec,
@@ -166,12 +177,8 @@ def gated_delta_net(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray, dt_bias
                                      beta_scale)
     decay = np.exp(g)
     out = np.zeros(v.shape, np.float64)
-    for s in range(state_slots.shape[0]):
-        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
-        if t1 <= t0:
-            continue
-        slot = int(state_slots[s])
-        S = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+    for t0, t1, slot in _sequences(seq_start, state_slots):
+        S = _carried(state, slot, positions[t0])
         for i in range(t0, t1):
             S = S * decay[i][:, None, None]
             kv_mem = np.einsum("hkv,hk->hv", S, k[i])
@@ -203,12 +210,8 @@ def gated_delta_net_chunked(qkv: np.ndarray, ba: np.ndarray, a_rate: np.ndarray,
     q, k, v, beta, g = _gdn_operands(qkv, ba, a_rate, dt_bias, num_k_heads, num_v_heads, k_head_dim, tiled_heads,
                                      beta_scale)
     out = np.zeros(v.shape, np.float64)
-    for s in range(state_slots.shape[0]):
-        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
-        if t1 <= t0:
-            continue
-        slot = int(state_slots[s])
-        S = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+    for t0, t1, slot in _sequences(seq_start, state_slots):
+        S = _carried(state, slot, positions[t0])
         for c0 in range(t0, t1, chunk):
             c1 = min(c0 + chunk, t1)
             out[c0:c1], S = _gdn_chunk(q[c0:c1], k[c0:c1], v[c0:c1], beta[c0:c1], g[c0:c1], S)
@@ -324,12 +327,8 @@ def ssm_scan(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: np.ndarr
                                              dt_min, dt_max)
     decay = np.exp(log_decay)
     y = np.zeros(x.shape, np.float64)
-    for s in range(state_slots.shape[0]):
-        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
-        if t1 <= t0:
-            continue
-        slot = int(state_slots[s])
-        h = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+    for t0, t1, slot in _sequences(seq_start, state_slots):
+        h = _carried(state, slot, positions[t0])
         for i in range(t0, t1):
             h = h * decay[i][:, None, None] + (step[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
             y[i] = np.einsum("hpn,hn->hp", h, c[i]) + skip.astype(np.float64)[:, None] * x[i]
@@ -352,12 +351,8 @@ def ssm_scan_chunked(xbc: np.ndarray, dt: np.ndarray, a_rate: np.ndarray, skip: 
     x, b, c, step, log_decay = _ssm_operands(xbc, dt, a_rate, dt_bias, num_heads, head_dim, n_groups, state_size,
                                              dt_min, dt_max)
     y = np.zeros(x.shape, np.float64)
-    for s in range(state_slots.shape[0]):
-        t0, t1 = int(seq_start[s]), int(seq_start[s + 1])
-        if t1 <= t0:
-            continue
-        slot = int(state_slots[s])
-        h = state[slot].astype(np.float64) if positions[t0] > 0 else np.zeros(state.shape[1:], np.float64)
+    for t0, t1, slot in _sequences(seq_start, state_slots):
+        h = _carried(state, slot, positions[t0])
         for c0 in range(t0, t1, chunk):
             part = slice(c0, min(c0 + chunk, t1))
             L = np.cumsum(log_decay[part], axis=0).T  # [H, n]
