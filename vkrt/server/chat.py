@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -50,7 +51,21 @@ from vkrt.server.tools import (
 from vkrt.tokenizer import Tokenizer
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request started on the engine: what both the OpenAI route and the Anthropic
+    Messages route (vkrt/server/messages_api.py) read their reply from."""
+
+    candidates: CandidateSet
+    response_id: str
+    tokenizer: Tokenizer | None
+    parser: str | None  # the tool-call parser, when tools were offered
+    parallel: bool  # whether the reply may hold several calls
+    inside: bool | None  # None: no reasoning split; else whether the output starts in a thought
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Request, id_prefix: str) -> ChatRun:
+    """Checks `body`, renders its prompt and starts its candidates (raises APIError on a bad request)."""
     arrival = time.monotonic()
     check_model(state, body.model)
     engine = state.require_engine()
@@ -71,7 +86,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                              body.continue_final_message, body.chat_template_kwargs, state.config,
                                              tools)
     params = sampling_params(body, state.config.max_digits())
-    response_id = new_response_id("chatcmpl")
+    response_id = new_response_id(id_prefix)
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
     except RequestError as exc:
@@ -80,24 +95,29 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
     mode = state.config.reasoning_parser
     thinks = mode == "think" or (mode == "auto" and template_thinks(template))
-    # None: no reasoning split; else whether the output starts inside an open thought.
     inside = starts_inside(prompt) if thinks else None
-    base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
+    return ChatRun(candidates, response_id, engine.tokenizer, parser if tools else None, parallel, inside)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
+    run = await start_chat(state, body, raw, "chatcmpl")
+    candidates, parser, parallel, inside = run.candidates, run.parser, run.parallel, run.inside
+    base: dict[str, Any] = {"id": run.response_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
         return event_stream(_stream(state, candidates, body, base, parser, parallel, inside), candidates)
 
     [results] = await run_all(candidates.groups, raw)
-    choices = [_choice(engine.tokenizer, body, index, result, parser, parallel, inside)
+    choices = [chat_choice(run.tokenizer, body, index, result, parser, parallel, inside)
                for index, result in enumerate(results)]
     response: dict[str, Any] = {**base, "object": "chat.completion", "choices": choices,
                                 "usage": combined_usage([results]), "system_fingerprint": None}
     if results[0].prompt_logprobs is not None:
-        response["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, results[0].prompt_logprobs)
+        response["prompt_logprobs"] = prompt_logprobs_json(run.tokenizer, results[0].prompt_logprobs)
     return JSONResponse(response)
 
 
-def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
+def chat_choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
             parser: str | None, parallel: bool, inside: bool | None) -> dict[str, Any]:
     logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
     reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
@@ -128,7 +148,7 @@ def _tool_calls(text: str, parser: str | None, parallel: bool,
 Delta = tuple[dict[str, Any], Any, str | None]  # (delta, logprobs, finish_reason) of one chunk
 
 
-class _ChoiceStream:
+class ChoiceStream:
     """One choice's stream: its updates turned into deltas of reasoning, content and tool calls."""
 
     def __init__(self, tokenizer: Tokenizer | None, parser: str | None, parallel: bool,
@@ -182,7 +202,7 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: ChatComple
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    streams = [_ChoiceStream(tokenizer, parser, parallel, inside, body.tools) for _ in generations]
+    streams = [ChoiceStream(tokenizer, parser, parallel, inside, body.tools) for _ in generations]
     # OpenAI sends each choice's role first, alone, before any content.
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)
