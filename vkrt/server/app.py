@@ -25,6 +25,7 @@ from vkrt.server.config import PUBLIC_PATHS, ServerConfig
 from vkrt.server.engine_client import EngineClient, require_tokenizer
 from vkrt.server.errors import APIError, install_error_handlers, shown
 from vkrt.server.generation import ServerState
+from vkrt.server.messages_api import add_messages_routes
 from vkrt.server.middleware import ServerMiddleware
 from vkrt.server.prompts import chat_prompt, check_prompt_chars, check_request_text
 from vkrt.server.protocol import (
@@ -129,6 +130,7 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         return await create_chat_completion(state, body, raw)
 
     add_responses_routes(app, state, schemas.error_responses(*_POST, 429))
+    add_messages_routes(app, state)  # the Anthropic Messages API
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=schemas.error_responses(*_POST))
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

@@ -109,7 +109,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         return event_stream(_stream(state, candidates, body, base, parser, parallel, inside), candidates)
 
     [results] = await run_all(candidates.groups, raw)
-    choices = [_choice(engine.tokenizer, body, index, result, parser, parallel, inside)
+    choices = [chat_choice(engine.tokenizer, body, index, result, parser, parallel, inside)
                for index, result in enumerate(results)]
     response: dict[str, Any] = {**base, "object": "chat.completion", "choices": choices,
                                 "usage": combined_usage([results]), "system_fingerprint": None}
@@ -118,8 +118,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     return JSONResponse(response)
 
 
-def _choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
-            parser: str | None, parallel: bool, inside: bool | None) -> dict[str, Any]:
+def chat_choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
+                parser: str | None, parallel: bool, inside: bool | None) -> dict[str, Any]:
     logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
     reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
     message: dict[str, Any] = {"role": "assistant", "content": text}

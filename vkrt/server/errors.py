@@ -75,18 +75,43 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+# Anthropic's error `type` for each status (the Messages routes answer in Anthropic's shape).
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         503: "overloaded_error"}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def wants_anthropic_errors(path: str) -> bool:
+    """Whether an error on `path` is answered in Anthropic's shape (the Messages routes only)."""
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def read_timeout_response() -> JSONResponse:
+def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+
+
+_READ_TIMEOUT = "the request body did not arrive within the read timeout (--timeout-read)"
+
+
+def read_timeout_response(anthropic: bool = False) -> JSONResponse:
     """408, and the connection closed: the rest of the body may still be on its way."""
-    return error_response(408, "the request body did not arrive within the read timeout (--timeout-read)",
-                          code="request_timeout", headers={"Connection": "close"})
+    if anthropic:
+        return anthropic_error_response(408, _READ_TIMEOUT, {"Connection": "close"})
+    return error_response(408, _READ_TIMEOUT, code="request_timeout", headers={"Connection": "close"})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     """One readable line for the first pydantic error, the field it names, and a code."""
     errors = exc.errors()
     if not errors:
@@ -103,34 +128,42 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return (f"{param}: {message}" if param else message), param, "invalid_value"
 
 
+def _answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+            headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the shape the route's API speaks: Anthropic's on the Messages routes."""
+    if wants_anthropic_errors(request.url.path):
+        return anthropic_error_response(status, message, headers)
+    return error_response(status, message, param, code, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every error class the routes raise onto its status and an OpenAI body."""
+    """Map every error class the routes raise onto its status and an OpenAI (or Anthropic) body."""
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return _answer(request, exc.status, exc.message, exc.param, exc.code)
 
     async def on_request_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestError)
         err = APIError.from_request_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+        return _answer(request, err.status, err.message, err.param, err.code)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         # Validation failures are 400 (as OpenAI and vLLM answer), never FastAPI's 422.
         assert isinstance(exc, RequestValidationError)
-        message, param, code = _validation_message(exc)
-        return error_response(400, message, param, code)
+        message, param, code = validation_message(exc)
+        return _answer(request, 400, message, param, code)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         if isinstance(exc.__cause__, BodyTooLarge):
-            return error_response(413, "request body exceeds the size limit", code="request_too_large")
+            return _answer(request, 413, "request body exceeds the size limit", code="request_too_large")
         if isinstance(exc.__cause__, BodyReadTimeout):
-            return read_timeout_response()
+            return read_timeout_response(wants_anthropic_errors(request.url.path))
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.method} {shown(request.url.path)}"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return _answer(request, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_request_error)

@@ -17,7 +17,14 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vkrt.server.config import PUBLIC_PATHS
-from vkrt.server.errors import BodyReadTimeout, BodyTooLarge, error_response, read_timeout_response
+from vkrt.server.errors import (
+    BodyReadTimeout,
+    BodyTooLarge,
+    anthropic_error_response,
+    error_response,
+    read_timeout_response,
+    wants_anthropic_errors,
+)
 
 log = logging.getLogger("vkrt.server")
 
@@ -77,8 +84,12 @@ class ServerMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
+        anthropic = wants_anthropic_errors(str(scope.get("path", "")))
+
         async def reply(status: int, text: str, code: str, headers: dict[str, str] | None = None) -> None:
-            await error_response(status, text, code=code, headers=headers)(scope, receive, send_with_id)
+            response = (anthropic_error_response(status, text, headers) if anthropic
+                        else error_response(status, text, code=code, headers=headers))
+            await response(scope, receive, send_with_id)
 
         rejection = self._reject(scope)
         if rejection is not None:
@@ -116,7 +127,7 @@ class ServerMiddleware:
                 await reply(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
                             "request_too_large", _CLOSE)
             elif isinstance(cause, BodyReadTimeout):
-                await read_timeout_response()(scope, receive, send_with_id)
+                await read_timeout_response(anthropic)(scope, receive, send_with_id)
             else:
                 await reply(500, f"internal server error (request id {request_id})", "internal_error")
 

@@ -64,8 +64,17 @@ class _Releasable(Protocol):
     def release(self) -> None: ...
 
 
-def event_stream(chunks: AsyncIterator[bytes], generation: _Releasable) -> StreamingResponse:
-    """An SSE response; an error after the headers went out becomes an error event, then [DONE]."""
+def _openai_error_event(status: int, message: str, param: str | None, code: str | None) -> bytes:
+    return sse(error_body(status, message, param, code))
+
+
+ErrorEvent = Callable[[int, str, str | None, str | None], bytes]  # (status, message, param, code)
+
+
+def event_stream(chunks: AsyncIterator[bytes], generation: _Releasable, *,
+                 error_event: ErrorEvent = _openai_error_event, done: bytes = SSE_DONE) -> StreamingResponse:
+    """An SSE response; an error after the headers went out becomes an error event, then
+    `done` ([DONE]; the Anthropic route ends without one)."""
     request_id = generation.request_id
 
     async def guarded() -> AsyncIterator[bytes]:
@@ -73,11 +82,12 @@ def event_stream(chunks: AsyncIterator[bytes], generation: _Releasable) -> Strea
             async for chunk in chunks:
                 yield chunk
         except APIError as exc:
-            yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+            yield error_event(exc.status, exc.message, exc.param, exc.code)
         except Exception:
             log.exception("request %s failed mid-stream", request_id)
-            yield sse(error_body(500, f"internal server error (request id {request_id})", code="internal_error"))
-        yield SSE_DONE
+            yield error_event(500, f"internal server error (request id {request_id})", None, "internal_error")
+        if done:
+            yield done
 
     return _EventStream(guarded(), generation.release, media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -162,10 +162,10 @@ _ERROR_MEANINGS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` entries for the error statuses a route can send."""
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for the error statuses a route can send (`model`: the body)."""
     assert all(status in ERROR_TYPES for status in statuses)
-    return {status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]} for status in statuses}
+    return {status: {"model": model, "description": _ERROR_MEANINGS[status]} for status in statuses}
 
 
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then "
