@@ -106,3 +106,25 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = _run("--debug", "generate", "hi", "--model", str(tmp_path / "nope.gguf"), "--device", "reference")
     assert result.returncode != 0
     assert "Traceback" in result.stderr
+
+
+def test_bench_speculative_on_a_prompt_file(smollm2_path: Path, tmp_path: Path) -> None:
+    """`vkrt bench --speculative-config ... --prompt-file F --json` reports the proposals."""
+    prompt = tmp_path / "copy.txt"
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    prompt.write_text(f"Here is some Python code.\n\n```python\n{code}```\n\nThe same code again:\n\n```python\n")
+    result = _run("bench", "--gen-tokens", "16", "--prompt-file", str(prompt), "--json", "--no-warmup",
+                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    spec = report["speculative"]
+    assert report["prompt_tokens"] > 30 and spec["num_drafts"] > 0
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["mean_accepted_length"] >= 1.0
+
+
+def test_bad_speculative_config_is_a_usage_error() -> None:
+    result = _run("generate", "hi", "--speculative-config", '{"method": "ngram"}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "num_speculative_tokens must be an integer" in result.stderr
+    result = _run("serve", "--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 2}')
+    assert result.returncode == 2 and "not supported yet" in result.stderr

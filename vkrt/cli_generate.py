@@ -49,6 +49,18 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
                         "~0.53x of f16, needs head_dim a multiple of 32; f32 for exactness checks)")
     p.add_argument("--no-replay", action="store_true",
                    help="run every decode step eagerly instead of replaying recorded steps")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        "(+ prompt_lookup_max / prompt_lookup_min, default 4 / 2); greedy output is unchanged")
+
+
+def _speculative_config(text: str) -> Any:
+    from vkrt.engine.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except VkrtError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +90,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
                max_model_len=args.max_model_len, default_max_model_len=DEFAULT_MAX_MODEL_LEN,
                kv_cache_memory=args.kv_cache_memory, kv_dtype=args.kv_cache_dtype,
                state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
-               enable_replay=not args.no_replay, **overrides)
+               enable_replay=not args.no_replay, speculative=args.speculative_config, **overrides)
 
 
 def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
@@ -132,6 +144,8 @@ def _measure(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]
                prefill_tok_s=stats["prefill_tokens_per_second"], decode_tok_s=stats["decode_tokens_per_second"],
                decode_counters_per_step=stats["decode_counters_per_step"],
                decode_counters_max=stats["decode_counters_max"])
+    if "speculative" in stats:
+        run["speculative"] = stats["speculative"]
     return run
 
 
@@ -176,10 +190,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = _load(args, enable_prefix_caching=False)  # repeats must recompute the prompt
     load_s = time.perf_counter() - start
-    vocab = llm.model_config.vocab_size
-    rng = random.Random(0)  # each length's prompt is a prefix of one fixed stream of ids
-    ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(max(lengths))]
-    prompts = {length: ids[:length] for length in lengths}
+    if args.prompt_file:  # a real text (say, one a speculating run can draw on): its tokens
+        if llm.tokenizer is None:
+            raise VkrtError("--prompt-file needs the model's tokenizer; this model has none")
+        try:
+            text = open(args.prompt_file, encoding="utf-8").read()
+        except OSError as exc:
+            raise VkrtError(f"--prompt-file: cannot read {args.prompt_file}: {exc.strerror}") from None
+        file_ids = list(llm.tokenizer.encode(text))
+        lengths = [len(file_ids)]
+        prompts = {lengths[0]: file_ids}
+    else:
+        vocab = llm.model_config.vocab_size
+        rng = random.Random(0)  # each length's prompt is a prefix of one fixed stream of ids
+        ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(max(lengths))]
+        prompts = {length: ids[:length] for length in lengths}
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     backend = llm.engine.model.backend
     profiling = False
@@ -224,6 +249,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         per_step = r["per_step"]
         print(f"prefill {r['prompt_tokens']} tok: {r['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
               f"{r['decode_tok_s']:.2f} tok/s | load {load_s:.2f} s")
+        if "speculative" in r:
+            spec = r["speculative"]
+            print(f"speculative: {spec['num_drafts']} drafts, acceptance {spec['acceptance_rate']:.2f}, "
+                  f"mean accepted length {spec['mean_accepted_length']:.2f}")
         print(f"per decode step: {per_step}")
         gpu = per_step["gpu_ms"]
         print(f"decode step {per_step['step_ms']:.2f} ms: device (timestamps) "
@@ -277,6 +306,8 @@ def _bench_report(args: argparse.Namespace, llm: Any, prompt_tokens: int, result
         "kv_bytes_per_token": llm.engine.model.kv_bytes_per_block(1, llm.config.kv_dtype),
         "load_s": load_s, "first_token_s": best["first_token_s"], "warmup": not args.no_warmup,
     }
+    if "speculative" in best:  # the best run's proposals: acceptance rate, mean accepted length
+        report["speculative"] = best["speculative"]
     if args.profile:
         # Per-kernel device time of the best run, by phase; profiling adds a timestamp per
         # dispatch, so the tok/s of a profiled run are a little lower than unprofiled.
@@ -314,7 +345,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
                        enable_log_requests=args.enable_log_requests,
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics, disable_ui=args.disable_ui,
-                       enable_replay=not args.no_replay, max_waiting_requests=args.max_waiting_requests,
+                       enable_replay=not args.no_replay, speculative_config=args.speculative_config,
+                       max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser, json_max_digits=args.json_max_digits,
@@ -352,6 +384,8 @@ def register(sub: Any) -> None:
                    help="prompt length; several (e.g. 128,2048) run in turn in each repeat and are "
                         "compared with the first, round by round (default 128)")
     p.add_argument("--gen-tokens", "-g", type=int, default=128)
+    p.add_argument("--prompt-file", default=None, metavar="PATH",
+                   help="the prompt is this file's text (tokenised) instead of --prompt-tokens random ids")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds; each length's best decode tok/s is reported (default 1)")
     p.add_argument("--no-warmup", action="store_true",

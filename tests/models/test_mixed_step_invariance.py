@@ -74,7 +74,7 @@ def check_decode_rows(model: Any, kv_dtype: str, monkeypatch: pytest.MonkeyPatch
     backend = model.backend
     kv = model.allocate_kv_cache(12, BLOCK, kv_dtype)
     groups = len(kv.num_blocks)
-    runner = ModelRunner(model, kv, max_num_seqs=2, max_model_len=6 * BLOCK)
+    runner = ModelRunner(model, kv, max_step_tokens=2, max_model_len=6 * BLOCK)
     table_a = np.array([7, 2, 9, 0, 0, 0])  # blocks in no order, so a kernel ignoring the table fails
     table_b = np.array([5, 11, 1, 4, 10, 3])
     families = Families(backend, monkeypatch)

@@ -4,6 +4,7 @@ asyncio callers submit requests and read their updates from per-request queues."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import uuid
@@ -17,6 +18,7 @@ from vkrt.engine.engine import EngineCore, IterationStats, StatsListener
 from vkrt.engine.llm import make_config
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, render_chat
 from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
+from vkrt.engine.speculative import SpecStats
 from vkrt.errors import RequestError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -50,6 +52,7 @@ class EngineMetrics:
     device_memory_reserved_bytes: int = 0  # of which vkrt has reserved (weights, KV cache, state, scratch)
     counters: dict[str, int] = field(default_factory=dict)  # summed over all steps
     last_step_counters: dict[str, int] = field(default_factory=dict)
+    spec: SpecStats | None = None  # speculative decoding's totals (None: the engine does not speculate)
 
 
 class _Stream:
@@ -130,7 +133,9 @@ class AsyncLLM:
         with self._cond:
             m = self._metrics
             return EngineMetrics(**{**m.__dict__, "counters": dict(m.counters),
-                                    "last_step_counters": dict(m.last_step_counters)})
+                                    "last_step_counters": dict(m.last_step_counters),
+                                    "spec": None if m.spec is None else dataclasses.replace(
+                                        m.spec, accepted_per_pos=list(m.spec.accepted_per_pos))})
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Call `listener(IterationStats)` after every step, on the engine thread (TTFT, ITL, ...)."""
@@ -302,6 +307,8 @@ class AsyncLLM:
             device_memory_reserved_bytes=int(engine.model.backend.memory_stats().get("reserved_bytes", 0)),
             counters=dict(totals.counters),
             last_step_counters=dict(stats.step.counters) if stats is not None else {},
+            spec=(dataclasses.replace(totals.spec, accepted_per_pos=list(totals.spec.accepted_per_pos))
+                  if engine.config.speculative is not None else None),
         )
         with self._cond:
             self._metrics = metrics

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vkrt.core.kv_format import KV_DTYPES
 from vkrt.engine.guided import GuidedDecoding
+from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import RequestError, VkrtError
 
 # Most top/scored logprobs one request may ask for per position (OpenAI caps top_logprobs at 20).
@@ -46,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0
+    speculative: SpeculativeConfig | None = None  # speculative decoding (vkrt/engine/speculative.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -133,6 +135,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     guided_decoding: GuidedDecoding | None = None  # structured output: the grammar to follow
+    speculative: bool = True  # False: this request decodes without speculation (when the engine speculates)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from vkrt.engine.config import EngineConfig, SamplingParams
@@ -18,9 +18,10 @@ from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import Request, RequestOutput, RequestOutputKind, RequestStatus
-from vkrt.engine.runner import ModelRunner, StepStats, build_forward_batch
-from vkrt.engine.sampler import Sampler, SamplerOutput, sample_inputs, token_logprobs
+from vkrt.engine.runner import ModelRunner, StepResult, StepStats, build_forward_batch
+from vkrt.engine.sampler import Sampler, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
+from vkrt.engine.speculative import SpecStats, backoff_after, ngram_proposal
 from vkrt.errors import NoTokenizerError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -48,6 +49,7 @@ class IterationStats:
     mask_seconds: float | None = None  # host time computing structured-output masks (None: none)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)  # this step's verified proposals
 
 
 @dataclass
@@ -66,6 +68,7 @@ class EngineTotals:
     counters: dict[str, int] = field(default_factory=dict)  # all steps
     decode_counters: dict[str, int] = field(default_factory=dict)  # pure-decode steps, summed
     decode_counters_max: dict[str, int] = field(default_factory=dict)  # worst pure-decode step
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's proposals and acceptances
 
     def decode_counters_per_step(self) -> dict[str, float]:
         return {k: v / self.decode_steps for k, v in self.decode_counters.items()} if self.decode_steps else {}
@@ -121,7 +124,16 @@ class EngineCore:
                                             num_state_slots=config.max_num_seqs if kv.states else 0,
                                             num_snapshot_slots=snapshots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, kv, config.max_num_seqs, self.max_model_len, replay=config.enable_replay)
+        spec = config.speculative
+        if spec is not None and kv.states:
+            raise VkrtError("speculative decoding is not supported for models with recurrent layers (this one has "
+                            f"{len(kv.states)}): rejected proposals would have to be taken back out of their "
+                            "state; run it without --speculative-config")
+        # A verify step runs each sequence's token and its proposals: its bucket is that much wider.
+        step_tokens = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        self.runner = ModelRunner(model, kv, min(step_tokens, max(config.max_num_batched_tokens, config.max_num_seqs)),
+                                  self.max_model_len, replay=config.enable_replay,
+                                  verify_width=1 + (spec.num_speculative_tokens if spec else 0))
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
@@ -134,6 +146,8 @@ class EngineCore:
                  " + ".join(f"{n} ({len(g.layers)} layers, window {g.window or 'full'})"
                             for n, g in zip(num_blocks, groups, strict=True)),
                  config.block_size, kv.nbytes >> 20, self.max_model_len)
+        if spec is not None:
+            log.info("speculative decoding: %s", spec.describe())
         if kv.states:
             log.info("recurrent state: %d slots + %d prefix-cache snapshots x %d KiB (%d layers), %d MiB",
                      config.max_num_seqs, snapshots, slot_bytes >> 10, len(kv.states), kv.state_nbytes >> 20)
@@ -207,53 +221,85 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one batched forward; an output for every request that got a token (for a
-        FINAL_ONLY request, only once it finishes)."""
+        FINAL_ONLY request, only once it finishes). A verify step (speculative decoding) may
+        give a request several tokens."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         batch, layout = build_forward_batch(scheduled, self.block_manager)
-        requests = [request for request, _ in layout.sample_rows]
+        # One entry per sampled logits row: a verifying request once for each of its rows.
+        row_requests = [request for request, _, rows in layout.sample_rows for _ in range(rows)]
         # Constrained rows' token masks: the runner has them computed while the device runs
         # a replayed step (before the step otherwise); the sampling waits for them.
-        masks = StepMasks.of(requests, self.grammars.words)
+        masks = StepMasks.of(row_requests, self.grammars.words)
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
-        # come back (the draws happen here, one per sampled token, as the host's would).
-        sampling = None if layout.prompt_rows else sample_inputs(requests, len(batch.logits_index))
+        # come back (the draws happen here, one per sampled row, as the host's would).
+        sampling = None if layout.prompt_rows else sample_inputs(row_requests, len(batch.logits_index))
         # A hybrid's prefix caching: states restored from snapshots and snapshots taken this step.
         copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens) for s in scheduled.scheduled)
         result = self.runner.execute(batch, sampling, masks, copies)
         self.block_manager.commit_state_snapshots()
         now = time.monotonic()
-        for s in scheduled.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-            self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
-        rows = [row for _, row in layout.sample_rows]
-        if result.token_ids is not None:  # sampled on the device (no prompt rows then)
-            sampled = SamplerOutput([int(t) for t in result.token_ids[rows]], [None] * len(rows))
-        else:
-            logits = result.logits
-            assert logits is not None
+        for s in scheduled.scheduled:  # proposals count as computed once they are accepted
+            s.request.num_computed_tokens += s.num_tokens - len(s.spec)
+        if result.logits is not None:
             for request, row, position, count in layout.prompt_rows:
                 assert request.prompt_logprobs is not None
                 for k in range(count):
-                    entry = token_logprobs(logits[row + k], request.prompt_token_ids[position + k],
+                    entry = token_logprobs(result.logits[row + k], request.prompt_token_ids[position + k],
                                            request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
                     self.outputs.fill_text(entry)
                     request.prompt_logprobs.append(entry)
-            sampled = self.sampler.sample(logits[rows], requests, None if masks is None else masks.masks)
 
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted),
                                mask_seconds=None if masks is None else masks.seconds)
         failed = {} if masks is None else masks.failed
         results: list[RequestOutput] = []
-        for i, (request, token_id, logprobs) in enumerate(zip(requests, sampled.token_ids, sampled.logprobs,
-                                                               strict=True)):
-            metrics = request.metrics
-            if i in failed:  # its row had no mask, so its token is unconstrained: not emitted
+        mask_row = 0  # the request's first entry in row_requests (and the masks)
+        for request, first, rows in layout.sample_rows:
+            status = self._emit(request, result, first, rows, mask_row, masks, failed, stats, now)
+            mask_row += rows
+            if status is not None:
+                self.scheduler.finish(request, status)
+                stats.finished.append(FinishedRequestStats(
+                    status.finish_reason or "", now - request.metrics.arrival_time,
+                    request.num_prompt_tokens, request.num_output_tokens))
+            output = self.outputs.make_output(request)
+            if output is not None:
+                results.append(output)
+            if status is not None:
+                self.outputs.remove(request.request_id)
+        for s in scheduled.scheduled:
+            self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
+        self._propose(request for request, _, _ in layout.sample_rows)
+        self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
+        return results
+
+    def _emit(self, request: Request, result: StepResult, first: int, rows: int, mask_row: int,
+              masks: StepMasks | None, failed: dict[int, str], stats: IterationStats,
+              now: float) -> RequestStatus | None:
+        """Sample the request's rows in order and emit their tokens: all of a plain step's one;
+        in a verify step while each equals its proposal (then the target's own token after the
+        last accepted one). The status that ends the request, if any."""
+        drafts = request.spec_token_ids[:rows - 1]
+        metrics = request.metrics
+        status: RequestStatus | None = None
+        emitted = accepted = 0
+        for i in range(rows):
+            if mask_row + i in failed:  # its row had no mask, so its token is unconstrained: not emitted
                 log.error("request %s: computing its grammar's token mask failed (%s); aborting it",
-                          request.request_id, failed[i])
-                status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+                          request.request_id, failed[mask_row + i])
+                status = RequestStatus.FINISHED_ABORTED
+                break
+            row = first + i
+            if result.token_ids is not None:  # sampled on the device
+                token_id, logprobs = int(result.token_ids[row]), None
             else:
+                assert result.logits is not None
+                mask = None if masks is None or masks.masks is None else masks.masks[mask_row + i:mask_row + i + 1]
+                sampled = self.sampler.sample(result.logits[row:row + 1], [request], mask)
+                token_id, logprobs = sampled.token_ids[0], sampled.logprobs[0]
+            if i == 0:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
                     stats.ttfts.append(now - metrics.arrival_time)
@@ -261,22 +307,47 @@ class EngineCore:
                 elif metrics.last_token_time is not None:
                     stats.inter_token_latencies.append(now - metrics.last_token_time)
                 metrics.last_token_time = now
-                stats.num_generation_tokens += 1
-                status = self.outputs.append_token(request, token_id, logprobs)
-                if request.guide is not None:
-                    status = self._advance_guide(request, token_id, status)
+            stats.num_generation_tokens += 1
+            emitted += 1
+            status = self.outputs.append_token(request, token_id, logprobs)
+            if request.guide is not None:
+                status = self._advance_guide(request, token_id, status)
+            if i == len(drafts) or token_id != drafts[i]:
+                break
+            accepted += 1
             if status is not None:
-                self.scheduler.finish(request, status)
-                stats.finished.append(FinishedRequestStats(
-                    status.finish_reason or "", now - metrics.arrival_time,
-                    request.num_prompt_tokens, request.num_output_tokens))
-            output = self.outputs.make_output(request)
-            if output is not None:
-                results.append(output)
-            if status is not None:
-                self.outputs.remove(request.request_id)
-        self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
-        return results
+                break
+        if drafts:
+            stats.spec.record(len(drafts), accepted)
+            request.spec_backoff = request.spec_wait = backoff_after(request.spec_backoff, accepted)
+            request.num_computed_tokens += accepted  # the accepted proposals' K/V stand
+            if result.token_ids is None and not request.params.greedy:
+                for _ in range(rows - emitted):  # the draws the device would have made for them
+                    request.generator.random()
+            if status is None:
+                self.block_manager.trim(request, request.num_tokens)  # blocks only rejected ones needed
+        request.spec_token_ids = []
+        return status
+
+    def _propose(self, requests: Iterable[Request]) -> None:
+        """Proposals for each running request's next step (speculative decoding): up to k
+        tokens, no more than its max_tokens and max_model_len leave room for."""
+        spec = self.config.speculative
+        if spec is None:
+            return
+        for request in requests:
+            if request.is_finished or not request.params.speculative or request.guide is not None:
+                continue
+            if request.spec_wait:  # its last proposals all failed: plain steps for a while
+                request.spec_wait -= 1
+                continue
+            room = self.max_model_len - request.num_tokens
+            if request.params.max_tokens is not None:
+                room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+            k = min(spec.num_speculative_tokens, room)
+            if k > 0:
+                request.spec_token_ids = ngram_proposal(request.all_token_ids, k, spec.prompt_lookup_max,
+                                                        spec.prompt_lookup_min)
 
     def _advance_guide(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """Feed the sampled token to the request's grammar: a complete grammar stops the request;
@@ -296,6 +367,7 @@ class EngineCore:
         totals.steps += 1
         totals.prompt_tokens += stats.num_prompt_tokens
         totals.generation_tokens += stats.num_generation_tokens
+        totals.spec.add(stats.spec)
         if num_prefill:
             totals.prefill_tokens += num_prefill
             totals.prefill_seconds += step.seconds

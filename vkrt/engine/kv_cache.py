@@ -177,8 +177,23 @@ class BlockManager:
         if self.enable_prefix_caching:
             # Blocks this step fills are published now: the step writes their K/V before any
             # later step (or a later token of this step, in the same layer) can read them.
-            self._cache_full_blocks(request, blocks, total // self.block_size)
+            # Only known tokens name a block: proposed ones (speculative decoding) may be rejected.
+            self._cache_full_blocks(request, blocks, min(total, request.num_tokens) // self.block_size)
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past the first `num_tokens` positions (speculative
+        decoding's rollback: blocks taken for proposals that were rejected). No released block
+        is in the prefix cache: only known tokens' blocks are. Returns how many were released."""
+        blocks = self._req_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        released = blocks[keep:]
+        del blocks[keep:]
+        self._req_num_hashed[request.request_id] = min(self._req_num_hashed.get(request.request_id, 0), keep)
+        self._release(reversed(released))
+        return len(released)
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -239,6 +239,10 @@ class KVCacheManager:
         """After a step: sliding groups release the blocks that left the request's window."""
         return sum(m.free_skipped_blocks(request) for m in self.managers)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Every group releases the request's blocks past its first `num_tokens` positions."""
+        return sum(m.trim(request, num_tokens) for m in self.managers)
+
     def free(self, request: Request) -> None:
         for m in self.managers:
             m.free(request)

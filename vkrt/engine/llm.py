@@ -138,4 +138,4 @@ class LLM:
             "last_step": dataclasses.asdict(last),
             "num_preemptions": self.engine.num_preemptions,
             "kv_blocks": self.engine.block_manager.num_blocks,
-        }
+        } | ({"speculative": totals.spec.as_dict()} if self.config.speculative is not None else {})

@@ -129,6 +129,10 @@ class Request:
             params.seed if params.seed is not None else generator_seed))
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.guide: Guide | None = None  # the grammar's state under structured output
+        # Tokens proposed to follow all_token_ids, verified in the next step (speculative decoding).
+        self.spec_token_ids: list[int] = []
+        self.spec_backoff = 0  # steps a request last waited after proposals that all failed (0: none failed)
+        self.spec_wait = 0  # steps left before it proposes again
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,7 @@ the logits rows, or each row's token sampled on the device."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +31,9 @@ MaskSource = Callable[[], np.ndarray]
 class LogitsLayout:
     """Which logits row serves what: a sampled next token, or prompt-logprob positions."""
 
-    sample_rows: list[tuple[Request, int]] = field(default_factory=list)  # (request, row)
+    # (request, first row, rows): rows 1 + its proposals in a verify step, else 1; row
+    # first + i samples the token after the request's tokens and its first i proposals.
+    sample_rows: list[tuple[Request, int, int]] = field(default_factory=list)
     # (request, first row, first prompt position scored, count): row first + k gives the
     # logprob of prompt token (position + k).
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -56,7 +59,7 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
             # Entries a window dropped (kv_cache.NULL_BLOCK) are never read; 0 keeps every entry a valid block.
             block_tables[g, j, :len(tables[g][j])] = np.maximum(tables[g][j], 0)
             slots[g].append(blocks.slots(request.request_id, s.start, s.num_tokens, g))
-        token_ids += request.all_token_ids[s.start:s.start + s.num_tokens]
+        token_ids += request.all_token_ids[s.start:s.start + s.num_tokens - len(s.spec)] + s.spec
         positions.append(np.arange(s.start, s.start + s.num_tokens))
         seq_index.append(np.full(s.num_tokens, j))
         if request.prompt_logprobs is not None:
@@ -68,8 +71,9 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
                 layout.prompt_rows.append((request, len(logits_index), first + 1, last - first))
                 logits_index += range(offset + first - s.start, offset + last - s.start)
         if s.samples:
-            layout.sample_rows.append((request, len(logits_index)))
-            logits_index.append(offset + s.num_tokens - 1)
+            rows = 1 + len(s.spec)
+            layout.sample_rows.append((request, len(logits_index), rows))
+            logits_index += range(offset + s.num_tokens - rows, offset + s.num_tokens)
         offset += s.num_tokens
     if not logits_index:
         logits_index.append(offset - 1)  # the model always returns >= 1 row; this one is unused
@@ -112,20 +116,27 @@ class StepStats:
 class ModelRunner:
     """Runs ForwardBatches through a CausalLM over its paged KV cache.
 
-    Decode steps (one token per sequence, every token sampled) are padded to a power-of-two
+    Decode steps (one token per sequence, every token sampled; or a verify step's few per
+    sequence, on a model without recurrent layers) are padded to a power-of-two
     bucket and, on a backend that supports it, recorded once per bucket and replayed: the
     host only rewrites the step's input tensors, then one submit runs the whole step.
     Prefill and mixed steps run eagerly.
     """
 
-    def __init__(self, model: CausalLM, kv: KVCache, max_num_seqs: int, max_model_len: int,
-                 replay: bool = True) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, max_step_tokens: int, max_model_len: int,
+                 replay: bool = True, verify_width: int = 1) -> None:
+        """`max_step_tokens`: the most tokens a decode or verify step holds (max_num_seqs, times
+        1 + k when speculating); steps up to its bucket are recorded. `verify_width` (1 + k when
+        speculating) adds buckets at its multiples: a verify step is padded to the next one
+        rather than to a power of two (on llvmpipe a step's cost grows with its rows)."""
         self.model = model
         self.kv = kv
         self.backend = model.backend
         self.last_step = StepStats()
         self.replay = replay and self.backend.supports_replay
-        self.max_bucket = 1 << max(0, max_num_seqs - 1).bit_length()
+        self.max_bucket = 1 << max(0, max_step_tokens - 1).bit_length()
+        self.buckets = sorted({1 << i for i in range(self.max_bucket.bit_length())}
+                              | set(range(verify_width, max_step_tokens + 1, verify_width)))
         self.max_blocks = -(-max_model_len // kv.block_size)
         self._graphs: dict[int, _DecodeGraph] = {}
 
@@ -187,16 +198,26 @@ class ModelRunner:
             for state in tensors:
                 ops.copy_state_slots(state, src, dst)
 
+    def _verify_shaped(self, batch: ForwardBatch) -> bool:
+        """A verify step (speculative decoding) on a model without recurrent state: several
+        consecutive tokens per sequence, every one sampled. The decode graph runs it as it
+        is, since attention reads each token's own positions through its sequence's table;
+        recurrent layers' graphs take one token per sequence."""
+        seq = batch.seq_index
+        return (not self.kv.states and batch.num_seqs <= batch.num_tokens and int(seq[0]) == 0
+                and bool(np.all(np.diff(seq) >= 0)) and bool(np.all(np.diff(seq) <= 1))
+                and int(seq[-1]) == batch.num_seqs - 1)
+
     def _graph_for(self, batch: ForwardBatch) -> _DecodeGraph | None:
         """The recorded step for this decode batch's bucket, or None to run eagerly."""
         t = batch.num_tokens
         if not self.replay or t == 0 or t > self.max_bucket:
             return None
-        if batch.num_seqs != t or batch.block_tables.shape[-1] > self.max_blocks:
+        if batch.block_tables.shape[-1] > self.max_blocks or not np.array_equal(batch.logits_index, np.arange(t)):
             return None
-        if not np.array_equal(batch.logits_index, np.arange(t)) or not np.array_equal(batch.seq_index, np.arange(t)):
+        if not np.array_equal(batch.seq_index, np.arange(t)) and not self._verify_shaped(batch):
             return None
-        bucket = 1 << (t - 1).bit_length()
+        bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
         graph = self._graphs.get(bucket)
         if graph is not None and graph.graph.stale:  # the backend released its pipelines: record again
             graph.graph.release()
@@ -256,10 +277,11 @@ class _DecodeGraph:
         host.positions[:t], host.positions[t:] = batch.positions, 0
         host.seq_index[:t], host.seq_index[t:] = batch.seq_index, -1
         host.slots[:, :t], host.slots[:, t:] = batch.slots, -1
+        s = batch.num_seqs  # t, or fewer in a verify step (several tokens per sequence)
         host.block_tables[:] = 0
-        host.block_tables[:, :t, :batch.block_tables.shape[-1]] = batch.block_tables
+        host.block_tables[:, :s, :batch.block_tables.shape[-1]] = batch.block_tables
         assert host.state_slots is not None
-        host.state_slots[:t], host.state_slots[t:] = batch.state_slots if batch.state_slots is not None else 0, 0
+        host.state_slots[:s], host.state_slots[s:] = batch.state_slots if batch.state_slots is not None else 0, 0
         inputs = self.inputs
         for name in ("token_ids", "positions", "seq_index", "state_slots"):
             self.backend.write(getattr(inputs, name), getattr(host, name))

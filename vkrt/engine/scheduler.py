@@ -7,6 +7,10 @@ admitted while the token budget, `max_num_seqs` and the KV pool allow. When bloc
 the newest running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the queue, to be prefilled again (prompt + tokens generated so far).
 
+A decoding request with proposed tokens (speculative decoding, vkrt/engine/speculative.py)
+runs them after its last token in the same step, within the token budget; they are the first
+thing dropped when blocks are short.
+
 A hybrid model with prefix caching keeps its recurrent state only where a chunk ends, so a
 chunk that crosses a block boundary is cut at the last one it crosses (the rest runs next step).
 """
@@ -24,16 +28,18 @@ from vkrt.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """Positions start..start+num_tokens-1 of `request` run this step."""
+    """Positions start..start+num_tokens-1 of `request` run this step; the last len(spec) of
+    them are proposed tokens (speculative decoding) that follow its known ones."""
 
     request: Request
     start: int
     num_tokens: int
+    spec: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last known token, so a new one is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.spec) == self.request.num_tokens
 
 
 @dataclass
@@ -47,9 +53,10 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        """Tokens that extend a request by exactly one generated token (the rest is prefill)."""
-        return sum(1 for s in self.scheduled
-                   if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+        """Tokens that extend a request by generated tokens: one, or one and its proposals in a
+        verify step (the rest is prefill)."""
+        return sum(s.num_tokens for s in self.scheduled
+                   if s.num_tokens - len(s.spec) == 1 and s.start >= s.request.num_prompt_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -97,7 +104,13 @@ class Scheduler:
             request = self.running[i]
             num_new = self._chunk(request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
                                                                    budget))
+            # A decoding request's proposals ride along, as far as the token budget goes.
+            spec = request.spec_token_ids[:budget - num_new] if num_new == 1 else []
+            num_new += len(spec)
             while not self.block_manager.allocate_slots(request, num_new):
+                if spec:  # proposals are optional: drop them before preempting anyone
+                    num_new, spec = num_new - len(spec), []
+                    continue
                 # The victim is always at the tail, so it was not scheduled yet in this step.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -106,7 +119,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, spec))
             budget -= num_new
             i += 1
 
@@ -139,6 +152,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vkrt import config as env
 from vkrt.engine.config import EngineConfig
+from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import VkrtError
 
 # Routes that answer without the API key: load balancers and probes call them.
@@ -43,6 +44,7 @@ class ServerConfig:
     disable_metrics: bool = False
     disable_ui: bool = False  # no chat and status page at / (--disable-ui): / answers 404
     enable_replay: bool = True  # replay recorded decode steps (vkrt serve --no-replay turns it off)
+    speculative_config: SpeculativeConfig | None = None  # --speculative-config
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
@@ -107,6 +109,7 @@ class ServerConfig:
             state_snapshot_memory=self.state_snapshot_memory,
             kv_dtype=self.kv_dtype,
             enable_replay=self.enable_replay,
+            speculative=self.speculative_config,
         )
 
     def max_digits(self) -> int | None:

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.request import RequestMetrics
+from vkrt.engine.speculative import SpecStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -102,6 +103,25 @@ class _EngineCollector(Collector):
         for family, value in zip(families, values, strict=True):
             family.add_metric([self._model_name], value)
             yield family
+        if stats.spec is not None:  # only when the engine speculates (--speculative-config)
+            yield from self._spec_decode(stats.spec)
+
+    def _spec_decode(self, spec: SpecStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters: a draft is one request's proposals in one step."""
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Proposals verified (one per request per verify step).",
+                 spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted proposed tokens by their position in the proposal.",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self._model_name, str(position)], value)
+        yield per_pos
 
 
 class ServerMetrics:

@@ -83,6 +83,8 @@ class SamplingFields(_Body):
     # llama.cpp extensions
     json_schema: dict[str, Any] | bool | None = None
     grammar: str | None = None
+    # vkrt: false decodes this request without speculation when the server speculates
+    speculative: bool = True
 
 
 class CompletionRequest(SamplingFields):

@@ -157,6 +157,7 @@ def sampling_params(body: SamplingFields, max_digits: int | None = DEFAULT_MAX_D
         include_stop_str_in_output=body.include_stop_str_in_output,
         n=1,  # each choice is its own engine request (server/choices.py)
         guided_decoding=guided,
+        speculative=body.speculative,
     )
 
 

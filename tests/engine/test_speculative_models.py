@@ -1,0 +1,87 @@
+"""Speculative decoding on real kernels: tiny transformers fixtures and the default model.
+
+On the tiny fixtures (random prompts: nothing for the n-gram lookup to find) an oracle proposes
+transformers' own greedy continuation with every third proposal wrong, so verify steps accept
+and reject across KV blocks; the ids must stay transformers'. On SmolLM2 the real n-gram
+proposer runs on a prompt that asks for a copy of its input; its ids must equal plain decoding,
+and each verify step must be one replayed submit with no drain.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import vkrt.engine.engine as engine_module
+from tests.conftest import FIXTURES
+from tests.server.live_model import test_device as device_for_tests
+from vkrt.engine import LLM
+from vkrt.engine.config import SamplingParams
+from vkrt.engine.speculative import SpeculativeConfig
+from vkrt.errors import VkrtError
+
+NGRAM = SpeculativeConfig("ngram", 3, 4, 2)
+# Full attention, sliding windows with a softcap, MoE, a GQA head layout: each family's verify step.
+FAMILIES = ["tiny_llama", "tiny_gemma2", "tiny_gemma3", "tiny_qwen3_moe", "tiny_mixtral"]
+
+
+def _cases(fixture: str) -> list[dict]:
+    return json.loads((FIXTURES / fixture / "golden.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("fixture", FAMILIES)
+def test_verify_steps_keep_transformers_greedy_ids(fixture: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = _cases(fixture)
+    truth = {tuple(c["input_ids"]): c["greedy_ids"] for c in cases}
+
+    def propose(tokens: list[int], k: int, _max: int, _min: int) -> list[int]:
+        for prompt, rest in truth.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                return [t if (done + i) % 3 else (t + 1) % 8 for i, t in enumerate(rest[done:done + k])]
+        return []
+
+    monkeypatch.setattr(engine_module, "ngram_proposal", propose)
+    llm = LLM(FIXTURES / fixture, device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
+              speculative=NGRAM)
+    n = len(cases[0]["greedy_ids"])
+    outs = llm.generate([c["input_ids"] for c in cases], SamplingParams(max_tokens=n, temperature=0.0,
+                                                                         ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in cases]
+    spec = llm.engine.totals.spec
+    assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens, spec
+
+
+def test_hybrids_refuse_speculation() -> None:
+    with pytest.raises(VkrtError, match="recurrent layers"):
+        LLM(FIXTURES / "tiny_lfm2", device="reference", speculative=NGRAM)
+
+
+COPY = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b\n")
+PROMPTS = ["Here is some Python code.\n\n```python\n" + COPY + "```\n\nThe same code again:\n\n```python\n",
+           "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs(smollm2_path: Path) -> Iterator[dict[str, LLM]]:
+    yield {"plain": LLM(smollm2_path, device=device_for_tests(), max_model_len=512, max_num_seqs=4),
+           "spec": LLM(smollm2_path, device=device_for_tests(), max_model_len=512, max_num_seqs=4, speculative=NGRAM)}
+
+
+def test_ngram_on_the_default_model_equals_plain_decoding(smollm2_runs: dict[str, LLM]) -> None:
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = [smollm2_runs["plain"].generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+    spec_llm = smollm2_runs["spec"]
+    spec_llm.engine.reset_totals()
+    alone = [spec_llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+    assert alone == plain
+    totals = spec_llm.engine.totals
+    assert totals.spec.acceptance_rate > 0.5, totals.spec  # the copy is mostly proposed right
+    if spec_llm.engine.runner.replay:  # each decode and verify step: one replayed submit, no drain
+        assert totals.decode_counters_max["submits"] == 1 and totals.decode_counters_max["drains"] == 0
+    together = [o.outputs[0].token_ids for o in spec_llm.generate(PROMPTS * 2, params)]
+    assert together == plain * 2

@@ -1,0 +1,175 @@
+"""Speculative decoding: proposals for the next tokens, verified by the target in one step.
+
+A speculating request runs its last token and k proposed tokens in one forward (a T = k + 1
+decode step, replayed like any other). Row i of that step holds the target's distribution
+after the request's tokens and the first i proposals; the engine samples row i as it would
+sample a plain decode step and emits the token, going on to row i + 1 only while the sampled
+token equals proposal i. So every emitted token is a sample of the target's distribution given
+exactly the tokens before it: greedy output equals plain decoding, and with temperature > 0
+this is standard rejection sampling for a proposal that puts all its mass on one token
+(accept with min(1, p(d) / 1) = p(d), else resample from the residual p restricted to the
+other tokens, which is what a draw from p that missed d is). The KV entries of rejected
+proposals are never read (attention is causal by position) and are overwritten when those
+positions are computed again; the request's count of computed tokens is what rolls back.
+
+Methods (vLLM's `--speculative-config` keys): "ngram" (prompt lookup in the request's own
+tokens). Draft models and MTP heads are refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vkrt.errors import VkrtError
+
+# vkrt's defaults where the config leaves them out (a missing min takes 2, a missing max 4;
+# one given alone bounds the other).
+DEFAULT_LOOKUP_MAX = 4
+DEFAULT_LOOKUP_MIN = 2
+MAX_SPECULATIVE_TOKENS = 32  # k per step; more only makes a longer verify step for rare gains
+
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What `--speculative-config` asked for, validated."""
+
+    method: str  # "ngram"
+    num_speculative_tokens: int
+    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """From a JSON object (the CLI flag's text) or a dict; None for None or an empty string.
+        VkrtError says what is wrong."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise VkrtError(f"--speculative-config is not JSON: {exc.msg} at character {exc.pos}") from None
+        if not isinstance(value, Mapping):
+            raise VkrtError("--speculative-config must be a JSON object, e.g. "
+                            '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise VkrtError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(_KEYS))}")
+        method = value.get("method")
+        if method is None and "model" in value:
+            method = "draft_model"
+        if method in ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator"):
+            raise VkrtError(f"--speculative-config: method {method!r} is not supported yet; "
+                            'use {"method": "ngram", ...} (prompt lookup, no second model)')
+        if method != "ngram":
+            raise VkrtError(f"--speculative-config: method must be \"ngram\", got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise VkrtError(f"--speculative-config: num_speculative_tokens must be an integer in "
+                            f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        for name, n in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise VkrtError(f"--speculative-config: {name} must be an integer >= 1, got {n!r}")
+        if lookup_max is None:
+            lookup_max = max(DEFAULT_LOOKUP_MAX, lookup_min or 0)
+        if lookup_min is None:
+            lookup_min = min(DEFAULT_LOOKUP_MIN, lookup_max)
+        if lookup_min > lookup_max:
+            raise VkrtError(f"--speculative-config: prompt_lookup_min ({lookup_min}) exceeds "
+                            f"prompt_lookup_max ({lookup_max})")
+        return cls("ngram", k, lookup_max, lookup_min)
+
+    def describe(self) -> str:
+        return (f"ngram, {self.num_speculative_tokens} tokens, lookup "
+                f"{self.prompt_lookup_min}..{self.prompt_lookup_max}")
+
+
+def ngram_proposal(token_ids: Sequence[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
+    """The k tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    of `token_ids` (lookup_max >= n >= lookup_min), continuing periodically past the end;
+    [] when no suffix recurs."""
+    length = len(token_ids)
+    if k < 1 or length < lookup_min + 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
+        suffix = tokens[length - n:]
+        # Candidate starts s < length - n whose n tokens equal the suffix: filter on the first
+        # token, then check the rest (cheap: most positions fail the first compare).
+        starts = np.flatnonzero(tokens[:length - n] == suffix[0])
+        for offset in range(1, n):
+            starts = starts[tokens[starts + offset] == suffix[offset]]
+        if starts.size:
+            follow = int(starts[-1]) + n  # the latest occurrence: the most local context
+            proposal = [int(t) for t in tokens[follow:follow + k]]
+            # A match close to the end runs out of tokens: copy on from the proposal itself
+            # (a repeating run goes on repeating), as an LZ77 copy overlaps its output.
+            while len(proposal) < k:
+                proposal.append(proposal[len(proposal) - (length - follow)])
+            return proposal
+    return []
+
+
+# After a verify step that accepts nothing, a request waits 1, 2, 4, ... up to this many
+# steps before proposing again (any acceptance ends the wait): on llvmpipe a verify step of
+# 1 + k rows costs 1.7-2.5x a plain step, so text that does not repeat its input must not pay
+# that on every token.
+MAX_BACKOFF = 16
+
+
+def backoff_after(backoff: int, accepted: int) -> int:
+    """The steps to wait before the next proposal, given the last wait and this step's acceptances."""
+    return 0 if accepted else min(max(1, 2 * backoff), MAX_BACKOFF)
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters (vLLM's spec_decode metrics): one draft per request per verify step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose proposal i was accepted
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def add(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos += [0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos))
+        for i, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step: the accepted proposals plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_pos),
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_accepted_length": round(self.mean_accepted_length, 4)}
