@@ -32,8 +32,12 @@ def _cases(fixture: str) -> list[dict]:
     return json.loads((FIXTURES / fixture / "golden.json").read_text())["cases"]
 
 
-@pytest.mark.parametrize("fixture", FAMILIES)
-def test_verify_steps_keep_transformers_greedy_ids(fixture: str, monkeypatch: pytest.MonkeyPatch) -> None:
+# Eager verify steps too: a sequence of 4 tokens is prefill-shaped for attention there (GQA
+# tiles of 2 tokens), decode-shaped in the replayed graph; both give the same bits.
+@pytest.mark.parametrize("fixture, replay", [(f, True) for f in FAMILIES] + [("tiny_llama", False),
+                                                                              ("tiny_gemma3", False)])
+def test_verify_steps_keep_transformers_greedy_ids(fixture: str, replay: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     cases = _cases(fixture)
     truth = {tuple(c["input_ids"]): c["greedy_ids"] for c in cases}
 
@@ -46,13 +50,15 @@ def test_verify_steps_keep_transformers_greedy_ids(fixture: str, monkeypatch: py
 
     monkeypatch.setattr(engine_module, "ngram_proposal", propose)
     llm = LLM(FIXTURES / fixture, device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
-              speculative=NGRAM)
+              speculative=NGRAM, enable_replay=replay)
     n = len(cases[0]["greedy_ids"])
     outs = llm.generate([c["input_ids"] for c in cases], SamplingParams(max_tokens=n, temperature=0.0,
                                                                          ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in cases]
     spec = llm.engine.totals.spec
     assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    if replay and llm.engine.runner.replay:
+        assert llm.engine.totals.decode_counters_max["submits"] == 1
 
 
 def test_hybrids_refuse_speculation() -> None:

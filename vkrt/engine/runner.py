@@ -136,7 +136,7 @@ class ModelRunner:
         self.replay = replay and self.backend.supports_replay
         self.max_bucket = 1 << max(0, max_step_tokens - 1).bit_length()
         self.buckets = sorted({1 << i for i in range(self.max_bucket.bit_length())}
-                              | set(range(verify_width, max_step_tokens + 1, verify_width)))
+                              | (set(range(verify_width, max_step_tokens + 1, verify_width)) if verify_width > 1 else set()))
         self.max_blocks = -(-max_model_len // kv.block_size)
         self._graphs: dict[int, _DecodeGraph] = {}
 

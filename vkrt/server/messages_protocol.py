@@ -151,5 +151,5 @@ class AnthropicErrorResponse(BaseModel):
 
 
 SSE_EVENTS = {"text/event-stream": {"schema": {
-    "type": "string", "description": "event: <name> / data: <event JSON> pairs: message_start, "
+    "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "description": "event: <name> / data: <event JSON> pairs: message_start, "
     "content_block_start, content_block_delta, content_block_stop, message_delta, message_stop, ping"}}}

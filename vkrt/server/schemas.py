@@ -168,5 +168,7 @@ def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> d
     return {status: {"model": model, "description": _ERROR_MEANINGS[status]} for status in statuses}
 
 
-SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then "
-                                        "data: [DONE]"}}}
+# An event of the stream as a client parses it (what schemathesis checks each one against).
+SSE_EVENT_PROPERTIES = {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}}
+SSE = {"text/event-stream": {"schema": {"type": "object", "properties": SSE_EVENT_PROPERTIES,
+                                        "description": "data: <chunk JSON> events, then data: [DONE]"}}}
