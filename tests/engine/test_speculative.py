@@ -126,8 +126,6 @@ def test_ngram_greedy_ids_equal_plain(make_llm: Callable[..., LLM], block_size: 
     assert _ids(llm, REPEATING, GREEDY) == plain
     spec = llm.engine.totals.spec
     assert spec.num_drafts > 0 and spec.num_draft_tokens >= spec.num_drafts
-    # every block went back: nothing a rejected proposal took is leaked
-    assert llm.engine.block_manager.usage == 0.0
 
 
 @pytest.mark.parametrize("wrong, per_step", [(set(), 4), ({0}, 1), ({1}, 2), ({2}, 3)])
@@ -150,7 +148,6 @@ def test_acceptance_stops_at_the_first_wrong_proposal(make_llm: Callable[..., LL
         assert all(spec.accepted_per_pos[:j]) and not any(spec.accepted_per_pos[j:]), spec
     else:  # k = 3 proposals, all right: 4 tokens a step across block boundaries of 4
         assert spec.acceptance_rate == 1.0
-    assert llm.engine.block_manager.usage == 0.0
 
 
 def test_rollback_gives_back_the_blocks_rejected_proposals_took(make_llm: Callable[..., LLM],

@@ -4,7 +4,6 @@ asyncio callers submit requests and read their updates from per-request queues."
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import uuid
@@ -134,8 +133,7 @@ class AsyncLLM:
             m = self._metrics
             return EngineMetrics(**{**m.__dict__, "counters": dict(m.counters),
                                     "last_step_counters": dict(m.last_step_counters),
-                                    "spec": None if m.spec is None else dataclasses.replace(
-                                        m.spec, accepted_per_pos=list(m.spec.accepted_per_pos))})
+                                    "spec": None if m.spec is None else m.spec.copy()})
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Call `listener(IterationStats)` after every step, on the engine thread (TTFT, ITL, ...)."""
@@ -307,8 +305,7 @@ class AsyncLLM:
             device_memory_reserved_bytes=int(engine.model.backend.memory_stats().get("reserved_bytes", 0)),
             counters=dict(totals.counters),
             last_step_counters=dict(stats.step.counters) if stats is not None else {},
-            spec=(dataclasses.replace(totals.spec, accepted_per_pos=list(totals.spec.accepted_per_pos))
-                  if engine.config.speculative is not None else None),
+            spec=totals.spec.copy() if engine.config.speculative is not None else None,
         )
         with self._cond:
             self._metrics = metrics

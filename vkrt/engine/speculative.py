@@ -149,6 +149,9 @@ class SpecStats:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
 
+    def copy(self) -> SpecStats:
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos))
+
     def add(self, other: SpecStats) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
