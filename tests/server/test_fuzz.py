@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
 
 from tests.server.fake_engine import FakeEngine
 from tests.server.live_model import live_model
@@ -111,10 +112,15 @@ def _fuzz(url: str, mode: GenerationMode, examples: int) -> dict[int, int]:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            recorded = len(failures)
             try:
                 run()
-            except Exception:
-                pass  # recorded in failures; keep fuzzing the other operations
+            except Unsatisfiable:  # nothing to break (no parameters): only negative mode may meet it
+                if mode is not GenerationMode.NEGATIVE:
+                    failures.append(f"{operation.label}: no example could be generated")  # type: ignore[attr-defined]
+            except Exception as exc:  # keep fuzzing the other operations
+                if len(failures) == recorded:  # not a failed check (those are recorded): a call that broke
+                    failures.append(f"{operation.label}: {type(exc).__name__}: {str(exc)[:800]}")  # type: ignore[attr-defined]
     assert not failures, "\n\n".join(failures)
     print(f"schemathesis {mode.value} on {url}: responses by status {dict(sorted(statuses.items()))}")
     return statuses
