@@ -19,13 +19,16 @@ built-in browser and python tools) is dropped. Output with no header at all is c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import JSON_WHITESPACE
 from vkrt.engine.json_bounds import bound_numbers, close_objects
+from vkrt.tokenizer import Tokenizer
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
@@ -38,11 +41,26 @@ _MAX_HEADER = 256
 SEPARATOR = "\n"
 
 Kind = Literal["reasoning", "content", "call", "dropped"]
+_State = Literal["header", "body", "between", "plain", "done"]
+# Where a body's end leads (<|return|> and <|call|>: "done"); <|start|> without <|end|> is lenient.
+_AFTER_BODY: dict[str, _State] = {END: "between", START: "header"}
 
 
 def template_speaks_harmony(chat_template: str | None) -> bool:
     """True when the chat template writes harmony's framing (gpt-oss)."""
     return bool(chat_template) and all(marker in (chat_template or "") for marker in (START, CHANNEL, MESSAGE))
+
+
+def sampling_params(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
+    """`params` for a harmony output: special tokens kept in the text (the markers are special
+    tokens, and the parser reads them) and the turn's ends as stop tokens (where the vocabulary
+    has them as single tokens; a model's EOS list may lack them)."""
+    stops = list(params.stop_token_ids)
+    for marker in TURN_ENDS:
+        ids = tokenizer.encode(marker, add_special_tokens=False) if tokenizer is not None else []
+        if len(ids) == 1 and ids[0] not in stops:
+            stops.append(ids[0])
+    return dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -81,7 +99,7 @@ class HarmonyParser:
     """Streamed harmony output, fed as it arrives; each feed returns what it settled."""
 
     def __init__(self) -> None:
-        self._state: Literal["header", "body", "between", "plain", "done"] = "header"
+        self._state: _State = "header"
         self._pending = ""
         self._kind: Kind = "content"
         self._opened: set[str] = set()  # the kinds a message of which has already been sent
@@ -116,7 +134,7 @@ class HarmonyParser:
                 cut, marker = min(found)
                 self._emit(self._pending[:cut], pieces)
                 self._pending = self._pending[cut + len(marker):]
-                self._state = {END: "between", START: "header"}.get(marker, "done")
+                self._state = _AFTER_BODY.get(marker, "done")
                 return True
             keep = 0 if final else _held(self._pending, _BODY_ENDS)
             self._emit(self._pending[:len(self._pending) - keep], pieces)

@@ -127,7 +127,7 @@ async def response_events(started: StartedChat, body: ResponsesRequest, base: di
     yield events.event("response.created", response=shell)
     yield events.event("response.in_progress", response=shell)
     tools = [{"type": "function", "function": tool.model_dump(exclude={"type"})} for tool in body.tools or []]
-    stream = ChoiceStream(tokenizer, started.parser, started.parallel, started.inside, tools or None)
+    stream = ChoiceStream(tokenizer, started.reading, tools or None)
     finish: str | None = None
     reasoning = ""
     async for _, update in merged_updates(started.candidates.groups):
