@@ -4,9 +4,18 @@ pieces of every size (splits inside the special markers included), and over the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import openai
 import pytest
 
-from vkrt.server.harmony import HarmonyParser, parse, template_speaks_harmony
+from tests.conftest import FIXTURES
+from tests.server.conftest import Live
+from tests.server.fake_engine import FakeEngine
+from tests.server.test_api import sse_events
+from vkrt.engine.config import SamplingParams
+from vkrt.server.harmony import HarmonyParser, forcing_grammar, parse, template_speaks_harmony
 
 ANSWER = ("<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|>"
           "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>")
@@ -71,9 +80,147 @@ def test_arguments_stream_as_they_are_written() -> None:
 
 
 def test_template_detection() -> None:
-    from tests.conftest import FIXTURES
-
     source = (FIXTURES / "chat_templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
     assert template_speaks_harmony(source)
     assert not template_speaks_harmony((FIXTURES / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8"))
     assert not template_speaks_harmony(None)
+
+
+# ---- over the routes, with a scripted model and gpt-oss's template ----------------------------
+
+TEMPLATE = (FIXTURES / "chat_templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
+TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string"}, "note": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "now", "description": "The time"}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+RETURN_ID, CALL_ID = 263, 264  # the fake tokenizer's <|return|> and <|call|>
+
+
+def _harmony_engine(script: str | Callable[[SamplingParams], str]) -> FakeEngine:
+    engine = FakeEngine(max_model_len=2048, script=script)
+    engine.tokenizer.chat_template = TEMPLATE
+    return engine
+
+
+def _stream(live: Live, body: dict[str, Any]) -> tuple[str, str, dict[int, dict[str, str]], str | None]:
+    """(reasoning, content, calls by index, finish_reason) of a streamed chat completion."""
+    reasoning, content, calls, finish = "", "", {}, None
+    for event in sse_events(live.client.post("/v1/chat/completions", json={**body, "stream": True})):
+        [choice] = event["choices"]
+        delta = choice["delta"]
+        reasoning += delta.get("reasoning_content") or ""
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls") or []:
+            entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] += call["function"].get("name", "")
+            entry["arguments"] += call["function"].get("arguments") or ""
+        finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
+def test_chat_answer_whole_and_streamed(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(ANSWER))
+    body = {"messages": USER, "max_tokens": 200}
+    r = live.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["message"]["reasoning_content"] == "User asks 2+2. Simple."
+    assert choice["message"]["content"] == "2 + 2 = 4." and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == RETURN_ID  # <|return|> ended the turn, its text left out
+    assert _stream(live, body) == ("User asks 2+2. Simple.", "2 + 2 = 4.", {}, "stop")
+    _, _, params, prompt = live.engine.requests[0]
+    assert not params.skip_special_tokens and {RETURN_ID, CALL_ID} <= set(params.stop_token_ids)
+    assert prompt is not None and prompt.endswith("<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant")
+
+
+def test_chat_tool_call_whole_and_streamed(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(CALL))
+    body = {"messages": USER, "max_tokens": 200, "tools": TOOLS}
+    [choice] = live.client.post("/v1/chat/completions", json=body).json()["choices"]
+    message = choice["message"]
+    assert message["content"] is None and message["reasoning_content"] == "Need the weather tool."
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "note": "a<b|c"}'}
+    assert choice["finish_reason"] == "tool_calls" and choice["stop_reason"] == CALL_ID
+    reasoning, content, calls, finish = _stream(live, body)
+    assert (reasoning, content, finish) == ("Need the weather tool.", "", "tool_calls")
+    assert calls == {0: call["function"]}
+    # The tools reached the prompt as harmony's TypeScript namespace.
+    prompt = live.engine.requests[0][3]
+    assert prompt is not None and "namespace functions {" in prompt and "type get_weather = (_: {" in prompt
+
+
+def test_without_tools_a_call_is_not_answered(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(CALL))
+    [choice] = live.client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 200}).json()["choices"]
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"] == ""
+    assert choice["message"]["reasoning_content"] == "Need the weather tool."
+
+
+def test_reasoning_parser_none_leaves_the_analysis_out(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(ANSWER), reasoning_parser="none")
+    [choice] = live.client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 200}).json()["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "2 + 2 = 4."}
+
+
+def test_explicit_parser_reads_harmony_without_its_template(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(FakeEngine(max_model_len=512, script=ANSWER), reasoning_parser="harmony")
+    [choice] = live.client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 200}).json()["choices"]
+    assert choice["message"]["content"] == "2 + 2 = 4."
+
+
+# A model that would think first: the grammar skips what does not fit the forced call's framing.
+THINKING_CALL = ("<|channel|>analysis<|message|>hmm<|end|><|start|>assistant"
+                 '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>')
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_in_harmony_framing(serve_fake: Callable[..., Live], tool_choice: Any) -> None:
+    live = serve_fake(_harmony_engine(THINKING_CALL))
+    body = {"messages": USER, "max_tokens": 200, "tools": TOOLS, "tool_choice": tool_choice}
+    r = live.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] is None
+    assert _stream(live, body)[2] == {0: {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+
+
+def test_forcing_grammar_holds_the_arguments_to_the_schema() -> None:
+    grammar = forcing_grammar(TOOLS, "now", max_digits=16)
+    assert "call1" in grammar and "call0" not in grammar  # only the named function
+    assert grammar.startswith("start: <|channel|>") and grammar.split("\n")[0].endswith("<|call|>")
+
+
+def test_responses_api_items(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(CALL))
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    tool: Any = {"type": "function", "name": "get_weather", "description": "Weather now",
+                 "parameters": TOOLS[0]["function"]["parameters"]}
+    response = client.responses.create(model="fake", input="Weather in Paris?", tools=[tool])
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    with client.responses.stream(model="fake", input="Weather in Paris?", tools=[tool]) as stream:
+        streamed = stream.get_final_response().output
+    for output in (response.output, streamed):
+        reasoning, call = output
+        assert reasoning.content is not None and reasoning.content[0].text == "Need the weather tool."
+        assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris", "note": "a<b|c"}')
+
+
+def test_messages_api_blocks(serve_fake: Callable[..., Live]) -> None:
+    anthropic = pytest.importorskip("anthropic", reason="anthropic is a dev extra (pip install -e .[dev])")
+    live = serve_fake(_harmony_engine(CALL))
+    client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=30)
+    tools: Any = [{"name": "get_weather", "description": "Weather now",
+                   "input_schema": TOOLS[0]["function"]["parameters"]}]
+    message = client.messages.create(model="fake", max_tokens=200, messages=USER, tools=tools)
+    with client.messages.stream(model="fake", max_tokens=200, messages=USER, tools=tools) as stream:
+        streamed = stream.get_final_message()
+    for reply in (message, streamed):
+        assert [block.type for block in reply.content] == ["thinking", "tool_use"]
+        assert reply.content[0].thinking == "Need the weather tool."
+        assert reply.content[1].name == "get_weather" and reply.content[1].input == {"city": "Paris", "note": "a<b|c"}
+        assert reply.stop_reason == "tool_use"
