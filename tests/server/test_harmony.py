@@ -15,7 +15,13 @@ from tests.server.conftest import Live
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_api import sse_events
 from vkrt.engine.config import SamplingParams
-from vkrt.server.harmony import HarmonyParser, forcing_grammar, parse, template_speaks_harmony
+from vkrt.server.harmony import (
+    HarmonyParser,
+    forcing_grammar,
+    open_header,
+    parse,
+    template_speaks_harmony,
+)
 
 ANSWER = ("<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|>"
           "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>")
@@ -224,3 +230,24 @@ def test_messages_api_blocks(serve_fake: Callable[..., Live]) -> None:
         assert reply.content[0].thinking == "Need the weather tool."
         assert reply.content[1].name == "get_weather" and reply.content[1].input == {"city": "Paris", "note": "a<b|c"}
         assert reply.stop_reason == "tool_use"
+
+
+def test_a_prompt_that_leaves_a_message_open() -> None:
+    """continue_final_message: the prompt ends inside the final message, so the output is its body."""
+    prompt = "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>The answer is"
+    opened = open_header(prompt)
+    assert opened == "assistant<|channel|>final"
+    assert parse(" 4.<|end|>", opened) == (None, " 4.", [])
+    thought = open_header("<|start|>assistant<|channel|>analysis<|message|>so")
+    assert parse(" far<|end|><|start|>assistant<|channel|>final<|message|>4", thought) == (" far", "4", [])
+    assert open_header("<|start|>user<|message|>Hi<|end|><|start|>assistant") is None
+    assert open_header("<|start|>assistant<|channel|>final<|message|>done<|end|>") is None
+
+
+def test_continue_final_message_over_the_route(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(" 4.<|end|>"))
+    body = {"messages": [*USER, {"role": "assistant", "content": "The answer is"}], "max_tokens": 50,
+            "add_generation_prompt": False, "continue_final_message": True}
+    [choice] = live.client.post("/v1/chat/completions", json=body).json()["choices"]
+    assert choice["message"]["content"] == " 4." and choice["message"]["reasoning_content"] is None
+    assert _stream(live, body)[:2] == ("", " 4.")

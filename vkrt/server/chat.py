@@ -60,18 +60,19 @@ class OutputReading:
     """How one request's output is read: the tool-call parser (None: no tools offered), whether
     several calls may be answered, the reasoning split (None: off; else whether the output starts
     inside a thought), and whether it is harmony, whose channels give all three
-    (vkrt/server/harmony.py)."""
+    (vkrt/server/harmony.py), with the header of a message its prompt left open."""
 
     parser: str | None
     parallel: bool
     inside: bool | None
     harmony: bool = False
+    harmony_opened: str | None = None
 
     def split(self, text: str, tools: list[dict[str, Any]] | None) -> tuple[str | None, str, list[ToolCall] | None]:
         """(reasoning, content, the calls or None when it answers none) of a whole output."""
         calls: list[ToolCall] = []
         if self.harmony:
-            reasoning, content, named = harmony.parse(text)
+            reasoning, content, named = harmony.parse(text, self.harmony_opened)
             if self.parser is not None:
                 calls = [ToolCall(name, arguments) for name, arguments in named]
         else:
@@ -135,10 +136,11 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     mode = state.config.reasoning_parser
     if speaks_harmony:
         inside = None if mode == "none" else False  # the analysis channel is the thought
+        reading = OutputReading(parser, parallel, inside, True, harmony.open_header(prompt))
     else:
         thinks = mode == "think" or (mode == "auto" and template_thinks(template))
-        inside = starts_inside(prompt) if thinks else None
-    return StartedChat(engine, candidates, OutputReading(parser, parallel, inside, speaks_harmony))
+        reading = OutputReading(parser, parallel, starts_inside(prompt) if thinks else None)
+    return StartedChat(engine, candidates, reading)
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -186,7 +188,7 @@ class ChoiceStream:
                  tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.reading = reading
-        self.harmony = harmony.HarmonyParser() if reading.harmony else None
+        self.harmony = harmony.HarmonyParser(reading.harmony_opened) if reading.harmony else None
         thinks = reading.inside is not None and not reading.harmony
         self.splitter = ReasoningSplitter(reading.inside is True) if thinks else None
         calls = reading.parser is not None and not reading.harmony

@@ -15,6 +15,8 @@ json`, as the chat template writes past calls). `analysis` is reasoning; `final`
 `commentary` to no one (a preamble to the user), are content; `commentary` to `functions.NAME`
 is a call of NAME whose body is its JSON arguments. A message to any other recipient (the
 built-in browser and python tools) is dropped. Output with no header at all is content.
+A prompt that leaves a message open (continue_final_message: `...<|channel|>final<|message|>The
+answer is`) makes the output start in that message's body.
 """
 
 from __future__ import annotations
@@ -63,6 +65,18 @@ def sampling_params(params: SamplingParams, tokenizer: Tokenizer | None) -> Samp
     return dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
 
+def open_header(prompt: str | None) -> str | None:
+    """The header of the message the prompt leaves open (its body continues in the output), or
+    None when the prompt ends between messages or in a header (the generation prompt)."""
+    if not prompt:
+        return None
+    tail = prompt[prompt.rfind(START) + len(START):] if START in prompt else prompt
+    cut = tail.find(MESSAGE)
+    if cut < 0 or any(marker in tail[cut:] for marker in (END, RETURN, CALL)):
+        return None
+    return tail[:cut]
+
+
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest tail of `text` that may be the beginning of one of `markers`."""
     for k in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
@@ -96,14 +110,18 @@ class HarmonyPieces:
 
 
 class HarmonyParser:
-    """Streamed harmony output, fed as it arrives; each feed returns what it settled."""
+    """Streamed harmony output, fed as it arrives; each feed returns what it settled. `opened`:
+    the header of a message the prompt left open (open_header), whose body the output continues."""
 
-    def __init__(self) -> None:
+    def __init__(self, opened: str | None = None) -> None:
         self._state: _State = "header"
         self._pending = ""
         self._kind: Kind = "content"
         self._opened: set[str] = set()  # the kinds a message of which has already been sent
         self.calls: list[tuple[str, str]] = []  # (name, arguments as far as they are written) of every call
+        if opened is not None:
+            self._open(opened, HarmonyPieces())  # a call's announcement is the prompt's, not news
+            self._state = "body"
 
     def feed(self, text: str, final: bool = False) -> HarmonyPieces:
         """The pieces that `text` (appended to what came before) settles; `final` ends the turn."""
@@ -189,10 +207,10 @@ class HarmonyParser:
             pieces.content += text
 
 
-def parse(text: str) -> tuple[str | None, str, list[tuple[str, str]]]:
+def parse(text: str, opened: str | None = None) -> tuple[str | None, str, list[tuple[str, str]]]:
     """(reasoning, None when the output has no analysis message; content; the calls as (name,
-    arguments JSON text as written)) of a whole output."""
-    parser = HarmonyParser()
+    arguments JSON text as written)) of a whole output (`opened`: as for HarmonyParser)."""
+    parser = HarmonyParser(opened)
     pieces = parser.feed(text, final=True)
     return (pieces.reasoning if parser.thought else None), pieces.content, parser.calls
 
