@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
@@ -251,3 +252,41 @@ def test_continue_final_message_over_the_route(serve_fake: Callable[..., Live]) 
     [choice] = live.client.post("/v1/chat/completions", json=body).json()["choices"]
     assert choice["message"]["content"] == " 4." and choice["message"]["reasoning_content"] is None
     assert _stream(live, body)[:2] == ("", " 4.")
+
+
+def test_forcing_grammar_over_a_real_tokenizer() -> None:
+    """llguidance indexing an HF tokenizer.json (as for a real model): the grammar's `<|...|>`
+    match the special tokens, never their spelling in bytes, and a call through them completes it;
+    the turn's ends become stop tokens and the markers stay in the decoded text."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from vkrt.engine.guided import GrammarCompiler
+    from vkrt.server import harmony
+    from vkrt.server.tools import forcing_grammar as tool_grammar
+    from vkrt.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    markers = [harmony.START, harmony.CHANNEL, harmony.MESSAGE, harmony.END, harmony.RETURN, harmony.CALL,
+               harmony.CONSTRAIN, "<|endoftext|>"]
+    hf.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
+    eos = hf.token_to_id("<|endoftext|>")
+    tok = Tokenizer(hf, bos_token_id=None, eos_token_ids=[eos], chat_template=TEMPLATE, byte_level=True)
+
+    params = harmony.sampling_params(SamplingParams(stop_token_ids=[7]), tok)
+    assert params.stop_token_ids == [7, hf.token_to_id("<|return|>"), hf.token_to_id("<|call|>")]
+    assert not params.skip_special_tokens
+    call = CALL[CALL.index("<|start|>assistant") + len("<|start|>assistant"):]
+    ids = tok.encode(call, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == call
+
+    compiler = GrammarCompiler(tok, hf.get_vocab_size(), [eos])
+    guide = compiler.compile(tool_grammar(TOOLS, "get_weather", "harmony", parallel=True))
+    mask = np.zeros(compiler.words, np.uint32)
+    guide.fill_mask(mask)
+    allowed = {t for t in range(hf.get_vocab_size()) if mask[t // 32] >> np.uint32(t % 32) & np.uint32(1)}
+    assert allowed == {hf.token_to_id("<|channel|>")}  # not the byte "<"
+    assert all(guide.advance(t) for t in ids) and guide.is_complete
