@@ -290,3 +290,10 @@ def test_forcing_grammar_over_a_real_tokenizer() -> None:
     allowed = {t for t in range(hf.get_vocab_size()) if mask[t // 32] >> np.uint32(t % 32) & np.uint32(1)}
     assert allowed == {hf.token_to_id("<|channel|>")}  # not the byte "<"
     assert all(guide.advance(t) for t in ids) and guide.is_complete
+
+
+def test_a_call_the_prompt_opened_is_announced_with_the_first_piece() -> None:
+    header = "assistant<|channel|>commentary to=functions.f json"
+    parser = HarmonyParser(header)
+    assert parser.feed('{"x"').calls == [(0, "f", ""), (0, None, '{"x"')]
+    assert parse('{"x": 1}', header) == (None, "", [("f", '{"x": 1}')])

@@ -189,10 +189,10 @@ class ChoiceStream:
         self.tokenizer = tokenizer
         self.reading = reading
         self.harmony = harmony.HarmonyParser(reading.harmony_opened) if reading.harmony else None
-        thinks = reading.inside is not None and not reading.harmony
-        self.splitter = ReasoningSplitter(reading.inside is True) if thinks else None
-        calls = reading.parser is not None and not reading.harmony
-        self.calls = ToolCallStream(reading.parser or "", reading.parallel, tools) if calls else None
+        self.splitter = (ReasoningSplitter(reading.inside) if reading.inside is not None and not reading.harmony
+                         else None)
+        self.calls = (ToolCallStream(reading.parser, reading.parallel, tools)
+                      if reading.parser is not None and not reading.harmony else None)
         self.harmony_call_ids: list[str] = []
 
     @property

@@ -119,14 +119,15 @@ class HarmonyParser:
         self._kind: Kind = "content"
         self._opened: set[str] = set()  # the kinds a message of which has already been sent
         self.calls: list[tuple[str, str]] = []  # (name, arguments as far as they are written) of every call
+        self._carried = HarmonyPieces()  # what opening the prompt's message settled: sent with the first feed
         if opened is not None:
-            self._open(opened, HarmonyPieces())  # a call's announcement is the prompt's, not news
+            self._open(opened, self._carried)
             self._state = "body"
 
     def feed(self, text: str, final: bool = False) -> HarmonyPieces:
         """The pieces that `text` (appended to what came before) settles; `final` ends the turn."""
         self._pending += text
-        pieces = HarmonyPieces()
+        pieces, self._carried = self._carried, HarmonyPieces()
         while self._step(pieces, final):
             pass
         return pieces
