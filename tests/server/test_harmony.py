@@ -297,3 +297,17 @@ def test_a_call_the_prompt_opened_is_announced_with_the_first_piece() -> None:
     parser = HarmonyParser(header)
     assert parser.feed('{"x"').calls == [(0, "f", ""), (0, None, '{"x"')]
     assert parse('{"x": 1}', header) == (None, "", [("f", '{"x": 1}')])
+
+
+def test_reasoning_effort_reaches_the_template(serve_fake: Callable[..., Live]) -> None:
+    live = serve_fake(_harmony_engine(ANSWER))
+    chat = {"messages": USER, "max_tokens": 5}
+    for extra, want in [({}, "medium"), ({"reasoning_effort": "high"}, "high"),
+                        ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}, "low")]:
+        assert live.client.post("/v1/chat/completions", json={**chat, **extra}).status_code == 200
+        assert f"\nReasoning: {want}\n" in (live.engine.requests[-1][3] or "")
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    client.responses.create(model="fake", input="hi", reasoning={"effort": "low"}, max_output_tokens=5)
+    assert "\nReasoning: low\n" in (live.engine.requests[-1][3] or "")
+    r = live.client.post("/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and "reasoning_effort" in r.text

@@ -121,9 +121,11 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
         parser = "harmony" if speaks_harmony else pick_parser(template, state.config.tool_call_parser)
         if forced:
             body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits())
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
-                                             body.continue_final_message, body.chat_template_kwargs, state.config,
-                                             tools)
+                                             body.continue_final_message, template_kwargs, state.config, tools)
     params = sampling_params(body, state.config.max_digits())
     if speaks_harmony:
         params = harmony.sampling_params(params, engine.tokenizer)

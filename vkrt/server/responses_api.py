@@ -120,6 +120,8 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                         ("temperature", body.temperature), ("top_p", body.top_p), ("user", body.user)):
         if value is not None:
             fields[name] = value
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        fields["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                            for tool in body.tools]
