@@ -12,6 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 
 from tests.conftest import FIXTURES
 
@@ -128,3 +129,25 @@ def test_bad_speculative_config_is_a_usage_error() -> None:
     assert "num_speculative_tokens must be an integer" in result.stderr
     result = _run("serve", "--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 2}')
     assert result.returncode == 2 and "not supported yet" in result.stderr
+
+
+def test_chat_shows_a_harmony_reply_by_channel(capsys: pytest.CaptureFixture[str]) -> None:
+    """`vkrt chat` with a harmony template: the final channel on stdout, the analysis on stderr,
+    no markers in either, whatever the token boundaries (scripted outputs, no model)."""
+    from types import SimpleNamespace
+
+    from vkrt.cli_generate import _harmony_chat, _run_once
+
+    text = ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Paris.")
+    cuts = [0, 3, 12, 30, 41, 60, len(text)]
+    outputs = [SimpleNamespace(text=text[a:b], token_ids=[1], finished=b == len(text), finish_reason="stop",
+                               prompt_token_ids=[0]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    template = (FIXTURES / "chat_templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
+    llm = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template),
+                          generate_stream=lambda prompt, params: iter(outputs))
+    assert _harmony_chat(SimpleNamespace(chat=True), llm) and not _harmony_chat(SimpleNamespace(chat=False), llm)
+    run = _run_once(llm, [0], None, stream=True, harmony=True)
+    out, err = capsys.readouterr()
+    assert (out, err) == ("Paris.\n", "Think.")
+    assert run["text"] == text  # the JSON report keeps the raw output

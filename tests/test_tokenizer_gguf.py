@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from tokenizers import models
 
 from tests.conftest import FIXTURES
 from tests.test_tokenizer import _spm_gguf
+from vkrt import chat_template
 from vkrt.errors import RequestError
 from vkrt.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -152,13 +154,39 @@ def _template_tokenizer(template: str, bos: str | None, eos: str) -> Tokenizer:
                      chat_template=source, byte_level=False)
 
 
+class _RenderDay(datetime):
+    """The day the golden renders were made on (gpt-oss's template writes today's date)."""
+
+    @classmethod
+    def now(cls, tz: Any = None) -> _RenderDay:
+        return cls.fromisoformat(CHAT_GOLDEN["meta"]["date"])
+
+
+@pytest.fixture
+def render_day(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chat_template, "datetime", _RenderDay)
+
+
 @pytest.mark.parametrize("case", CHAT_GOLDEN["renders"], ids=lambda c: c["name"])
+@pytest.mark.usefixtures("render_day")
 def test_chat_template_renders_as_transformers(case: dict[str, Any]) -> None:
     tok = _template_tokenizer(case["template"], case["bos_token"], case["eos_token"])
     kwargs = dict(case["kwargs"])
     rendered = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"],
                                        tools=kwargs.pop("tools", None), **kwargs)
     assert rendered == case["rendered"]
+
+
+@pytest.mark.usefixtures("render_day")
+def test_harmony_reads_reasoning_content_as_thinking() -> None:
+    """An OpenAI client sends an earlier call's thought as `reasoning_content`; gpt-oss's template
+    reads `thinking`: the render is the one transformers made from `thinking`."""
+    [case] = [c for c in CHAT_GOLDEN["renders"] if c["name"] == "gpt_oss_tools"]
+    messages = [{**m, "reasoning_content": m.pop("thinking")} if "thinking" in m else m
+                for m in (dict(m) for m in case["messages"])]
+    assert any("reasoning_content" in m for m in messages)
+    tok = _template_tokenizer(case["template"], case["bos_token"], case["eos_token"])
+    assert tok.apply_chat_template(messages, tools=case["kwargs"]["tools"]) == case["rendered"]
 
 
 @pytest.mark.parametrize("case", CHAT_GOLDEN["errors"], ids=lambda c: c["name"])

@@ -116,6 +116,27 @@ LFM2_TOOL_TURN = [
     {"role": "assistant", "content": "<|tool_call_start|>[get_weather(city=\"Paris\")]<|tool_call_end|>"},
     {"role": "tool", "content": "{\"temp\": 21}"},
 ]
+# gpt-oss (harmony): tools as a TypeScript namespace, so a schema with every type it renders;
+# the analysis before a call is kept until a final answer follows it.
+HARMONY_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string", "description": "City name"},
+            "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+            "days": {"type": "integer", "default": 1},
+            "hours": {"type": "array", "items": {"type": "number"}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            "opts": {"type": "object", "required": ["wind"],
+                     "properties": {"wind": {"type": "boolean"}, "rain": {"type": "number"}}}}}}},
+    {"type": "function", "function": {"name": "now", "description": "The time", "parameters": {"type": "object"}}},
+]
+HARMONY_CALL = {"role": "assistant", "content": "", "thinking": "Need the weather.", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+HARMONY_TOOL_TURN = [USER, HARMONY_CALL, {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"}]
+HARMONY_PAST_REASONING = [USER, {"role": "assistant", "content": "Paris.", "thinking": "Easy."},
+                          {"role": "user", "content": "And of Spain?"}]
+# The harmony template writes today's date; its renders are made, and checked, on this one.
+HARMONY_DATE = "2026-12-01"
 CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("gemma3_user", "gemma3", "<bos>", "<eos>", [USER], True, {}),
     ("gemma3_system_folded", "gemma3", "<bos>", "<eos>", [SYSTEM, USER], True, {}),
@@ -162,11 +183,26 @@ CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("nemotron_h_no_think", "nemotron_h", None, "<SPECIAL_12>",
      [{"role": "system", "content": "/no_think"}, *MULTI], True, {}),
     ("nemotron_h_tools", "nemotron_h", None, "<SPECIAL_12>", TOOL_TURN, True, {"tools": TOOLS}),
+    ("gpt_oss_user", "gpt_oss", None, "<|return|>", [USER], True, {}),
+    ("gpt_oss_system_effort", "gpt_oss", None, "<|return|>", [SYSTEM, *MULTI], True, {"reasoning_effort": "high"}),
+    ("gpt_oss_developer_identity", "gpt_oss", None, "<|return|>",
+     [{"role": "developer", "content": "Answer in French."}, USER], True,
+     {"model_identity": "You are a tiny test model.", "reasoning_effort": "low"}),
+    ("gpt_oss_tools", "gpt_oss", None, "<|return|>", HARMONY_TOOL_TURN, True, {"tools": HARMONY_TOOLS}),
+    ("gpt_oss_tool_answered", "gpt_oss", None, "<|return|>",
+     [*HARMONY_TOOL_TURN, {"role": "assistant", "content": "It is 21 degrees."},
+      {"role": "user", "content": "Thanks"}], True, {"tools": HARMONY_TOOLS}),
+    ("gpt_oss_builtin_tools", "gpt_oss", None, "<|return|>", [USER], True, {"builtin_tools": ["browser", "python"]}),
+    ("gpt_oss_past_reasoning", "gpt_oss", None, "<|return|>", HARMONY_PAST_REASONING, True, {}),
+    ("gpt_oss_training_turn", "gpt_oss", None, "<|return|>", HARMONY_PAST_REASONING[:2], False, {}),
 ]
 # Conversations a template must refuse (raise_exception), recorded with transformers' message.
 CHAT_ERRORS: list[tuple[str, str, list]] = [
     ("gemma3_roles_must_alternate", "gemma3", [USER, USER]),
     ("mistral_roles_must_alternate", "mistral", [{"role": "assistant", "content": "x"}]),
+    ("gpt_oss_channel_tags_in_content", "gpt_oss",
+     [USER, {"role": "assistant", "content": "<|channel|>final<|message|>Paris."}]),
+    ("gpt_oss_tool_result_without_call", "gpt_oss", [USER, {"role": "tool", "content": "21"}]),
 ]
 
 
@@ -284,9 +320,19 @@ def make_golden(gguf_path: Path) -> None:
 
 
 def make_chat() -> None:
+    from datetime import datetime
+
     import jinja2
+    import transformers.utils.chat_template_utils as chat_utils
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
+
+    class RenderDay(datetime):
+        @classmethod
+        def now(cls, tz=None):  # noqa: ANN001, ANN206 (datetime's own signature)
+            return cls.fromisoformat(HARMONY_DATE)
+
+    chat_utils.datetime = RenderDay  # strftime_now reads the module's datetime on each call
 
     def hf_tokenizer(bos: str | None, eos: str):
         vocab = {t: i for i, t in enumerate(["[UNK]", *([bos] if bos else []), eos])}
@@ -318,6 +364,7 @@ def make_chat() -> None:
                  "render": "PreTrainedTokenizerFast(bos_token, eos_token).apply_chat_template("
                            "messages, chat_template=<file>, tools=kwargs.tools, tokenize=False, "
                            "add_generation_prompt, **other kwargs)",
+                 "date": HARMONY_DATE, "date_note": "strftime_now() renders this day",
                  "versions": versions()},
         "renders": renders,
         "errors": errors,

@@ -112,16 +112,32 @@ def _stats_line(run: dict[str, Any]) -> str:
             f"{c.get('fence_waits', 0):.0f} fence waits, {c.get('drains', 0):.0f} drains")
 
 
-def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]:
+def _harmony_chat(args: argparse.Namespace, llm: Any) -> bool:
+    """Whether this is a chat with a harmony (gpt-oss) template: its channels are then read."""
+    from vkrt.server.harmony import template_speaks_harmony
+
+    return bool(args.chat) and template_speaks_harmony(llm.tokenizer.chat_template if llm.tokenizer else None)
+
+
+def _run_once(llm: Any, prompt: Any, params: Any, stream: bool, harmony: bool = False) -> dict[str, Any]:
+    """One generation; streamed to stdout, a harmony reply's analysis channel to stderr."""
+    from vkrt.server.harmony import HarmonyParser
+
     start = time.perf_counter()
     first = None
     final = None
     pieces: list[str] = []
     ids: list[int] = []
+    reader = HarmonyParser() if harmony else None
     for out in llm.generate_stream(prompt, params):  # deltas: each holds what its step added
         if first is None and out.token_ids:
             first = time.perf_counter() - start
-        if stream:
+        if stream and reader is not None:
+            read = reader.feed(out.text, final=out.finished)
+            sys.stderr.write(read.reasoning)
+            sys.stdout.write(read.content)
+            sys.stdout.flush()
+        elif stream:
             sys.stdout.write(out.text)
             sys.stdout.flush()
         pieces.append(out.text)
@@ -135,9 +151,9 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any
             "seconds": time.perf_counter() - start}
 
 
-def _measure(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any]:
+def _measure(llm: Any, prompt: Any, params: Any, stream: bool, harmony: bool = False) -> dict[str, Any]:
     """One generation with the engine's per-phase stats taken around it."""
-    run = _run_once(llm, prompt, params, stream)
+    run = _run_once(llm, prompt, params, stream, harmony)
     stats = llm.stats()
     run.update(load_seconds=stats["load_seconds"], prompt_tokens=len(run["prompt_ids"]),
                generated_tokens=len(run["ids"]),
@@ -154,11 +170,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise VkrtError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     llm = _load(args)
     prompt = _prompt_of(args, llm)
+    harmony = _harmony_chat(args, llm)
     runs = []
     for i in range(max(1, args.repeat)):
         seed = args.seed if args.seed is not None else random.randrange(1 << 31)
         llm.engine.reset_totals()
-        run = _measure(llm, prompt, _params(args, seed), stream=not args.json)
+        params = _params(args, seed)
+        if harmony:
+            from vkrt.server.harmony import sampling_params
+
+            params = sampling_params(params, llm.tokenizer)
+        run = _measure(llm, prompt, params, stream=not args.json, harmony=harmony)
         run["seed"] = seed
         runs.append(run)
         if args.stats and not args.json:
@@ -426,8 +448,8 @@ def register(sub: Any) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool-call syntax (default: picked from its chat template)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
-                   help="split <think>...</think> into reasoning_content: auto (when the chat template "
-                        "has the tags), think (always), none (never)")
+                   help="split reasoning into reasoning_content: auto (by the chat template: <think> tags "
+                        "or harmony), think (<think> tags always), harmony (gpt-oss's channels), none (never)")
     p.add_argument("--json-max-digits", type=int, default=ServerConfig.json_max_digits, metavar="N",
                    help="digits an integer may have in schema-constrained JSON and forced tool calls when the "
                         "schema sets no minimum/maximum (a number's fraction: at most 10); 0: unbounded")

@@ -7,7 +7,8 @@ that may start a stop string held back as the engine holds it. Output token i is
 'a' + (i % 26), one per step of `step_delay` seconds.
 
 With a `script` the output is the script's tokens instead (its bytes, "<eos>" the EOS token),
-then EOS; and an output constraint is applied for real, as the engine applies it: the
+then EOS (a token of `stop_token_ids` ends it too, its text left out, as the engine does); and
+an output constraint is applied for real, as the engine applies it: the
 grammar is compiled by llguidance over the byte vocabulary, a script token the grammar's mask
 refuses is skipped (the scripted "model" would have written it, the mask prevents it), once
 the script is spent the first token the mask allows is taken (EOS when it may end), and the
@@ -32,18 +33,21 @@ from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 
 EOS = 256
-SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>"}
+SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>",
+            # gpt-oss's harmony markers (vkrt/server/harmony.py)
+            259: "<|start|>", 260: "<|channel|>", 261: "<|message|>", 262: "<|end|>", 263: "<|return|>",
+            264: "<|call|>", 265: "<|constrain|>"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 class FakeTokenizer:
-    """Bytes are tokens 0..255; three special tokens above them; a ChatML template rendered
+    """Bytes are tokens 0..255; the special tokens above them; a ChatML template rendered
     by the real ChatTemplate (so its budget and errors are the server's)."""
 
     eos_token_ids = (EOS,)
-    vocab_size = 259
+    vocab_size = 256 + len(SPECIALS)
 
     def __init__(self, chat_template: str = CHATML) -> None:
         self.chat_template = chat_template
@@ -211,6 +215,8 @@ class FakeEngine:
                         raise AssertionError(f"the grammar refused token {token}, which its mask allowed")
                     if token == EOS:
                         reason = "stop"
+                    elif token in params.stop_token_ids:
+                        reason, stop_reason = "stop", token
                     else:
                         out_ids.append(token)
                     text = self.tokenizer.decode(out_ids, skip_special_tokens=params.skip_special_tokens)

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vkrt.errors import RequestError
+from vkrt.server import harmony
 from vkrt.server.choices import (
     CandidateSet,
     merged_updates,
@@ -23,6 +24,7 @@ from vkrt.server.choices import (
     run_all,
     start_candidates,
 )
+from vkrt.server.config import ServerConfig
 from vkrt.server.engine_client import EngineClient
 from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
@@ -45,11 +47,41 @@ from vkrt.server.tools import (
     ToolCallStream,
     check_tools,
     forcing_grammar,
+    new_call_id,
     parse_tool_calls,
     pick_parser,
     several_calls,
 )
 from vkrt.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class OutputReading:
+    """How one request's output is read: the tool-call parser (None: no tools offered), whether
+    several calls may be answered, the reasoning split (None: off; else whether the output starts
+    inside a thought), and whether it is harmony, whose channels give all three
+    (vkrt/server/harmony.py), with the header of a message its prompt left open."""
+
+    parser: str | None
+    parallel: bool
+    inside: bool | None
+    harmony: bool = False
+    harmony_opened: str | None = None
+
+    def split(self, text: str, tools: list[dict[str, Any]] | None) -> tuple[str | None, str, list[ToolCall] | None]:
+        """(reasoning, content, the calls or None when it answers none) of a whole output."""
+        calls: list[ToolCall] = []
+        if self.harmony:
+            reasoning, content, named = harmony.parse(text, self.harmony_opened)
+            if self.parser is not None:
+                calls = [ToolCall(name, arguments) for name, arguments in named]
+        else:
+            reasoning, content = split_reasoning(text, self.inside) if self.inside is not None else (None, text)
+            if self.parser is not None:
+                before, calls = parse_tool_calls(content, self.parser, tools)
+                content = before if calls else content
+        calls = calls if self.parallel else calls[:1]
+        return (reasoning if self.inside is not None else None), content, calls or None
 
 
 @dataclass
@@ -58,9 +90,16 @@ class StartedChat:
 
     engine: EngineClient
     candidates: CandidateSet
-    parser: str | None  # the tool-call parser, when tools were offered
-    parallel: bool  # several tool calls may be answered
-    inside: bool | None  # None: no reasoning split; else whether the output starts inside a thought
+    reading: OutputReading
+
+
+def _reads_harmony(config: ServerConfig, template: str | None) -> bool:
+    """Whether outputs are read as harmony: either parser flag says so, or the chat template
+    speaks it and neither flag names another format."""
+    if "harmony" in (config.reasoning_parser, config.tool_call_parser):
+        return True
+    return (config.tool_call_parser is None and config.reasoning_parser in ("auto", "none")
+            and harmony.template_speaks_harmony(template))
 
 
 async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Request, response_id: str,
@@ -75,16 +114,21 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     parser = None
     template = engine.tokenizer.chat_template if engine.tokenizer else None
+    speaks_harmony = _reads_harmony(state.config, template)
     # A named tool_choice is exactly one call, whatever parallel_tool_calls says.
     parallel = several_calls(forced, body.parallel_tool_calls)
     if tools:
-        parser = pick_parser(template, state.config.tool_call_parser)
+        parser = "harmony" if speaks_harmony else pick_parser(template, state.config.tool_call_parser)
         if forced:
             body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits())
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
-                                             body.continue_final_message, body.chat_template_kwargs, state.config,
-                                             tools)
+                                             body.continue_final_message, template_kwargs, state.config, tools)
     params = sampling_params(body, state.config.max_digits())
+    if speaks_harmony:
+        params = harmony.sampling_params(params, engine.tokenizer)
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
     except RequestError as exc:
@@ -92,25 +136,27 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     candidates = start_candidates(state, response_id, opened, arrival)
     log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
     mode = state.config.reasoning_parser
-    thinks = mode == "think" or (mode == "auto" and template_thinks(template))
-    inside = starts_inside(prompt) if thinks else None
-    return StartedChat(engine, candidates, parser, parallel, inside)
+    if speaks_harmony:
+        inside = None if mode == "none" else False  # the analysis channel is the thought
+        reading = OutputReading(parser, parallel, inside, True, harmony.open_header(prompt))
+    else:
+        thinks = mode == "think" or (mode == "auto" and template_thinks(template))
+        reading = OutputReading(parser, parallel, starts_inside(prompt) if thinks else None)
+    return StartedChat(engine, candidates, reading)
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     response_id = new_response_id("chatcmpl")
     started = await start_chat(state, body, raw, response_id, arrival)
-    engine, candidates, parser, parallel, inside = (started.engine, started.candidates, started.parser,
-                                                    started.parallel, started.inside)
+    engine, candidates, reading = started.engine, started.candidates, started.reading
     base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
-        return event_stream(_stream(state, candidates, body, base, parser, parallel, inside), candidates)
+        return event_stream(_stream(state, candidates, body, base, reading), candidates)
 
     [results] = await run_all(candidates.groups, raw)
-    choices = [chat_choice(engine.tokenizer, body, index, result, parser, parallel, inside)
-               for index, result in enumerate(results)]
+    choices = [chat_choice(engine.tokenizer, body, index, result, reading) for index, result in enumerate(results)]
     response: dict[str, Any] = {**base, "object": "chat.completion", "choices": choices,
                                 "usage": combined_usage([results]), "system_fingerprint": None}
     if results[0].prompt_logprobs is not None:
@@ -119,31 +165,19 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 def chat_choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
-                parser: str | None, parallel: bool, inside: bool | None) -> dict[str, Any]:
+                reading: OutputReading) -> dict[str, Any]:
     logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
-    reasoning, text = split_reasoning(result.text, inside) if inside is not None else (None, result.text)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    reasoning, content, calls = reading.split(result.text, body.tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     finish_reason = result.finish_reason
-    calls = tool_calls_of(text, parser, parallel, body.tools)
     if calls is not None:
-        message = {"role": "assistant", "content": calls[0] or None,
-                   "tool_calls": [call.to_json() for call in calls[1]]}
+        message = {"role": "assistant", "content": content or None,
+                   "tool_calls": [call.to_json() for call in calls]}
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    if inside is not None:
+    if reading.inside is not None:
         message["reasoning_content"] = reasoning
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": result.stop_reason}
-
-
-def tool_calls_of(text: str, parser: str | None, parallel: bool,
-                tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]] | None:
-    """(content, calls) when tools were offered and the output holds calls, else None."""
-    if parser is None:
-        return None
-    content, calls = parse_tool_calls(text, parser, tools)
-    if not calls:
-        return None
-    return content, calls if parallel else calls[:1]
 
 
 Delta = tuple[dict[str, Any], Any, str | None]  # (delta, logprobs, finish_reason) of one chunk
@@ -152,15 +186,28 @@ Delta = tuple[dict[str, Any], Any, str | None]  # (delta, logprobs, finish_reaso
 class ChoiceStream:
     """One choice's stream: its updates turned into deltas of reasoning, content and tool calls."""
 
-    def __init__(self, tokenizer: Tokenizer | None, parser: str | None, parallel: bool,
-                 inside: bool | None, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, reading: OutputReading,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.splitter = ReasoningSplitter(inside) if inside is not None else None
-        self.calls = ToolCallStream(parser, parallel, tools) if parser is not None else None
+        self.reading = reading
+        self.harmony = harmony.HarmonyParser(reading.harmony_opened) if reading.harmony else None
+        self.splitter = (ReasoningSplitter(reading.inside) if reading.inside is not None and not reading.harmony
+                         else None)
+        self.calls = (ToolCallStream(reading.parser, reading.parallel, tools)
+                      if reading.parser is not None and not reading.harmony else None)
+        self.harmony_call_ids: list[str] = []
+
+    @property
+    def called(self) -> bool:
+        """Whether the output streamed so far answered with tool calls."""
+        return bool(self.harmony_call_ids) or (self.calls is not None and self.calls.found_calls)
 
     def deltas(self, update: Update) -> Iterator[Delta]:
         logprobs = chat_logprobs(self.tokenizer, update.logprobs) if update.logprobs is not None else None
         final = update.finish_reason is not None
+        if self.harmony is not None:
+            yield from self._harmony_deltas(self.harmony, update, logprobs)
+            return
         piece = update.text
         if self.splitter is not None:
             reasoning, piece = self.splitter.feed(piece, final=final)
@@ -173,18 +220,41 @@ class ChoiceStream:
                 yield delta, logprobs, update.finish_reason
             return
         content, call_deltas = self.calls.feed(piece, final)
+        yield from self._ordered(content, call_deltas, logprobs, update.finish_reason)
+
+    def _harmony_deltas(self, parser: harmony.HarmonyParser, update: Update, logprobs: Any) -> Iterator[Delta]:
+        pieces = parser.feed(update.text, final=update.finish_reason is not None)
+        if pieces.reasoning and self.reading.inside is not None:
+            yield {"reasoning_content": pieces.reasoning}, logprobs, None
+            logprobs = None
+        call_deltas: list[dict[str, Any]] = []
+        for index, name, fragment in pieces.calls if self.reading.parser is not None else ():
+            if index > 0 and not self.reading.parallel:
+                continue
+            if name is not None:
+                self.harmony_call_ids.append(new_call_id())
+                call_deltas.append({"index": index, "id": self.harmony_call_ids[index], "type": "function",
+                                    "function": {"name": name, "arguments": ""}})
+            elif call_deltas and call_deltas[-1]["index"] == index:
+                call_deltas[-1]["function"]["arguments"] += fragment
+            else:
+                call_deltas.append({"index": index, "function": {"arguments": fragment}})
+        yield from self._ordered(pieces.content, call_deltas, logprobs, update.finish_reason)
+
+    def _ordered(self, content: str, call_deltas: list[dict[str, Any]], logprobs: Any,
+                 finish_reason: str | None) -> Iterator[Delta]:
+        """Content, then calls, then (at the end) the finish reason: "tool_calls" when it called."""
         if content or (logprobs is not None and not call_deltas):
             yield {"content": content}, logprobs, None
             logprobs = None
         if call_deltas:
             yield {"tool_calls": call_deltas}, logprobs, None
-        if final:
-            called = self.calls.found_calls and update.finish_reason == "stop"
-            yield {}, None, "tool_calls" if called else update.finish_reason
+        if finish_reason is not None:
+            yield {}, None, "tool_calls" if self.called and finish_reason == "stop" else finish_reason
 
 
 async def _stream(state: ServerState, candidates: CandidateSet, body: ChatCompletionRequest, base: dict[str, Any],
-                  parser: str | None, parallel: bool, inside: bool | None) -> AsyncIterator[bytes]:
+                  reading: OutputReading) -> AsyncIterator[bytes]:
     """Chunks of every choice as they come, each with its index."""
     options = body.stream_options
     include_usage = options is not None and options.include_usage
@@ -203,7 +273,7 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: ChatComple
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    streams = [ChoiceStream(tokenizer, parser, parallel, inside, body.tools) for _ in generations]
+    streams = [ChoiceStream(tokenizer, reading, body.tools) for _ in generations]
     # OpenAI sends each choice's role first, alone, before any content.
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)

@@ -218,7 +218,7 @@ async def create_message(state: ServerState, body: MessagesRequest, raw: Request
         return event_stream(message_events(state, run, chat, _message_id(response_id)), run.candidates,
                             error_event=sse_error, done=b"")
     [[result]] = await run_all(run.candidates.groups, raw)
-    choice = chat_choice(run.engine.tokenizer, chat, 0, result, run.parser, run.parallel, run.inside)
+    choice = chat_choice(run.engine.tokenizer, chat, 0, result, run.reading)
     blocks, called = _content(choice["message"])
     stop_reason, stop_sequence = stop_of(result, called)
     return JSONResponse({"id": _message_id(response_id), "type": "message", "role": "assistant", "content": blocks,

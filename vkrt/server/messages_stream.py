@@ -99,7 +99,7 @@ async def message_events(state: ServerState, run: StartedChat, chat: ChatComplet
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(result.prompt_token_ids), "output_tokens": 0}}})
     yield sse_event({"type": "ping"})
-    stream = ChoiceStream(run.engine.tokenizer, run.parser, run.parallel, run.inside, chat.tools)
+    stream = ChoiceStream(run.engine.tokenizer, run.reading, chat.tools)
     blocks = _Blocks()
     async for _, update in merged_updates(run.candidates.groups):
         for delta, _logprobs, _finish in stream.deltas(update):
@@ -114,8 +114,7 @@ async def message_events(state: ServerState, run: StartedChat, chat: ChatComplet
                     yield event
     for event in blocks.stop():
         yield event
-    called = stream.calls is not None and stream.calls.found_calls
-    stop_reason, stop_sequence = stop_of(generation.result, called)
+    stop_reason, stop_sequence = stop_of(generation.result, stream.called)
     yield sse_event({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                      "usage": {"output_tokens": len(generation.result.token_ids)}})
     yield sse_event({"type": "message_stop"})

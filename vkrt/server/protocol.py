@@ -8,7 +8,7 @@ request is mapped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -115,6 +115,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: passed to the chat template as `reasoning_effort` (gpt-oss's writes it into its
+    # system message; a chat_template_kwargs entry of that name wins).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     parallel_tool_calls: bool = True
     # Set by the route, never by the client: the grammar that forces tool_choice "required"
     # or a named function (a GuidedDecoding).

@@ -19,12 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from vkrt.server.chat import start_chat, tool_calls_of
+from vkrt.server.chat import start_chat
 from vkrt.server.choices import run_all
 from vkrt.server.errors import APIError
 from vkrt.server.generation import ServerState
 from vkrt.server.protocol import ChatCompletionRequest
-from vkrt.server.reasoning import split_reasoning
 from vkrt.server.responses import event_stream, now_s
 from vkrt.server.responses_items import (
     call_item,
@@ -84,12 +83,9 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw: Reque
         return event_stream(response_events(started, body, base, tokenizer), started.candidates)
     [results] = await run_all(started.candidates.groups, raw)
     result = results[0]
-    reasoning, text = (split_reasoning(result.text, started.inside) if started.inside is not None
-                       else (None, result.text))
-    found = tool_calls_of(text, started.parser, started.parallel, chat.tools)
-    content, calls = found if found is not None else (text, [])
+    reasoning, content, calls = started.reading.split(result.text, chat.tools)
     complete = result.finish_reason != "length"
-    items = output_items(reasoning, content, calls, complete)
+    items = output_items(reasoning, content, calls or [], complete)
     return JSONResponse(finished(base, items, complete, results, reasoning_tokens(tokenizer, reasoning)))
 
 
@@ -124,6 +120,8 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                         ("temperature", body.temperature), ("top_p", body.top_p), ("user", body.user)):
         if value is not None:
             fields[name] = value
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        fields["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                            for tool in body.tools]

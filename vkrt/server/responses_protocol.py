@@ -82,6 +82,13 @@ class TextConfig(_Body):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Body):
+    """How hard the model thinks: the chat request's reasoning_effort (the summary is not made)."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(_Body):
     model: str | None = None
     input: str | list[InputItem]
@@ -93,6 +100,7 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool = False
     # Stateless: store is accepted and ignored (nothing is kept); previous_response_id,
     # conversation and background need stored state and are refused by the route.

@@ -59,6 +59,7 @@ class _Events:
     def text(self, kind: str, piece: str) -> Iterator[bytes]:
         """A piece of reasoning ("reasoning") or content ("message"), opening its item first."""
         if self.open is None or self.open.kind != kind:
+            yield from self.close(True)  # first: the new item's index counts the closed one
             item = _Open(kind, len(self.items), item_id("rs" if kind == "reasoning" else "msg"))
             shell = (reasoning_item("", False, item.item) if kind == "reasoning"
                      else message_item("", False, item.item))
@@ -76,6 +77,7 @@ class _Events:
         """One tool_calls delta entry: a new call announced, or more of a call's arguments."""
         function = delta.get("function", {})
         if "id" in delta:
+            yield from self.close(True)
             item = _Open("call", len(self.items), item_id("fc"), delta["id"], function.get("name", ""))
             self.calls[delta["index"]] = item
             shell = call_item(item.call_id, item.name, "", False, item.item)
@@ -127,7 +129,7 @@ async def response_events(started: StartedChat, body: ResponsesRequest, base: di
     yield events.event("response.created", response=shell)
     yield events.event("response.in_progress", response=shell)
     tools = [{"type": "function", "function": tool.model_dump(exclude={"type"})} for tool in body.tools or []]
-    stream = ChoiceStream(tokenizer, started.parser, started.parallel, started.inside, tools or None)
+    stream = ChoiceStream(tokenizer, started.reading, tools or None)
     finish: str | None = None
     reasoning = ""
     async for _, update in merged_updates(started.candidates.groups):

@@ -5,8 +5,9 @@ Each parser knows one model family's call syntax: "hermes" (Hermes, Qwen 2.5/3:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), "llama3_json" (Llama 3.x:
 a bare `{"name": ..., "parameters": {...}}`), "mistral" (`[TOOL_CALLS][{"name": ...,
 "arguments": {...}}]`), and "qwen3_xml" (Qwen3.5, Qwen3-Coder: an XML block per argument,
-vkrt/server/tool_xml.py). The forcing grammar writes the same syntax, so a forced call always
-parses.
+vkrt/server/tool_xml.py). gpt-oss's "harmony" calls are messages on a channel, read with the rest
+of its output by vkrt/server/harmony.py. The forcing grammar writes the same syntax, so a
+forced call always parses.
 A call's `arguments` is the model's own JSON text of the arguments value (not re-encoded), so
 the argument fragments streamed as they are generated join to exactly the non-streamed text.
 """
@@ -21,12 +22,16 @@ from typing import Any
 
 from vkrt.engine.guided import JSON_WHITESPACE, GuidedDecoding
 from vkrt.engine.json_bounds import DEFAULT_MAX_DIGITS, bound_numbers, close_objects
-from vkrt.server import tool_xml
+from vkrt.server import harmony, tool_xml
 from vkrt.server.errors import APIError, shown
 
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
     def to_json(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        call: dict[str, Any] = {"id": new_call_id(), "type": "function",
                                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
 
@@ -118,8 +123,10 @@ def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, paral
     forced, several) of the forced function(s), in `parser`'s syntax, with arguments valid for
     their schema, strictly (`arguments_schema`). The grammar ends with the call: a single call
     completes it, so the engine stops there; after each of several calls the model may end its
-    turn (EOS) or call again."""
+    turn (EOS) or call again. A harmony call ends the turn (`<|call|>`), so it is always one."""
     parallel = several_calls(forced, parallel)
+    if parser == "harmony":
+        return GuidedDecoding("grammar", harmony.forcing_grammar(tools, forced, max_digits))
     if parser == "qwen3_xml":
         return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel, max_digits))
     key = "parameters" if parser == "llama3_json" else "arguments"
@@ -439,7 +446,7 @@ class ToolCallStream:
         """The delta that brings call `index` up to `arguments`, None if nothing is new."""
         if index == len(self.ids):
             assert name is not None
-            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            self.ids.append(new_call_id())
             self.arguments_sent.append(arguments)
             return {"index": index, "id": self.ids[index], "type": "function",
                     "function": {"name": name, "arguments": arguments}}
