@@ -166,7 +166,7 @@ class EngineCore:
                 from vkrt.loader.pull import ensure_default_model
 
                 path = ensure_default_model()
-            loaded = load_model(path)
+            loaded = load_model(path, check_tensors=config.check_tensors)
             model = build_model(loaded, get_backend(config.device))
             if tokenizer is None:
                 try:
