@@ -75,7 +75,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 # Engine steps one test may run. A request that never finishes (a preempted one never queued
 # again, a scheduler that stops making progress) keeps LLM.generate and every `while
 # has_unfinished()` loop stepping forever; this fails the test instead, naming what happened.
-# The longest tests run a few thousand steps.
+# Steps with nothing to run are fast: a lost request reaches the bound in under a second.
 MAX_ENGINE_STEPS = 50_000
 
 
