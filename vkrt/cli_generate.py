@@ -135,6 +135,8 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool) -> dict[str, Any
     if stream:
         sys.stdout.write("\n")
     assert final is not None
+    if final.finish_reason == "error":
+        raise VkrtError(final.outputs[0].error or "the generation failed")
     return {"text": "".join(pieces), "ids": ids, "prompt_ids": final.prompt_token_ids,
             "finish_reason": final.finish_reason, "first_token_s": first,
             "seconds": time.perf_counter() - start}

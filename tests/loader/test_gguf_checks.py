@@ -3,6 +3,7 @@ a BPE vocabulary without merges, NaN weights (--check-tensors)."""
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -143,4 +144,15 @@ def test_the_check_tensors_flag_refuses_a_nan_weight_in_one_line(tmp_path: Path,
     assert proc.returncode == 1, proc.stderr
     assert errors == [f"vkrt: error: {path}: tensor output_norm.weight has 1 NaN or Inf values; the file is "
                       "corrupt, download or convert it again"], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_without_the_flag_the_nan_logits_end_generate_in_one_line(tmp_path: Path) -> None:
+    path = _with_nan(write_gguf(tmp_path / "m.gguf"), "output_norm.weight")
+    env = {k: v for k, v in os.environ.items() if k != "VKRT_CHECK_TENSORS"}
+    proc = subprocess.run([sys.executable, "-m", "vkrt.cli", "generate", "hi", "-n", "4", "--model", str(path),
+                           "--device", "reference"], capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("vkrt: error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert "logits after" in errors[0] and "hold NaN or Inf" in errors[0] and "--check-tensors" in errors[0]
     assert "Traceback" not in proc.stderr
