@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from vkrt.server.chat import start_chat, tool_calls_of
 from vkrt.server.choices import run_all
 from vkrt.server.errors import APIError
-from vkrt.server.generation import ServerState
+from vkrt.server.generation import ServerState, raise_if_failed
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.reasoning import split_reasoning
 from vkrt.server.responses import event_stream, now_s
@@ -84,6 +84,7 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw: Reque
         return event_stream(response_events(started, body, base, tokenizer), started.candidates)
     [results] = await run_all(started.candidates.groups, raw)
     result = results[0]
+    raise_if_failed(result)
     reasoning, text = (split_reasoning(result.text, started.inside) if started.inside is not None
                        else (None, result.text))
     found = tool_calls_of(text, started.parser, started.parallel, chat.tools)
