@@ -12,7 +12,8 @@
 //    order (larger first, NaN first, lower index on ties);
 // 3. k rounds of workgroup_argmax over the lists' heads yield the k candidates in order;
 //    the winner's lane (its index mod W) pops its head;
-// 4. lane 0 weighs the candidates and draws, in the reference's order of float32 operations.
+// 4. lane 0 weighs the candidates and draws, in the reference's order of float32 operations;
+//    a row whose best candidate is not finite gets -1.
 // Selection is exact, so the ids depend on nothing but the row: not on the batch (ARCHITECTURE.md
 // invariant 9), nor on W. Arithmetic feeding a weight or sum is `precise` (no fma).
 #include "access.glsl"
@@ -161,6 +162,11 @@ void main() {
         }
     }
     if (lane != 0u) return;  // no barrier follows
+    // No distribution to draw from: the best allowed logit is NaN or +-inf (NONFINITE).
+    if (isnan(top) || isinf(top)) {
+        ids[row] = -1;
+        return;
+    }
 
     // 4. Top-p: kept candidates up to the first whose running sum reaches top_p * total;
     // then the first whose running sum exceeds u * (that sum).

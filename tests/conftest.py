@@ -72,6 +72,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
             report.longrepr = f"CI=true and a prerequisite is missing: {reason}"
 
 
+# Engine steps one test may run. A request that never finishes (a preempted one never queued
+# again, a scheduler that stops making progress) keeps LLM.generate and every `while
+# has_unfinished()` loop stepping forever; this fails the test instead, naming what happened.
+# Steps with nothing to run are fast: a lost request reaches the bound in under a second.
+MAX_ENGINE_STEPS = 50_000
+
+
+@pytest.fixture(autouse=True)
+def _engine_step_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vkrt.engine.engine import EngineCore
+
+    step = EngineCore.step
+    steps = 0
+
+    def bounded(self: EngineCore) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps > MAX_ENGINE_STEPS:
+            unfinished = sorted(self.scheduler.requests)[:5]
+            raise AssertionError(f"{MAX_ENGINE_STEPS} engine steps in one test and requests {unfinished} still "
+                                 "unfinished: a request that can never finish (tests/conftest.py)")
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "step", bounded)
+
+
 def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
     """Normalised mean squared error: ||a - e||^2 / ||e||^2 (0 when both are zero)."""
     a = np.asarray(actual, dtype=np.float64)

@@ -13,7 +13,7 @@ import numpy as np
 from vkrt.backend.base import Backend
 from vkrt.core import kv_format
 
-BLOCK = 16  # tokens per cache block in decode_case
+BLOCK = 16  # tokens per cache block in decode_case, by default
 
 
 def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
@@ -37,10 +37,11 @@ def prefill_case(rng: np.random.Generator, seqs: list[tuple[int, int]], num_head
 
 
 def decode_case(rng: np.random.Generator, lengths: list[int], num_heads: int, num_kv_heads: int,
-                head_dim: int, kv_dtype: str, width: int | None = None) -> dict[str, np.ndarray]:
+                head_dim: int, kv_dtype: str, width: int | None = None,
+                block_size: int = BLOCK) -> dict[str, np.ndarray]:
     """One decode token per sequence at its last position; each sequence's blocks shuffled over
     the cache; table rows `width` blocks wide (default: the longest sequence's), padded with 0."""
-    counts = [-(-n // BLOCK) for n in lengths]
+    counts = [-(-n // block_size) for n in lengths]
     width = width or max(counts)
     num_blocks = sum(counts) + 3
     order = rng.permutation(num_blocks).astype(np.int32)
@@ -52,8 +53,8 @@ def decode_case(rng: np.random.Generator, lengths: list[int], num_heads: int, nu
     kv_dim = num_kv_heads * head_dim
     return {
         "q": rng.standard_normal((len(lengths), num_heads * head_dim)).astype(np.float32),
-        "k_cache": kv_format.encode(rng.standard_normal((num_blocks, BLOCK, kv_dim)), kv_dtype),
-        "v_cache": kv_format.encode(rng.standard_normal((num_blocks, BLOCK, kv_dim)), kv_dtype),
+        "k_cache": kv_format.encode(rng.standard_normal((num_blocks, block_size, kv_dim)), kv_dtype),
+        "v_cache": kv_format.encode(rng.standard_normal((num_blocks, block_size, kv_dim)), kv_dtype),
         "block_table": table,
         "seq_index": np.arange(len(lengths), dtype=np.int32),
         "positions": np.array(lengths, np.int32) - 1,

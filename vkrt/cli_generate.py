@@ -52,6 +52,10 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(+ prompt_lookup_max / prompt_lookup_min, default 4 / 2); greedy output is unchanged")
+    # default None, not False: without the flag VKRT_CHECK_TENSORS decides
+    p.add_argument("--check-tensors", action="store_true", default=None,
+                   help="scan every weight for NaN / Inf while loading and refuse the file naming the tensor "
+                        "(like llama.cpp's --check-tensors; reads every float weight and block scale once)")
 
 
 def _speculative_config(text: str) -> Any:
@@ -90,7 +94,8 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
                max_model_len=args.max_model_len, default_max_model_len=DEFAULT_MAX_MODEL_LEN,
                kv_cache_memory=args.kv_cache_memory, kv_dtype=args.kv_cache_dtype,
                state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
-               enable_replay=not args.no_replay, speculative=args.speculative_config, **overrides)
+               enable_replay=not args.no_replay, speculative=args.speculative_config,
+               check_tensors=args.check_tensors, **overrides)
 
 
 def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
@@ -146,6 +151,8 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool, harmony: bool = 
     if stream:
         sys.stdout.write("\n")
     assert final is not None
+    if final.finish_reason == "error":
+        raise VkrtError(final.outputs[0].error or "the generation failed")
     return {"text": "".join(pieces), "ids": ids, "prompt_ids": final.prompt_token_ids,
             "finish_reason": final.finish_reason, "first_token_s": first,
             "seconds": time.perf_counter() - start}
@@ -368,6 +375,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        enable_log_requests=args.enable_log_requests,
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics, disable_ui=args.disable_ui,
                        enable_replay=not args.no_replay, speculative_config=args.speculative_config,
+                       check_tensors=args.check_tensors,
                        max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,

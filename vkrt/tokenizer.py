@@ -206,7 +206,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_reader: str | Path | GGUFFile) -> Tokenizer:
         """Rebuild the tokenizer stored in GGUF metadata (byte-level BPE or SentencePiece-llama)."""
-        from vkrt.loader import validate
+        from vkrt.loader import gguf_checks, validate
         from vkrt.loader.gguf_loader import field_value, open_gguf
 
         reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, Path)) else path_or_reader
@@ -238,7 +238,9 @@ class Tokenizer:
                     f"{source}: pre-tokenizer {pre_name!r} is not supported "
                     f"(supported: {', '.join(PRE_TOKENIZERS)}); use the model's HF directory instead"
                 )
-            tok = _vocabulary(source, lambda: _byte_level_bpe(tokens, get("tokenizer.ggml.merges") or [], pre))
+            merges = get("tokenizer.ggml.merges")
+            gguf_checks.bpe_merges(source, merges)
+            tok = _vocabulary(source, lambda: _byte_level_bpe(tokens, merges, pre))
             add_bos_default, byte_level = pre.add_bos, True
         elif kind == "llama":
             add_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))

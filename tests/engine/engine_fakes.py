@@ -90,3 +90,18 @@ def byte_tokenizer() -> Tokenizer:
     tok.add_tokens([AddedToken(text, special=False, normalized=False) for text in MULTI_CHAR.values()])
     assert tok.token_to_id("<eos>") == EOS and tok.get_vocab_size() == VOCAB
     return Tokenizer(tok, bos_token_id=None, eos_token_ids=[EOS], chat_template=CHAT_TEMPLATE, byte_level=True)
+
+
+class PoisonedLM(FakeLM):
+    """FakeLM whose logits after the token `poison` hold `value` (NaN or inf) in one column:
+    what a corrupt weight or an overflow does to one request, not to the others."""
+
+    def __init__(self, poison: int, value: float = float("nan")) -> None:
+        super().__init__()
+        self.poison, self.value = poison, value
+
+    def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
+        logits = self.backend.read(super().forward(step, kv)).copy()
+        ids, rows = self.backend.read(step.token_ids), self.backend.read(step.logits_index)
+        logits[ids[rows] == self.poison, 7] = self.value
+        return self.backend.upload(logits, "f32")

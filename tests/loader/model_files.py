@@ -85,6 +85,14 @@ _ARRAY_TYPES = {"tokenizer.ggml.tokens": V.STRING, "tokenizer.ggml.merges": V.ST
                 "tokenizer.ggml.token_type": V.INT32}
 
 
+def _array_type(key: str, value: list[Any]) -> V:
+    """The element type an array is written with: FLOAT32 for floats (a mistyped array),
+    else the key's usual type."""
+    if value and isinstance(value[0], float):
+        return V.FLOAT32
+    return _ARRAY_TYPES.get(key, V.STRING if value and isinstance(value[0], str) else V.INT32)
+
+
 def write_gguf(
     path: Path,
     *,
@@ -93,16 +101,17 @@ def write_gguf(
     drop_tensors: tuple[str, ...] = (),
     cfg: TinyLlama = SMALL,
     seed: int = 0,
+    qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
-    """The small GGUF, with `metadata` entries replacing (or, when None, removing) defaults."""
+    """The small GGUF, with `metadata` entries replacing (or, when None, removing) defaults and
+    `qtypes` (by projection name, e.g. "gate_proj") replacing GGUF_TYPES entries."""
     kv: dict[str, tuple[Any, V] | None] = {**default_metadata(cfg=cfg), **(metadata or {})}
     w = gguf.GGUFWriter(str(path), "llama")
     for key, entry in kv.items():
         if entry is None or key in ("general.architecture", "general.alignment"):
             continue
         value, vtype = entry
-        sub = _ARRAY_TYPES.get(key, V.STRING if value and isinstance(value[0], str) else V.INT32) \
-            if vtype == V.ARRAY else None
+        sub = _array_type(key, value) if vtype == V.ARRAY else None
         w.add_key_value(key, value, vtype, sub_type=sub)
     if kv.get("general.alignment") is not None:
         w.add_custom_alignment(kv["general.alignment"][0])  # type: ignore[index]
@@ -111,7 +120,7 @@ def write_gguf(
             continue
         if name.endswith(("q_proj", "k_proj")):
             data = converter_permute(data, cfg.heads if name.endswith("q_proj") else cfg.kv_heads)
-        qtype = GGUF_TYPES.get(name.rsplit(".", 1)[-1], Q.F32)
+        qtype = {**GGUF_TYPES, **(qtypes or {})}.get(name.rsplit(".", 1)[-1], Q.F32)
         if qtype == Q.F32:
             w.add_tensor(gguf_name(name), data)
         else:

@@ -156,11 +156,12 @@ def gguf_cases(tmp: Path, rng: random.Random) -> list[Case]:
         ("n_dims", "<I", lambda f: 2**32 - 1, True),
         ("dims", "<Q", lambda f: 0, True), ("dims", "<Q", lambda f: f["dim0"] * 2, True),
         ("dims", "<Q", lambda f: 2**63, True), ("dims", "<Q", lambda f: 32, True),
-        ("type", "<I", lambda f: 999, True), ("type", "<I", lambda f: int(gguf.GGMLQuantizationType.F16), False),
-        ("type", "<I", lambda f: int(gguf.GGMLQuantizationType.Q4_K), False),
+        # a retyped tensor changes size: a gap, an overlap or a tail (F16 is no base tensor's type)
+        ("type", "<I", lambda f: 999, True), ("type", "<I", lambda f: int(gguf.GGMLQuantizationType.F16), True),
+        ("type", "<I", lambda f: int(gguf.GGMLQuantizationType.Q4_K), True),
         ("type", "<I", lambda f: int(gguf.GGMLQuantizationType.IQ2_XXS), True),
         ("offset", "<Q", lambda f: f["data_offset"] + 1, True), ("offset", "<Q", lambda f: 1 << 40, True),
-        ("offset", "<Q", lambda f: f["data_offset"] + 32, False), ("offset", "<Q", lambda f: 0, False),
+        ("offset", "<Q", lambda f: f["data_offset"] + 32, True), ("offset", "<Q", lambda f: 0, False),
     ]
     for field in rng.sample(fields, 8):
         for what, fmt, value, must in rng.sample(mutations, 7):
@@ -191,7 +192,7 @@ def gguf_cases(tmp: Path, rng: random.Random) -> list[Case]:
         key = f"llama.{suffix}"
         kv_mutations += [(key, float(v), V.FLOAT32, True) for v in ("nan", "inf", "-inf", "0", "-1")]
         kv_mutations += [(key, 1e30, V.FLOAT32, suffix.endswith("epsilon")), (key, "x", V.STRING, True),
-                         (key, 1, V.UINT32, suffix.endswith("epsilon"))]
+                         (key, 1, V.UINT32, True)]
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
         kv_mutations += [(key, SMALL.vocab, V.UINT32, True), (key, 2**32 - 1, V.UINT32, True),
                          (key, -1, V.INT32, True), (key, 0, V.UINT32, False), (key, "1", V.STRING, True)]
@@ -205,8 +206,10 @@ def gguf_cases(tmp: Path, rng: random.Random) -> list[Case]:
         ("tokenizer.ggml.tokens", 5, V.UINT32, True),
         ("tokenizer.ggml.merges", ["x y"], V.ARRAY, False), ("tokenizer.ggml.merges", ["h"], V.ARRAY, False),
         ("tokenizer.ggml.merges", ["h e f"], V.ARRAY, False), ("tokenizer.ggml.merges", 5, V.UINT32, True),
+        ("tokenizer.ggml.merges", None, V.ARRAY, True),
         ("tokenizer.ggml.token_type", [3] * len(tokens), V.ARRAY, False),
         ("tokenizer.ggml.token_type", [1] * 10, V.ARRAY, True),
+        ("tokenizer.ggml.token_type", [1.0] * len(tokens), V.ARRAY, True),  # written as FLOAT32
         ("tokenizer.chat_template", "{% for %}", V.STRING, True), ("tokenizer.chat_template", "{{ x", V.STRING, True),
         ("tokenizer.chat_template", 7, V.UINT32, True), ("tokenizer.chat_template", ["a"], V.ARRAY, True),
         ("tokenizer.ggml.pre", ["a"], V.ARRAY, True),

@@ -106,12 +106,18 @@ GEOMETRIES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3, 4
 ]
 
 
+# Blocks smaller than a subgroup (llvmpipe has 8 lanes or more, NVIDIA 32): a lane's
+# positions then cross block edges inside one pass over the context.
+BLOCK_SIZES = [4, 8, 16]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
 def test_paged_attention_decode(vk: Backend, rng: np.random.Generator, kv_dtype: str,
-                                geometry: tuple[int, int, int], paged_variant: str) -> None:
+                                geometry: tuple[int, int, int], block_size: int, paged_variant: str) -> None:
     num_heads, num_kv_heads, head_dim = geometry
-    case = _paged_case(rng, [1, 5, 17, 40], num_heads, num_kv_heads, head_dim, kv_dtype)
+    case = _paged_case(rng, [1, 5, 17, 40], num_heads, num_kv_heads, head_dim, kv_dtype, block_size)
     scale = head_dim ** -0.5
     before = vk.counters.snapshot()
     got = _run_paged(vk, case, kv_dtype, num_heads, num_kv_heads, scale)

@@ -91,14 +91,15 @@ def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kerne
 BIT_SEQS = [(0, 1), (0, 17), (5, 40), (16, 16), (30, 3), (0, 70), (100, 33), (15, 1), (16, 1), (47, 1), (200, 1)]
 
 
+@pytest.mark.parametrize("block_size", [4, 8, 16], ids=lambda b: f"block{b}")  # 4, 8: fewer tokens than lanes
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
 def test_gqa_rows_equal_paged_rows(vk: Backend, rng: np.random.Generator, kernels: Any,
                                      monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
-                                     geometry: tuple[int, int, int]) -> None:
+                                     geometry: tuple[int, int, int], block_size: int) -> None:
     """The same rows through the paged kernel and the GQA kernel: byte-equal outputs."""
     num_heads, num_kv_heads, head_dim = geometry
-    case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype)
+    case = prefill_case(rng, BIT_SEQS, num_heads, num_kv_heads, head_dim, kv_dtype, block_size)
     args = (num_heads, num_kv_heads, head_dim ** -0.5)
     paged = run_kernel(vk, kernels, monkeypatch, "paged_attention", case, kv_dtype, *args)
     gqa = run_kernel(vk, kernels, monkeypatch, "paged_attention_gqa", case, kv_dtype, *args)

@@ -99,6 +99,25 @@ def test_split_matches_reference(vk: Backend, rng: np.random.Generator, paged_va
         assert nmse(got[s], expected[s]) <= ATTENTION_NMSE, f"length {n}"
 
 
+@pytest.mark.parametrize("block_size", [4, 8], ids=lambda b: f"block{b}")
+@pytest.mark.parametrize("geometry", [(9, 3, 64), (8, 1, 256)], ids=lambda g: "h{}kv{}d{}".format(*g))
+def test_split_with_blocks_smaller_than_a_subgroup(vk: Backend, rng: np.random.Generator,
+                                                   paged_variant: str,  # noqa: F811
+                                                   monkeypatch: pytest.MonkeyPatch, geometry: tuple[int, int, int],
+                                                   block_size: int) -> None:
+    """Blocks of 4 and 8 tokens (fewer than llvmpipe's or NVIDIA's lanes), chunks of many blocks."""
+    num_heads, num_kv_heads, head_dim = geometry
+    lengths = [1, 3, 4, 5, 8, 9, 255, 257, 1000, 2049]
+    case = decode_case(rng, lengths, num_heads, num_kv_heads, head_dim, "f16", block_size=block_size)
+    case["q"] *= 3.0
+    modules = Modules(vk, monkeypatch)
+    got = run(vk, case, "f16", num_heads, num_kv_heads, head_dim ** -0.5)
+    assert modules.seen == [kernel_for(paged_variant, *geometry), "paged_attention_merge"]
+    expected = want(case, num_heads, num_kv_heads, head_dim ** -0.5)
+    for s, n in enumerate(lengths):
+        assert nmse(got[s], expected[s]) <= ATTENTION_NMSE, f"length {n}"
+
+
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
 def test_walked_chunks_equal_split_chunks(vk: Backend, rng: np.random.Generator, paged_variant: str,  # noqa: F811

@@ -13,7 +13,15 @@ import pytest
 import vkrt.ops as ops
 from vkrt.backend.vulkan.kernels import sample as sample_kernel
 from vkrt.errors import VkrtError
-from vkrt.ops.sampling import LOG2E, MAX_TOP_K, U_MAX, exp2_weights, sample_params, top_k_order
+from vkrt.ops.sampling import (
+    LOG2E,
+    MAX_TOP_K,
+    NONFINITE,
+    U_MAX,
+    exp2_weights,
+    sample_params,
+    top_k_order,
+)
 
 reference = ops.OPS["sample_top_k"].reference
 
@@ -71,20 +79,40 @@ def test_uniforms_on_cumulative_boundaries(vk, rng) -> None:
 
 def test_top_k_1_is_argmax(vk, rng) -> None:
     x = np.round(rng.standard_normal((9, 49152)) * 2).astype(np.float32)
-    x[1, [7, 9000]] = np.nan  # argmax takes the first NaN
-    x[2, :] = -np.inf
     x[3, :] = 1.0
     params = np.stack([sample_params(1.0, top_k=1)] * 9)
     got = run(vk, x, params, rng.random(9).astype(np.float32))
     np.testing.assert_array_equal(got, x.argmax(axis=-1))
 
 
+@pytest.mark.parametrize("top_k", [1, 40])
+def test_a_row_without_a_finite_best_logit_gives_nonfinite(vk, rng, top_k: int) -> None:
+    """NaN or +inf anywhere in a row, or every logit -inf: no distribution, the id is -1
+    (the engine ends the request with an error instead of emitting a token)."""
+    x = rng.standard_normal((6, 3001)).astype(np.float32)
+    x[1, [7, 3000]] = np.nan
+    x[2, 1500] = np.inf
+    x[3, :] = -np.inf
+    x[4, ::2] = -np.inf  # finite logits remain: a token is drawn
+    x[5, 9] = -np.inf
+    params = np.stack([sample_params(1.0, top_k=top_k)] * 6)
+    u = rng.random(6).astype(np.float32)
+    want = reference(x, params, u)
+    assert want[1:4].tolist() == [NONFINITE] * 3 and (want[[0, 4, 5]] >= 0).all()
+    np.testing.assert_array_equal(run(vk, x, params, u), want)
+    allowed = np.ones(x.shape, bool)
+    allowed[1, [7, 3000]] = allowed[2, 1500] = False  # a disallowed NaN or inf is never read
+    masked = reference(x, params, u, pack_mask(allowed))
+    assert masked[1] >= 0 and masked[2] >= 0
+    np.testing.assert_array_equal(run_masked(vk, x, params, u, pack_mask(allowed)), masked)
+
+
 def test_special_values(vk, rng) -> None:
     x = rng.standard_normal((8, 500)).astype(np.float32)
     x[0, ::3] = -np.inf               # -inf weighs 0 and is never drawn
-    x[1, :] = -np.inf                 # all -inf: candidate 0
-    x[2, [10, 20, 400]] = np.nan      # NaNs lead, weigh 0 after the first
-    x[3, [5, 6]] = np.inf             # inf - inf is NaN: weight 0
+    x[1, :] = -np.inf                 # all -inf: NONFINITE
+    x[2, [10, 20, 400]] = np.nan      # NaN leads: NONFINITE
+    x[3, [5, 6]] = np.inf             # inf leads: NONFINITE
     x[4, :490] = -np.inf              # fewer finite columns than k
     x[5] = 1e30 * np.sign(x[5])       # differences overflow to -inf
     x[6] = 1e-30 * x[6]               # tiny but normal logits

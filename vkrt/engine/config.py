@@ -48,6 +48,7 @@ class EngineConfig:
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0
     speculative: SpeculativeConfig | None = None  # speculative decoding (vkrt/engine/speculative.py)
+    check_tensors: bool | None = None  # scan weights for NaN / Inf at load; None: VKRT_CHECK_TENSORS
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

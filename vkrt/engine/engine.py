@@ -24,6 +24,7 @@ from vkrt.engine.scheduler import Scheduler
 from vkrt.engine.speculative import SpecStats, backoff_after, ngram_proposal
 from vkrt.errors import NoTokenizerError, VkrtError
 from vkrt.models.base import CausalLM
+from vkrt.ops.sampling import NONFINITE
 from vkrt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineTotals:
     decode_counters: dict[str, int] = field(default_factory=dict)  # pure-decode steps, summed
     decode_counters_max: dict[str, int] = field(default_factory=dict)  # worst pure-decode step
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's proposals and acceptances
+    nonfinite_logits: int = 0  # requests ended because their logits held NaN or Inf
 
     def decode_counters_per_step(self) -> dict[str, float]:
         return {k: v / self.decode_steps for k, v in self.decode_counters.items()} if self.decode_steps else {}
@@ -166,7 +168,7 @@ class EngineCore:
                 from vkrt.loader.pull import ensure_default_model
 
                 path = ensure_default_model()
-            loaded = load_model(path)
+            loaded = load_model(path, check_tensors=config.check_tensors)
             model = build_model(loaded, get_backend(config.device))
             if tokenizer is None:
                 try:
@@ -299,6 +301,9 @@ class EngineCore:
                 mask = None if masks is None or masks.masks is None else masks.masks[mask_row + i:mask_row + i + 1]
                 sampled = self.sampler.sample(result.logits[row:row + 1], [request], mask)
                 token_id, logprobs = sampled.token_ids[0], sampled.logprobs[0]
+            if token_id == NONFINITE:
+                status = self._nonfinite(request)
+                break
             if i == 0:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
@@ -348,6 +353,15 @@ class EngineCore:
             if k > 0:
                 request.spec_token_ids = ngram_proposal(request.all_token_ids, k, spec.prompt_lookup_max,
                                                         spec.prompt_lookup_min)
+
+    def _nonfinite(self, request: Request) -> RequestStatus:
+        """End a request whose logits hold NaN or Inf (a corrupt weight, an overflow): any token
+        drawn from them would be garbage."""
+        self.totals.nonfinite_logits += 1
+        request.error = (f"the model's logits after {request.num_tokens} tokens hold NaN or Inf (a corrupt weight "
+                         "or an overflow in the model); `--check-tensors` scans the weights for NaN / Inf")
+        log.error("request %s: %s; ending it", request.request_id, request.error)
+        return RequestStatus.FINISHED_ERROR
 
     def _advance_guide(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """Feed the sampled token to the request's grammar: a complete grammar stops the request;

@@ -174,6 +174,7 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            error=request.error,
         )
         return RequestOutput(
             request_id=request.request_id,

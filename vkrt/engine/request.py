@@ -36,6 +36,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # the model gave no usable distribution (`Request.error` says why)
 
     @property
     def finished(self) -> bool:
@@ -46,11 +47,13 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_ERROR}
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -123,6 +126,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # why it finished with "error"
         # Advanced exactly once per sampled token of this request, so a seeded request samples
         # the same tokens whatever else shares its batch.
         self.generator = np.random.Generator(np.random.PCG64(
@@ -170,8 +174,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 @dataclass

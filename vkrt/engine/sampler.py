@@ -26,7 +26,7 @@ import numpy as np
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.request import Logprob, Request, TokenLogprobs
-from vkrt.ops.sampling import MAX_TOP_K, allowed_tokens, sample_params, sample_row
+from vkrt.ops.sampling import MAX_TOP_K, NONFINITE, allowed_tokens, sample_params, sample_row
 
 
 @dataclass
@@ -167,7 +167,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, requests: Sequence[Request],
                masks: np.ndarray | None = None) -> SamplerOutput:
-        """One token per row; masks[i] (u32 words) restricts row i (None: no row is constrained)."""
+        """One token per row; masks[i] (u32 words) restricts row i (None: no row is constrained).
+        A row whose best allowed logit is not finite gets NONFINITE, as on the device."""
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for i, (raw, request) in enumerate(zip(logits, requests, strict=True)):
@@ -175,6 +176,10 @@ class Sampler:
             row = raw
             if masks is not None and request.guide is not None:
                 row = np.where(allowed_tokens(masks[i], raw.shape[0]), raw, np.float32(-np.inf))
+            if not np.isfinite(row.max()):  # NaN or +inf in it, or nothing allowed above -inf
+                token_ids.append(NONFINITE)
+                logprobs.append(None)
+                continue
             x = apply_penalties_and_bias(row, params, request.prompt_token_ids,
                                          request.output_token_ids, request.eos_token_ids)
             if params.greedy:

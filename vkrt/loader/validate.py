@@ -134,7 +134,8 @@ def gguf_tensor_layout(source: str, infos: list[TensorInfo], data_start: int, fi
                                    f"not a multiple of the alignment {alignment}; the file is corrupt")
         if info.offset + nbytes > data_size:
             raise ModelFormatError(f"{source}: tensor {_show(info.name)} extends past the end of the file; "
-                                   "the file is truncated or corrupt, download or convert it again")
+                                   f"the file is truncated or corrupt (or general.alignment, {alignment}, is "
+                                   "wrong), download or convert it again")
         ranges.append((info.offset, info.offset + nbytes, info.name))
         sizes.append(nbytes)
     ranges.sort()
@@ -159,20 +160,22 @@ def gguf_tensors_packed(source: str, ranges: list[tuple[int, int, str]], data_si
     vocabulary-only GGUF) has no data region to check."""
     if not ranges:
         return
-    expected = 0
-    for begin, end, name in ranges:
-        if begin != expected:
-            where = "the start of the data" if expected == 0 else f"the tensor before it ends at {expected}"
-            raise ModelFormatError(
-                f"{source}: tensor {_show(name)} starts at data offset {begin}, but {where} (alignment "
-                f"{alignment}); a tensor's type or shape, or general.alignment, is wrong: the file is corrupt")
-        expected = _align(end, alignment)
-    last = ranges[-1][1]
-    if not last <= data_size <= _align(last, alignment):
-        tail = data_size - last
+    # A gap follows the tensor whose type or shape shrank, so the message names that one.
+    if ranges[0][0] != 0:
         raise ModelFormatError(
-            f"{source}: {tail} bytes follow the last tensor (alignment {alignment}); a tensor's type or "
-            "shape, or general.alignment, is wrong, or data was appended: the file is corrupt")
+            f"{source}: the first tensor, {_show(ranges[0][2])}, starts at data offset {ranges[0][0]}, not 0; "
+            "a tensor's offset or general.alignment is wrong: the file is corrupt")
+    for (_, end, name), (begin, _, following) in zip(ranges, ranges[1:], strict=False):
+        if begin != _align(end, alignment):
+            raise ModelFormatError(
+                f"{source}: tensor {_show(name)} ends at data offset {end}, but the next, {_show(following)}, "
+                f"starts at {begin} (alignment {alignment}); a tensor's type or shape, or general.alignment, "
+                "is wrong: the file is corrupt")
+    last, name = ranges[-1][1], ranges[-1][2]
+    if not last <= data_size <= _align(last, alignment):
+        raise ModelFormatError(
+            f"{source}: {data_size - last} bytes follow the last tensor, {_show(name)} (alignment {alignment}); "
+            "a tensor's type or shape, or general.alignment, is wrong, or data was appended: the file is corrupt")
 
 
 # ---- GGUF metadata ---------------------------------------------------------------------

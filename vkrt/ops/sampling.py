@@ -71,12 +71,19 @@ def exp2_weights(t: np.ndarray) -> np.ndarray:
     return np.where(ok, q * scale, np.float32(0.0))
 
 
+# The id of a row with no distribution to draw from: its best allowed logit is NaN or +-inf
+# (NaN sorts first and +inf next, so that is any NaN or +inf it allows, or all -inf).
+NONFINITE = -1
+
+
 def sample_row(x: np.ndarray, params: np.ndarray, u: np.float32) -> int:
     """The token of one row; see `sample_top_k`."""
     inv_temperature, top_p, min_p, top_k = (np.float32(p) for p in params)
     k = min(max(int(top_k), 1), MAX_TOP_K, x.shape[0])
     candidates = top_k_order(x, k)
     values = x[candidates].astype(np.float32)
+    if not np.isfinite(values[0]):
+        return NONFINITE
     with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf, NaN rows: weight 0
         t = (values[1:] - values[0]) * (inv_temperature * LOG2E)
     weights = np.concatenate([np.ones(1, np.float32), exp2_weights(t)])  # the top candidate weighs 1
@@ -128,6 +135,7 @@ def sample_top_k(logits: np.ndarray, params: np.ndarray, uniforms: np.ndarray,
        them if none).
     5. target = clamp(u, 0, U_MAX) * S_j; the token is the first kept candidate (within the
        top-p prefix) whose S exceeds the target (the prefix's last one if rounding leaves none).
+    A row whose x[c_0] is not finite (NaN, +inf, or every allowed logit -inf) gives NONFINITE (-1).
     """
     rows, vocab = logits.shape
     ids = np.empty(rows, np.int32)

@@ -45,6 +45,7 @@ class ServerConfig:
     disable_ui: bool = False  # no chat and status page at / (--disable-ui): / answers 404
     enable_replay: bool = True  # replay recorded decode steps (vkrt serve --no-replay turns it off)
     speculative_config: SpeculativeConfig | None = None  # --speculative-config
+    check_tensors: bool | None = None  # --check-tensors; None: VKRT_CHECK_TENSORS
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
@@ -111,6 +112,7 @@ class ServerConfig:
             kv_dtype=self.kv_dtype,
             enable_replay=self.enable_replay,
             speculative=self.speculative_config,
+            check_tensors=self.check_tensors,
         )
 
     def max_digits(self) -> int | None:

@@ -133,6 +133,7 @@ class Result:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong (the engine's words)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     engine_metrics: RequestMetrics | None = None  # the engine's timestamps, as of the last output
@@ -140,6 +141,13 @@ class Result:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+
+def raise_if_failed(result: Result) -> None:
+    """For the routes whose protocol has no finish_reason "error" (Messages, Responses): a
+    failed generation is a 500, or an error event once a stream has started."""
+    if result.finish_reason == "error":
+        raise APIError(500, f"the generation failed: {result.error or 'engine error'}", code="generation_failed")
 
 
 class Generation:
@@ -212,6 +220,7 @@ class Generation:
         if output.finished:
             result.finish_reason = completion.finish_reason or "stop"
             result.stop_reason = completion.stop_reason
+            result.error = completion.error
         return Update(completion.text, completion.token_ids, new_logprobs,
                       result.finish_reason if output.finished else None)
 

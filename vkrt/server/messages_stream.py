@@ -15,12 +15,13 @@ from typing import Any
 from vkrt.server.chat import ChoiceStream, StartedChat
 from vkrt.server.choices import merged_updates
 from vkrt.server.errors import anthropic_error_body
-from vkrt.server.generation import Result, ServerState
+from vkrt.server.generation import Result, ServerState, raise_if_failed
 from vkrt.server.protocol import ChatCompletionRequest
 
 
 def stop_of(result: Result, called: bool) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished generation; `called`: its output holds tool calls."""
+    raise_if_failed(result)
     if result.finish_reason == "length":
         return "max_tokens", None
     if called:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from vkrt.server.chat import start_chat
 from vkrt.server.choices import run_all
 from vkrt.server.errors import APIError
-from vkrt.server.generation import ServerState
+from vkrt.server.generation import ServerState, raise_if_failed
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.responses import event_stream, now_s
 from vkrt.server.responses_items import (
@@ -83,6 +83,7 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw: Reque
         return event_stream(response_events(started, body, base, tokenizer), started.candidates)
     [results] = await run_all(started.candidates.groups, raw)
     result = results[0]
+    raise_if_failed(result)
     reasoning, content, calls = started.reading.split(result.text, chat.tools)
     complete = result.finish_reason != "length"
     items = output_items(reasoning, content, calls or [], complete)

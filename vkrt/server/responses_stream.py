@@ -15,6 +15,7 @@ from typing import Any
 
 from vkrt.server.chat import ChoiceStream, StartedChat
 from vkrt.server.choices import merged_updates
+from vkrt.server.generation import raise_if_failed
 from vkrt.server.responses_items import (
     call_item,
     finished,
@@ -145,12 +146,14 @@ async def response_events(started: StartedChat, body: ResponsesRequest, base: di
             for call in delta.get("tool_calls") or []:
                 for chunk in events.call(call):
                     yield chunk
+    results = [generation.result for generation in started.candidates.groups[0]]
+    for result in results:
+        raise_if_failed(result)
     complete = finish != "length"
     if not events.calls and not events.wrote_message():
         for chunk in events.text("message", ""):  # a message, even empty, as the non-streamed answer has
             yield chunk
     for chunk in events.close(complete):
         yield chunk
-    results = [generation.result for generation in started.candidates.groups[0]]
     final = finished(base, events.items, complete, results, reasoning_tokens(tokenizer, reasoning))
     yield events.event("response.completed" if complete else "response.incomplete", response=final)
