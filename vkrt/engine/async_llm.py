@@ -257,6 +257,7 @@ class AsyncLLM:
                 if stream is not None:
                     stream.put(output)
         self._fail_all(VkrtError("the engine was shut down"))
+        engine.close()
         # Drop the engine (and with it the model's weights and KV cache) now rather than when
         # the last reference to this object goes: a web framework's caches may hold the routes
         # that hold us long after the server has stopped.

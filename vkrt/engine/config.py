@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vkrt.core.kv_format import KV_DTYPES
 from vkrt.engine.guided import GuidedDecoding
+from vkrt.engine.kv_events import KVEventsConfig
 from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import RequestError, VkrtError
 
@@ -48,6 +49,7 @@ class EngineConfig:
     enable_replay: bool = True  # record decode steps once per batch bucket and replay them
     seed: int = 0
     speculative: SpeculativeConfig | None = None  # speculative decoding (vkrt/engine/speculative.py)
+    kv_events: KVEventsConfig | None = None  # publish prefix-cache events for routers (vkrt/engine/kv_events.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
