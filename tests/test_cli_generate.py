@@ -128,3 +128,9 @@ def test_bad_speculative_config_is_a_usage_error() -> None:
     assert "num_speculative_tokens must be an integer" in result.stderr
     result = _run("serve", "--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 2}')
     assert result.returncode == 2 and "not supported yet" in result.stderr
+
+
+def test_bad_kv_events_config_is_a_usage_error() -> None:
+    result = _run("serve", "--kv-events-config", '{"enable_kv_cache_events": true, "port": 5557}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "unknown key(s) port; known: buffer_steps, enable_kv_cache_events, endpoint" in result.stderr

@@ -34,6 +34,8 @@ class EngineMetrics:
     kv_usage: float = 0.0
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
+    block_size: int = 0  # tokens per KV block (0 before the load)
+    kv_cache_dtype: str = ""
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -289,6 +291,8 @@ class AsyncLLM:
             kv_usage=blocks.usage,
             num_kv_blocks=blocks.num_blocks,
             num_free_kv_blocks=blocks.num_free_blocks,
+            block_size=blocks.block_size,
+            kv_cache_dtype=engine.config.kv_dtype,
             num_preemptions=engine.num_preemptions,
             prompt_tokens=totals.prompt_tokens,
             generation_tokens=totals.generation_tokens,
