@@ -5,19 +5,23 @@ msgpack and recomputes block hashes by the documented scheme, never with vkrt's 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vkrt.engine import LLM
+from vkrt.engine import LLM, AsyncLLM
 from vkrt.engine.config import SamplingParams
-from vkrt.engine.kv_events import KVEventsConfig
+from vkrt.engine.kv_cache import BlockManager
+from vkrt.engine.kv_events import KVEvents, KVEventsConfig
+from vkrt.engine.request import Request
 from vkrt.errors import VkrtError
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is a dependency of KV events; install the project's dependencies")
@@ -83,17 +87,30 @@ class Subscriber:
 
 
 @pytest.fixture
-def published(tmp_path: Path) -> Iterator[tuple[LLM, Subscriber]]:
-    endpoint, replay = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay"
-    config = KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-                                   "replay_endpoint": replay, "topic": TOPIC, "buffer_steps": 1000})
-    llm = LLM(FIXTURE, device="reference", block_size=BLOCK, num_kv_blocks=16, max_model_len=64,
-              max_num_seqs=2, kv_events=config)
-    subscriber = Subscriber(endpoint, replay)
-    time.sleep(0.3)  # PUB/SUB: a subscription takes a moment to reach the publisher
-    yield llm, subscriber
-    llm.close()
-    subscriber.close()
+def publish(tmp_path: Path) -> Iterator[Callable[..., tuple[LLM, Subscriber]]]:
+    """publish(model dir) -> an engine on it publishing to ipc sockets, and a subscriber."""
+    made: list[tuple[LLM, Subscriber]] = []
+
+    def make(model: Path = FIXTURE) -> tuple[LLM, Subscriber]:
+        endpoint, replay = f"ipc://{tmp_path}/kv-events-{len(made)}", f"ipc://{tmp_path}/kv-replay-{len(made)}"
+        config = KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                       "replay_endpoint": replay, "topic": TOPIC, "buffer_steps": 1000})
+        llm = LLM(model, device="reference", block_size=BLOCK, num_kv_blocks=16, max_model_len=64,
+                  max_num_seqs=2, kv_events=config)
+        subscriber = Subscriber(endpoint, replay)
+        made.append((llm, subscriber))
+        time.sleep(0.3)  # PUB/SUB: a subscription takes a moment to reach the publisher
+        return llm, subscriber
+
+    yield make
+    for llm, subscriber in made:
+        llm.close()
+        subscriber.close()
+
+
+@pytest.fixture
+def published(publish: Callable[..., tuple[LLM, Subscriber]]) -> tuple[LLM, Subscriber]:
+    return publish()
 
 
 def greedy(llm: LLM, prompt: list[int], max_tokens: int = 3) -> list[int]:
@@ -160,6 +177,67 @@ def test_evictions_are_published_and_replay_returns_the_buffer(published: tuple[
     assert isinstance(ts, float) and rank == 0 and batch_events
     later = subscriber.replay(seqs[-1])
     assert [seq for seq, _ in later] == [seqs[-1]]
+
+
+def test_each_kv_group_publishes_its_blocks(publish: Callable[..., tuple[LLM, Subscriber]]) -> None:
+    """Gemma 2 alternates sliding-window (8) and full-attention layers: two block pools, each
+    announcing the same chained hashes under its own group_idx and cache spec."""
+    llm, subscriber = publish(FIXTURE.parent / "tiny_gemma2")
+    tokens = greedy(llm, [7 + (i * 5) % 40 for i in range(13)])
+    subscriber.drain()
+    by_group: dict[tuple[int, str, int | None], list[int]] = {}
+    for event in subscriber.events():
+        if event[0] == "BlockStored":
+            spec = (event[9], event[10], event[11] if len(event) > 11 else None)
+            by_group.setdefault(spec, []).extend(event[1])
+    expected, digest = [], None
+    for i in range(3):
+        digest = documented_hash(digest, tokens[i * BLOCK:(i + 1) * BLOCK])
+        expected.append(low64(digest))
+    assert set(by_group) == {(0, "full_attention", None), (1, "sliding_window", 8)}
+    for hashes in by_group.values():
+        assert hashes[:3] == expected
+
+
+def test_a_run_after_blocks_cached_elsewhere_names_its_parent() -> None:
+    """Blocks already cached by another request are not announced again; the next stored run
+    starts at its own first block, whose parent is the (already announced) block before it."""
+    manager = BlockManager(num_blocks=8, block_size=BLOCK)
+    manager.events = KVEvents(BLOCK)
+    first = Request("a", list(range(8)), SamplingParams())
+    assert manager.allocate_slots(first, 8)
+    twin = Request("b", list(range(8)) + [50, 51, 52, 53], SamplingParams())
+    assert manager.allocate_slots(twin, 12)  # computed without its cache hit: blocks 0-1 are duplicates
+    (one, two) = manager.events.take()
+    digests = [documented_hash(None, list(range(4)))]
+    digests.append(documented_hash(digests[0], list(range(4, 8))))
+    digests.append(documented_hash(digests[1], [50, 51, 52, 53]))
+    assert one[1:4] == [[low64(d) for d in digests[:2]], None, list(range(8))]
+    assert two[1:4] == [[low64(digests[2])], low64(digests[1]), [50, 51, 52, 53]]
+
+
+def test_the_server_facade_publishes_and_stops_its_publisher(tmp_path: Path) -> None:
+    """AsyncLLM (what `vkrt serve` runs) publishes too, and its shutdown ends the publisher thread."""
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    llm = AsyncLLM(FIXTURE, device="reference", block_size=BLOCK, num_kv_blocks=16, max_model_len=64,
+                   kv_events=KVEventsConfig(endpoint=endpoint, topic=TOPIC))
+    subscriber = Subscriber(endpoint, f"ipc://{tmp_path}/unused")
+    try:
+        time.sleep(0.3)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+        async def run() -> None:
+            async for _ in llm.generate(list(range(10, 19)), params):
+                pass
+
+        asyncio.run(run())
+        subscriber.drain()
+        stored = [e for e in subscriber.events() if e[0] == "BlockStored"]
+        assert [t for e in stored for t in e[3]][:8] == list(range(10, 18))
+    finally:
+        llm.shutdown()
+        subscriber.close()
+    assert not [t for t in threading.enumerate() if t.name == "vkrt-kv-events"]
 
 
 @pytest.mark.parametrize(("config", "message"), [

@@ -129,12 +129,6 @@ class EngineCore:
                                             num_state_slots=config.max_num_seqs if kv.states else 0,
                                             num_snapshot_slots=snapshots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.kv_events: ZmqEventPublisher | None = None
-        if config.kv_events is not None:
-            if self.prefix_caching:
-                self.kv_events = self._start_kv_events()
-            else:
-                log.warning("KV events are off: this engine has no prefix cache, so no block is ever stored")
         spec = config.speculative
         if spec is not None and kv.states:
             raise VkrtError("speculative decoding is not supported for models with recurrent layers (this one has "
@@ -162,6 +156,13 @@ class EngineCore:
         if kv.states:
             log.info("recurrent state: %d slots + %d prefix-cache snapshots x %d KiB (%d layers), %d MiB",
                      config.max_num_seqs, snapshots, slot_bytes >> 10, len(kv.states), kv.state_nbytes >> 20)
+        # Last: nothing after it may fail and leave the publisher's thread and sockets behind.
+        self.kv_events: ZmqEventPublisher | None = None
+        if config.kv_events is not None:
+            if self.prefix_caching:
+                self.kv_events = self._start_kv_events()
+            else:
+                log.warning("KV events are off: this engine has no prefix cache, so no block is ever stored")
 
     def _start_kv_events(self) -> ZmqEventPublisher:
         """Attach an event log to each group's block manager and start the publisher; its first
