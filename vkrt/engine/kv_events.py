@@ -21,12 +21,12 @@ as vLLM publishes its own), so a router can recompute it from token ids.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vkrt.engine.json_flag import json_object
 from vkrt.errors import VkrtError
 
 MEDIUM = "GPU"  # vLLM's name for blocks in device memory (the tier a router routes on)
@@ -51,20 +51,10 @@ class KVEventsConfig:
     def parse(cls, value: str | Mapping[str, Any] | None) -> KVEventsConfig | None:
         """From a JSON object (the CLI flag's text) or a dict; None when events are off
         (no config, enable_kv_cache_events false, or the "null" publisher)."""
-        if value is None or (isinstance(value, str) and not value.strip()):
+        value = json_object(value, "--kv-events-config", _KEYS,
+                            '{"enable_kv_cache_events": true, "publisher": "zmq"}')
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise VkrtError(f"--kv-events-config is not JSON: {exc.msg} at character {exc.pos}") from None
-        if not isinstance(value, Mapping):
-            raise VkrtError("--kv-events-config must be a JSON object, e.g. "
-                            '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\'')
-        unknown = sorted(set(value) - _KEYS)
-        if unknown:
-            raise VkrtError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(_KEYS))}")
         enabled = value.get("enable_kv_cache_events", False)
         if not isinstance(enabled, bool):
             raise VkrtError(f"--kv-events-config: enable_kv_cache_events must be true or false, got {enabled!r}")
