@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server.conftest import Live
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_errors import assert_error
-from vkrt.engine.async_llm import EngineMetrics
-from vkrt.server import ServerConfig, build_app
+from vkrt.engine.async_llm import AsyncLLM, EngineMetrics
+from vkrt.server import ServerConfig, build_app, load_engine
 from vkrt.server.background import BackgroundServer
 
 
@@ -71,3 +72,25 @@ def test_cache_config_info_carries_the_kv_config(serve_fake) -> None:  # type: i
                                            "vllm:kv_cache_usage_perc") for s in families[name].samples}
     assert gauges == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
                       "vllm:kv_cache_usage_perc": 0.0}
+
+
+def test_vkrt_serve_warms_the_real_engine_before_ready() -> None:
+    """The loader path `vkrt serve` takes, on the tiny Llama: /ready turns 200 only after the
+    warm-up generation ran in the engine (its two tokens are in the engine's counters)."""
+    config = ServerConfig(model=Path(__file__).parents[1] / "fixtures" / "tiny_llama", device="reference",
+                          served_model_name="tiny", max_model_len=64, max_num_seqs=2)
+    engines: list[AsyncLLM] = []
+
+    def loader() -> AsyncLLM:
+        engines.append(load_engine(config))
+        return engines[0]
+
+    try:
+        with BackgroundServer(build_app(None, config, loader=loader)) as server, \
+                httpx.Client(base_url=server.url) as client:
+            _wait_for_status(client, "/ready", 200, timeout=120)
+            stats = engines[0].metrics()
+            assert stats.generation_tokens == 2 and stats.num_running == stats.num_waiting == 0
+    finally:
+        for engine in engines:
+            engine.shutdown()

@@ -234,9 +234,10 @@ async def _load(state: ServerState, loader: EngineLoader,
 
 
 async def _warm_up(engine: EngineClient) -> None:
-    """One greedy generation of 2 tokens from 1 prompt token: creates the pipelines and records
-    the decode step, so the first client does not wait for them (GET /ready waits for this)."""
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    """One greedy generation of 2 tokens from 1 prompt token (1 where max_model_len is 2): creates
+    the pipelines and records the decode step, so the first client does not wait for them (GET
+    /ready waits for this)."""
+    params = SamplingParams(max_tokens=min(2, engine.max_model_len - 1), temperature=0.0, ignore_eos=True)
     async for _ in engine.generate([0], params, request_id="vkrt-warm-up"):
         pass
 
