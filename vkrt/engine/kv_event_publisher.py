@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_MS = 50  # how often the thread looks at the replay socket when no batch arrives
+_FLUSH_MS = 1000  # how long closing waits for sent batches still queued in the PUB socket
 
 
 def binds(endpoint: str) -> bool:
@@ -101,9 +102,9 @@ class ZmqEventPublisher:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for socket in (self._pub, self._replay):
-            if socket is not None:
-                socket.close(linger=0)
+        self._pub.close(linger=_FLUSH_MS)  # a PUB socket with no subscriber drops at once: no wait then
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._context.term()
 
     # ---- the publisher thread --------------------------------------------------------------
@@ -112,7 +113,10 @@ class ZmqEventPublisher:
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
-                    self._serve_replay()
+                    try:
+                        self._serve_replay()
+                    except zmq.ZMQError as exc:  # a client that left mid-answer must not end the thread
+                        log.warning("KV events: a replay request failed: %s", exc)
             try:
                 item = self._queue.get(timeout=_POLL_MS / 1000)
             except queue.Empty:
@@ -137,7 +141,7 @@ class ZmqEventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
+        for seq, payload in self._buffer:
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
