@@ -119,6 +119,6 @@ def all_blocks_cleared() -> list[Any]:
     return ["AllBlocksCleared"]
 
 
-def event_batch(events: list[list[Any]], ts: float | None = None) -> list[Any]:
-    """A KVEventBatch as the msgpack encoder takes it."""
-    return [time.time() if ts is None else ts, events, DATA_PARALLEL_RANK]
+def event_batch(events: list[list[Any]]) -> list[Any]:
+    """A KVEventBatch, stamped now, as the msgpack encoder takes it."""
+    return [time.time(), events, DATA_PARALLEL_RANK]
