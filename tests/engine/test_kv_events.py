@@ -272,6 +272,17 @@ def test_an_endpoint_that_cannot_bind_is_a_clear_error(tmp_path: Path) -> None:
         LLM(FIXTURE, device="reference", block_size=BLOCK, num_kv_blocks=16, max_model_len=64, kv_events=config)
 
 
+def test_the_serve_flag_reaches_the_engine_config() -> None:
+    from vkrt.cli import build_parser
+    from vkrt.server.config import ServerConfig
+
+    args = build_parser().parse_args(["serve", "--kv-events-config",
+                                      '{"enable_kv_cache_events": true, "topic": "kv", "hwm": 7}'])
+    assert args.kv_events_config == KVEventsConfig(topic="kv", hwm=7)
+    config = ServerConfig(kv_events_config=args.kv_events_config)
+    assert config.engine_config().kv_events == KVEventsConfig(topic="kv", hwm=7)
+
+
 def test_a_server_without_kv_events_never_imports_zmq() -> None:
     code = ("import sys; import vkrt.server, vkrt.engine.engine, vkrt.cli; "
             "assert 'zmq' not in sys.modules and 'msgpack' not in sys.modules, 'imported'")
