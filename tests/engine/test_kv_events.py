@@ -240,6 +240,42 @@ def test_the_server_facade_publishes_and_stops_its_publisher(tmp_path: Path) -> 
     assert not [t for t in threading.enumerate() if t.name == "vkrt-kv-events"]
 
 
+def test_a_full_queue_drops_batches_and_never_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's side only queues: with the publisher thread stuck encoding batch 0 and a
+    queue of 2, batches 3-5 are dropped at once (not waited for) and leave a gap a subscriber sees."""
+    from vkrt.engine import kv_event_publisher
+    from vkrt.engine.kv_events import all_blocks_cleared, event_batch
+
+    encoding, release = threading.Event(), threading.Event()
+    pack = kv_event_publisher.msgpack.packb
+
+    def stuck_pack(obj: Any, **kwargs: Any) -> bytes:
+        encoding.set()
+        release.wait(10)
+        return pack(obj, **kwargs)
+
+    monkeypatch.setattr(kv_event_publisher.msgpack, "packb", stuck_pack)
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    subscriber = Subscriber(endpoint, f"ipc://{tmp_path}/unused")
+    publisher = kv_event_publisher.ZmqEventPublisher(KVEventsConfig(endpoint=endpoint, topic=TOPIC,
+                                                                    max_queue_size=2))
+    try:
+        time.sleep(0.3)
+        publisher.publish(event_batch([all_blocks_cleared()]))
+        assert encoding.wait(5)
+        started = time.monotonic()
+        for _ in range(5):
+            publisher.publish(event_batch([all_blocks_cleared()]))
+        assert time.monotonic() - started < 1.0 and publisher.dropped == 3  # the thread is stuck for 10 s
+        release.set()
+        subscriber.drain()
+        assert sorted(subscriber.batches) == [0, 1, 2]
+    finally:
+        release.set()
+        publisher.close()
+        subscriber.close()
+
+
 @pytest.mark.parametrize(("config", "message"), [
     ('{"enable_kv_cache_events": true, "endpointt": "x"}', "unknown key(s) endpointt"),
     ("{not json", "is not JSON"),
