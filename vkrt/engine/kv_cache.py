@@ -28,7 +28,9 @@ NULL_BLOCK = -1  # a table entry whose block left a sliding window (never read b
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Content hash of one full block, chained so equal blocks at different prefixes differ."""
+    """Content hash of one full block, chained so equal blocks at different prefixes differ:
+    sha256(parent digest || token ids as int64 little-endian). No seed, so every process gives
+    the same tokens the same key; KV events publish its low 64 bits (docs/USAGE.md, KV events)."""
     digest = hashlib.sha256(parent or b"")
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return digest.digest()
