@@ -32,7 +32,7 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     sha256(parent digest || token ids as int64 little-endian). No seed, so every process gives
     the same tokens the same key; KV events publish its low 64 bits (docs/USAGE.md, KV events)."""
     digest = hashlib.sha256(parent or b"")
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())  # little-endian on any host
     return digest.digest()
 
 
