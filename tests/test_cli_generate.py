@@ -151,3 +151,7 @@ def test_chat_shows_a_harmony_reply_by_channel(capsys: pytest.CaptureFixture[str
     out, err = capsys.readouterr()
     assert (out, err) == ("Paris.\n", "Think.")
     assert run["text"] == text  # the JSON report keeps the raw output
+def test_bad_kv_events_config_is_a_usage_error() -> None:
+    result = _run("serve", "--kv-events-config", '{"enable_kv_cache_events": true, "port": 5557}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "unknown key(s) port; known: buffer_steps, enable_kv_cache_events, endpoint" in result.stderr

@@ -67,6 +67,15 @@ def _speculative_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
 
 
+def _kv_events_config(text: str) -> Any:
+    from vkrt.engine.kv_events import KVEventsConfig
+
+    try:
+        return KVEventsConfig.parse(text)
+    except VkrtError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-events-config: ")) from None
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", "-n", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
     p.add_argument("--temperature", "--temp", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy")
@@ -375,7 +384,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        enable_log_requests=args.enable_log_requests,
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics, disable_ui=args.disable_ui,
                        enable_replay=not args.no_replay, speculative_config=args.speculative_config,
-                       check_tensors=args.check_tensors,
+                       check_tensors=args.check_tensors, kv_events_config=args.kv_events_config,
                        max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
@@ -471,5 +480,9 @@ def register(sub: Any) -> None:
                    help="open connections plus requests in progress; beyond it HTTP 503")
     p.add_argument("--max-header-bytes", type=int, default=ServerConfig.max_header_bytes,
                    help="request line plus headers; larger gets HTTP 431")
+    p.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help='publish prefix-cache events for KV-aware routers, vLLM\'s keys: '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558"}\' (+ topic, buffer_steps, hwm, max_queue_size)')
     p.set_defaults(func=cmd_serve)
 

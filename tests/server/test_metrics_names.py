@@ -25,6 +25,7 @@ VLLM_METRICS = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
     "vllm:prefix_cache_queries": "counter",
     "vllm:prefix_cache_hits": "counter",
     "vllm:num_preemptions": "counter",
@@ -80,3 +81,8 @@ def test_vllm_metric_names_and_types(live: LiveModel) -> None:
     assert value("vllm:inter_token_latency_seconds", "_count") == 4  # 2 gaps in each of 3 tokens
     assert value("vllm:request_generation_tokens", "_sum") == 6
     assert value("vllm:num_requests_running") == 0
+    (info,) = families["vllm:cache_config_info"].samples
+    blocks = live.engine.engine.block_manager
+    assert info.value == 1 and info.labels == {"block_size": str(blocks.block_size),
+                                               "num_gpu_blocks": str(blocks.num_blocks),
+                                               "cache_dtype": "f16", "enable_prefix_caching": "True"}

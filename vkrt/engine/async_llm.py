@@ -34,6 +34,8 @@ class EngineMetrics:
     kv_usage: float = 0.0
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
+    block_size: int = 0  # tokens per KV block (0 before the load)
+    kv_cache_dtype: str = ""
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -258,6 +260,7 @@ class AsyncLLM:
                 if stream is not None:
                     stream.put(output)
         self._fail_all(VkrtError("the engine was shut down"))
+        engine.close()
         # Drop the engine (and with it the model's weights and KV cache) now rather than when
         # the last reference to this object goes: a web framework's caches may hold the routes
         # that hold us long after the server has stopped.
@@ -289,6 +292,8 @@ class AsyncLLM:
             kv_usage=blocks.usage,
             num_kv_blocks=blocks.num_blocks,
             num_free_kv_blocks=blocks.num_free_blocks,
+            block_size=blocks.block_size,
+            kv_cache_dtype=engine.config.kv_dtype,
             num_preemptions=engine.num_preemptions,
             prompt_tokens=totals.prompt_tokens,
             generation_tokens=totals.generation_tokens,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vkrt.core.kv_format import KV_DTYPES
 from vkrt.engine.guided import GuidedDecoding
+from vkrt.engine.kv_events import KVEventsConfig
 from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import RequestError, VkrtError
 
@@ -49,6 +50,7 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None  # speculative decoding (vkrt/engine/speculative.py)
     check_tensors: bool | None = None  # scan weights for NaN / Inf at load; None: VKRT_CHECK_TENSORS
+    kv_events: KVEventsConfig | None = None  # publish prefix-cache events for routers (vkrt/engine/kv_events.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

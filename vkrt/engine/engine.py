@@ -11,9 +11,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.guided import GrammarCompiler, StepMasks
+from vkrt.engine.kv_events import KVEvents, all_blocks_cleared, event_batch
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.processor import RequestProcessor
@@ -26,6 +28,9 @@ from vkrt.errors import NoTokenizerError, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.ops.sampling import NONFINITE
 from vkrt.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from vkrt.engine.kv_event_publisher import ZmqEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +158,40 @@ class EngineCore:
         if kv.states:
             log.info("recurrent state: %d slots + %d prefix-cache snapshots x %d KiB (%d layers), %d MiB",
                      config.max_num_seqs, snapshots, slot_bytes >> 10, len(kv.states), kv.state_nbytes >> 20)
+        # Last: nothing after it may fail and leave the publisher's thread and sockets behind.
+        self.kv_events: ZmqEventPublisher | None = None
+        if config.kv_events is not None:
+            if self.prefix_caching:
+                self.kv_events = self._start_kv_events()
+            else:
+                log.warning("KV events are off: this engine has no prefix cache, so no block is ever stored")
+
+    def _start_kv_events(self) -> ZmqEventPublisher:
+        """Attach an event log to each group's block manager and start the publisher; its first
+        batch is AllBlocksCleared, so a router forgets what an earlier engine at this endpoint held."""
+        # Imported here: a server without KV events never imports zmq.
+        from vkrt.engine.kv_event_publisher import ZmqEventPublisher
+
+        assert self.config.kv_events is not None
+        for idx, manager in enumerate(self.block_manager.managers):
+            manager.events = KVEvents(manager.block_size, idx, manager.window)
+        publisher = ZmqEventPublisher(self.config.kv_events)
+        publisher.publish(event_batch([all_blocks_cleared()]))
+        return publisher
+
+    def _publish_kv_events(self) -> None:
+        """The step's stores and evictions, as one batch (none when the cache did not change)."""
+        if self.kv_events is None:
+            return
+        events = [e for m in self.block_manager.managers if m.events is not None for e in m.events.take()]
+        if events:
+            self.kv_events.publish(event_batch(events))
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (the KV event publisher); the engine itself holds no thread."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: CausalLM | None = None,
@@ -227,6 +266,7 @@ class EngineCore:
         give a request several tokens."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self._publish_kv_events()
             return []
         batch, layout = build_forward_batch(scheduled, self.block_manager)
         # One entry per sampled logits row: a verifying request once for each of its rows.
@@ -275,6 +315,7 @@ class EngineCore:
             self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
         self._propose(request for request, _, _ in layout.sample_rows)
         self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
+        self._publish_kv_events()
         return results
 
     def _emit(self, request: Request, result: StepResult, first: int, rows: int, mask_row: int,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from vkrt.engine.kv_events import KVEvents
 from vkrt.engine.request import Request
 
 BlockHash = bytes
@@ -27,9 +28,11 @@ NULL_BLOCK = -1  # a table entry whose block left a sliding window (never read b
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Content hash of one full block, chained so equal blocks at different prefixes differ."""
+    """Content hash of one full block, chained so equal blocks at different prefixes differ:
+    sha256(parent digest || token ids as int64 little-endian). No seed, so every process gives
+    the same tokens the same key; KV events publish its low 64 bits (docs/USAGE.md, KV events)."""
     digest = hashlib.sha256(parent or b"")
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())  # little-endian on any host
     return digest.digest()
 
 
@@ -52,6 +55,7 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which served from the cache
         self.on_evict: Callable[[BlockHash], None] | None = None  # told each hash that leaves the cache
+        self.events: KVEvents | None = None  # set when KV events are published: told each store and eviction
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -203,6 +207,8 @@ class BlockManager:
                 del self._cached[old_hash]
                 if self.on_evict is not None:
                     self.on_evict(old_hash)
+                if self.events is not None:
+                    self.events.removed(old_hash)
             self._block_hash[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id
@@ -212,12 +218,29 @@ class BlockManager:
         if num_full <= start:
             return
         hashes = self.block_hashes(request, num_full)
+        stored: list[int] = []  # logical blocks this call put in the cache
         for i in range(start, num_full):
             block_id = blocks[i]
             if block_id != NULL_BLOCK and self._block_hash[block_id] is None and hashes[i] not in self._cached:
                 self._cached[hashes[i]] = block_id
                 self._block_hash[block_id] = hashes[i]
+                stored.append(i)
         self._req_num_hashed[request.request_id] = num_full
+        if self.events is not None and stored:
+            self._report_stored(request, hashes, stored)
+
+    def _report_stored(self, request: Request, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive stored blocks, its parent the block before the run."""
+        assert self.events is not None
+        bs = self.block_size
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[k - 1]
+            self.events.stored(hashes[first:last + 1], hashes[first - 1] if first else None,
+                               request.all_token_ids[first * bs:(last + 1) * bs])
+            run_start = k
 
     def free_skipped_blocks(self, request: Request) -> int:
         """Sliding window: release the blocks no future token of the request attends to.

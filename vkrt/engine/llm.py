@@ -40,6 +40,10 @@ class LLM:
         self.load_seconds = time.perf_counter() - start
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the KV event publisher, if the config started one (sending what it has queued)."""
+        self.engine.close()
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

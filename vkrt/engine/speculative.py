@@ -18,13 +18,13 @@ tokens). Draft models and MTP heads are refused with a message saying so.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from vkrt.engine.json_flag import json_object
 from vkrt.errors import VkrtError
 
 # vkrt's defaults where the config leaves them out (a missing min takes 2, a missing max 4;
@@ -49,20 +49,9 @@ class SpeculativeConfig:
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
         """From a JSON object (the CLI flag's text) or a dict; None for None or an empty string.
         VkrtError says what is wrong."""
-        if value is None or (isinstance(value, str) and not value.strip()):
+        value = json_object(value, "--speculative-config", _KEYS, '{"method": "ngram", "num_speculative_tokens": 4}')
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise VkrtError(f"--speculative-config is not JSON: {exc.msg} at character {exc.pos}") from None
-        if not isinstance(value, Mapping):
-            raise VkrtError("--speculative-config must be a JSON object, e.g. "
-                            '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-        unknown = sorted(set(value) - _KEYS)
-        if unknown:
-            raise VkrtError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(_KEYS))}")
         method = value.get("method")
         if method is None and "model" in value:
             method = "draft_model"

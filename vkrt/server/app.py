@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from vkrt import __version__
+from vkrt.engine.config import SamplingParams
 from vkrt.server import schemas
 from vkrt.server.chat import create_chat_completion
 from vkrt.server.completions import create_completion
@@ -91,6 +92,19 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
             return Response(status_code=200)
         state.require_engine()  # raises the 503 that says why
         return Response(status_code=503)
+
+    @app.get("/ready", response_class=Response, responses={
+        200: {"description": "loaded and warmed up: an empty body"},
+        503: {"model": schemas.ErrorResponse, "description": "still loading or warming up, or the load failed"}})
+    async def ready() -> Response:
+        state.require_engine()  # raises the 503 that says why
+        if not state.warm:
+            raise APIError(503, "the model is warming up; retry when GET /ready answers 200", code="model_not_ready")
+        return Response(status_code=200)
+
+    @app.get("/live", response_class=Response, responses={200: {"description": "the server answers: an empty body"}})
+    async def live() -> Response:
+        return Response(status_code=200)
 
     @app.get("/version", response_model=schemas.VersionResponse, responses=schemas.error_responses(500))
     async def version() -> dict[str, str]:
@@ -207,7 +221,25 @@ async def _load(state: ServerState, loader: EngineLoader,
             on_error(exc)
         return
     state.engine = engine
+    try:
+        await _warm_up(engine)
+    except Exception as exc:
+        state.load_error = f"the warm-up generation failed: {exc}"
+        log.error("model failed to warm up: %s", exc)
+        if on_error is not None:
+            on_error(exc)
+        return
+    state.warm = True
     log.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
+
+
+async def _warm_up(engine: EngineClient) -> None:
+    """One greedy generation of 2 tokens from 1 prompt token (1 where max_model_len is 2): creates
+    the pipelines and records the decode step, so the first client does not wait for them (GET
+    /ready waits for this)."""
+    params = SamplingParams(max_tokens=min(2, engine.max_model_len - 1), temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate([0], params, request_id="vkrt-warm-up"):
+        pass
 
 
 async def _shutdown(engine: EngineClient | None) -> None:

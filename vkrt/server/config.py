@@ -8,11 +8,12 @@ from pathlib import Path
 
 from vkrt import config as env
 from vkrt.engine.config import EngineConfig
+from vkrt.engine.kv_events import KVEventsConfig
 from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import VkrtError
 
 # Routes that answer without the API key: load balancers and probes call them.
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/live", "/version"})
 
 
 # The syntaxes vkrt/server/tools.py parses (named here so the config does not import the server).
@@ -46,6 +47,7 @@ class ServerConfig:
     enable_replay: bool = True  # replay recorded decode steps (vkrt serve --no-replay turns it off)
     speculative_config: SpeculativeConfig | None = None  # --speculative-config
     check_tensors: bool | None = None  # --check-tensors; None: VKRT_CHECK_TENSORS
+    kv_events_config: KVEventsConfig | None = None  # --kv-events-config (None: no events published)
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
@@ -113,6 +115,7 @@ class ServerConfig:
             enable_replay=self.enable_replay,
             speculative=self.speculative_config,
             check_tensors=self.check_tensors,
+            kv_events=self.kv_events_config,
         )
 
     def max_digits(self) -> int | None:

@@ -41,6 +41,9 @@ class ServerState:
         self.config = config
         self.engine = engine
         self.load_error: str | None = None
+        # Warmed: one tiny generation has run, so pipelines exist and the decode step is recorded
+        # (GET /ready). An engine handed to the app is taken as warmed by whoever built it.
+        self.warm = engine is not None
         self.model_name = config.model_name()
         # Requests admitted and not yet finished: counted at admission, so a burst that
         # arrives together cannot all pass the capacity check before any starts.
@@ -65,7 +68,8 @@ class ServerState:
     def ready(self) -> bool:
         engine = self.engine
         # AsyncLLM(load_in_background=True) also turns is_ready on when its load failed.
-        return engine is not None and bool(engine.is_ready) and getattr(engine, "load_error", None) is None
+        return (engine is not None and bool(engine.is_ready) and getattr(engine, "load_error", None) is None
+                and self.load_error is None)
 
     def require_engine(self) -> EngineClient:
         if self.engine is None or not self.ready:

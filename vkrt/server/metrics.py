@@ -105,6 +105,14 @@ class _EngineCollector(Collector):
         for family, value in zip(families, values, strict=True):
             family.add_metric([self._model_name], value)
             yield family
+        # vLLM's info gauge of its cache config (value 1, the config in labels); routers read
+        # block_size and num_gpu_blocks from it. Empty until the model has loaded.
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (1; the labels say it).",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"])
+        if stats.block_size:
+            info.add_metric([str(stats.block_size), str(stats.num_kv_blocks), stats.kv_cache_dtype,
+                             str(stats.prefix_caching)], 1)
+        yield info
         if stats.spec is not None:  # only when the engine speculates (--speculative-config)
             yield from self._spec_decode(stats.spec)
 
