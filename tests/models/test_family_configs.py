@@ -3,6 +3,7 @@ does not run: an unsupported family, an unknown rope type, a missing per-layer t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -370,13 +371,14 @@ def test_missing_per_layer_tensor_hf(tmp_path: Path) -> None:
 
 
 def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_type: str = "",
-                  rope_factor: float = 0.0) -> None:
-    """Copy a GGUF through the gguf package's reader and writer, changing one thing."""
+                  rope_factor: float = 0.0, floats: dict[str, float] | None = None) -> None:
+    """Copy a GGUF through the gguf package's reader and writer, changing one thing: `drop` a
+    tensor or metadata key, rename the architecture, add rope scaling or set FLOAT32 keys."""
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch or old_arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key in ("general.architecture", drop, *(floats or {})):
             continue
         value = field.contents()
         if isinstance(value, str):
@@ -385,6 +387,8 @@ def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_typ
             writer.add_float32(key.replace(old_arch, arch or old_arch, 1), value)
         else:
             writer.add_uint32(key.replace(old_arch, arch or old_arch, 1), int(value))
+    for key, number in (floats or {}).items():
+        writer.add_float32(key, number)
     if rope_type:
         writer.add_string(f"{arch or old_arch}.rope.scaling.type", rope_type)
     if rope_factor:
@@ -408,6 +412,49 @@ def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "no_q_norm.gguf", "layers.3.q_norm", "missing")
+
+
+@pytest.mark.parametrize("name", ["tiny_smollm3", "tiny_granite", "tiny_ernie4_5", "tiny_phi3_partial", "tiny_olmoe"])
+def test_converted_gguf_config_equals_the_hf_one(name: str) -> None:
+    """llama.cpp's converter keeps what vkrt computes with (SmolLM3's NoPE layers, a rule llama.cpp
+    knows rather than reads; Granite's multipliers; OLMoE's QK-norm over all heads; partial rotary):
+    the configs differ only in the name and token ids (the tiny GGUFs carry no vocabulary)."""
+    hf = load_model(FIXTURES / name).config
+    converted = load_model(FIXTURES / f"{name}_gguf" / "model.gguf").config
+    assert dataclasses.replace(converted, name=hf.name, bos_token_id=hf.bos_token_id,
+                               eos_token_ids=hf.eos_token_ids) == hf
+
+
+def test_granite_gguf_multipliers_are_checked(tmp_path: Path) -> None:
+    """llama.cpp refuses a granite GGUF without its logit scale; a multiplier that is not positive
+    is a one-line error naming the key."""
+    src = FIXTURES / "tiny_granite_gguf" / "model.gguf"
+    path = tmp_path / "no_logit_scale.gguf"
+    _rewrite_gguf(src, path, drop="granite.logit_scale")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "no_logit_scale.gguf", "'granite.logit_scale' is missing")
+    path = tmp_path / "negative.gguf"
+    _rewrite_gguf(src, path, floats={"granite.residual_scale": -0.6})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "negative.gguf", "granite.residual_scale", "positive")
+
+
+def test_llama_gguf_experts_need_their_counts(tmp_path: Path) -> None:
+    """A "llama" GGUF is Mixtral by its expert count, as llama.cpp reads it: expert tensors without
+    the count, or the count without the experts used per token, are one-line errors."""
+    src = FIXTURES / "tiny_mixtral_gguf" / "model.gguf"
+    path = tmp_path / "no_count.gguf"
+    _rewrite_gguf(src, path, drop="llama.expert_count")
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(path)
+    _one_line(exc, "no_count.gguf", "tensor 'blk.0.ffn_", "not part of the llama architecture")
+    path = tmp_path / "no_used.gguf"
+    _rewrite_gguf(src, path, drop="llama.expert_used_count")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "no_used.gguf", "llama.expert_used_count")
 
 
 def test_unsupported_gguf_family(tmp_path: Path) -> None:

@@ -165,6 +165,14 @@ class ArchSpec:
     layer_weights: tuple[str, ...] = LAYER_WEIGHTS  # required per layer
     # llama.cpp's converter interleaves the RoPE halves of q/k rows for this family.
     gguf_qk_permuted: bool = False
+    # A GGUF of one of gguf_archs is this family only when it has experts (`<arch>.expert_count`):
+    # llama.cpp writes Mixtral as "llama", as it runs it.
+    gguf_with_experts: bool = False
+    # `<arch>.<suffix>` keys llama.cpp refuses a file of this family without (Granite: logit_scale).
+    gguf_required: tuple[str, ...] = ()
+    # llama.cpp leaves every n-th layer unrotated (NoPE) in this family, a rule it does not write
+    # into the file (SmolLM3: 4); 0: every layer rotates.
+    gguf_nope_every: int = 0
     # Tensors present in some checkpoints that carry no information vkrt needs.
     hf_ignored: re.Pattern[str] = _ROTARY
     # -- family traits (ModelConfig fields of the same names) --
@@ -301,16 +309,21 @@ _GEMMA3 = ArchSpec(
 # SmolLM3 is Llama with every 4th layer unrotated (NoPE); config.json lists which.
 _SMOLLM3 = ArchSpec(
     name="smollm3",
-    gguf_archs=(),  # llama.cpp's smollm3 GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("smollm3",),
     hf_archs=("SmolLM3ForCausalLM",),
+    gguf_qk_permuted=True,
+    gguf_nope_every=4,
     default_sliding=_qwen2_sliding,
 )
 
-# Granite is Llama with four multipliers in config.json (embedding, attention, residual, logits).
+# Granite is Llama with four multipliers in config.json (embedding, attention, residual, logits),
+# in a GGUF the `*_scale` keys; llama.cpp needs the logit scale, the others default to none.
 _GRANITE = ArchSpec(
     name="granite",
-    gguf_archs=(),  # llama.cpp's granite GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("granite",),
     hf_archs=("GraniteForCausalLM",),
+    gguf_qk_permuted=True,
+    gguf_required=("logit_scale",),
 )
 
 # Phi-3 checkpoints fuse q/k/v and gate/up; both stay stacked, the layout vkrt computes in.
@@ -361,8 +374,10 @@ _QWEN2_MOE = ArchSpec(
 # Mixtral: Mistral's attention (window on every layer when set), every MLP sparse.
 _MIXTRAL = ArchSpec(
     name="mixtral",
-    gguf_archs=(),  # llama.cpp writes Mixtral as "llama" with expert tensors; not read yet
+    gguf_archs=("llama",),  # llama.cpp writes Mixtral as "llama" with an expert count (and no window)
     hf_archs=("MixtralForCausalLM",),
+    gguf_qk_permuted=True,
+    gguf_with_experts=True,
     gguf_layer={**_GGUF_LAYER, **_MOE_GGUF},
     hf_layer={**_HF_LAYER, **_MIXTRAL_HF},
     default_sliding=_all_sliding,
@@ -372,7 +387,7 @@ _MIXTRAL = ArchSpec(
 # OLMoE: QK-norm over all of q and all of k (not per head), every MLP sparse.
 _OLMOE = ArchSpec(
     name="olmoe",
-    gguf_archs=(),  # llama.cpp's olmoe GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("olmoe",),
     hf_archs=("OlmoeForCausalLM",),
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
@@ -384,7 +399,7 @@ _OLMOE = ArchSpec(
 # ERNIE 4.5 (dense): Llama's layout and math with RoPE on interleaved pairs.
 _ERNIE4_5 = ArchSpec(
     name="ernie4_5",
-    gguf_archs=(),  # llama.cpp's ernie4_5 GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("ernie4_5",),  # (llama.cpp's "normal" RoPE is this pairwise one: rows not permuted)
     hf_archs=("Ernie4_5ForCausalLM",),
     rope_interleaved=True,
 )
@@ -630,9 +645,11 @@ ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1)
 
 
-def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
-    """The spec whose GGUF `general.architecture` is `gguf_arch`, or None."""
-    return next((a for a in ARCHS if gguf_arch in a.gguf_archs), None)
+def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:
+    """The spec whose GGUF `general.architecture` is `gguf_arch`, or None; of two ("llama": Llama
+    and Mixtral) the one for a file with experts or without (ArchSpec.gguf_with_experts)."""
+    specs = [a for a in ARCHS if gguf_arch in a.gguf_archs]
+    return next((a for a in specs if a.gguf_with_experts == experts), specs[0] if specs else None)
 
 
 def arch_for_hf(hf_archs: list[str]) -> ArchSpec | None:
@@ -641,7 +658,7 @@ def arch_for_hf(hf_archs: list[str]) -> ArchSpec | None:
 
 
 def supported_gguf_archs() -> str:
-    return ", ".join(name for a in ARCHS for name in a.gguf_archs)
+    return ", ".join(dict.fromkeys(name for a in ARCHS for name in a.gguf_archs))
 
 
 def supported_hf_archs() -> str:

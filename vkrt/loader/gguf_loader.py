@@ -155,7 +155,8 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
     reader = open_gguf(path)
     meta = scalar_metadata(reader)
     arch = str(meta.get("general.architecture", ""))
-    spec = arch_for_gguf(arch)
+    experts = meta.get(f"{arch}.expert_count")
+    spec = arch_for_gguf(arch, experts=isinstance(experts, int) and experts > 0)
     if spec is None:
         raise UnsupportedModelError(
             f"{path}: architecture {arch or '(none)'!r} is not supported "

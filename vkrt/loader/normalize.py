@@ -586,7 +586,7 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     config.json spells it. Pops the longrope factor tensors from `weights`."""
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
-    for suffix in _GGUF_REQUIRED:
+    for suffix in (*_GGUF_REQUIRED, *spec.gguf_required):
         if meta.get(f"{arch}.{suffix}") is None and f"{arch}.{suffix}" not in reader.fields:  # (or per layer)
             raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
     kv_heads_per_layer = None
@@ -630,6 +630,8 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         spelled["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
     values["vocab_size"] = vocab
     values["tie_word_embeddings"] = "lm_head" not in weights
+    if spec.gguf_nope_every:  # as SmolLM3's config.json spells llama.cpp's rule: 0 = a NoPE layer
+        values["no_rope_layers"] = [int((i + 1) % spec.gguf_nope_every != 0) for i in range(values["num_hidden_layers"])]
     scaling = _gguf_rope_scaling(path, arch, meta, weights)
     if scaling is not None:
         values["rope_scaling"] = scaling
