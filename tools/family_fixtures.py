@@ -49,7 +49,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids, and the
 # families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3")
+                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Glm4Moe")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -289,6 +289,17 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                   "Falcon-H1 as transformers' defaults have it: tiny_falcon_h1's mixers with no "
                                   "norm on Mamba2's output (y * silu(z)), conv 3, tied embeddings (scaled on the "
                                   "way in, the head by lm_head_multiplier), some multipliers left at 1"),
+        "tiny_glm4_moe": ("Glm4Moe", dict(BASE, num_hidden_layers=3, tie_word_embeddings=False, eos_token_id=None,
+                                          attention_bias=True, use_qk_norm=True, n_routed_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                          n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                                          routed_scaling_factor=2.5, num_mtp_layers=0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}),
+                          "GLM-4.5 MoE: q/k/v biases, per-head QK-norm, RoPE on the first 8 of each head's 16 dims; "
+                          "layer 0's MLP dense (128, first_k_dense_replace 1), then 8 experts of 32, top-2 by sigmoid "
+                          "score + the score-correction bias within the best 1 of 2 groups, renormalised, x 2.5, "
+                          "plus an ungated shared expert of 32"),
     }
 
 

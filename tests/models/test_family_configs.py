@@ -414,6 +414,27 @@ def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
     _one_line(exc, "no_q_norm.gguf", "layers.3.q_norm", "missing")
 
 
+def test_glm4_moe_config(tmp_path: Path) -> None:
+    """GLM-4.5 MoE: first_k_dense_replace dense MLPs, then sigmoid routing with the score-correction
+    bias in groups, x routed_scaling_factor, and an ungated shared expert of n_shared_experts x the
+    expert width; the same from llama.cpp's GGUF (expert_shared_count, leading dense layers by
+    their missing routers)."""
+    saved = load_model(FIXTURES / "tiny_glm4_moe").config
+    assert [layer.moe for layer in saved.layers] == [False, True, True]
+    assert (saved.num_experts, saved.num_experts_per_tok, saved.moe_intermediate_size, saved.intermediate_size,
+            saved.shared_expert_intermediate_size, saved.shared_expert_gated) == (8, 2, 32, 128, 32, False)
+    assert (saved.moe_router, saved.expert_bias, saved.moe_groups, saved.moe_top_groups, saved.router_norm_eps,
+            saved.routed_scaling_factor, saved.norm_topk_prob) == ("sigmoid", True, 2, 1, 1e-20, 2.5, True)
+    assert (saved.qkv_bias, saved.qk_norm, saved.qk_norm_per_head, saved.rotary_dim) == (True, True, True, 8)
+    converted = load_model(FIXTURES / "tiny_glm4_moe_gguf" / "model.gguf").config
+    assert dataclasses.replace(converted, name=saved.name, bos_token_id=saved.bos_token_id) == saved
+    d = _copy("tiny_glm4_moe", tmp_path)
+    _edit_config(d, n_shared_experts=2)  # a shared expert twice as wide as the file's
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "shared_expert.gate_proj", "(64, 64)")
+
+
 @pytest.mark.parametrize("name", ["tiny_smollm3", "tiny_granite", "tiny_ernie4_5", "tiny_phi3_partial", "tiny_olmoe"])
 def test_converted_gguf_config_equals_the_hf_one(name: str) -> None:
     """llama.cpp's converter keeps what vkrt computes with (SmolLM3's NoPE layers, a rule llama.cpp

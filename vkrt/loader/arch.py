@@ -640,9 +640,37 @@ _QWEN3_5_MOE = ArchSpec(
     shared_expert=True,
 )
 
+# GLM-4.5 MoE: q/k/v biases and per-head QK-norm, RoPE on the first half of each head; the first
+# first_k_dense_replace MLPs dense, then sigmoid-routed experts chosen with a score-correction bias
+# within the best expert groups (weights renormalised, times routed_scaling_factor) beside an
+# ungated shared expert of n_shared_experts x the expert width.
+_GLM4_MOE = ArchSpec(
+    name="glm4_moe",
+    gguf_archs=("glm4moe",),
+    hf_archs=("Glm4MoeForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, **_QK_NORM_GGUF, **_MOE_GGUF, "post_attention_norm.weight": "ffn_norm",
+                "exp_probs_b.bias": "expert_bias", "ffn_gate_shexp.weight": "shared_expert.gate_proj",
+                "ffn_up_shexp.weight": "shared_expert.up_proj", "ffn_down_shexp.weight": "shared_expert.down_proj"},
+    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_QK_NORM_HF, **_MOE_HF, "mlp.gate.e_score_correction_bias": "expert_bias",
+              "mlp.shared_experts.gate_proj.weight": "shared_expert.gate_proj",
+              "mlp.shared_experts.up_proj.weight": "shared_expert.up_proj",
+              "mlp.shared_experts.down_proj.weight": "shared_expert.down_proj"},
+    layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
+    qkv_bias=True,
+    qk_norm=True,
+    hf_renames={"n_routed_experts": "num_experts", "first_k_dense_replace": "num_dense_layers"},
+    hf_defaults={"use_expert_bias": True},
+    moe_router="sigmoid",
+    router_norm_eps=1e-20,
+    norm_topk_prob=True,
+    shared_expert=True,
+    shared_expert_gated=False,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
+                               _GLM4_MOE)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:

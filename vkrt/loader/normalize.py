@@ -220,6 +220,9 @@ def _shared_expert_width(src: ConfigFields, spec: ArchSpec, experts: int) -> int
     if not (spec.shared_expert and experts):
         return 0
     value = src.get("shared_expert_intermediate_size")
+    count, width = src.get("n_shared_experts"), src.get("moe_intermediate_size")
+    if value is None and _is_int(count) and count >= 1 and _is_int(width):  # GLM-4.5: that many experts' width
+        value = count * width
     if not _is_int(value) or value < 1:
         raise ModelFormatError(f"{src.source}: {src.name('shared_expert_intermediate_size')} must be a positive "
                                f"integer, got {value!r}")
@@ -561,6 +564,7 @@ _GGUF_NAMES = {
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
     "expert_weights_norm": "norm_topk_prob",
     "expert_weights_scale": "routed_scaling_factor",
     "expert_group_count": "n_group",
