@@ -147,5 +147,5 @@ def test_phi3_gguf_longrope_attention_factor_is_read(tmp_path: Path, ref: Backen
 
     path = tmp_path / "attn_factor.gguf"
     _rewrite_gguf(FIXTURES / "tiny_phi3_gguf" / "model.gguf", path,
-                  floats={"phi3.rope.scaling.attn_factor": float(np.sqrt(1 + np.log(4.0) / np.log(64)))})
+                  values={"phi3.rope.scaling.attn_factor": float(np.sqrt(1 + np.log(4.0) / np.log(64)))})
     _logits_within_golden(DecoderModel(load_model(path), ref), "tiny_phi3")

@@ -371,24 +371,32 @@ def test_missing_per_layer_tensor_hf(tmp_path: Path) -> None:
 
 
 def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_type: str = "",
-                  rope_factor: float = 0.0, floats: dict[str, float] | None = None) -> None:
+                  rope_factor: float = 0.0, values: dict[str, object] | None = None,
+                  tensors: dict[str, np.ndarray] | None = None) -> None:
     """Copy a GGUF through the gguf package's reader and writer, changing one thing: `drop` a
-    tensor or metadata key, rename the architecture, add rope scaling or set FLOAT32 keys."""
+    tensor or metadata key, rename the architecture, add rope scaling, set keys (`values`: floats
+    as FLOAT32, ints as UINT32) or add `tensors`."""
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch or old_arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", drop, *(floats or {})):
+        if key.startswith("GGUF.") or key in ("general.architecture", drop, *(values or {})):
             continue
         value = field.contents()
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            writer.add_bool(key.replace(old_arch, arch or old_arch, 1), value)
+        elif isinstance(value, str):
             writer.add_string(key.replace(old_arch, arch or old_arch, 1), value)
         elif isinstance(value, float):
             writer.add_float32(key.replace(old_arch, arch or old_arch, 1), value)
         else:
             writer.add_uint32(key.replace(old_arch, arch or old_arch, 1), int(value))
-    for key, number in (floats or {}).items():
-        writer.add_float32(key, number)
+    for key, number in (values or {}).items():
+        if isinstance(number, float):
+            writer.add_float32(key, number)
+        else:
+            assert isinstance(number, int)
+            writer.add_uint32(key, number)
     if rope_type:
         writer.add_string(f"{arch or old_arch}.rope.scaling.type", rope_type)
     if rope_factor:
@@ -396,6 +404,8 @@ def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_typ
     for t in reader.tensors:
         if t.name != drop:
             writer.add_tensor(t.name, np.array(t.data).reshape(tuple(int(d) for d in reversed(t.shape.tolist()))))
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -412,6 +422,47 @@ def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "no_q_norm.gguf", "layers.3.q_norm", "missing")
+
+
+def test_glm4_moe_mtp_layers_are_skipped(tmp_path: Path) -> None:
+    """GLM-4.5 checkpoints carry multi-token-prediction layers after the main ones (config.json's
+    num_nextn_predict_layers; a GGUF's nextn_predict_layers, counted in block_count, as llama.cpp's
+    converter writes them): skipped, the model is the main layers; uncounted, they are an error."""
+    from safetensors.numpy import load_file, save_file
+
+    saved = load_model(FIXTURES / "tiny_glm4_moe")
+    d = _copy("tiny_glm4_moe", tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)  # (one of the MTP layer's own)
+    save_file(tensors | mtp, str(d / "model.safetensors"))
+    _edit_config(d, num_nextn_predict_layers=1)
+    loaded = load_model(d)
+    assert loaded.config == saved.config and loaded.weights.keys() == saved.weights.keys()
+    _edit_config(d, num_nextn_predict_layers=0)
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "model.layers.3.eh_proj.weight", "not part of the glm4_moe architecture")
+
+    src = FIXTURES / "tiny_glm4_moe_gguf" / "model.gguf"
+    reader = gguf.GGUFReader(str(src))
+    extra = {t.name.replace("blk.2.", "blk.3."): np.array(t.data).reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+             for t in reader.tensors if t.name.startswith("blk.2.")}
+    extra["blk.3.nextn.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    path = tmp_path / "mtp.gguf"
+    _rewrite_gguf(src, path, values={"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}, tensors=extra)
+    converted = load_model(path)
+    assert converted.config == load_model(src).config and converted.weights.keys() == load_model(src).weights.keys()
+    path = tmp_path / "uncounted.gguf"
+    _rewrite_gguf(src, path, values={"glm4moe.block_count": 4}, tensors=extra)
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(path)
+    _one_line(exc, "uncounted.gguf", "blk.3.nextn.eh_proj.weight")
+    path = tmp_path / "all_mtp.gguf"
+    _rewrite_gguf(src, path, values={"glm4moe.nextn_predict_layers": 3})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "all_mtp.gguf", "glm4moe.nextn_predict_layers is 3")
 
 
 def test_glm4_moe_config(tmp_path: Path) -> None:
@@ -456,7 +507,7 @@ def test_granite_gguf_multipliers_are_checked(tmp_path: Path) -> None:
         load_model(path)
     _one_line(exc, "no_logit_scale.gguf", "'granite.logit_scale' is missing")
     path = tmp_path / "negative.gguf"
-    _rewrite_gguf(src, path, floats={"granite.residual_scale": -0.6})
+    _rewrite_gguf(src, path, values={"granite.residual_scale": -0.6})
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "negative.gguf", "granite.residual_scale", "positive")

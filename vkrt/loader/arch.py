@@ -234,6 +234,9 @@ class ArchSpec:
     hf_multimodal_archs: tuple[str, ...] = ()
     # Tensors a checkpoint carries that vkrt does not run, by name prefix -> what they are (logged).
     hf_skipped: dict[str, str] = field(default_factory=dict)
+    # Multi-token-prediction layers saved after the main ones, as many as this config.json field says
+    # (GGUF: `<arch>.nextn_predict_layers`, counted in block_count); skipped with one log line.
+    mtp_layers: str = ""
 
 
 _LLAMA = ArchSpec(
@@ -660,6 +663,7 @@ _GLM4_MOE = ArchSpec(
     qk_norm=True,
     hf_renames={"n_routed_experts": "num_experts", "first_k_dense_replace": "num_dense_layers"},
     hf_defaults={"use_expert_bias": True},
+    mtp_layers="num_nextn_predict_layers",
     moe_router="sigmoid",
     router_norm_eps=1e-20,
     norm_topk_prob=True,

@@ -583,6 +583,18 @@ _GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_m
                       "yarn_beta_slow": "beta_slow"}
 
 
+def gguf_mtp_layers(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any]) -> range:
+    """The blocks after the main ones that hold multi-token-prediction layers (ArchSpec.mtp_layers:
+    `<arch>.nextn_predict_layers` of block_count, as llama.cpp's converter counts them)."""
+    count, blocks = meta.get(f"{arch}.nextn_predict_layers"), meta.get(f"{arch}.block_count")
+    if not spec.mtp_layers or not count or not _is_int(blocks):
+        return range(0)
+    if not _is_int(count) or not 0 < count < blocks:
+        raise ModelFormatError(f"{path}: metadata {arch}.nextn_predict_layers is {count!r}, but it must count "
+                               f"some of the {blocks} blocks; the file is corrupt")
+    return range(blocks - count, blocks)
+
+
 def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
                 weights: dict[str, WeightData], vocab: int) -> ConfigFields:
     """A GGUF file's metadata under config.json's names, with what llama.cpp derives from the
@@ -611,6 +623,9 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         spelled[key] = f"{arch}.{suffix}"
         if meta.get(f"{arch}.{suffix}") is not None:
             values[key] = meta[f"{arch}.{suffix}"]
+    mtp = gguf_mtp_layers(path, spec, arch, meta)
+    if mtp:  # the main layers only
+        values["num_hidden_layers"] = mtp.start
     if meta.get(f"{arch}.attention.layer_norm_epsilon") is not None:  # Nemotron-H writes its RMSNorm's so
         values.setdefault("rms_norm_eps", meta[f"{arch}.attention.layer_norm_epsilon"])
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
