@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.models.conftest import Greedy
+from vkrt.backend.base import Backend
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader import load_model
 from vkrt.loader.config import LayerConfig
+from vkrt.models import build_model
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -463,6 +466,40 @@ def test_glm4_moe_mtp_layers_are_skipped(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "all_mtp.gguf", "glm4moe.nextn_predict_layers is 3")
+
+
+def test_glm4_moe_without_qk_norm(tmp_path: Path, ref: Backend) -> None:
+    """GLM-4.5-Air's kind: use_qk_norm false and no q/k norm tensors (in a GGUF: no attn_q_norm /
+    attn_k_norm, llama.cpp's optional tensors); loads and runs without the norms. A Qwen3 GGUF
+    without them is still refused (test_missing_per_layer_tensor_gguf's kind)."""
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy("tiny_glm4_moe", tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))},
+              str(d / "model.safetensors"))
+    with pytest.raises(ModelFormatError) as exc:  # the config still says the norms are there
+        load_model(d)
+    _one_line(exc, "layers.0.q_norm", "missing")
+    _edit_config(d, use_qk_norm=False)
+    plain = load_model(d)
+    assert not plain.config.qk_norm
+    src = FIXTURES / "tiny_glm4_moe_gguf" / "model.gguf"
+    reader = gguf.GGUFReader(str(src))
+    path = tmp_path / "no_qk_norm.gguf"
+    shutil.copy(src, tmp_path / "step0.gguf")
+    for i, name in enumerate(t.name for t in reader.tensors if t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))):
+        _rewrite_gguf(tmp_path / f"step{i}.gguf", tmp_path / f"step{i + 1}.gguf", drop=name)
+        path = tmp_path / f"step{i + 1}.gguf"
+    converted = load_model(path)
+    assert not converted.config.qk_norm and not any(k.endswith(("q_norm", "k_norm")) for k in converted.weights)
+    ids = [1, 42, 17, 200, 3]
+    logits = [Greedy(build_model(m, ref), max_len=16).step(ids, 0, all_logits=True) for m in (plain, converted)]
+    assert np.isfinite(logits[0]).all() and float(np.abs(logits[0] - logits[1]).max()) < 1e-5
+    _edit_config(d, use_qk_norm="no")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "use_qk_norm", "true or false")
 
 
 def test_glm4_moe_config(tmp_path: Path) -> None:

@@ -192,6 +192,9 @@ class ArchSpec:
     gguf_wide_query_layers: int = 0
     # QK-norm over each head (Qwen3, Gemma 3) or over all of q and all of k (OLMoE).
     qk_norm_per_head: bool = True
+    # The QK-norm is config.json's `use_qk_norm` (default on) and, in a GGUF, there when its tensors
+    # are, as llama.cpp's optional ones (GLM-4.5; GLM-4.5-Air has none).
+    qk_norm_optional: bool = False
     # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
     rope_interleaved: bool = False
     # Recurrent mixers some of the family's layers use instead of attention: config.json's
@@ -661,6 +664,7 @@ _GLM4_MOE = ArchSpec(
     layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
     qkv_bias=True,
     qk_norm=True,
+    qk_norm_optional=True,
     hf_renames={"n_routed_experts": "num_experts", "first_k_dense_replace": "num_dense_layers"},
     hf_defaults={"use_expert_bias": True},
     mtp_layers="num_nextn_predict_layers",
@@ -775,6 +779,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         names = list(arch_named(config.architecture).layer_weights)
         if not layer.attends:
             names = [n for n in names if n not in _ATTENTION_ONLY]
+        if not config.qk_norm:  # (a family whose QK-norm is optional: ArchSpec.qk_norm_optional)
+            names = [n for n in names if n not in ("q_norm", "k_norm")]
         if layer.recurrent:
             names += MIXER_WEIGHTS[layer.recurrent]
             if config.mamba_norm == "none":  # Mamba2 without its gated norm (Falcon-H1's option)

@@ -352,7 +352,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
         linear_norm_eps=spec.linear_norm_eps,
         qkv_bias=spec.qkv_bias,
-        qk_norm=spec.qk_norm,
+        qk_norm=spec.qk_norm and (not spec.qk_norm_optional or bool(src.get("use_qk_norm", True))),
         sandwich_norms=spec.sandwich_norms,
         norm_offset=0.0 if src.norm_offset_stored else spec.hf_norm_offset,
         embedding_scale=embedding_scale,
@@ -649,6 +649,8 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         spelled["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
     values["vocab_size"] = vocab
     values["tie_word_embeddings"] = "lm_head" not in weights
+    if spec.qk_norm_optional:
+        values["use_qk_norm"] = any(name.endswith(".q_norm") for name in weights)
     if spec.gguf_nope_every:  # as SmolLM3's config.json spells llama.cpp's rule: 0 = a NoPE layer
         values["no_rope_layers"] = [int((i + 1) % spec.gguf_nope_every != 0) for i in range(values["num_hidden_layers"])]
     scaling = _gguf_rope_scaling(path, arch, meta, weights)
