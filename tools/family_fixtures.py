@@ -2,8 +2,8 @@
 
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM, SmolLM3, Granite, and the mixtures of experts Qwen3MoeForCausalLM,
-MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+Phi3ForCausalLM, SmolLM3, Granite, the mixtures of experts Qwen3MoeForCausalLM,
+MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Glm4MoeForCausalLM, and the hybrids), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
 golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
