@@ -2,12 +2,13 @@
 
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM, SmolLM3, Granite, and the mixtures of experts Qwen3MoeForCausalLM,
-MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+Phi3ForCausalLM, SmolLM3, Granite, the mixtures of experts Qwen3MoeForCausalLM,
+MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Glm4MoeForCausalLM, and the hybrids), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
 golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
-computes after loading those GGUF files.
+computes after loading those GGUF files. The other families' GGUFs are made by llama.cpp's own
+converter (CONVERTED_FAMILIES), their goldens the HF ones.
 
 Run through make_fixtures.py (`--only families`, or `--only moe` for the mixtures of
 experts alone), from the tools venv.
@@ -45,19 +46,33 @@ BASE = dict(
 # Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
-# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
+# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids, and the
+# families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1")
+                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Glm4Moe")
+
+
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
     "GraniteMoeHybrid": lambda cfg: cfg | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}
                                                            .get(t, t) for t in cfg["layer_types"]]},
 }
+# Where a converted GGUF says otherwise than the HF config, llama.cpp runs what the GGUF says: its
+# golden is transformers' forward of the HF fixture (the same weights) with the config overrides
+# made here from config.json. llama.cpp writes Mixtral as "llama", with no sliding window; it derives
+# longrope's attention factor from max_position_embeddings / original (1 for tiny_phi3), where
+# transformers reads the rope parameters' `factor` (4).
+CONVERT_AS_RUN: dict[str, Any] = {
+    "tiny_mixtral": lambda cfg: {"sliding_window": None},
+    "tiny_phi3": lambda cfg: {"rope_parameters": cfg["rope_parameters"] | {"attention_factor": 1.0}},
+}
 # Converted families' fixtures that are not converted (one GGUF of the family is enough).
 NOT_CONVERTED = ("tiny_falcon_h1_nonorm",)
-# What a conversion changes, said in its golden's description (the golden stays the HF one).
-CONVERT_NOTES = {"FalconH1": "; the converter folds the muP multipliers into the weights, which rounds them"}
+# What a conversion changes, by fixture, said in its golden's description.
+CONVERT_NOTES = {"tiny_falcon_h1": "; the converter folds the muP multipliers into the weights, which rounds them",
+                 "tiny_mixtral": " with no sliding window (CONVERT_AS_RUN), as llama.cpp runs the file",
+                 "tiny_phi3": " with longrope's attention factor 1 (CONVERT_AS_RUN), as the converter wrote it"}
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
@@ -274,6 +289,17 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                   "Falcon-H1 as transformers' defaults have it: tiny_falcon_h1's mixers with no "
                                   "norm on Mamba2's output (y * silu(z)), conv 3, tied embeddings (scaled on the "
                                   "way in, the head by lm_head_multiplier), some multipliers left at 1"),
+        "tiny_glm4_moe": ("Glm4Moe", dict(BASE, num_hidden_layers=3, tie_word_embeddings=False, eos_token_id=None,
+                                          attention_bias=True, use_qk_norm=True, n_routed_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                                          n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                                          routed_scaling_factor=2.5, num_mtp_layers=0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}),
+                          "GLM-4.5 MoE: q/k/v biases, per-head QK-norm, RoPE on the first 8 of each head's 16 dims; "
+                          "layer 0's MLP dense (128, first_k_dense_replace 1), then 8 experts of 32, top-2 by sigmoid "
+                          "score + the score-correction bias within the best 1 of 2 groups, renormalised, x 2.5, "
+                          "plus an ungated shared expert of 32"),
     }
 
 
@@ -434,8 +460,12 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if fixture in MULTIMODAL:
             _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES and fixture not in NOT_CONVERTED:
+            if fixture in CONVERT_AS_RUN:
+                as_run = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",
+                                                   **CONVERT_AS_RUN[fixture](saved)).eval()
+                gold = golden_for(as_run, f"{fixture}_gguf", "float32", gold["meta"], prompts)
             _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
-                          CONVERT_NOTES.get(family, " (an exact conversion)"))
+                          CONVERT_NOTES.get(fixture, " (an exact conversion)"))
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 
@@ -610,8 +640,8 @@ convert_hf_to_gguf.main()
 def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None,
                   note: str = "") -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
-    (f32 in, f32 out, no row permutation for these families) but for what `note` says, so the
-    golden is the HF one."""
+    (f32 in, f32 out; the q/k rows it permutes for llama-type families the loader puts back) but
+    for what `note` says, so the golden is the HF one (`hf_golden`)."""
     import shutil
     import subprocess
     import sys

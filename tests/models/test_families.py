@@ -23,7 +23,10 @@ from vkrt.models.decoder import DecoderModel
 
 FAMILIES = ["tiny_qwen2", "tiny_qwen2_gguf", "tiny_qwen3", "tiny_qwen3_gguf", "tiny_mistral", "tiny_gemma2",
             "tiny_gemma2_gguf", "tiny_gemma3", "tiny_gemma3_gguf", "tiny_phi3", "tiny_smollm3", "tiny_granite",
-            "tiny_phi3_partial", "tiny_ernie4_5", "tiny_lfm2", "tiny_lfm2_gguf", "tiny_qwen3_5", "tiny_qwen3_5_gguf", "tiny_granite4", "tiny_qwen3_next", "tiny_qwen3_next_gguf", "tiny_qwen3_5_moe", "tiny_qwen3_5_moe_gguf", "tiny_nemotron_h", "tiny_qwen3_5_vl", "tiny_lfm2_moe", "tiny_lfm2_moe_gguf", "tiny_granite4_gguf", "tiny_nemotron_h_gguf", "tiny_olmo_hybrid", "tiny_granite4_moe", "tiny_granite4_moe_gguf", "tiny_nemotron_h_moe", "tiny_nemotron_h_moe_gguf", "tiny_falcon_h1", "tiny_falcon_h1_gguf", "tiny_falcon_h1_nonorm", "tiny_qwen3_5_moe_vl"]
+            "tiny_phi3_partial", "tiny_ernie4_5", "tiny_lfm2", "tiny_lfm2_gguf", "tiny_qwen3_5", "tiny_qwen3_5_gguf", "tiny_granite4", "tiny_qwen3_next", "tiny_qwen3_next_gguf", "tiny_qwen3_5_moe", "tiny_qwen3_5_moe_gguf", "tiny_nemotron_h", "tiny_qwen3_5_vl", "tiny_lfm2_moe", "tiny_lfm2_moe_gguf", "tiny_granite4_gguf", "tiny_nemotron_h_gguf", "tiny_olmo_hybrid", "tiny_granite4_moe", "tiny_granite4_moe_gguf", "tiny_nemotron_h_moe", "tiny_nemotron_h_moe_gguf", "tiny_falcon_h1", "tiny_falcon_h1_gguf", "tiny_falcon_h1_nonorm", "tiny_qwen3_5_moe_vl",
+            # llama.cpp's converter on HF fixtures above (the mixtures of experts': tests/models/test_moe.py)
+            "tiny_smollm3_gguf", "tiny_granite_gguf", "tiny_ernie4_5_gguf",
+            "tiny_phi3_gguf", "tiny_phi3_partial_gguf", "tiny_glm4_moe", "tiny_glm4_moe_gguf"]
 LLAMAS = ["tiny_llama", "tiny_llama_tied", "tiny_llama_bf16"]
 # Stated bound: max |logit difference| against transformers' float32 forward. Measured
 # 2.3e-5 at most on both backends (tiny_smollm3; most of it the goldens' 6-digit rounding),
@@ -136,47 +139,13 @@ def test_gemma3_gguf_rope_scaling_applies_to_global_layers_only(tmp_path: Path, 
     _logits_within_golden(DecoderModel(load_model(path), ref), "tiny_gemma3")
 
 
-def test_phi3_gguf_reproduces_the_hf_golden(tmp_path: Path, ref: Backend) -> None:
-    """tiny_phi3's weights as llama.cpp writes Phi-3 (fused attn_qkv, gate|up in ffn_up, the
-    longrope factors as rope_factors_* tensors, rows not permuted) give transformers' golden.
-    transformers cannot read this GGUF itself, so the golden of the HF directory is the reference."""
-    import gguf
-    from safetensors.numpy import load_file
+def test_phi3_gguf_longrope_attention_factor_is_read(tmp_path: Path, ref: Backend) -> None:
+    """tiny_phi3_gguf holds tiny_phi3's weights and its converter's longrope attention factor (1); with
+    `rope.scaling.attn_factor` set to the one transformers derives from tiny_phi3's config (factor 4
+    over a context of 64) it must reproduce tiny_phi3's transformers golden."""
+    from tests.models.test_family_configs import _rewrite_gguf
 
-    cfg = json.loads((FIXTURES / "tiny_phi3" / "config.json").read_text())
-    rope = cfg["rope_parameters"]
-    hf = load_file(str(FIXTURES / "tiny_phi3" / "model.safetensors"))
-    names = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    path = tmp_path / "phi3.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    # transformers' attention factor for this config (factor 4 over a context of 64).
-    w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(4.0) / np.log(64))))
-    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
-    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
-    for name, value in hf.items():
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gguf_name = "output.weight"
-        else:
-            parts = name.split(".")
-            gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
-        w.add_tensor(gguf_name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    model = DecoderModel(load_model(path), ref)
-    _logits_within_golden(model, "tiny_phi3")
+    path = tmp_path / "attn_factor.gguf"
+    _rewrite_gguf(FIXTURES / "tiny_phi3_gguf" / "model.gguf", path,
+                  values={"phi3.rope.scaling.attn_factor": float(np.sqrt(1 + np.log(4.0) / np.log(64)))})
+    _logits_within_golden(DecoderModel(load_model(path), ref), "tiny_phi3")

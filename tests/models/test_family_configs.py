@@ -3,6 +3,7 @@ does not run: an unsupported family, an unknown rope type, a missing per-layer t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -13,9 +14,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.models.conftest import Greedy
+from vkrt.backend.base import Backend
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader import load_model
 from vkrt.loader.config import LayerConfig
+from vkrt.models import build_model
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -370,21 +374,32 @@ def test_missing_per_layer_tensor_hf(tmp_path: Path) -> None:
 
 
 def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_type: str = "",
-                  rope_factor: float = 0.0) -> None:
-    """Copy a GGUF through the gguf package's reader and writer, changing one thing."""
+                  rope_factor: float = 0.0, values: dict[str, object] | None = None,
+                  tensors: dict[str, np.ndarray] | None = None) -> None:
+    """Copy a GGUF through the gguf package's reader and writer, changing one thing: `drop` a
+    tensor or metadata key, rename the architecture, add rope scaling, set keys (`values`: floats
+    as FLOAT32, ints as UINT32) or add `tensors`."""
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch or old_arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key in ("general.architecture", drop, *(values or {})):
             continue
         value = field.contents()
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            writer.add_bool(key.replace(old_arch, arch or old_arch, 1), value)
+        elif isinstance(value, str):
             writer.add_string(key.replace(old_arch, arch or old_arch, 1), value)
         elif isinstance(value, float):
             writer.add_float32(key.replace(old_arch, arch or old_arch, 1), value)
         else:
             writer.add_uint32(key.replace(old_arch, arch or old_arch, 1), int(value))
+    for key, number in (values or {}).items():
+        if isinstance(number, float):
+            writer.add_float32(key, number)
+        else:
+            assert isinstance(number, int)
+            writer.add_uint32(key, number)
     if rope_type:
         writer.add_string(f"{arch or old_arch}.rope.scaling.type", rope_type)
     if rope_factor:
@@ -392,6 +407,8 @@ def _rewrite_gguf(src: Path, dst: Path, drop: str = "", arch: str = "", rope_typ
     for t in reader.tensors:
         if t.name != drop:
             writer.add_tensor(t.name, np.array(t.data).reshape(tuple(int(d) for d in reversed(t.shape.tolist()))))
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -408,6 +425,145 @@ def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as exc:
         load_model(path)
     _one_line(exc, "no_q_norm.gguf", "layers.3.q_norm", "missing")
+
+
+def test_glm4_moe_mtp_layers_are_skipped(tmp_path: Path) -> None:
+    """GLM-4.5 checkpoints carry multi-token-prediction layers after the main ones (config.json's
+    num_nextn_predict_layers; a GGUF's nextn_predict_layers, counted in block_count, as llama.cpp's
+    converter writes them): skipped, the model is the main layers; uncounted, they are an error."""
+    from safetensors.numpy import load_file, save_file
+
+    saved = load_model(FIXTURES / "tiny_glm4_moe")
+    d = _copy("tiny_glm4_moe", tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)  # (one of the MTP layer's own)
+    save_file(tensors | mtp, str(d / "model.safetensors"))
+    _edit_config(d, num_nextn_predict_layers=1)
+    loaded = load_model(d)
+    assert loaded.config == saved.config and loaded.weights.keys() == saved.weights.keys()
+    _edit_config(d, num_nextn_predict_layers=0)
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(d)
+    _one_line(exc, "model.layers.3.eh_proj.weight", "not part of the glm4_moe architecture")
+
+    src = FIXTURES / "tiny_glm4_moe_gguf" / "model.gguf"
+    reader = gguf.GGUFReader(str(src))
+    extra = {t.name.replace("blk.2.", "blk.3."): np.array(t.data).reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+             for t in reader.tensors if t.name.startswith("blk.2.")}
+    extra["blk.3.nextn.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    path = tmp_path / "mtp.gguf"
+    _rewrite_gguf(src, path, values={"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}, tensors=extra)
+    converted = load_model(path)
+    assert converted.config == load_model(src).config and converted.weights.keys() == load_model(src).weights.keys()
+    path = tmp_path / "uncounted.gguf"
+    _rewrite_gguf(src, path, values={"glm4moe.block_count": 4}, tensors=extra)
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(path)
+    _one_line(exc, "uncounted.gguf", "blk.3.nextn.eh_proj.weight")
+    path = tmp_path / "all_mtp.gguf"
+    _rewrite_gguf(src, path, values={"glm4moe.nextn_predict_layers": 3})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "all_mtp.gguf", "glm4moe.nextn_predict_layers is 3")
+
+
+def test_glm4_moe_without_qk_norm(tmp_path: Path, ref: Backend) -> None:
+    """GLM-4.5-Air's kind: use_qk_norm false and no q/k norm tensors (in a GGUF: no attn_q_norm /
+    attn_k_norm, llama.cpp's optional tensors); loads and runs without the norms. A Qwen3 GGUF
+    without them is still refused (test_missing_per_layer_tensor_gguf's kind)."""
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy("tiny_glm4_moe", tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))},
+              str(d / "model.safetensors"))
+    with pytest.raises(ModelFormatError) as exc:  # the config still says the norms are there
+        load_model(d)
+    _one_line(exc, "layers.0.q_norm", "missing")
+    _edit_config(d, use_qk_norm=False)
+    plain = load_model(d)
+    assert not plain.config.qk_norm
+    src = FIXTURES / "tiny_glm4_moe_gguf" / "model.gguf"
+    reader = gguf.GGUFReader(str(src))
+    path = tmp_path / "no_qk_norm.gguf"
+    shutil.copy(src, tmp_path / "step0.gguf")
+    for i, name in enumerate(t.name for t in reader.tensors if t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))):
+        _rewrite_gguf(tmp_path / f"step{i}.gguf", tmp_path / f"step{i + 1}.gguf", drop=name)
+        path = tmp_path / f"step{i + 1}.gguf"
+    converted = load_model(path)
+    assert not converted.config.qk_norm and not any(k.endswith(("q_norm", "k_norm")) for k in converted.weights)
+    ids = [1, 42, 17, 200, 3]
+    logits = [Greedy(build_model(m, ref), max_len=16).step(ids, 0, all_logits=True) for m in (plain, converted)]
+    assert np.isfinite(logits[0]).all() and float(np.abs(logits[0] - logits[1]).max()) < 1e-5
+    _edit_config(d, use_qk_norm="no")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "use_qk_norm", "true or false")
+
+
+def test_glm4_moe_config(tmp_path: Path) -> None:
+    """GLM-4.5 MoE: first_k_dense_replace dense MLPs, then sigmoid routing with the score-correction
+    bias in groups, x routed_scaling_factor, and an ungated shared expert of n_shared_experts x the
+    expert width; the same from llama.cpp's GGUF (expert_shared_count, leading dense layers by
+    their missing routers)."""
+    saved = load_model(FIXTURES / "tiny_glm4_moe").config
+    assert [layer.moe for layer in saved.layers] == [False, True, True]
+    assert (saved.num_experts, saved.num_experts_per_tok, saved.moe_intermediate_size, saved.intermediate_size,
+            saved.shared_expert_intermediate_size, saved.shared_expert_gated) == (8, 2, 32, 128, 32, False)
+    assert (saved.moe_router, saved.expert_bias, saved.moe_groups, saved.moe_top_groups, saved.router_norm_eps,
+            saved.routed_scaling_factor, saved.norm_topk_prob) == ("sigmoid", True, 2, 1, 1e-20, 2.5, True)
+    assert (saved.qkv_bias, saved.qk_norm, saved.qk_norm_per_head, saved.rotary_dim) == (True, True, True, 8)
+    converted = load_model(FIXTURES / "tiny_glm4_moe_gguf" / "model.gguf").config
+    assert dataclasses.replace(converted, name=saved.name, bos_token_id=saved.bos_token_id) == saved
+    d = _copy("tiny_glm4_moe", tmp_path)
+    _edit_config(d, n_shared_experts=2)  # a shared expert twice as wide as the file's
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "shared_expert.gate_proj", "(64, 64)")
+
+
+@pytest.mark.parametrize("name", ["tiny_smollm3", "tiny_granite", "tiny_ernie4_5", "tiny_phi3_partial", "tiny_olmoe"])
+def test_converted_gguf_config_equals_the_hf_one(name: str) -> None:
+    """llama.cpp's converter keeps what vkrt computes with (SmolLM3's NoPE layers, a rule llama.cpp
+    knows rather than reads; Granite's multipliers; OLMoE's QK-norm over all heads; partial rotary):
+    the configs differ only in the name and token ids (the tiny GGUFs carry no vocabulary)."""
+    hf = load_model(FIXTURES / name).config
+    converted = load_model(FIXTURES / f"{name}_gguf" / "model.gguf").config
+    assert dataclasses.replace(converted, name=hf.name, bos_token_id=hf.bos_token_id,
+                               eos_token_ids=hf.eos_token_ids) == hf
+
+
+def test_granite_gguf_multipliers_are_checked(tmp_path: Path) -> None:
+    """llama.cpp refuses a granite GGUF without its logit scale; a multiplier that is not positive
+    is a one-line error naming the key."""
+    src = FIXTURES / "tiny_granite_gguf" / "model.gguf"
+    path = tmp_path / "no_logit_scale.gguf"
+    _rewrite_gguf(src, path, drop="granite.logit_scale")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "no_logit_scale.gguf", "'granite.logit_scale' is missing")
+    path = tmp_path / "negative.gguf"
+    _rewrite_gguf(src, path, values={"granite.residual_scale": -0.6})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "negative.gguf", "granite.residual_scale", "positive")
+
+
+def test_llama_gguf_experts_need_their_counts(tmp_path: Path) -> None:
+    """A "llama" GGUF is Mixtral by its expert count, as llama.cpp reads it: expert tensors without
+    the count, or the count without the experts used per token, are one-line errors."""
+    src = FIXTURES / "tiny_mixtral_gguf" / "model.gguf"
+    path = tmp_path / "no_count.gguf"
+    _rewrite_gguf(src, path, drop="llama.expert_count")
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(path)
+    _one_line(exc, "no_count.gguf", "tensor 'blk.0.ffn_", "not part of the llama architecture")
+    path = tmp_path / "no_used.gguf"
+    _rewrite_gguf(src, path, drop="llama.expert_used_count")
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(path)
+    _one_line(exc, "no_used.gguf", "llama.expert_used_count")
 
 
 def test_unsupported_gguf_family(tmp_path: Path) -> None:

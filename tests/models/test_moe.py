@@ -29,7 +29,9 @@ from vkrt.loader import load_model
 from vkrt.models import build_model
 from vkrt.models.weights import Experts
 
-MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe"]
+# *_gguf: the HF fixture through llama.cpp's converter (tiny_qwen3_moe_gguf: the gguf package's writer)
+MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_mixtral_gguf", "tiny_olmoe", "tiny_olmoe_gguf",
+       "tiny_qwen2_moe"]
 LOGIT_ATOL = 2e-4
 MAX_LEN = 64
 
@@ -76,6 +78,14 @@ def test_configs() -> None:
     olmoe = load_model(FIXTURES / "tiny_olmoe").config
     assert (olmoe.num_experts, olmoe.num_experts_per_tok) == (5, 3)
     assert not olmoe.norm_topk_prob and olmoe.qk_norm and not olmoe.qk_norm_per_head
+    # llama.cpp writes Mixtral as "llama" with an expert count and no window; OLMoE as "olmoe"
+    mixtral_gguf = load_model(_model_path("tiny_mixtral_gguf")).config
+    assert mixtral_gguf.architecture == "mixtral" and mixtral_gguf.norm_topk_prob
+    assert [(layer.moe, layer.window) for layer in mixtral_gguf.layers] == [(True, 0), (True, 0)]
+    assert (mixtral_gguf.num_experts, mixtral_gguf.num_experts_per_tok, mixtral_gguf.moe_intermediate_size) == (4, 2, 32)
+    olmoe_gguf = load_model(_model_path("tiny_olmoe_gguf")).config
+    assert (olmoe_gguf.num_experts, olmoe_gguf.num_experts_per_tok, olmoe_gguf.layers) == (5, 3, olmoe.layers)
+    assert not olmoe_gguf.norm_topk_prob and not olmoe_gguf.qk_norm_per_head
     qwen2 = load_model(FIXTURES / "tiny_qwen2_moe").config
     assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_intermediate_size) == (7, 2, 16)
     assert qwen2.shared_expert_intermediate_size == 48 and qwen2.qkv_bias and not qwen2.norm_topk_prob
@@ -121,8 +131,8 @@ def test_engine_concurrent_greedy_requests_equal_the_goldens(device: str, reques
 # folded into the expert matmul it was 8 (21, 26, 24, 38 were 22, 28, 26, 40). Qwen2-MoE's
 # shared expert adds three: its gate|up with SwiGLU, its down, its gate logit (the combine
 # takes the shared term: moe_combine_shared).
-DECODE_DISPATCHES = {"tiny_qwen3_moe": 21, "tiny_qwen3_moe_gguf": 26, "tiny_mixtral": 24, "tiny_olmoe": 38,
-                     "tiny_qwen2_moe": 32}
+DECODE_DISPATCHES = {"tiny_qwen3_moe": 21, "tiny_qwen3_moe_gguf": 26, "tiny_mixtral": 24, "tiny_mixtral_gguf": 24,
+                     "tiny_olmoe": 38, "tiny_olmoe_gguf": 38, "tiny_qwen2_moe": 32}
 
 
 @pytest.mark.parametrize("name", MOE)

@@ -165,6 +165,14 @@ class ArchSpec:
     layer_weights: tuple[str, ...] = LAYER_WEIGHTS  # required per layer
     # llama.cpp's converter interleaves the RoPE halves of q/k rows for this family.
     gguf_qk_permuted: bool = False
+    # A GGUF of one of gguf_archs is this family only when it has experts (`<arch>.expert_count`):
+    # llama.cpp writes Mixtral as "llama", as it runs it.
+    gguf_with_experts: bool = False
+    # `<arch>.<suffix>` keys llama.cpp refuses a file of this family without (Granite: logit_scale).
+    gguf_required: tuple[str, ...] = ()
+    # llama.cpp leaves every n-th layer unrotated (NoPE) in this family, a rule it does not write
+    # into the file (SmolLM3: 4); 0: every layer rotates.
+    gguf_nope_every: int = 0
     # Tensors present in some checkpoints that carry no information vkrt needs.
     hf_ignored: re.Pattern[str] = _ROTARY
     # -- family traits (ModelConfig fields of the same names) --
@@ -184,6 +192,9 @@ class ArchSpec:
     gguf_wide_query_layers: int = 0
     # QK-norm over each head (Qwen3, Gemma 3) or over all of q and all of k (OLMoE).
     qk_norm_per_head: bool = True
+    # The QK-norm is config.json's `use_qk_norm` (default on) and, in a GGUF, there when its tensors
+    # are, as llama.cpp's optional ones (GLM-4.5; GLM-4.5-Air has none).
+    qk_norm_optional: bool = False
     # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
     rope_interleaved: bool = False
     # Recurrent mixers some of the family's layers use instead of attention: config.json's
@@ -226,6 +237,9 @@ class ArchSpec:
     hf_multimodal_archs: tuple[str, ...] = ()
     # Tensors a checkpoint carries that vkrt does not run, by name prefix -> what they are (logged).
     hf_skipped: dict[str, str] = field(default_factory=dict)
+    # Multi-token-prediction layers saved after the main ones, as many as this config.json field says
+    # (GGUF: `<arch>.nextn_predict_layers`, counted in block_count); skipped with one log line.
+    mtp_layers: str = ""
 
 
 _LLAMA = ArchSpec(
@@ -301,16 +315,21 @@ _GEMMA3 = ArchSpec(
 # SmolLM3 is Llama with every 4th layer unrotated (NoPE); config.json lists which.
 _SMOLLM3 = ArchSpec(
     name="smollm3",
-    gguf_archs=(),  # llama.cpp's smollm3 GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("smollm3",),
     hf_archs=("SmolLM3ForCausalLM",),
+    gguf_qk_permuted=True,
+    gguf_nope_every=4,
     default_sliding=_qwen2_sliding,
 )
 
-# Granite is Llama with four multipliers in config.json (embedding, attention, residual, logits).
+# Granite is Llama with four multipliers in config.json (embedding, attention, residual, logits),
+# in a GGUF the `*_scale` keys; llama.cpp needs the logit scale, the others default to none.
 _GRANITE = ArchSpec(
     name="granite",
-    gguf_archs=(),  # llama.cpp's granite GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("granite",),
     hf_archs=("GraniteForCausalLM",),
+    gguf_qk_permuted=True,
+    gguf_required=("logit_scale",),
 )
 
 # Phi-3 checkpoints fuse q/k/v and gate/up; both stay stacked, the layout vkrt computes in.
@@ -361,8 +380,10 @@ _QWEN2_MOE = ArchSpec(
 # Mixtral: Mistral's attention (window on every layer when set), every MLP sparse.
 _MIXTRAL = ArchSpec(
     name="mixtral",
-    gguf_archs=(),  # llama.cpp writes Mixtral as "llama" with expert tensors; not read yet
+    gguf_archs=("llama",),  # llama.cpp writes Mixtral as "llama" with an expert count (and no window)
     hf_archs=("MixtralForCausalLM",),
+    gguf_qk_permuted=True,
+    gguf_with_experts=True,
     gguf_layer={**_GGUF_LAYER, **_MOE_GGUF},
     hf_layer={**_HF_LAYER, **_MIXTRAL_HF},
     default_sliding=_all_sliding,
@@ -372,7 +393,7 @@ _MIXTRAL = ArchSpec(
 # OLMoE: QK-norm over all of q and all of k (not per head), every MLP sparse.
 _OLMOE = ArchSpec(
     name="olmoe",
-    gguf_archs=(),  # llama.cpp's olmoe GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("olmoe",),
     hf_archs=("OlmoeForCausalLM",),
     gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
     hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
@@ -384,7 +405,7 @@ _OLMOE = ArchSpec(
 # ERNIE 4.5 (dense): Llama's layout and math with RoPE on interleaved pairs.
 _ERNIE4_5 = ArchSpec(
     name="ernie4_5",
-    gguf_archs=(),  # llama.cpp's ernie4_5 GGUFs are not read yet (no fixture to check them by)
+    gguf_archs=("ernie4_5",),  # (llama.cpp's "normal" RoPE is this pairwise one: rows not permuted)
     hf_archs=("Ernie4_5ForCausalLM",),
     rope_interleaved=True,
 )
@@ -625,14 +646,46 @@ _QWEN3_5_MOE = ArchSpec(
     shared_expert=True,
 )
 
+# GLM-4.5 MoE: q/k/v biases and per-head QK-norm, RoPE on the first half of each head; the first
+# first_k_dense_replace MLPs dense, then sigmoid-routed experts chosen with a score-correction bias
+# within the best expert groups (weights renormalised, times routed_scaling_factor) beside an
+# ungated shared expert of n_shared_experts x the expert width.
+_GLM4_MOE = ArchSpec(
+    name="glm4_moe",
+    gguf_archs=("glm4moe",),
+    hf_archs=("Glm4MoeForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, **_QK_NORM_GGUF, **_MOE_GGUF, "post_attention_norm.weight": "ffn_norm",
+                "exp_probs_b.bias": "expert_bias", "ffn_gate_shexp.weight": "shared_expert.gate_proj",
+                "ffn_up_shexp.weight": "shared_expert.up_proj", "ffn_down_shexp.weight": "shared_expert.down_proj"},
+    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_QK_NORM_HF, **_MOE_HF, "mlp.gate.e_score_correction_bias": "expert_bias",
+              "mlp.shared_experts.gate_proj.weight": "shared_expert.gate_proj",
+              "mlp.shared_experts.up_proj.weight": "shared_expert.up_proj",
+              "mlp.shared_experts.down_proj.weight": "shared_expert.down_proj"},
+    layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"),
+    qkv_bias=True,
+    qk_norm=True,
+    qk_norm_optional=True,
+    hf_renames={"n_routed_experts": "num_experts", "first_k_dense_replace": "num_dense_layers"},
+    hf_defaults={"use_expert_bias": True},
+    mtp_layers="num_nextn_predict_layers",
+    moe_router="sigmoid",
+    router_norm_eps=1e-20,
+    norm_topk_prob=True,
+    shared_expert=True,
+    shared_expert_gated=False,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
+                               _GLM4_MOE)
 
 
-def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
-    """The spec whose GGUF `general.architecture` is `gguf_arch`, or None."""
-    return next((a for a in ARCHS if gguf_arch in a.gguf_archs), None)
+def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:
+    """The spec whose GGUF `general.architecture` is `gguf_arch`, or None; of two ("llama": Llama
+    and Mixtral) the one for a file with experts or without (ArchSpec.gguf_with_experts)."""
+    specs = [a for a in ARCHS if gguf_arch in a.gguf_archs]
+    return next((a for a in specs if a.gguf_with_experts == experts), specs[0] if specs else None)
 
 
 def arch_for_hf(hf_archs: list[str]) -> ArchSpec | None:
@@ -641,7 +694,7 @@ def arch_for_hf(hf_archs: list[str]) -> ArchSpec | None:
 
 
 def supported_gguf_archs() -> str:
-    return ", ".join(name for a in ARCHS for name in a.gguf_archs)
+    return ", ".join(dict.fromkeys(name for a in ARCHS for name in a.gguf_archs))
 
 
 def supported_hf_archs() -> str:
@@ -726,6 +779,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         names = list(arch_named(config.architecture).layer_weights)
         if not layer.attends:
             names = [n for n in names if n not in _ATTENTION_ONLY]
+        if not config.qk_norm:  # (a family whose QK-norm is optional: ArchSpec.qk_norm_optional)
+            names = [n for n in names if n not in ("q_norm", "k_norm")]
         if layer.recurrent:
             names += MIXER_WEIGHTS[layer.recurrent]
             if config.mamba_norm == "none":  # Mamba2 without its gated norm (Falcon-H1's option)

@@ -55,6 +55,7 @@ ARCH_KEYS: dict[str, Kind] = {
         "rope.dimension_count", "rope.scaling.original_context_length", "expert_count", "expert_used_count",
         "expert_feed_forward_length", "expert_shared_feed_forward_length", "expert_shared_count",
         "expert_group_count", "expert_group_used_count", "expert_gating_func", "leading_dense_block_count",
+        "nextn_predict_layers",
         "full_attention_interval", "shortconv.l_cache", "ssm.conv_kernel", "ssm.group_count", "ssm.inner_size",
         "ssm.state_size", "ssm.time_step_rank", "vocab_size")},
     **{s: FLOAT for s in (

@@ -24,7 +24,7 @@ from vkrt.loader.arch import (
 )
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
-from vkrt.loader.normalize import gguf_fields, model_config
+from vkrt.loader.normalize import gguf_fields, gguf_mtp_layers, model_config
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
     reader = open_gguf(path)
     meta = scalar_metadata(reader)
     arch = str(meta.get("general.architecture", ""))
-    spec = arch_for_gguf(arch)
+    experts = meta.get(f"{arch}.expert_count")
+    spec = arch_for_gguf(arch, experts=isinstance(experts, int) and experts > 0)
     if spec is None:
         raise UnsupportedModelError(
             f"{path}: architecture {arch or '(none)'!r} is not supported "
@@ -166,7 +167,13 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
 
     weights: dict[str, WeightData] = {}
     file_names: dict[str, str] = {}
+    mtp = gguf_mtp_layers(path, spec, arch, meta)
+    mtp_tensors = 0
     for tensor in reader.tensors:
+        layer = _LAYER_NAME.match(tensor.name)
+        if layer and int(layer.group(1)) in mtp:
+            mtp_tensors += 1
+            continue
         name = _canonical_name(spec, tensor.name)
         if name is None:
             raise UnsupportedModelError(
@@ -179,8 +186,11 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
         except ValueError as exc:
             raise ModelFormatError(f"{path}: tensor {tensor.name!r} is malformed ({exc}); the file is corrupt") from exc
 
+    if mtp_tensors:
+        log.info("%s: skipped the multi-token-prediction layers (%d tensors): vkrt runs the main layers only",
+                 path, mtp_tensors)
     if f"{arch}.block_count" in meta:  # checked before anything loops over the layers
-        validate.layer_count(str(path), meta[f"{arch}.block_count"], weights)
+        validate.layer_count(str(path), mtp.start if mtp else meta[f"{arch}.block_count"], weights)
     fields = gguf_fields(path, spec, arch, meta, reader, weights, _vocab_size(path, reader, weights))
     config = model_config(fields, spec, name=str(meta.get("general.name", path.stem)))
     validate.model_config(str(path), config, weights)

@@ -135,6 +135,20 @@ def _language_model_config(config_path: Path, cfg: dict[str, Any]) -> dict[str, 
     return {**top, **text, **{k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}}
 
 
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range:
+    """The indices of the multi-token-prediction layers saved after the main ones (ArchSpec.mtp_layers)."""
+    count = cfg.get(spec.mtp_layers, 0) if spec.mtp_layers else 0
+    layers = cfg.get("num_hidden_layers")
+    if not isinstance(layers, int) or not count:
+        return range(0)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ModelFormatError(f"{config_path}: {spec.mtp_layers} must be a count, got {count!r}")
+    return range(layers, layers + count)
+
+
 def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     """Load a Hugging Face model directory; safetensors weights stay memory-mapped."""
     model_dir = Path(model_dir)
@@ -161,17 +175,22 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     validate.hf_config(config_path, cfg)
     weights: dict[str, WeightData] = {}
     skipped: Counter[str] = Counter()
+    mtp = _mtp_layers(config_path, spec, cfg)
     for file in _safetensors_files(model_dir):
         for hf_name, (fmt, shape, data) in read_safetensors(file).items():
             if multimodal and hf_name.startswith(_LANGUAGE_MODEL):
                 hf_name = "model." + hf_name[len(_LANGUAGE_MODEL):]
+            layer = _LAYER_INDEX.match(hf_name[len(spec.hf_prefix) + 1:]) if hf_name.startswith(spec.hf_prefix) else None
+            if layer and int(layer.group(1)) in mtp:
+                skipped["the multi-token-prediction layers"] += 1
+                continue
             name = _canonical_name(spec, hf_name)
             if name is None:
                 if spec.hf_ignored.search(hf_name):
                     continue
                 prefix = next((p for p in spec.hf_skipped if hf_name.startswith(p)), None)
                 if prefix is not None:
-                    skipped[prefix] += 1
+                    skipped[spec.hf_skipped[prefix]] += 1
                     continue
                 raise UnsupportedModelError(
                     f"{file}: tensor {hf_name!r} is not part of the {spec.name} architecture vkrt "
@@ -181,9 +200,9 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
-    for prefix, count in skipped.items():
+    for what, count in skipped.items():
         log.info("%s: skipped %s (%d tensor%s): vkrt runs the language model only", model_dir,
-                 spec.hf_skipped[prefix], count, "" if count == 1 else "s")
+                 what, count, "" if count == 1 else "s")
     fields = hf_fields(config_path, cfg, spec)
     if fields.get("num_hidden_layers") is not None:  # checked before anything loops over the layers
         validate.layer_count(str(config_path), fields.values["num_hidden_layers"], weights)

@@ -220,6 +220,9 @@ def _shared_expert_width(src: ConfigFields, spec: ArchSpec, experts: int) -> int
     if not (spec.shared_expert and experts):
         return 0
     value = src.get("shared_expert_intermediate_size")
+    count, width = src.get("n_shared_experts"), src.get("moe_intermediate_size")
+    if value is None and _is_int(count) and count >= 1 and _is_int(width):  # GLM-4.5: that many experts' width
+        value = count * width
     if not _is_int(value) or value < 1:
         raise ModelFormatError(f"{src.source}: {src.name('shared_expert_intermediate_size')} must be a positive "
                                f"integer, got {value!r}")
@@ -349,7 +352,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
         linear_norm_eps=spec.linear_norm_eps,
         qkv_bias=spec.qkv_bias,
-        qk_norm=spec.qk_norm,
+        qk_norm=spec.qk_norm and (not spec.qk_norm_optional or bool(src.get("use_qk_norm", True))),
         sandwich_norms=spec.sandwich_norms,
         norm_offset=0.0 if src.norm_offset_stored else spec.hf_norm_offset,
         embedding_scale=embedding_scale,
@@ -561,6 +564,7 @@ _GGUF_NAMES = {
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
     "expert_weights_norm": "norm_topk_prob",
     "expert_weights_scale": "routed_scaling_factor",
     "expert_group_count": "n_group",
@@ -579,6 +583,18 @@ _GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_m
                       "yarn_beta_slow": "beta_slow"}
 
 
+def gguf_mtp_layers(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any]) -> range:
+    """The blocks after the main ones that hold multi-token-prediction layers (ArchSpec.mtp_layers:
+    `<arch>.nextn_predict_layers` of block_count, as llama.cpp's converter counts them)."""
+    count, blocks = meta.get(f"{arch}.nextn_predict_layers"), meta.get(f"{arch}.block_count")
+    if not spec.mtp_layers or not count or not _is_int(blocks):
+        return range(0)
+    if not _is_int(count) or not 0 < count < blocks:
+        raise ModelFormatError(f"{path}: metadata {arch}.nextn_predict_layers is {count!r}, but it must count "
+                               f"some of the {blocks} blocks; the file is corrupt")
+    return range(blocks - count, blocks)
+
+
 def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
                 weights: dict[str, WeightData], vocab: int) -> ConfigFields:
     """A GGUF file's metadata under config.json's names, with what llama.cpp derives from the
@@ -586,7 +602,7 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     config.json spells it. Pops the longrope factor tensors from `weights`."""
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
-    for suffix in _GGUF_REQUIRED:
+    for suffix in (*_GGUF_REQUIRED, *spec.gguf_required):
         if meta.get(f"{arch}.{suffix}") is None and f"{arch}.{suffix}" not in reader.fields:  # (or per layer)
             raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
     kv_heads_per_layer = None
@@ -607,6 +623,9 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         spelled[key] = f"{arch}.{suffix}"
         if meta.get(f"{arch}.{suffix}") is not None:
             values[key] = meta[f"{arch}.{suffix}"]
+    mtp = gguf_mtp_layers(path, spec, arch, meta)
+    if mtp:  # the main layers only
+        values["num_hidden_layers"] = mtp.start
     if meta.get(f"{arch}.attention.layer_norm_epsilon") is not None:  # Nemotron-H writes its RMSNorm's so
         values.setdefault("rms_norm_eps", meta[f"{arch}.attention.layer_norm_epsilon"])
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
@@ -630,6 +649,10 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         spelled["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
     values["vocab_size"] = vocab
     values["tie_word_embeddings"] = "lm_head" not in weights
+    if spec.qk_norm_optional:
+        values["use_qk_norm"] = any(name.endswith(".q_norm") for name in weights)
+    if spec.gguf_nope_every:  # as SmolLM3's config.json spells llama.cpp's rule: 0 = a NoPE layer
+        values["no_rope_layers"] = [int((i + 1) % spec.gguf_nope_every != 0) for i in range(values["num_hidden_layers"])]
     scaling = _gguf_rope_scaling(path, arch, meta, weights)
     if scaling is not None:
         values["rope_scaling"] = scaling

@@ -244,7 +244,7 @@ HF_CONFIG_TYPES: dict[str, str] = {
     "head_dim": "count", "max_position_embeddings": "count", "sliding_window": "size",
     "rms_norm_eps": "number", "rope_theta": "number", "tie_word_embeddings": "bool",
     "hidden_act": "str", "rope_scaling": "object", "rope_parameters": "object",
-    "bos_token_id": "id", "eos_token_id": "ids", "architectures": "strs",
+    "bos_token_id": "id", "eos_token_id": "ids", "architectures": "strs", "use_qk_norm": "bool",
 }
 # Fields that have a default when absent but no meaning as null.
 _HF_NOT_NULL = ("rms_norm_eps", "max_position_embeddings")
