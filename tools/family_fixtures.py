@@ -45,9 +45,9 @@ BASE = dict(
 # Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
-# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
+# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids, gpt-oss.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1")
+                      "FalconH1", "GptOss")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
@@ -274,6 +274,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                   "Falcon-H1 as transformers' defaults have it: tiny_falcon_h1's mixers with no "
                                   "norm on Mamba2's output (y * silu(z)), conv 3, tied embeddings (scaled on the "
                                   "way in, the head by lm_head_multiplier), some multipliers left at 1"),
+        "tiny_gpt_oss": ("GptOss", dict(BASE, num_hidden_layers=2, eos_token_id=None, initializer_range=0.5,
+                                        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                        sliding_window=WINDOW,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                         "original_max_position_embeddings": 64}),
+                         "gpt-oss: attention sinks, q/k/v/o biases, YaRN (factor 4 over 64), a sliding (8) "
+                         "then a full layer; 4 experts of 32 (top-2, softmax over the chosen logits, a router "
+                         "bias, expert biases), the clamped SwiGLU at its own limit (7; llama.cpp's converter "
+                         "cannot write another), weights of std 0.5 so that its clamps bite"),
     }
 
 
@@ -292,8 +302,10 @@ def _randomise(model, gemma: bool) -> None:
             if name.endswith(("norm.weight", "norm_f.weight")):  # (norm_f: Nemotron-H's final norm)
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.endswith((".bias", ".dt_bias", ".D")):
+            elif name.endswith((".bias", ".dt_bias", ".D", "gate_up_proj_bias", "down_proj_bias")):  # (gpt-oss's experts)
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # gpt-oss: logits of the size of the scores, so that they matter
+                p.copy_(torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # start at 0: large enough to change choices
                 b.copy_(0.3 * torch.randn_like(b))
