@@ -40,7 +40,7 @@ from vkrt.core.tensor import Tensor, TensorSpec
 
 # The formats shaders/matmul_id.comp's variants line lists (a test keeps the two equal).
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k",
-           "q6_k", "iq4_xs")
+           "q6_k", "iq4_xs", "mxfp4")
 
 
 @dataclass(frozen=True)
