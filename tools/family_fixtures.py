@@ -448,6 +448,10 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         if family in CONVERTED_FAMILIES and fixture not in NOT_CONVERTED:
             _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
                           CONVERT_NOTES.get(family, " (an exact conversion)"))
+        if family == "GptOss":  # its converted file again, the experts in MXFP4
+            from mxfp4_fixture import make_mxfp4_gguf
+
+            make_mxfp4_gguf(fixtures, reloaded, prompts, golden_for, sha256_file)
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 

@@ -23,13 +23,16 @@ from vkrt.models.decoder import DecoderModel
 DISPATCHES_PER_LAYER = 15
 
 
-@pytest.mark.parametrize("name", ["tiny_gpt_oss", "tiny_gpt_oss_gguf"])
+@pytest.mark.parametrize("name", ["tiny_gpt_oss", "tiny_gpt_oss_gguf", "tiny_gpt_oss_mxfp4_gguf"])
 def test_decode_step_dispatches(name: str, vk_default: Backend) -> None:
     """A decode step: the embedding, 15 per layer, the gather and the normed LM head; every op
-    native (0 drains), the attention the paged kernel with its sinks."""
+    native (0 drains), the attention the paged kernel with its sinks; MXFP4 experts stay MXFP4
+    on the device."""
     golden = json.loads((FIXTURES / name / "golden.json").read_text())
     model = DecoderModel(load_model(FIXTURES / name / golden["meta"].get("model_file", "")), vk_default)
     assert all(layer.mixer.sinks is not None for layer in model.weights.layers)
+    expert_format = "mxfp4" if "mxfp4" in name else "f32"
+    assert all(w.dtype == expert_format for layer in model.weights.layers for w in (*layer.mlp.gate_up, layer.mlp.down))
     case = golden["cases"][-1]
     before = dict(vk_default.selections)
     driver = Greedy(model, max_len=64)
