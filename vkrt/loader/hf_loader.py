@@ -135,16 +135,18 @@ def _language_model_config(config_path: Path, cfg: dict[str, Any]) -> dict[str, 
     return {**top, **text, **{k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}}
 
 
-def _split_interleaved_experts(weights: dict[str, WeightData]) -> None:
+def _split_interleaved_experts(model_dir: Path, weights: dict[str, WeightData]) -> None:
     """gpt-oss's expert stacks as llama.cpp's converter writes them: HF's gate_up_proj [E, H, 2F]
     (gate and up columns interleaved) and down_proj [E, F, H] become gate_proj, up_proj [E, F, H]
     and down_proj [E, H, F], and the [E, 2F] bias gate_bias and up_bias. The transposes are
     copies (float formats: HF stores nothing else), made once at load."""
     for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
         p = name[: -len("gate_up_proj")]
-        fused, down = weights.pop(name), weights[p + "down_proj"]
-        if len(fused.shape) != 3 or len(down.shape) != 3:
-            raise ModelFormatError(f"{fused.name}: expected [experts, hidden, 2 x intermediate], got {fused.shape}")
+        fused, down = weights.pop(name), weights.get(p + "down_proj")
+        if down is None or len(fused.shape) != 3 or len(down.shape) != 3 or fused.shape[2] % 2:
+            raise ModelFormatError(f"{model_dir}: {name} must be [experts, hidden, 2 x intermediate] beside a "
+                                   f"[experts, intermediate, hidden] down_proj, got {list(fused.shape)}; the "
+                                   "checkpoint is not a gpt-oss one transformers wrote")
         for i, part in enumerate(("gate_proj", "up_proj")):
             data = np.ascontiguousarray(fused.data[:, :, i::2].transpose(0, 2, 1))
             weights[p + part] = WeightData(p + part, fused.fmt, data.shape, data)
@@ -204,7 +206,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
     if spec.hf_interleaved_experts:
-        _split_interleaved_experts(weights)
+        _split_interleaved_experts(model_dir, weights)
     for prefix, count in skipped.items():
         log.info("%s: skipped %s (%d tensor%s): vkrt runs the language model only", model_dir,
                  spec.hf_skipped[prefix], count, "" if count == 1 else "s")
