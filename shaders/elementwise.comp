@@ -1,10 +1,12 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,gather,scale,softcap,relu2 ACCESS=texel,ssbo
+//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,clamped_swiglu,gather,scale,softcap,relu2 ACCESS=texel,ssbo
 // add: y[i] = a[i] + b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
 // sigmoid_mul: y[i] = a[i] * sigmoid(b[i % b_len]) (an output gate)
 // gather: y[r, d] = a[b[r], d] (b holds i32 row indices, b_len = D).
 // silu_mul/gelu_mul: x is [T, 2F]; y[t, f] = act(x[t, f]) * x[t, F + f], with b_len = F.
+// clamped_swiglu (gpt-oss): the same halves, g = min(gate, param), u = clamp(up, -param, param),
+// y = g * sigmoid(alpha * g) * (u + 1).
 // scale: y = x * param (one rounded f32 product). softcap: y = param * tanh(x / param).
 // relu2: y = max(x, 0)^2 (one rounded f32 product).
 #include "access.glsl"
@@ -25,7 +27,11 @@ IN_F32(0, x);
 OUT_F32(1, y);
 #endif
 
+#ifdef OP_CLAMPED_SWIGLU
+layout(push_constant) uniform Push { uint n; uint b_len; float param; float alpha; } pc;
+#else
 layout(push_constant) uniform Push { uint n; uint b_len; float param; } pc;
+#endif
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -49,6 +55,10 @@ void main() {
     float u = LD_F32(x, row * 2u * pc.b_len + pc.b_len + col);
 #if defined(OP_SILU_MUL)
     y[i] = g / (1.0 + exp(-g)) * u;
+#elif defined(OP_CLAMPED_SWIGLU)
+    g = min(g, pc.param);
+    u = clamp(u, -pc.param, pc.param);
+    y[i] = g / (1.0 + exp(-pc.alpha * g)) * (u + 1.0);
 #else
     y[i] = gelu_tanh_mul(g, u);
 #endif

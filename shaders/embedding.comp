@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,mxfp4 ACCESS=texel,ssbo
 // Embedding gather: y[t, d] = dequant(table[ids[t], d]), one invocation per output value,
 // reading the weight device layout (layouts.py) through one 32-bit view of the table.
 // Bit-exact with the numpy reference: values are rebuilt as d * q (+ m) in separate,
@@ -115,7 +115,8 @@ void main() {
     uint entry = pc.s_base + tiled(row, pc.blocks, blk, 2u);  // (d or d|m, fifth bits)
     vec2 dm = unpackHalf2x16(LD_U32(table, entry));
 #else
-    vec2 dm = unpackHalf2x16(LD_U32(table, pc.s_base + tiled(row, pc.blocks, blk, 1u)));
+    uint scale_word = LD_U32(table, pc.s_base + tiled(row, pc.blocks, blk, 1u));
+    vec2 dm = unpackHalf2x16(scale_word);
 #endif
 #if defined(WFMT_Q8_0)
     uint base = tiled(row, pc.blocks, blk, 8u);  // 32 int8 quants = 8 words
@@ -138,6 +139,8 @@ void main() {
     v = dm.x * (q - 16.0);
 #elif defined(WFMT_IQ4_NL)
     v = dm.x * iq4_level(nibble);
+#elif defined(WFMT_MXFP4)
+    v = mxfp4_scale(scale_word) * mxfp4_level(nibble);
 #else
     v = dm.x * q + dm.y;
 #endif

@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,mxfp4 ACCESS=texel,ssbo
 // Expert matmul (moe_matmul, ggml's mul_mat_vec_id): for each pair p = t * k + j of a token
 // t and its j-th chosen expert e = ids[p], y[p, n] = sum_c x_p[c] * w[e, n, c], where x_p is
 // x[t] (x [T, K]: gate/up, every expert of a token reads its row) or x[p] (x [T, k, K]:
@@ -42,7 +42,7 @@ IN_I32(3, ids);  // [T, k] expert of each pair
 #define HAS_SCALES
 IN_U32X2(4, ws);
 #elif defined(WFMT_Q8_0) || defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_IQ4_NL) || defined(WFMT_Q6_K) || \
-    defined(WFMT_Q2_K)
+    defined(WFMT_Q2_K) || defined(WFMT_MXFP4)
 #define HAS_SCALES
 IN_U32(4, ws);
 #endif

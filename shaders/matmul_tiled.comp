@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs ACCESS=ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,mxfp4 ACCESS=ssbo
 // Prefill matmul for GPUs, y[t, n] = sum_k x[t, k] * w[n, k]: matmul_vec.comp's ops (GATES,
 // GELU, OUT_SCALE, the rms_norm prologue and the residual add; not its qkv epilogue) with
 // both operands staged in shared memory. One workgroup computes a tile of ROWS output rows x
@@ -69,7 +69,7 @@ OUT_F32(2, y);
 #define HAS_SCALES
 IN_U32X2(3, ws);  // as in matmul_vec.comp
 #elif defined(WFMT_Q8_0) || defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_IQ4_NL) || defined(WFMT_Q6_K) || \
-    defined(WFMT_Q2_K)
+    defined(WFMT_Q2_K) || defined(WFMT_MXFP4)
 #define HAS_SCALES
 IN_U32(3, ws);
 #endif

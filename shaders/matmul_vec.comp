@@ -1,7 +1,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
-//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs EPILOGUE=plain,qkv ACCESS=texel,ssbo
+//! variants: WFMT=f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,mxfp4 EPILOGUE=plain,qkv ACCESS=texel,ssbo
 // Matmul y[t, n] = sum_k x[t, k] * w[n, k] for decode and prefill alike.
 // One invocation computes ROWS consecutive rows x TOKENS consecutive tokens (workgroup id
 // y = token tile). Per 32-value block it first loads the block's activations of its TOKENS
@@ -74,7 +74,7 @@ OUT_F32(2, y);
 #define HAS_SCALES
 IN_U32X2(3, ws);  // (d or d|m, fifth bits) per block; iq4_xs: its scales per super-block
 #elif defined(WFMT_Q8_0) || defined(WFMT_Q4_0) || defined(WFMT_Q4_1) || defined(WFMT_IQ4_NL) || defined(WFMT_Q6_K) || \
-    defined(WFMT_Q2_K)
+    defined(WFMT_Q2_K) || defined(WFMT_MXFP4)
 #define HAS_SCALES
 IN_U32(3, ws);  // the scales word per block; q6_k: f16 d, q2_k: f16 d | dmin per super-block
 #endif

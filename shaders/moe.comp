@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=router,router_sigmoid,combine,combine_shared ACCESS=texel,ssbo
+//! variants: OP=router,router_sigmoid,combine,combine_shared,bias ACCESS=texel,ssbo
 // Mixture-of-experts routing and combine (vkrt/ops/moe.py has the references).
 // OP_ROUTER: one invocation per token of logits [T, E]. The k picks are made in order, each
 // the largest logit ranked after the previous pick in the order (logit descending, expert
@@ -17,6 +17,8 @@
 // weights[t, j] * y[t, j, n], in slot order (a fixed order per element: batch invariant).
 // OP_COMBINE_SHARED: the same, then + sigmoid(shared_logit[t]) * shared[t, n] (a shared
 // expert, Qwen2-MoE's).
+// OP_BIAS: one invocation per element of y [T, k, N]: y[t, j, n] + bias[ids[t, j], n], each
+// chosen expert's own bias (gpt-oss), one rounded f32 add.
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 
@@ -166,5 +168,20 @@ void main() {
     acc = fma(gate, LD_F32(shared_y, i), acc);
 #endif
     mixed[i] = acc;
+}
+#endif
+
+#ifdef OP_BIAS
+IN_F32(0, y);     // [T, k, N]
+IN_F32(1, bias);  // [E, N]
+IN_I32(2, ids);   // [T, k]
+OUT_F32(3, biased);
+layout(push_constant) uniform Push { uint rows; uint N; } pc;  // rows = T * k
+
+void main() {
+    uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    if (i >= pc.rows * pc.N) return;
+    uint row = i / pc.N, n = i % pc.N;
+    biased[i] = LD_F32(y, i) + LD_F32(bias, uint(LD_I32(ids, row)) * pc.N + n);
 }
 #endif

@@ -38,6 +38,9 @@ DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint HD4 = 16;  // head_dim / 4
 layout(constant_id = 2) const float SOFTCAP = 0.0;
 layout(constant_id = 3) const uint CHUNK = 0u;  // positions per chunk; 0: one chunk
+// Attention sinks (gpt-oss): sinks[h] joins head h's softmax denominator after the walk (with
+// pc.chunks > 1 the merge pass adds it). Off, the binding is unread and the code folds away.
+layout(constant_id = 6) const bool SINKS = false;
 
 IN_F32X4(0, q);
 // KV=f16x8: an f16 cache read 8 halves per texel (head_dim a multiple of 8), as the GQA kernel
@@ -51,6 +54,7 @@ IN_I32(3, block_table);
 IN_I32(4, seq_index);
 IN_I32(5, positions);
 OUT_F32X4(6, o);
+IN_F32(7, sinks);
 
 // group = num_heads / num_kv_heads; kv_dim4 = num_kv_heads * head_dim / 4 (texels per slot);
 // window: the sliding window in positions, 0 = the whole context.
@@ -118,7 +122,10 @@ void main() {
         if (pc.chunks > 1u) attend_store_partial(0u, partial_row(i));
         else merge_chunk(0u);
     }
-    if (pc.chunks == 1u) attend_store_merged(0u, out_row);
+    if (pc.chunks == 1u) {
+        if (SINKS) merge_sink(0u, LD_F32(sinks, h));
+        attend_store_merged(0u, out_row);
+    }
 }
 #else
 void main() {
@@ -156,6 +163,9 @@ void main() {
         if (pc.chunks > 1u) attend_store_partial(0u, partial_row(i));
         else merge_chunk(0u);
     }
-    if (pc.chunks == 1u) attend_store_merged(0u, out_row);
+    if (pc.chunks == 1u) {
+        if (SINKS) merge_sink(0u, LD_F32(sinks, h));
+        attend_store_merged(0u, out_row);
+    }
 }
 #endif

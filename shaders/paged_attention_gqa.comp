@@ -42,6 +42,8 @@ layout(constant_id = 4) const uint HEADS = 1u;  // query heads per tile, all of 
 // own rows, so the rows it does not own may fold anything meanwhile. A row's bits never depend
 // on its tile partners.
 layout(constant_id = 5) const uint TOKENS = 1u;
+// Attention sinks, as paged_attention.comp takes them (binding 7; off, unread).
+layout(constant_id = 6) const bool SINKS = false;
 
 IN_F32X4(0, q);
 #define KV_F16_WIDE  // the host binds 8 halves per texel (head_dim a multiple of 8)
@@ -50,6 +52,7 @@ IN_I32(3, block_table);
 IN_I32(4, seq_index);
 IN_I32(5, positions);
 OUT_F32X4(6, o);
+IN_F32(7, sinks);
 
 // group = num_heads / num_kv_heads (a multiple of HEADS); kv_dim4 = num_kv_heads * head_dim / 4
 // (texels per slot); window: 0 = the whole context.
@@ -150,6 +153,8 @@ void main() {
     if (pc.chunks == 1u)
         [[unroll]] for (uint j = 0u; j < TOKENS; ++j)
             if ((real >> j & 1u) != 0u)
-                [[unroll]] for (uint g = 0u; g < HEADS; ++g)
+                [[unroll]] for (uint g = 0u; g < HEADS; ++g) {
+                    if (SINKS) merge_sink(j * HEADS + g, LD_F32(sinks, head0 + g));
                     attend_store_merged(j * HEADS + g, ((pc.token0 + tile_token + j) * pc.num_heads + head0 + g) * HD4);
+                }
 }

@@ -16,6 +16,10 @@ IN_F32X4(0, partials);
 IN_I32(1, seq_index);
 IN_I32(2, positions);
 OUT_F32X4(3, o);
+IN_F32(4, sinks);
+// Attention sinks (gpt-oss): sinks[h] joins the row's denominator after its last chunk, as a
+// kernel walking the row's chunks itself adds it. Off, the binding is unread.
+layout(constant_id = 1) const bool SINKS = false;
 
 // tokens handled (from token0 of the batch), heads, head_dim / 4, chunks per (token, head),
 // positions per chunk, the table's width in positions, the sliding window (0: none).
@@ -51,6 +55,12 @@ void main() {
         sum = s;
         m = max(m, state.x);
         precise vec4 a = total * w.x + LD_F32X4(partials, base + c * stride + 1u + d) * w.y;
+        total = a;
+    }
+    if (SINKS) {
+        vec2 w = sink_merge(m, sum, LD_F32(sinks, row % pc.num_heads));
+        sum = w.y;
+        precise vec4 a = total * w.x;
         total = a;
     }
     precise float inv_sum = 1.0 / sum;

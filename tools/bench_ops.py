@@ -136,7 +136,7 @@ def peak_gbps(device_name: str, table: dict[str, float] = PEAK_GBPS) -> tuple[fl
 
 def random_storage(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.ndarray:
     """An [n, k] weight in storage format `fmt` for timing: random values / quant bits,
-    every f16 field of a block set to SCALE_F16 (no NaNs or denormals)."""
+    every f16 field of a block set to SCALE_F16 and every E8M0 one to 2^-8 (no NaNs or denormals)."""
     spec = REGISTRY[fmt]
     if not spec.is_block:
         w = (rng.standard_normal((n, k), dtype=np.float32) * 0.05)
@@ -146,6 +146,8 @@ def random_storage(rng: np.random.Generator, fmt: str, n: int, k: int) -> np.nda
         if field.kind == "f16":
             start = spec.field_offset(field.name)
             blocks[..., start:start + 2] = SCALE_F16
+        elif field.kind == "e8m0":  # mxfp4: scale 2^-8, a normal float
+            blocks[..., spec.field_offset(field.name)] = 120
     return blocks.reshape(n, -1)
 
 

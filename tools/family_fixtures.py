@@ -46,10 +46,11 @@ BASE = dict(
 # Written as GGUF too. Phi-3 is not: transformers' GGUF reader drops its longrope factors.
 GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
-# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids, and the
+# source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids, gpt-oss, and the
 # families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Glm4Moe")
+                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Glm4Moe",
+                      "GptOss")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -300,6 +301,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                           "layer 0's MLP dense (128, first_k_dense_replace 1), then 8 experts of 32, top-2 by sigmoid "
                           "score + the score-correction bias within the best 1 of 2 groups, renormalised, x 2.5, "
                           "plus an ungated shared expert of 32"),
+        "tiny_gpt_oss": ("GptOss", dict(BASE, num_hidden_layers=2, eos_token_id=None, initializer_range=0.5,
+                                        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                        sliding_window=WINDOW,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                         "original_max_position_embeddings": 64}),
+                         "gpt-oss: attention sinks, q/k/v/o biases, YaRN (factor 4 over 64), a sliding (8) "
+                         "then a full layer; 4 experts of 32 (top-2, softmax over the chosen logits, a router "
+                         "bias, expert biases), the clamped SwiGLU at its own limit (7; llama.cpp's converter "
+                         "cannot write another), weights of std 0.5 so that its clamps bite"),
     }
 
 
@@ -318,8 +329,10 @@ def _randomise(model, gemma: bool) -> None:
             if name.endswith(("norm.weight", "norm_f.weight")):  # (norm_f: Nemotron-H's final norm)
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.endswith((".bias", ".dt_bias", ".D")):
+            elif name.endswith((".bias", ".dt_bias", ".D", "gate_up_proj_bias", "down_proj_bias")):  # (gpt-oss's experts)
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # gpt-oss: logits of the size of the scores, so that they matter
+                p.copy_(torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # start at 0: large enough to change choices
                 b.copy_(0.3 * torch.randn_like(b))
@@ -466,6 +479,10 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
                 gold = golden_for(as_run, f"{fixture}_gguf", "float32", gold["meta"], prompts)
             _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
                           CONVERT_NOTES.get(fixture, " (an exact conversion)"))
+        if family == "GptOss":  # its converted file again, the experts in MXFP4
+            from mxfp4_fixture import make_mxfp4_gguf
+
+            make_mxfp4_gguf(fixtures, reloaded, prompts, golden_for, sha256_file)
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 

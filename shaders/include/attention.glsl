@@ -8,7 +8,8 @@
 //
 // The including shader declares, before including this file:
 //   HD4 (head_dim / 4), SOFTCAP (0 = off; c > 0 caps scores at c * tanh(s / c), and the
-//   shader includes softcap.glsl) and CHUNK (positions per chunk, 0 = one), all constants;
+//   shader includes softcap.glsl) and CHUNK (positions per chunk, 0 = one), all constants
+//   (SINKS, whether a row's state takes its head's attention sink, is the shader's own);
 //   ATTENTION_ROWS: rows of state per invocation (1, or the GQA kernel's query heads x tokens);
 //   vec4 k_row[HD4], v_row[HD4]: the key and value row of the position being folded;
 //   include/kv_cache.glsl (the cache bindings and LOAD_ROW);
@@ -20,7 +21,6 @@
 //   dispatch (batch invariance).
 
 #include "chunk_merge.glsl"
-const float LOG2E = 1.4426950408889634;
 
 vec4 q_reg[ATTENTION_ROWS * HD4];  // per row: the query, pre-scaled by attention_prescale()
 vec4 acc[ATTENTION_ROWS * HD4];    // per row: sum over positions of exp2(score - run_max) * v
@@ -173,6 +173,16 @@ void merge_chunk(uint r) {
     merged_max[r] = max(merged_max[r], run_max[r]);
     [[unroll]] for (uint d = 0u; d < HD4; ++d) {
         precise vec4 a = merged_acc[r * HD4 + d] * w.x + acc[r * HD4 + d] * w.y;
+        merged_acc[r * HD4 + d] = a;
+    }
+}
+// Row r's attention sink (a logit, not scaled: transformers concatenates it to the scaled
+// scores) into its merged state, after its last chunk.
+void merge_sink(uint r, float sink_logit) {
+    vec2 w = sink_merge(merged_max[r], merged_sum[r], sink_logit);
+    merged_sum[r] = w.y;
+    [[unroll]] for (uint d = 0u; d < HD4; ++d) {
+        precise vec4 a = merged_acc[r * HD4 + d] * w.x;
         merged_acc[r * HD4 + d] = a;
     }
 }

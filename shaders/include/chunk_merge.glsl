@@ -4,6 +4,7 @@
 // result has the same bits whichever way its chunks were walked.
 
 #define NEG_INF uintBitsToFloat(0xFF800000u)
+const float LOG2E = 1.4426950408889634;
 
 // A row's window and chunks, which the attention kernels and the merge pass must agree on: the
 // end n of the context of a token at `position`, never past the block table's
@@ -21,4 +22,15 @@ uvec2 row_chunks(uint first, uint n, uint chunk) { return chunk > 0u ? uvec2(fir
 vec2 merge_weights(float m_merged, float m) {
     float top = max(m_merged, m);
     return vec2(m_merged == top ? 1.0 : exp2(m_merged - top), m == top ? 1.0 : exp2(m - top));
+}
+
+// An attention sink (gpt-oss: a learned logit sink_logit in the softmax's denominator that weighs
+// no value) folded into a row's merged state of maximum m and sum s as one more chunk of maximum
+// sink_logit * log2 e, sum 1 and no values: returns (the weight of the state's sum and values,
+// the new sum). The new maximum is not needed: nothing is merged after the sink.
+vec2 sink_merge(float m, float s, float sink_logit) {
+    precise float sink = sink_logit * LOG2E;
+    vec2 w = merge_weights(m, sink);
+    precise float sum = s * w.x + w.y;
+    return vec2(w.x, sum);
 }

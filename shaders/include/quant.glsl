@@ -1,8 +1,8 @@
 // Weight decoding for the device layout of vkrt/backend/vulkan/kernels/layouts.py.
 //
-// Block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) are split into a quants region of
+// Block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, mxfp4) are split into a quants region of
 // uvec4 texels and a scales region of one entry per block: a uint (f16 d in the low half;
-// q4_1 keeps f16 m in the high half) or, for q5_0 / q5_1, a uvec2 whose .y is the 32 fifth
+// q4_1 keeps f16 m in the high half; mxfp4's E8M0 exponent in the low byte) or, for q5_0 / q5_1, a uvec2 whose .y is the 32 fifth
 // bits. Float rows are padded with zeros to whole 32-value blocks, so every weight row is a
 // sequence of complete 32-value blocks:
 //   f32: 8 texels (RGBA32F) per block, f16/bf16: 4 uvec4 texels, q8_0: 2, the 4-bit ones: 1.
@@ -85,6 +85,27 @@ vec4 iq4_vals(uint w, uint shift) {
 void iq4_block(uvec4 t, out vec4 w[8]) {
     w[0] = iq4_vals(t.x, 0u); w[1] = iq4_vals(t.y, 0u); w[2] = iq4_vals(t.z, 0u); w[3] = iq4_vals(t.w, 0u);
     w[4] = iq4_vals(t.x, 4u); w[5] = iq4_vals(t.y, 4u); w[6] = iq4_vals(t.z, 4u); w[7] = iq4_vals(t.w, 4u);
+}
+// mxfp4: q4's nibbles are e2m1 codes, doubled as vkrt.core.formats.MXFP4_LEVELS tabulates them
+// (bit 3 the sign; exponent e = bits 1-2, mantissa m = bit 0: m where e is 0, else (2 + m) <<
+// (e - 1)), in integers, so the 16 values are exact and +0 where the code is -0; the block's
+// E8M0 byte scales them by 2^(e - 128) in combine().
+vec4 mxfp4_levels(uvec4 q) {
+    uvec4 v = q & 7u, e = v >> 1, m = v & 1u;
+    uvec4 mag = mix(m, (2u + m) << (max(e, uvec4(1u)) - 1u), greaterThan(e, uvec4(0u)));
+    return vec4(ivec4(mag) * (1 - 2 * ivec4(q >> 3)));
+}
+float mxfp4_level(uint i) { return mxfp4_levels(uvec4(i)).x; }
+vec4 mxfp4_vals(uint w, uint shift) { return mxfp4_levels((uvec4(w) >> (uvec4(0u, 8u, 16u, 24u) + shift)) & 0xFu); }
+void mxfp4_block(uvec4 t, out vec4 w[8]) {
+    w[0] = mxfp4_vals(t.x, 0u); w[1] = mxfp4_vals(t.y, 0u); w[2] = mxfp4_vals(t.z, 0u); w[3] = mxfp4_vals(t.w, 0u);
+    w[4] = mxfp4_vals(t.x, 4u); w[5] = mxfp4_vals(t.y, 4u); w[6] = mxfp4_vals(t.z, 4u); w[7] = mxfp4_vals(t.w, 4u);
+}
+// The block's scale 2^(e - 128) from its scales word (E8M0 byte e in the low byte), built as f32
+// bits (ggml's e8m0 half: subnormal below e = 2).
+float mxfp4_scale(uint word) {
+    uint e = word & 0xFFu;
+    return uintBitsToFloat(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
 }
 void q8_block(uvec4 a, uvec4 b, out vec4 w[8]) {
     w[0] = q8_vals(a.x); w[1] = q8_vals(a.y); w[2] = q8_vals(a.z); w[3] = q8_vals(a.w);
@@ -214,6 +235,8 @@ float combine(float acc, PART_T p, SCALE_T scale, PART_T xsum) {
     r = fma(scale.w, xsum.y, fma(scale.y, p.y, lo));
 #elif defined(WFMT_Q8_0) || defined(WFMT_IQ4_NL)
     r = fma(unpackHalf2x16(scale).x, p, acc);
+#elif defined(WFMT_MXFP4)
+    r = fma(mxfp4_scale(scale), p, acc);
 #elif defined(WFMT_Q4_0)
     r = fma(unpackHalf2x16(scale).x, fma(xsum, -8.0, p), acc);
 #elif defined(WFMT_Q5_0)
@@ -317,6 +340,9 @@ void load_block(uint i, out vec4 w[8]) { q8_block(LD_U32X4(wq, i), LD_U32X4(wq, 
 #elif defined(WFMT_IQ4_NL)
 #define BLOCK_TEXELS 1u
 void load_block(uint i, out vec4 w[8]) { iq4_block(LD_U32X4(wq, i), w); }
+#elif defined(WFMT_MXFP4)
+#define BLOCK_TEXELS 1u
+void load_block(uint i, out vec4 w[8]) { mxfp4_block(LD_U32X4(wq, i), w); }
 #elif defined(WFMT_Q6_K)
 // Low nibbles in q4 order; hw holds the 2-bit highs (layouts.py): 6-bit values 0..63.
 void q6_block(uvec4 lo, uvec2 hw, out vec4 w[8]) {

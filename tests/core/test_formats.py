@@ -20,7 +20,8 @@ from vkrt.core.tensor import storage_nbytes
 def random_blocks(rng: np.random.Generator, name: str, rows: int, blocks_per_row: int,
                   scale: float = 0.01) -> np.ndarray:
     """Rows of random blocks of `name`: every bit random except the f16 scale fields, which
-    get finite values of either sign up to `scale` (random bits would be NaN or inf)."""
+    get finite values of either sign up to `scale` (random bits would be NaN or inf), and
+    E8M0 exponents small powers of two."""
     fmt = FORMATS[name]
     blocks = rng.integers(0, 256, (rows, blocks_per_row, fmt.block_bytes), dtype=np.uint8)
     for f in fmt.fields:
@@ -28,6 +29,8 @@ def random_blocks(rng: np.random.Generator, name: str, rows: int, blocks_per_row
             start = fmt.field_offset(f.name)
             d = rng.uniform(-scale, scale, (rows, blocks_per_row)).astype(np.float16)
             blocks[..., start : start + 2] = d[..., None].view(np.uint8)
+        elif f.kind == "e8m0":  # exponents giving scales 2^-14 .. 2^-7, the size of scale
+            blocks[..., fmt.field_offset(f.name)] = rng.integers(114, 121, (rows, blocks_per_row), dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -54,6 +57,20 @@ def test_decoder_is_bit_exact_with_gguf(rng: np.random.Generator, name: str) -> 
     assert storage_nbytes((7, 3 * fmt.block_values), name) == raw.nbytes
 
 
+def test_mxfp4_every_exponent_and_code_is_gguf_s(rng: np.random.Generator) -> None:
+    """All 256 E8M0 exponents (subnormal halves below 2, overflow to inf at the top) with all 16
+    codes in both nibble halves: bit for bit the gguf package's dequantize."""
+    blocks = rng.integers(0, 256, (256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:9] = np.arange(16, dtype=np.uint8)[0::2] | (np.arange(16, dtype=np.uint8)[1::2] << 4)
+    with np.errstate(over="ignore"):
+        expected = gguf_dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
+        got = dequantize(blocks, "mxfp4")
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]  # the OCP values at scale 2^0 (e = 127)
+    assert got[127, :8].tolist() == e2m1[0::2] and got[127, 16:24].tolist() == e2m1[1::2]
+
+
 def test_iq4_polynomial_gives_every_level() -> None:
     """shaders/include/quant.glsl computes IQ4_LEVELS as round(IQ4_POLY(q)) instead of
     indexing a table: exact for all 16 indices, whether a device fuses the multiply-adds
@@ -73,8 +90,9 @@ def test_iq4_polynomial_gives_every_level() -> None:
 
 
 def test_zero_scales_decode_to_zero(rng: np.random.Generator) -> None:
-    """With every f16 field zero, each block format decodes to zeros whatever its bits."""
-    for name in BLOCK_FORMATS:
+    """With every f16 field zero, each block format decodes to zeros whatever its bits (mxfp4's
+    E8M0 scale has no zero: 2^-128 at least)."""
+    for name in (n for n in BLOCK_FORMATS if n != "mxfp4"):
         raw = random_blocks(rng, name, 2, 2, scale=0.0)
         assert not dequantize(raw, name).any(), name
 

@@ -347,10 +347,18 @@ def test_unknown_rope_type(tmp_path: Path) -> None:
 def test_unknown_rope_type_of_one_layer_type(tmp_path: Path) -> None:
     d = _copy("tiny_gemma3", tmp_path)
     _edit_config(d, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                     "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8}})
+                                     "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 8}})
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(d)
-    _one_line(exc, "config.json", "rope_parameters.full_attention.rope_type", "'yarn'")
+    _one_line(exc, "config.json", "rope_parameters.full_attention.rope_type", "'dynamic'")
+
+
+def test_yarn_needs_its_original_context(tmp_path: Path) -> None:
+    d = _copy("tiny_gpt_oss", tmp_path)
+    _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "rope_parameters", "'original_max_position_embeddings'")
 
 
 def test_unknown_layer_type(tmp_path: Path) -> None:
@@ -575,11 +583,11 @@ def test_unsupported_gguf_family(tmp_path: Path) -> None:
 
 
 def test_unknown_gguf_rope_type(tmp_path: Path) -> None:
-    path = tmp_path / "yarn.gguf"
-    _rewrite_gguf(FIXTURES / "tiny_qwen3_gguf" / "model.gguf", path, rope_type="yarn")
+    path = tmp_path / "dynamic.gguf"
+    _rewrite_gguf(FIXTURES / "tiny_qwen3_gguf" / "model.gguf", path, rope_type="dynamic")
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(path)
-    _one_line(exc, "yarn.gguf", "qwen3.rope.scaling.type", "'yarn'")
+    _one_line(exc, "dynamic.gguf", "qwen3.rope.scaling.type", "'dynamic'")
 
 
 def test_cli_reports_an_unsupported_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -159,3 +159,23 @@ def test_concat_columns_rejects_bad_input(vk) -> None:
         ops.concat_columns(a, b)
     with pytest.raises(VkrtError, match="two or three"):
         ops.concat_columns(a)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (3, 14), (2, 3, 66), (4, 2000)], ids=str)
+def test_clamped_swiglu_matches_reference(vk, rng, shape: tuple[int, ...]) -> None:
+    """gpt-oss's gate: the clamps bite (limit 0.7 against values of ~3), and the reference is the
+    formula written out here; the kernel's f32 exp is held to the gated bound."""
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    f = shape[-1] // 2
+    g = np.minimum(x[..., :f].astype(np.float64), 0.7)
+    u = np.clip(x[..., f:].astype(np.float64), -0.7, 0.7)
+    want = ops.OPS["clamped_swiglu"].reference(x, 1.702, 0.7)
+    np.testing.assert_allclose(want, g * (1.0 / (1.0 + np.exp(-1.702 * g))) * (u + 1.0), rtol=1e-6, atol=1e-7)
+    got = _no_drain(vk, ops.clamped_swiglu, vk.upload(x), 1.702, 0.7)
+    assert got.shape == want.shape
+    assert nmse(got, want) <= GATED_NMSE
+
+
+def test_clamped_swiglu_refuses_a_limit_of_zero(ref) -> None:
+    with pytest.raises(VkrtError, match="limit > 0"):
+        ops.clamped_swiglu(ref.upload(np.zeros((1, 4), np.float32)), 1.702, 0.0)

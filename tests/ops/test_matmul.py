@@ -27,7 +27,7 @@ from vkrt.core.tensor import Tensor, TensorSpec
 FORMATS = tuple(REGISTRY)  # every registered format runs natively
 K_QUANTS = tuple(f for f in FORMATS if REGISTRY[f].block_values == 256)  # 256-value super-blocks
 # Random blocks (tests.core.test_formats.random_blocks): quantize() has no encoder for them.
-RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q5_k", "iq4_xs")
+RANDOM_BLOCK_FORMATS = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q5_k", "iq4_xs", "mxfp4")
 NMSE_BOUND = {fmt: 1e-9 for fmt in FORMATS}
 # (T, N, K): every T in {1, 2, 5, 33, 130} and N in {1, 7, 64, 129} with each K.
 BLOCK_SHAPES = [(1, 1, 32), (2, 7, 96), (5, 64, 576), (33, 129, 32), (130, 7, 96), (1, 129, 576),

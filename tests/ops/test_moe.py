@@ -158,6 +158,19 @@ def test_moe_combine(ref: Backend) -> None:
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["ref", "vk_default"])
+def test_moe_add_bias_is_each_experts_bias(backend: str, rng: np.random.Generator,
+                                           request: pytest.FixtureRequest) -> None:
+    """y[t, j] + bias[ids[t, j]]: one f32 add per element, so both backends are bit-exact."""
+    be: Backend = request.getfixturevalue(backend)
+    y = rng.standard_normal((5, 3, 7)).astype(np.float32)
+    bias = rng.standard_normal((4, 7)).astype(np.float32)
+    ids = rng.integers(0, 4, size=(5, 3)).astype(np.int32)
+    got = ops.moe_add_bias(be.upload(y), be.upload(bias), be.upload(ids)).numpy()
+    want = np.stack([np.stack([y[t, j] + bias[ids[t, j]] for j in range(3)]) for t in range(5)])
+    np.testing.assert_array_equal(got, want)
+
+
 def test_moe_combine_shared(ref: Backend) -> None:
     """The routed mix plus sigmoid(g) times the shared expert's row (g = 0: half of it)."""
     y = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)

@@ -32,7 +32,7 @@ class Field:
 
     name: str
     nbytes: int
-    kind: str = "bits"  # "f16" | "bits"
+    kind: str = "bits"  # "f16" | "e8m0" (a power-of-two exponent byte) | "bits"
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,16 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 
 
+# MXFP4: the e2m1 values a 4-bit code selects, doubled (bit 3 the sign), as ggml tabulates them;
+# the block's E8M0 byte e scales them by 2^(e - 128), which halves them back.
+MXFP4_LEVELS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """2^(e - 128) in f32, exactly (subnormal for e < 22): half of the E8M0 scale 2^(e - 127)."""
+    return np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+
+
 # ---- decoders -------------------------------------------------------------------------------
 
 def _q8_0(b: np.ndarray) -> np.ndarray:
@@ -136,6 +146,11 @@ def _q5_1(b: np.ndarray) -> np.ndarray:
 def _iq4_nl(b: np.ndarray) -> np.ndarray:
     """f16 d and 16 bytes of 4-bit indices into IQ4_LEVELS (q4_0's nibble order)."""
     return _f16(b[:, 0:2])[:, None] * IQ4_LEVELS[_nibbles(b[:, 2:18])]
+
+
+def _mxfp4(b: np.ndarray) -> np.ndarray:
+    """An E8M0 byte and 16 bytes of 4-bit e2m1 codes (q4_0's nibble order), llama.cpp's MXFP4."""
+    return e8m0_half(b[:, 0])[:, None] * MXFP4_LEVELS[_nibbles(b[:, 1:17])]
 
 
 def _q2_k(b: np.ndarray) -> np.ndarray:
@@ -234,6 +249,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _row("q6_k", 14, 256, (Field("ql", 128), Field("qh", 64), Field("scales", 16), D), _q6_k),
     _row("iq4_nl", 20, 32, (D, Field("qs", 16)), _iq4_nl),
     _row("iq4_xs", 23, 256, (D, Field("scales_h", 2), Field("scales_l", 4), Field("qs", 128)), _iq4_xs),
+    _row("mxfp4", 39, 32, (Field("e", 1, "e8m0"), Field("qs", 16)), _mxfp4),
 )}
 
 FLOAT_FORMATS = tuple(name for name, f in FORMATS.items() if not f.is_block)

@@ -125,7 +125,8 @@ _SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_p
                      "mlp.shared_expert_gate.weight": "shared_expert_gate"}
 # The attention's own weights, which a layer without attention does not have; a recurrent
 # layer has its mixer's (MIXER_WEIGHTS, by LayerConfig.recurrent).
-_ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
+_ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "o_bias", "sinks",
+                   "q_norm", "k_norm")
 MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
                  "gated_delta_net": ("delta.in_proj_qkv", "delta.in_proj_z", "delta.in_proj_b", "delta.in_proj_a",
                                      "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
@@ -217,6 +218,15 @@ class ArchSpec:
     shared_expert_gated: bool = True
     moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
     router_norm_eps: float = 1e-6  # ModelConfig.router_norm_eps (the sigmoid router's)
+    # A bias on the router and on every expert's projections (gpt-oss).
+    expert_biases: bool = False
+    clamped_swiglu: bool = False  # the experts' activation is gpt-oss's (ModelConfig.swiglu_limit)
+    # rope_scaling settings a GGUF cannot say, as the family's own configs have them (gpt-oss's
+    # YaRN ramp is not truncated; llama.cpp always truncates it, transformers follows the config).
+    gguf_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # HF's expert stacks are [E, in, out] with gate and up columns interleaved (gpt-oss): the
+    # loader turns them into llama.cpp's gate, up and down stacks.
+    hf_interleaved_experts: bool = False
     # -- config.json in this family's own words --
     hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
     hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads
@@ -675,10 +685,39 @@ _GLM4_MOE = ArchSpec(
     shared_expert_gated=False,
 )
 
+# gpt-oss: q/k/v/o biases, an attention sink per head, sliding layers alternating with full ones,
+# every MLP experts with biases behind a biased router and the clamped SwiGLU. HF saves the experts
+# as [E, in, out] with gate and up interleaved (hf_interleaved_experts); llama.cpp's converter
+# splits gate and up and stores them as other stacks are.
+_GPT_OSS_ATTENTION = {"self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks"}
+_GPT_OSS = ArchSpec(
+    name="gpt_oss",
+    gguf_archs=("gpt-oss",),
+    hf_archs=("GptOssForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, "attn_output.bias": "o_bias", "attn_sinks.weight": "sinks",
+                "post_attention_norm.weight": "ffn_norm", "ffn_gate_inp.weight": "router",
+                "ffn_gate_inp.bias": "router_bias", "ffn_gate_exps.weight": "experts.gate_proj",
+                "ffn_up_exps.weight": "experts.up_proj", "ffn_down_exps.weight": "experts.down_proj",
+                "ffn_gate_exps.bias": "experts.gate_bias", "ffn_up_exps.bias": "experts.up_bias",
+                "ffn_down_exps.bias": "experts.down_bias"},
+    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_GPT_OSS_ATTENTION, "mlp.router.weight": "router",
+              "mlp.router.bias": "router_bias", "mlp.experts.gate_up_proj": "experts.gate_up_proj",
+              "mlp.experts.gate_up_proj_bias": "experts.gate_up_bias", "mlp.experts.down_proj": "experts.down_proj",
+              "mlp.experts.down_proj_bias": "experts.down_bias"},
+    layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias", "o_bias", "sinks"),
+    qkv_bias=True,
+    default_sliding=_alternating,
+    norm_topk_prob=True,  # a softmax over the k chosen logits
+    expert_biases=True,
+    clamped_swiglu=True,
+    hf_interleaved_experts=True,
+    gguf_rope_scaling={"truncate": False},
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
-                               _GLM4_MOE)
+                               _GLM4_MOE, _GPT_OSS)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:
@@ -735,6 +774,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "q_norm": (config.head_dim,) if config.qk_norm_per_head else (q_rows,),
         "k_norm": (config.head_dim,) if config.qk_norm_per_head else (kv_rows,),
         "o_proj": (hidden, q_rows),
+        "o_bias": (hidden,),
+        "sinks": (config.num_heads,),
         "post_attn_norm": (hidden,),
         "ffn_norm": (hidden,),
         "gate_proj": (inter, hidden),
@@ -848,6 +889,9 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
                 p + "shared_expert.down_proj": (hidden, shared)}
     elif shared:  # Granite 4: the layer's own MLP (gate|up fused) runs beside the experts, ungated
         out |= {p + "gate_up_proj": (2 * shared, hidden), p + "down_proj": (hidden, shared)}
+    if arch_named(config.architecture).expert_biases:
+        out |= {p + "router_bias": (experts,), p + "experts.gate_bias": (experts, inter),
+                p + "experts.up_bias": (experts, inter), p + "experts.down_bias": (experts, hidden)}
     proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     if ungated:
         del proj["gate_proj"]

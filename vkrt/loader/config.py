@@ -147,6 +147,10 @@ class ModelConfig:
     router_norm_eps: float = 1e-6
     moe_groups: int = 1
     moe_top_groups: int = 1
+    # gpt-oss's clamped SwiGLU of the experts: gate <= limit, |up| <= limit, gate * sigmoid(alpha *
+    # gate) * (up + 1); limit 0 = the plain activation of hidden_act.
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's mixer, attention window and rope settings."""

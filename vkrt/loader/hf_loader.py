@@ -149,6 +149,30 @@ def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range
     return range(layers, layers + count)
 
 
+def _split_interleaved_experts(model_dir: Path, weights: dict[str, WeightData]) -> None:
+    """gpt-oss's expert stacks as llama.cpp's converter writes them: HF's gate_up_proj [E, H, 2F]
+    (gate and up columns interleaved) and down_proj [E, F, H] become gate_proj, up_proj [E, F, H]
+    and down_proj [E, H, F], and the [E, 2F] bias gate_bias and up_bias. The transposes are
+    copies (float formats: HF stores nothing else), made once at load."""
+    for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
+        p = name[: -len("gate_up_proj")]
+        fused, down = weights.pop(name), weights.get(p + "down_proj")
+        if down is None or len(fused.shape) != 3 or len(down.shape) != 3 or fused.shape[2] % 2:
+            raise ModelFormatError(f"{model_dir}: {name} must be [experts, hidden, 2 x intermediate] beside a "
+                                   f"[experts, intermediate, hidden] down_proj, got {list(fused.shape)}; the "
+                                   "checkpoint is not a gpt-oss one transformers wrote")
+        for i, part in enumerate(("gate_proj", "up_proj")):
+            data = np.ascontiguousarray(fused.data[:, :, i::2].transpose(0, 2, 1))
+            weights[p + part] = WeightData(p + part, fused.fmt, data.shape, data)
+        data = np.ascontiguousarray(down.data.transpose(0, 2, 1))
+        weights[p + "down_proj"] = WeightData(p + "down_proj", down.fmt, data.shape, data)
+        bias = weights.pop(p + "gate_up_bias", None)
+        if bias is not None and len(bias.shape) == 2:
+            for i, part in enumerate(("gate_bias", "up_bias")):
+                values = np.ascontiguousarray(bias.data[:, i::2])
+                weights[p + part] = WeightData(p + part, bias.fmt, values.shape, values)
+
+
 def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     """Load a Hugging Face model directory; safetensors weights stay memory-mapped."""
     model_dir = Path(model_dir)
@@ -200,6 +224,8 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
+    if spec.hf_interleaved_experts:
+        _split_interleaved_experts(model_dir, weights)
     for what, count in skipped.items():
         log.info("%s: skipped %s (%d tensor%s): vkrt runs the language model only", model_dir,
                  what, count, "" if count == 1 else "s")

@@ -39,11 +39,12 @@ from vkrt.ops.recurrent import MAX_CONV_KERNEL
 log = logging.getLogger(__name__)
 
 # The rope scaling types vkrt computes (vkrt/models/rope.py), checked here once for both formats.
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Numbers each type needs, and numbers that must be positive where given (transformers' names).
 _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
                                            "llama3": ("factor", "original_max_position_embeddings"),
-                                           "longrope": ("short_factor", "long_factor")}
+                                           "longrope": ("short_factor", "long_factor"),
+                                           "yarn": ("factor", "original_max_position_embeddings")}
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                   "attention_factor", "beta_fast", "beta_slow")
 # config.json's MLP activation -> ModelConfig.hidden_act (relu2: ungated, max(x, 0)^2 of up alone)
@@ -113,6 +114,8 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
         scaling["factor"] = factor
         if scaling.get("attention_factor") is None:
             scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    if kind == "yarn" and scaling.get("attention_factor") is None and scaling.get("factor") is not None:
+        scaling["attention_factor"] = _yarn_attention_factor(scaling)
     for key in _ROPE_NEEDS[kind]:
         if scaling.get(key) is None:
             raise ModelFormatError(f"{src.source}: {fieldname} of rope_type {kind!r} has no {key!r}")
@@ -267,6 +270,16 @@ def _int_list(value: Any) -> list[int]:
     return []
 
 
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """transformers' default YaRN attention factor: 0.1 ln(factor) + 1, or the ratio of the two
+    mscales where mscale and mscale_all_dim are both given (1 when nothing is extended)."""
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all else mscale(factor)
+
+
 def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[str, Any] | None = None,
                  ) -> ModelConfig:
     """The one normalisation: `src`'s fields (+ generation_config.json) of family `spec` -> ModelConfig."""
@@ -373,7 +386,19 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,
         router_norm_eps=spec.router_norm_eps,
         **_expert_groups(src, spec, moe),
+        **_clamped_swiglu(src, spec),
     )
+
+
+def _clamped_swiglu(src: ConfigFields, spec: ArchSpec) -> dict[str, Any]:
+    """gpt-oss's expert activation: swiglu_limit and swiglu_alpha (transformers' defaults 7, 1.702)."""
+    if not spec.clamped_swiglu:
+        return {}
+    limit, alpha = src.get("swiglu_limit", 7.0), src.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive number, got {value!r}")
+    return {"swiglu_limit": float(limit), "swiglu_alpha": float(alpha)}
 
 
 def _expert_groups(src: ConfigFields, spec: ArchSpec, moe: tuple[int, int, int]) -> dict[str, Any]:
@@ -655,7 +680,7 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         values["no_rope_layers"] = [int((i + 1) % spec.gguf_nope_every != 0) for i in range(values["num_hidden_layers"])]
     scaling = _gguf_rope_scaling(path, arch, meta, weights)
     if scaling is not None:
-        values["rope_scaling"] = scaling
+        values["rope_scaling"] = {**spec.gguf_rope_scaling, **scaling}
     spelled["rope_scaling.rope_type"] = f"{arch}.rope.scaling.type"
     spelled |= {f"rope_scaling.{key}": f"{arch}.rope.scaling.{suffix}" for suffix, key in _GGUF_ROPE_SCALING.items()}
     pattern = _gguf_sliding_pattern(reader, arch, values["num_hidden_layers"])

@@ -6,9 +6,10 @@ net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence) or attent
 summed, (post-norm), residual (x scale), norm, gated MLP (or relu2's ungated one) or mixture of
 experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama,
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
-Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, Qwen3-MoE, Mixtral
-and OLMoE differ only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read
-from there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
+Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, Qwen3-MoE, Mixtral,
+OLMoE and gpt-oss (attention sinks, biased experts, the clamped SwiGLU) differ only in ModelConfig
+(vkrt/loader/normalize.py builds it) and in the weights a file holds: the traits are read from
+there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
 fused kernels.
 """
 
@@ -129,9 +130,14 @@ class DecoderModel(CausalLM):
         c = self.config
         q = self.query_and_cache_write(attn, x, step, kv, i)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
-        a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
-                                c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
-                                softcap=c.attn_softcap)
+        if attn.sinks is None:
+            a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
+                                    c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
+                                    softcap=c.attn_softcap)
+        else:  # gpt-oss: a learned logit per head in every softmax's denominator
+            a = ops.paged_attention_sinks(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
+                                          attn.sinks, c.num_heads, c.num_kv_heads, self.scale,
+                                          window=c.layer(i).window, softcap=c.attn_softcap)
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
         return linear(a, attn.o)
@@ -212,8 +218,16 @@ class DecoderModel(CausalLM):
                                                   c.moe_top_groups)
         else:
             ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
-        act = self.activation(self.expert_gate_up(experts, x, ids))  # [T, k, F]
+        gate_up = self.expert_gate_up(experts, x, ids)  # [T, k, 2F]
+        if experts.gate_up_bias is not None:  # gpt-oss: each chosen expert's biases
+            gate_up = ops.moe_add_bias(gate_up, experts.gate_up_bias, ids)
+        if c.swiglu_limit:
+            act = ops.clamped_swiglu(gate_up, c.swiglu_alpha, c.swiglu_limit)
+        else:
+            act = self.activation(gate_up)  # [T, k, F]
         y = ops.moe_matmul(act, experts.down, ids)
+        if experts.down_bias is not None:
+            y = ops.moe_add_bias(y, experts.down_bias, ids)
         if experts.shared is None:
             return ops.moe_combine(y, weights)
         if experts.shared_gate is None:  # Granite 4: the layer's MLP added as it is

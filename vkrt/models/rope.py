@@ -47,13 +47,40 @@ def inv_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
         if factors.shape != inv.shape:
             raise UnsupportedModelError(f"longrope has {factors.size} factors for {inv.size} frequencies")
         return inv / factors
+    if kind == "yarn":
+        assert scaling is not None
+        return _yarn(inv, rot_dim, theta, scaling)
     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported yet "
-                                "(supported: default, linear, llama3, longrope)")
+                                "(supported: default, linear, llama3, longrope, yarn)")
+
+
+def _yarn(inv: np.ndarray, rot_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than beta_slow
+    times over the original context are interpolated (divided by factor), those turning more
+    than beta_fast times kept, with a linear ramp over the dims between; `truncate` (default
+    true) rounds the ramp's ends to whole dims."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32.0), float(scaling.get("beta_slow") or 1.0)
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times
+        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers avoids the singular ramp
+    ramp = np.clip((np.arange(rot_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # the share of the original (extrapolated) frequency
+    return inv / factor * (1.0 - keep) + inv * keep
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor transformers multiplies cos and sin by (longrope's; 1 for the others)."""
-    return float((scaling or {}).get("attention_factor") or 1.0) if (scaling or {}).get("rope_type") == "longrope" else 1.0
+    """The factor transformers multiplies cos and sin by (longrope's and YaRN's; 1 for the others)."""
+    scaled = (scaling or {}).get("rope_type") in ("longrope", "yarn")
+    return float((scaling or {}).get("attention_factor") or 1.0) if scaled else 1.0
 
 
 def rope_table(positions: int, head_dim: int, theta: float, scaling: dict[str, Any] | None,

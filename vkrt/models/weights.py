@@ -45,6 +45,7 @@ class Attention:
     q_norm: Tensor | None  # [head_dim] per head, or [H * head_dim] over all of q (OLMoE)
     k_norm: Tensor | None
     gate: Linear | None = None  # the output gate's projection, [H * head_dim] (Qwen3.5)
+    sinks: Tensor | None = None  # a softmax-denominator logit per head [H] (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Experts:
     shared: Mlp | None = None
     shared_gate: Linear | None = None
     bias: Tensor | None = None  # a sigmoid router's per-expert bias [E] (zeros when the file has none)
+    gate_up_bias: Tensor | None = None  # each expert's bias on gate|up [E, 2F] and on down [E, hidden] (gpt-oss)
+    down_bias: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -287,8 +290,10 @@ class _Builder:
                               apart=c.qk_norm and not c.qk_norm_per_head)
         q_norm = self.norm(p + "q_norm") if c.qk_norm else None
         k_norm = self.norm(p + "k_norm") if c.qk_norm else None
-        return Attention(qkv, self.linear([self.scaled(p + "o_proj", c.multipliers.attention_out)]), q_norm, k_norm,
-                         gate=self.linear([gate]) if gate is not None else None)
+        o_bias = [p + "o_bias"] if p + "o_bias" in self.stored else []
+        return Attention(qkv, self.linear([self.scaled(p + "o_proj", c.multipliers.attention_out)], biases=o_bias),
+                         q_norm, k_norm, gate=self.linear([gate]) if gate is not None else None,
+                         sinks=self.f32(self.vector(p + "sinks")) if p + "sinks" in self.stored else None)
 
     def mixer(self, p: str, kind: str) -> Mixer:
         if kind == "short_conv":
@@ -408,6 +413,13 @@ class _Builder:
             up, down = self.expert_stack(p, "up_proj"), self.expert_stack(p, "down_proj")
             return Experts(router=self.linear([p + "router"]), gate_up=(self.experts_weight(p + "experts.up_proj", up),),
                            down=self.experts_weight(p + "experts.down_proj", down), shared=shared, bias=bias)
+        router = self.linear([p + "router"], biases=[p + "router_bias"] if p + "router_bias" in self.stored else [])
+        gate_up_bias = down_bias = None
+        if p + "experts.down_bias" in self.stored:  # gpt-oss: each expert's biases, gate's and up's side by side
+            f, h = c.moe_intermediate_size, c.hidden_size
+            gate_up_bias = self.f32(np.concatenate([self.vector(p + f"experts.{n}_bias").reshape(-1, f)
+                                                    for n in ("gate", "up")], axis=1))
+            down_bias = self.f32(self.vector(p + "experts.down_bias").reshape(-1, h))
         gate, up, down = (self.expert_stack(p, n) for n in ("gate_proj", "up_proj", "down_proj"))
         if gate.fmt == up.fmt:  # one [E, 2F, K] stack, gate over up per expert
             both = _ExpertStack(gate.fmt, [g + u for g, u in zip(gate.blocks, up.blocks, strict=True)], gate.shape,
@@ -415,9 +427,9 @@ class _Builder:
             gate_up: tuple[Tensor, ...] = (self.experts_weight(p + "experts.gate_up_proj", both),)
         else:  # kept in their own formats: two expert matmuls whose outputs are concatenated
             gate_up = (self.experts_weight(p + "experts.gate_proj", gate), self.experts_weight(p + "experts.up_proj", up))
-        return Experts(router=self.linear([p + "router"]), gate_up=gate_up,
-                       down=self.experts_weight(p + "experts.down_proj", down),
-                       shared=shared, shared_gate=shared_gate, bias=bias)
+        return Experts(router=router, gate_up=gate_up, down=self.experts_weight(p + "experts.down_proj", down),
+                       shared=shared, shared_gate=shared_gate, bias=bias, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias)
 
     # -- pieces ---------------------------------------------------------------------------
     def raw(self, name: str) -> WeightData:

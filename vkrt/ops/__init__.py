@@ -151,6 +151,21 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
                     window=int(window), softcap=float(softcap))
 
 
+def paged_attention_sinks(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_index: Tensor,
+                          positions: Tensor, sinks: Tensor, num_heads: int, num_kv_heads: int, scale: float,
+                          window: int = 0, softcap: float = 0.0) -> Tensor:
+    """paged_attention with a learned logit per head, sinks [num_heads], in each softmax's
+    denominator (gpt-oss's attention sinks)."""
+    return dispatch("paged_attention_sinks", q, k_cache, v_cache, block_table, seq_index, positions, sinks,
+                    num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale),
+                    window=int(window), softcap=float(softcap))
+
+
+def clamped_swiglu(x: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's clamped SwiGLU of [..., gate | up] halves -> [..., F] (vkrt.ops.elementwise)."""
+    return dispatch("clamped_swiglu", x, alpha=float(alpha), limit=float(limit))
+
+
 def concat_columns(*parts: Tensor) -> Tensor:
     """[T, a] + [T, b] (+ [T, c]) -> [T, a + b + c]."""
     return dispatch("concat_columns", *parts)
@@ -198,6 +213,11 @@ def moe_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
 def moe_matmul_gated(x: Tensor, w: Tensor, ids: Tensor, activation: str = "silu") -> Tensor:
     """[T, k, F]: silu_and_mul (or gelu_tanh_and_mul) of moe_matmul(x, w, ids), w [E, 2F, K] = [gate; up] per expert."""
     return dispatch("moe_matmul_gated", x, w, ids, activation=activation)
+
+
+def moe_add_bias(y: Tensor, bias: Tensor, ids: Tensor) -> Tensor:
+    """[T, k, N]: y plus the bias [E, N] of the expert each row went through (ids [T, k])."""
+    return dispatch("moe_add_bias", y, bias, ids)
 
 
 def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
@@ -260,10 +280,10 @@ def op_names() -> list[str]:
 
 
 __all__ = [
-    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "concat_columns", "copy", "copy_state_slots",
+    "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "clamped_swiglu", "concat_columns", "copy", "copy_state_slots",
     "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
-    "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_combine", "moe_combine_shared",
-    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "qkv_norm_rope_kv_write",
+    "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_add_bias", "moe_combine", "moe_combine_shared",
+    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
     "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",

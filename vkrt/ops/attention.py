@@ -135,6 +135,35 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     window W > 0: only positions j with p - W < j <= p (HF's sliding window, Mistral/Gemma).
     softcap c > 0: scores become c * tanh(scores / c) before the softmax.
     """
+    return _paged(q, k_cache, v_cache, block_table, seq_index, positions, num_heads, num_kv_heads, scale,
+                  window, softcap, None)
+
+
+def _paged_sinks_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_table: TensorSpec,
+                       seq_index: TensorSpec, positions: TensorSpec, sinks: TensorSpec, num_heads: int,
+                       num_kv_heads: int, scale: float, window: int = 0,
+                       softcap: float = 0.0) -> tuple[TensorSpec, ...]:
+    out = _paged_infer(q, k_cache, v_cache, block_table, seq_index, positions, num_heads, num_kv_heads, scale,
+                       window, softcap)
+    require(sinks.dtype == "f32" and sinks.shape == (num_heads,), "paged_attention_sinks", (q, sinks),
+            f"sinks must be f32 [num_heads] ({num_heads})")
+    return out
+
+
+@register_op("paged_attention_sinks", _paged_sinks_infer)
+def paged_attention_sinks(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
+                          seq_index: np.ndarray, positions: np.ndarray, sinks: np.ndarray, num_heads: int,
+                          num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    """paged_attention with an attention sink per head (gpt-oss): a learned logit sinks[h] that
+    joins head h's softmax denominator and weighs no value, so a row's weights sum to less than 1.
+    The sink is a raw logit (not scaled, not capped), as transformers concatenates it."""
+    return _paged(q, k_cache, v_cache, block_table, seq_index, positions, num_heads, num_kv_heads, scale,
+                  window, softcap, np.asarray(sinks, np.float64))
+
+
+def _paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
+           seq_index: np.ndarray, positions: np.ndarray, num_heads: int, num_kv_heads: int, scale: float,
+           window: int, softcap: float, sinks: np.ndarray | None) -> np.ndarray:
     group = num_heads // num_kv_heads
     out = np.zeros_like(q, dtype=np.float32)  # padding rows (seq_index < 0) stay zero
     for seq in np.unique(seq_index[seq_index >= 0]):
@@ -142,13 +171,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         per_chunk = max(1, SCORES_PER_CHUNK // (group * (int(positions[tokens].max()) + 1)))
         for chunk in np.split(tokens, range(per_chunk, len(tokens), per_chunk)):
             out[chunk] = _attend_sequence(q[chunk], positions[chunk], k_cache, v_cache, block_table[seq],
-                                          num_heads, num_kv_heads, scale, window, softcap)
+                                          num_heads, num_kv_heads, scale, window, softcap, sinks)
     return out
 
 
 def _attend_sequence(q: np.ndarray, positions: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                      blocks: np.ndarray, num_heads: int, num_kv_heads: int, scale: float, window: int,
-                     softcap: float) -> np.ndarray:
+                     softcap: float, sinks: np.ndarray | None) -> np.ndarray:
     """Tokens q [T, heads * hd] of one sequence (block-table row `blocks`) at `positions`, each
     over the cached positions it sees -> [T, heads * hd]."""
     t, hd = q.shape[0], q.shape[1] // num_heads
@@ -166,23 +195,30 @@ def _attend_sequence(q: np.ndarray, positions: np.ndarray, k_cache: np.ndarray, 
     out = np.empty((t, num_heads * hd), np.float32)
     for kvh in range(num_kv_heads):  # read by query heads kvh * group .. (kvh + 1) * group - 1
         kv_cols, q_cols = slice(kvh * hd, (kvh + 1) * hd), slice(kvh * group * hd, (kvh + 1) * group * hd)
+        row_sinks = None if sinks is None else np.tile(sinks[kvh * group : (kvh + 1) * group], t)
         heads = _attend(q[:, q_cols].reshape(t * group, hd), keys[:, kv_cols], values[:, kv_cols],
-                        seen_rows, scale, softcap)
+                        seen_rows, scale, softcap, row_sinks)
         out[:, q_cols] = heads.reshape(t, group * hd)
     return out
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, seen: np.ndarray, scale: float,
-            softcap: float) -> np.ndarray:
+            softcap: float, sinks: np.ndarray | None = None) -> np.ndarray:
     """Query rows q [R, hd] over context k/v [L, hd], row r seeing the positions where seen[r]:
     -> [R, hd], in float64. softcap c > 0 maps each score s to c * tanh(s / c) before the
-    softmax (Gemma 2's attn_logit_softcapping)."""
+    softmax (Gemma 2's attn_logit_softcapping); sinks [R] (float64) join each row's denominator."""
     s = (q.astype(np.float64) @ k.astype(np.float64).T) * scale
     if softcap > 0.0:
         s = softcap * np.tanh(s / softcap)
     s = np.where(seen, s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return ((p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)).astype(np.float32)
+    top = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks[:, None])
+    p = np.exp(s - top)
+    total = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sinks[:, None] - top)
+    return ((p / total) @ v.astype(np.float64)).astype(np.float32)
 
 
 def _qkv_rope_kv_write_infer(qkv: TensorSpec, positions: TensorSpec, cos_sin: TensorSpec,

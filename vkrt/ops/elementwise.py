@@ -97,6 +97,23 @@ def gelu_tanh_and_mul(x: np.ndarray) -> np.ndarray:
     return (gelu * up).astype(np.float32)
 
 
+def _clamped_swiglu_infer(x: TensorSpec, alpha: float, limit: float) -> tuple[TensorSpec, ...]:
+    (y,) = _gated_infer("clamped_swiglu")(x)
+    require(bool(np.isfinite(alpha)) and bool(np.isfinite(limit)) and limit > 0, "clamped_swiglu", (x,),
+            f"alpha must be finite and limit > 0, got alpha {alpha}, limit {limit}")
+    return (y,)
+
+
+@register_op("clamped_swiglu", _clamped_swiglu_infer)
+def clamped_swiglu(x: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """gpt-oss's expert gate on [gate | up] halves: g = min(gate, limit), u = clamp(up, -limit,
+    limit), g * sigmoid(alpha * g) * (u + 1), in float64, rounded once."""
+    f = x.shape[-1] // 2
+    g = np.minimum(x[..., :f].astype(np.float64), limit)
+    u = np.clip(x[..., f:].astype(np.float64), -limit, limit)
+    return (g / (1.0 + np.exp(-alpha * g)) * (u + 1.0)).astype(np.float32)
+
+
 def _concat_infer(*parts: TensorSpec) -> tuple[TensorSpec, ...]:
     require(len(parts) in (2, 3), "concat_columns", parts, "takes two or three parts")
     require(all(p.dtype == "f32" and len(p.shape) == 2 for p in parts), "concat_columns", parts,

@@ -167,6 +167,21 @@ def moe_matmul_gated(x: np.ndarray, w: np.ndarray, ids: np.ndarray, activation: 
     return GATED_ACTIVATIONS[activation](moe_matmul(x, w, ids))
 
 
+def _bias_infer(y: TensorSpec, bias: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
+    specs = (y, bias, ids)
+    require(y.dtype == "f32" and len(y.shape) == 3, "moe_add_bias", specs, "y must be f32 [T, k, N]")
+    require(ids.dtype == "i32" and ids.shape == y.shape[:2], "moe_add_bias", specs, f"ids must be i32 {list(y.shape[:2])}")
+    require(bias.dtype == "f32" and len(bias.shape) == 2 and bias.shape[1] == y.shape[2], "moe_add_bias", specs,
+            f"the expert biases must be f32 [E, {y.shape[2]}]")
+    return (y,)
+
+
+@register_op("moe_add_bias", _bias_infer)
+def moe_add_bias(y: np.ndarray, bias: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """y[t, j] + bias[ids[t, j]]: each chosen expert's own bias on its output row (gpt-oss)."""
+    return (y + bias[ids]).astype(np.float32)
+
+
 def _combine_infer(y: TensorSpec, weights: TensorSpec) -> tuple[TensorSpec, ...]:
     require(y.dtype == "f32" and len(y.shape) == 3, "moe_combine", (y, weights), "y must be f32 [T, k, N]")
     require(weights.dtype == "f32" and weights.shape == y.shape[:2], "moe_combine", (y, weights),

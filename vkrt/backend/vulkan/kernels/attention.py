@@ -15,7 +15,9 @@ positions (flash-decoding): decode-shaped steps give every chunk a workgroup and
 paged_attention_merge.comp folds their partial states; prefill-shaped steps (enough work
 already) walk a row's chunks in one workgroup and fold them in registers, in the same order
 with the same weights (include/chunk_merge.glsl). A sliding window is a push constant (the
-walk starts at the window's first position); a logit softcap is specialisation constant 2.
+walk starts at the window's first position); a logit softcap is specialisation constant 2, and
+attention sinks (`paged_attention_sinks`, gpt-oss) constant 6, folded into a row's state after its
+last chunk (by the merge pass where chunks are split).
 Either way the order depends only on per-device constants and the row's own positions, so a
 token's result never depends on the rest of the batch.
 """
@@ -164,7 +166,10 @@ def gqa_tokens(heads: int, head_dim: int, window: int) -> int:
 
 def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    q, k_cache, v_cache, block_table, seq_index, positions = inputs
+    """paged_attention, or paged_attention_sinks (a 7th input, the sinks: spec constant SINKS; without
+    them q is bound in the sinks' unread place)."""
+    q, k_cache, v_cache, block_table, seq_index, positions, *with_sinks = inputs
+    sinks = with_sinks[0] if with_sinks else q
     num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
     tokens, head_dim = q.shape[0], q.shape[1] // num_heads
     group, hd4 = num_heads // num_kv_heads, head_dim // 4
@@ -190,7 +195,7 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
         shader = module(backend, "paged_attention", kv_variant, variant)
         items, per_group, spec = num_heads, 1 if variant == "sub" else lanes, {0: lanes}
         tile_tokens = 1
-    spec |= {1: hd4, 2: float_bits(params.get("softcap", 0.0)), 3: chunk if chunks > 1 else 0}
+    spec |= {1: hd4, 2: float_bits(params.get("softcap", 0.0)), 3: chunk if chunks > 1 else 0, 6: int(bool(with_sinks))}
     y = backend.empty(out[0].shape, "f32")
     slab = max(1, PAGED_SCRATCH_BYTES // (num_heads * chunks * (hd4 + 1) * 16)) if split else tokens
     for token0 in range(0, tokens, slab):
@@ -199,7 +204,7 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
         backend.run_shader(shader,
                            [(q, "f32x4", False), (k_cache, kind, False), (v_cache, kind, False),
                             (block_table, "i32", False), (seq_index, "i32", False), (positions, "i32", False),
-                            (partials, "f32x4", True)],
+                            (partials, "f32x4", True), (sinks, "f32", False)],
                            grid_1d(-(-count // tile_tokens) * items * step_chunks, per_group),
                            ("<IIIIIIfIII", (count, num_heads, group, kv_dim // 4, block_size,
                                             block_table.shape[1], params["scale"], params.get("window", 0),
@@ -208,15 +213,17 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
         if split:
             backend.run_shader(module(backend, "paged_attention_merge"),
                                [(partials, "f32x4", False), (seq_index, "i32", False), (positions, "i32", False),
-                                (y, "f32x4", True)],
+                                (y, "f32x4", True), (sinks, "f32", False)],
                                grid_1d(count * num_heads * hd4),
                                ("<IIIIIIII", (count, num_heads, hd4, chunks, token0, chunk,
                                               block_table.shape[1] * block_size, params.get("window", 0))),
-                               local_size())
+                               local_size() | {1: int(bool(with_sinks))})
     return (y,)
 
 
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("kv_write", "kv_write", _kv_write))
     backend.register_kernel(Kernel("paged_attention", "paged_attention", _paged_attention,
+                                   supports=_supports))
+    backend.register_kernel(Kernel("paged_attention_sinks", "paged_attention", _paged_attention,
                                    supports=_supports))

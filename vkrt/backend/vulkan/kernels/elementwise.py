@@ -1,4 +1,5 @@
-"""add, sigmoid_mul, scale, softcap, relu_squared, silu_and_mul, gelu_tanh_and_mul, gather_rows: shaders/elementwise.comp."""
+"""add, sigmoid_mul, scale, softcap, relu_squared, silu_and_mul, gelu_tanh_and_mul, clamped_swiglu,
+gather_rows: shaders/elementwise.comp."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ def _gated(variant: str):
         return (y,)
 
     return run
+
+
+def _clamped_swiglu(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    (x,) = inputs
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "elementwise", "clamped_swiglu"), [(x, "f32", False), (y, "f32", True)],
+                       grid_1d(y.numel), ("<IIff", (y.numel, out[0].shape[-1], params["limit"], params["alpha"])),
+                       local_size())
+    return (y,)
 
 
 def _unary(variant: str, param: str):
@@ -76,3 +87,4 @@ def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("relu_squared", "elementwise.relu2", _relu_squared))
     backend.register_kernel(Kernel("silu_and_mul", "elementwise.silu_mul", _gated("silu_mul")))
     backend.register_kernel(Kernel("gelu_tanh_and_mul", "elementwise.gelu_mul", _gated("gelu_mul")))
+    backend.register_kernel(Kernel("clamped_swiglu", "elementwise.clamped_swiglu", _clamped_swiglu))

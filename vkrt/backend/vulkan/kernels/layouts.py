@@ -8,7 +8,8 @@ Block formats are split into a quants region (one uvec4 texel per 16 bytes of qu
 a scales region, so every load is aligned: GGUF's 18/20/22/24/34-byte blocks are not. For
 the 32-value block formats both derive from the registry row (vkrt/core/formats.py): the
 `qs` field is the quants, the other fields, in order, the scales entry (f16 fields packed
-two to a word, bit fields word-aligned: q8_0/q4_0/iq4_nl one word d, q4_1 one word d|m,
+two to a word, bit fields word-aligned: q8_0/q4_0/iq4_nl one word d, mxfp4 one word whose low
+byte is the E8M0 exponent, q4_1 one word d|m,
 q5_0 two words d, qh, q5_1 two words d|m, qh). Kernels bind an entry of one word as u32
 and of two as u32x2. Float rows are padded with zeros to whole 32-value blocks (8 RGBA32F
 texels or 4 uvec4 texels of f16/bf16), so the matmul kernels read every row as complete
@@ -118,7 +119,7 @@ LAYOUTS: dict[str, DeviceLayout] = {
     "f32": DeviceLayout(32, 8),
     "f16": DeviceLayout(32, 4),
     "bf16": DeviceLayout(32, 4),
-    **{name: _block_layout(FORMATS[name]) for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")},
+    **{name: _block_layout(FORMATS[name]) for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4")},
     "q4_k": DeviceLayout(32, 1, 256, 16),  # the header texel is read through the quants view
     "q5_k": DeviceLayout(256, 10, 256, 16),  # likewise
     "q6_k": DeviceLayout(256, 12, 256, 20, "u32"),

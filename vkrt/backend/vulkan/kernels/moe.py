@@ -1,4 +1,4 @@
-"""Mixture-of-experts kernels: moe_router, moe_router_sigmoid and moe_combine (shaders/moe.comp), moe_matmul and
+"""Mixture-of-experts kernels: moe_router, moe_router_sigmoid, moe_combine and moe_add_bias (shaders/moe.comp), moe_matmul and
 moe_matmul_gated (shaders/matmul_id.comp, the id-indexed expert matmul; gated: spec constant
 GATES = 2, each expert's gate and up rows reduced together and act(g) * u written, as
 matmul_vec's gated mode does for a dense MLP).
@@ -40,7 +40,7 @@ from vkrt.core.tensor import Tensor, TensorSpec
 
 # The formats shaders/matmul_id.comp's variants line lists (a test keeps the two equal).
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k",
-           "q6_k", "iq4_xs")
+           "q6_k", "iq4_xs", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,18 @@ def _run_combine(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dic
     return (mixed,)
 
 
+def _run_bias(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+              out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    y, bias, ids = inputs
+    tokens, top_k, n = y.shape
+    biased = backend.empty(out[0].shape, "f32")
+    if biased.numel:
+        backend.run_shader(module(backend, "moe", "bias"),
+                           [(y, "f32", False), (bias, "f32", False), (ids, "i32", False), (biased, "f32", True)],
+                           grid_1d(biased.numel), ("<2I", (tokens * top_k, n)), local_size())
+    return (biased,)
+
+
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("moe_router", "moe.router", _run_router))
     backend.register_kernel(Kernel("moe_router_sigmoid", "moe.router_sigmoid", _run_sigmoid_router))
@@ -189,3 +201,4 @@ def register(backend: KernelBackend) -> None:
                                    supports=_matmul_supports))
     backend.register_kernel(Kernel("moe_combine", "moe.combine", _run_combine))
     backend.register_kernel(Kernel("moe_combine_shared", "moe.combine_shared", _run_combine))
+    backend.register_kernel(Kernel("moe_add_bias", "moe.bias", _run_bias))
