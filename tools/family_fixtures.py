@@ -47,7 +47,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1")
+                      "FalconH1", "Olmo2", "Olmo3")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
@@ -274,6 +274,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                   "Falcon-H1 as transformers' defaults have it: tiny_falcon_h1's mixers with no "
                                   "norm on Mamba2's output (y * silu(z)), conv 3, tied embeddings (scaled on the "
                                   "way in, the head by lm_head_multiplier), some multipliers left at 1"),
+        # Dense attention families of 2025-26 (after the hybrids, so their seeds stay).
+        "tiny_olmo2": ("Olmo2", dict(BASE, tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                                       "rope_theta": 5e5}),
+                       "OLMo 2: norms after attention and after the MLP only (none before), QK-norm over all of q "
+                       "and all of k, rope_theta 5e5"),
+        "tiny_olmo3": ("Olmo3", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, sliding_window=WINDOW,
+                                     rope_parameters={t: {"rope_type": "default", "rope_theta": 5e5}
+                                                      for t in ("sliding_attention", "full_attention")}),
+                       f"OLMo 3: OLMo 2's layers, sliding window {WINDOW} in layers 0-2 and full attention in layer 3 "
+                       "(transformers' default layer_types)"),
     }
 
 

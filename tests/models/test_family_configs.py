@@ -302,6 +302,22 @@ def test_olmo_hybrid_fields(tmp_path: Path) -> None:
     assert not any(layer.rope for layer in c.layers) and c.linear_beta_scale == 1.0
 
 
+def test_olmo2_and_olmo3_post_norm_layers(tmp_path: Path) -> None:
+    """OLMo 2 / 3: every layer normed after attention and after the MLP only, QK-norm over all of q
+    and k; OLMo 3's sliding layers from layer_types, else three of every four; llama.cpp writes both
+    as olmo2, OLMo 3's pattern in the metadata."""
+    olmo2 = load_model(FIXTURES / "tiny_olmo2").config
+    assert [(layer.post_norms, layer.window) for layer in olmo2.layers] == [(True, 0)] * 2
+    assert (olmo2.qk_norm, olmo2.qk_norm_per_head) == (True, False)
+    assert load_model(FIXTURES / "tiny_olmo2_gguf" / "model.gguf").config.layers == olmo2.layers
+    olmo3 = load_model(FIXTURES / "tiny_olmo3").config
+    assert [(layer.post_norms, layer.window) for layer in olmo3.layers] == [(True, 8)] * 3 + [(True, 0)]
+    assert load_model(FIXTURES / "tiny_olmo3_gguf" / "model.gguf").config.layers == olmo3.layers
+    d = _copy("tiny_olmo3", tmp_path)
+    _edit_config(d, layer_types=None)
+    assert load_model(d).config.layers == olmo3.layers
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

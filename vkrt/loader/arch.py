@@ -43,6 +43,10 @@ def _alternating(i: int, cfg: dict[str, Any]) -> bool:
     return i % 2 == 0  # Gemma 2: local, global, local, ...
 
 
+def _every_fourth_full(i: int, cfg: dict[str, Any]) -> bool:
+    return (i + 1) % 4 != 0  # OLMo 3: three sliding layers, then one full
+
+
 def _gemma3_sliding(i: int, cfg: dict[str, Any]) -> bool:
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
     return (i + 1) % pattern != 0  # Gemma 3: five local layers, then one global
@@ -625,9 +629,39 @@ _QWEN3_5_MOE = ArchSpec(
     shared_expert=True,
 )
 
+# OLMo 2: no norm before attention or the MLP, one after each (saved as post_attention_layernorm and
+# post_feedforward_layernorm), QK-norm over all of q and all of k.
+_OLMO2 = ArchSpec(
+    name="olmo2",
+    gguf_archs=("olmo2",),  # llama.cpp writes OLMo 3 as olmo2 too, its sliding layers in the metadata
+    hf_archs=("Olmo2ForCausalLM",),
+    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, "post_attention_norm.weight": "ffn_norm",
+                "post_ffw_norm.weight": "post_ffn_norm"},
+    hf_layer={**_HF_LAYER, **_QK_NORM_HF, "post_feedforward_layernorm.weight": "post_ffn_norm"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    qk_norm_per_head=False,
+    attention_post_norms=True,
+)
+
+# OLMo 3: OLMo 2 with sliding-window layers (layer_types; three of every four when it says none).
+_OLMO3 = ArchSpec(
+    name="olmo3",
+    gguf_archs=(),
+    hf_archs=("Olmo3ForCausalLM",),
+    gguf_layer=_OLMO2.gguf_layer,
+    hf_layer=_OLMO2.hf_layer,
+    layer_weights=_OLMO2.layer_weights,
+    qk_norm=True,
+    qk_norm_per_head=False,
+    attention_post_norms=True,
+    default_sliding=_every_fourth_full,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
-                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1)
+                               _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
+                               _OLMO2, _OLMO3)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:
