@@ -47,7 +47,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1", "Olmo2", "Olmo3")
+                      "FalconH1", "Olmo2", "Olmo3", "Exaone4")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
@@ -284,6 +284,14 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                                       for t in ("sliding_attention", "full_attention")}),
                        f"OLMo 3: OLMo 2's layers, sliding window {WINDOW} in layers 0-2 and full attention in layer 3 "
                        "(transformers' default layer_types)"),
+        "tiny_exaone4": ("Exaone4", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, eos_token_id=None,
+                                         sliding_window=WINDOW,
+                                         sliding_window_pattern=4, rope_parameters={
+                                             "rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}),
+                         f"EXAONE 4: norms after attention and the MLP only, per-head QK-norm; sliding window "
+                         f"{WINDOW} in layers 0-2 (RoPE, llama3-scaled), layer 3 full attention without RoPE"),
     }
 
 

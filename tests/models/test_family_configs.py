@@ -318,6 +318,23 @@ def test_olmo2_and_olmo3_post_norm_layers(tmp_path: Path) -> None:
     assert load_model(d).config.layers == olmo3.layers
 
 
+def test_exaone4_global_layers_without_rope(tmp_path: Path) -> None:
+    """EXAONE 4: post-norm layers with per-head QK-norm; with a sliding window the full layers do not
+    rotate (the GGUF alike, its llama3 scaling as rope_freqs); without one every layer rotates; its
+    pattern as a period or a string of L (local) and G (global) when layer_types is absent."""
+    c = load_model(FIXTURES / "tiny_exaone4").config
+    assert [(layer.window, layer.rope, layer.post_norms) for layer in c.layers] == [(8, True, True)] * 3 + [(0, False, True)]
+    assert (c.qk_norm, c.qk_norm_per_head) == (True, True)
+    g = load_model(FIXTURES / "tiny_exaone4_gguf" / "model.gguf")
+    assert [(layer.window, layer.rope) for layer in g.config.layers] == [(8, True)] * 3 + [(0, False)]
+    assert "rope_freqs" in g.weights
+    d = _copy("tiny_exaone4", tmp_path)
+    _edit_config(d, layer_types=None, sliding_window_pattern="LGLG")
+    assert [(layer.window, layer.rope) for layer in load_model(d).config.layers] == [(8, True), (0, False)] * 2
+    _edit_config(d, sliding_window=None)
+    assert [(layer.window, layer.rope) for layer in load_model(d).config.layers] == [(0, True)] * 4
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

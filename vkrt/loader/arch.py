@@ -47,6 +47,13 @@ def _every_fourth_full(i: int, cfg: dict[str, Any]) -> bool:
     return (i + 1) % 4 != 0  # OLMo 3: three sliding layers, then one full
 
 
+def _exaone4_sliding(i: int, cfg: dict[str, Any]) -> bool:
+    pattern = cfg.get("sliding_window_pattern") or 4  # a period (every n-th layer global) or "LLLG"
+    if isinstance(pattern, str):
+        return pattern[i % len(pattern)] == "L"
+    return (i + 1) % int(pattern) != 0
+
+
 def _gemma3_sliding(i: int, cfg: dict[str, Any]) -> bool:
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
     return (i + 1) % pattern != 0  # Gemma 3: five local layers, then one global
@@ -219,6 +226,8 @@ class ArchSpec:
     # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
     # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
     one_sublayer: bool = False
+    # Full-attention layers do not rotate positions when the file sets a sliding window (EXAONE 4).
+    global_nope_with_window: bool = False
     # OLMo 2's order in attention layers: no norm before attention or MLP, one after each (the
     # file's post-attention norm, canonical ffn_norm, normalises the attention's output there).
     attention_post_norms: bool = False
@@ -658,10 +667,26 @@ _OLMO3 = ArchSpec(
     default_sliding=_every_fourth_full,
 )
 
+# EXAONE 4: OLMo 2's post-norm layers with per-head QK-norm, sliding layers beside full ones that
+# (when a window is set) do not rotate positions.
+_EXAONE4 = ArchSpec(
+    name="exaone4",
+    gguf_archs=("exaone4",),
+    hf_archs=("Exaone4ForCausalLM",),
+    gguf_global=_LLAMA.gguf_global,  # llama3-scaled checkpoints: per-frequency factors
+    gguf_layer=_OLMO2.gguf_layer,
+    hf_layer=_OLMO2.hf_layer,
+    layer_weights=_OLMO2.layer_weights,
+    qk_norm=True,
+    attention_post_norms=True,
+    default_sliding=_exaone4_sliding,
+    global_nope_with_window=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
-                               _OLMO2, _OLMO3)
+                               _OLMO2, _OLMO3, _EXAONE4)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:

@@ -299,7 +299,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         sparse = sparse if moe[0] else [False] * num_layers
     else:
         sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer,
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)],
+                               rotated and not (spec.global_nope_with_window and window and not sliding), is_moe, mixer,
                                mlp=not spec.one_sublayer or mixer == "none",
                                post_norms=spec.attention_post_norms and mixer == "attention")
                    for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
