@@ -47,7 +47,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1", "Olmo2", "Olmo3", "Exaone4")
+                      "FalconH1", "Olmo2", "Olmo3", "Exaone4", "SeedOss")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
@@ -292,6 +292,11 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                              "original_max_position_embeddings": 64}),
                          f"EXAONE 4: norms after attention and the MLP only, per-head QK-norm; sliding window "
                          f"{WINDOW} in layers 0-2 (RoPE, llama3-scaled), layer 3 full attention without RoPE"),
+        "tiny_seed_oss": ("SeedOss", dict(BASE, tie_word_embeddings=False, eos_token_id=None, head_dim=32,
+                                          attention_bias=True, attention_out_bias=False,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
+                          "Seed-OSS: q/k/v biases (none on o_proj or the MLP), head_dim 32 (heads x head_dim 128, "
+                          "not hidden 64), rope_theta 1e7"),
     }
 
 

@@ -162,6 +162,10 @@ CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("nemotron_h_no_think", "nemotron_h", None, "<SPECIAL_12>",
      [{"role": "system", "content": "/no_think"}, *MULTI], True, {}),
     ("nemotron_h_tools", "nemotron_h", None, "<SPECIAL_12>", TOOL_TURN, True, {"tools": TOOLS}),
+    # Seed-OSS: its own bos / eos set inside the template, a thinking budget, Python-style tool docs.
+    ("seed_oss_multi", "seed_oss", None, "<seed:eos>", [SYSTEM, *MULTI], True, {}),
+    ("seed_oss_budget", "seed_oss", None, "<seed:eos>", [USER], True, {"thinking_budget": 512}),
+    ("seed_oss_tools", "seed_oss", None, "<seed:eos>", TOOL_TURN, True, {"tools": TOOLS}),
 ]
 # Conversations a template must refuse (raise_exception), recorded with transformers' message.
 CHAT_ERRORS: list[tuple[str, str, list]] = [

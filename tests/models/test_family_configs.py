@@ -335,6 +335,21 @@ def test_exaone4_global_layers_without_rope(tmp_path: Path) -> None:
     assert [(layer.window, layer.rope) for layer in load_model(d).config.layers] == [(0, True)] * 4
 
 
+def test_seed_oss_biases(tmp_path: Path) -> None:
+    """Seed-OSS: q/k/v biases from both formats (head_dim 32 beside hidden 64); a bias on o_proj or
+    the MLP, which vkrt does not run, is refused in one line."""
+    c = load_model(FIXTURES / "tiny_seed_oss").config
+    assert (c.qkv_bias, c.head_dim, c.num_heads * c.head_dim, c.hidden_size) == (True, 32, 128, 64)
+    g = load_model(FIXTURES / "tiny_seed_oss_gguf" / "model.gguf")
+    assert g.config.layers == c.layers and all(f"layers.1.{b}_bias" in g.weights for b in "qkv")
+    d = _copy("tiny_seed_oss", tmp_path)
+    for flag in ("attention_out_bias", "mlp_bias"):
+        _edit_config(d, **{"attention_out_bias": None, "mlp_bias": None, flag: True})
+        with pytest.raises(UnsupportedModelError) as exc:
+            load_model(d)
+        _one_line(exc, "config.json", flag, "does not run")
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]

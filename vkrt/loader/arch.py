@@ -226,6 +226,9 @@ class ArchSpec:
     # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
     # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
     one_sublayer: bool = False
+    # config.json flags that, when true, add weights vkrt does not run (Seed-OSS's o_proj and MLP
+    # biases): such a model is refused with one line naming the flag.
+    hf_refused_flags: tuple[str, ...] = ()
     # Full-attention layers do not rotate positions when the file sets a sliding window (EXAONE 4).
     global_nope_with_window: bool = False
     # OLMo 2's order in attention layers: no norm before attention or MLP, one after each (the
@@ -683,10 +686,22 @@ _EXAONE4 = ArchSpec(
     global_nope_with_window=True,
 )
 
+# Seed-OSS: Qwen2's layout (q/k/v biases, pre-norms); llama.cpp names the MLP's norm post_attention_norm.
+_SEED_OSS = ArchSpec(
+    name="seed_oss",
+    gguf_archs=("seed_oss",),
+    hf_archs=("SeedOssForCausalLM",),
+    gguf_layer={**_QWEN2.gguf_layer, "post_attention_norm.weight": "ffn_norm"},
+    hf_layer=_QWEN2.hf_layer,
+    layer_weights=_QWEN2.layer_weights,
+    qkv_bias=True,
+    hf_refused_flags=("attention_out_bias", "mlp_bias"),
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
-                               _OLMO2, _OLMO3, _EXAONE4)
+                               _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:

@@ -291,6 +291,10 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     window = src.get("sliding_window")
     window = int(window) if _is_int(window) and window > 0 else 0
     moe = _moe_fields(src)
+    for flag in spec.hf_refused_flags:
+        if src.get(flag):
+            raise UnsupportedModelError(f"{src.source}: {src.name(flag)} is set; vkrt does not run the weights it "
+                                        f"adds to a {spec.name} model")
     if moe[0] and src.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
     if spec.one_sublayer:  # Nemotron-H: its "moe" blocks are the sparse ones (and its dense

@@ -6,9 +6,9 @@ net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence) or attent
 summed, (post-norm), residual (x scale), norm, gated MLP (or relu2's ungated one) or mixture of
 experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama,
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
-Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4, Qwen3-MoE,
-Mixtral and OLMoE differ only in ModelConfig (vkrt/loader/normalize.py builds it): the traits are read
-from there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
+Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
+Seed-OSS, Qwen3-MoE, Mixtral and OLMoE differ only in ModelConfig (vkrt/loader/normalize.py builds
+it): the traits are read from there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
 fused kernels.
 """
 
