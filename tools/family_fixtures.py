@@ -47,7 +47,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # Converted to GGUF by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1", "Olmo2", "Olmo3", "Exaone4", "SeedOss")
+                      "FalconH1", "Olmo2", "Olmo3", "Exaone4", "SeedOss", "Ministral3")
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
 # Granite 4's layer types as IBM's checkpoints spell them (mamba / attention).
 CONVERT_CONFIG: dict[str, Any] = {
@@ -297,6 +297,14 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                           rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
                           "Seed-OSS: q/k/v biases (none on o_proj or the MLP), head_dim 32 (heads x head_dim 128, "
                           "not hidden 64), rope_theta 1e7"),
+        "tiny_ministral3": ("Ministral3", dict(BASE, tie_word_embeddings=True, eos_token_id=None, rope_parameters={
+                                "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0,
+                                "original_max_position_embeddings": 16, "max_position_embeddings": 256,
+                                "beta_fast": 2.0, "beta_slow": 0.25, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                "llama_4_scaling_beta": 0.1}),
+                            "Ministral 3: YaRN (factor 16 over 16 positions, the ramp over dims 0-3, attention "
+                            "factor from mscale 1 / mscale_all_dim 0.5), queries times 1 + 0.1 ln(1 + floor(p / 16)), "
+                            "tied embeddings"),
     }
 
 
@@ -607,11 +615,12 @@ from conversion.base import TextModel
 TextModel.set_vocab = lambda self: None
 import convert_hf_to_gguf
 model_class = convert_hf_to_gguf.get_model_class
-def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's, Nemotron-H's) skip it too
-    cls = model_class(name, mmproj)
-    for c in cls.__mro__[:cls.__mro__.index(TextModel)]:
-        if "set_vocab" in vars(c):
-            c.set_vocab = lambda self: None
+def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's, Nemotron-H's) skip it too,
+    cls = model_class(name, mmproj)  # and those a wrapper delegates to (Mistral3's Ministral3Model)
+    for outer in [cls, *(v for v in vars(cls).values() if isinstance(v, type) and issubclass(v, TextModel))]:
+        for c in outer.__mro__[:outer.__mro__.index(TextModel)]:
+            if "set_vocab" in vars(c):
+                c.set_vocab = lambda self: None
     return cls
 convert_hf_to_gguf.get_model_class = no_vocab
 from conversion.base import ModelBase
@@ -633,8 +642,8 @@ convert_hf_to_gguf.main()
 def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None,
                   note: str = "") -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
-    (f32 in, f32 out, no row permutation for these families) but for what `note` says, so the
-    golden is the HF one."""
+    (f32 in, f32 out; Ministral 3's q/k rows permuted as Llama's, which the loader undoes) but for
+    what `note` says, so the golden is the HF one."""
     import shutil
     import subprocess
     import sys

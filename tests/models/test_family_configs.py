@@ -350,6 +350,29 @@ def test_seed_oss_biases(tmp_path: Path) -> None:
         _one_line(exc, "config.json", flag, "does not run")
 
 
+def test_ministral3_yarn_and_query_temperature(tmp_path: Path) -> None:
+    """Ministral 3: YaRN with transformers' attention factor (mscale / mscale_all_dim), the query
+    temperature read from rope_parameters (and from llama.cpp's attention.temperature_scale and
+    yarn_log_multiplier), tied embeddings; a temperature without its length is refused."""
+    c = load_model(FIXTURES / "tiny_ministral3").config
+    scaling = c.layer(0).rope_scaling
+    assert scaling is not None and scaling["rope_type"] == "yarn" and "llama_4_scaling_beta" not in scaling
+    assert scaling["attention_factor"] == pytest.approx((0.1 * math.log(16) + 1) / (0.05 * math.log(16) + 1))
+    assert (c.query_temperature_beta, c.query_temperature_length, c.tie_word_embeddings) == (0.1, 16, True)
+    g = load_model(FIXTURES / "tiny_ministral3_gguf" / "model.gguf").config
+    assert g.layer(0).rope_scaling is not None
+    assert g.layer(0).rope_scaling["attention_factor"] == pytest.approx(scaling["attention_factor"])
+    assert (g.query_temperature_beta, g.query_temperature_length) == pytest.approx((0.1, 16))
+    d = _copy("tiny_ministral3", tmp_path)
+    params = json.loads((d / "config.json").read_text())["rope_parameters"]
+    _edit_config(d, rope_parameters={k: v for k, v in params.items() if k != "llama_4_scaling_beta"})
+    assert load_model(d).config.query_temperature_beta == 0.0
+    _edit_config(d, rope_parameters={k: v for k, v in params.items() if k != "original_max_position_embeddings"})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "original_max_position_embeddings")
+
+
 def test_smollm3_nope_layers() -> None:
     c = load_model(FIXTURES / "tiny_smollm3").config
     assert [layer.rope for layer in c.layers] == [True, True, True, False]
@@ -391,10 +414,10 @@ def test_unknown_rope_type(tmp_path: Path) -> None:
 def test_unknown_rope_type_of_one_layer_type(tmp_path: Path) -> None:
     d = _copy("tiny_gemma3", tmp_path)
     _edit_config(d, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                     "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8}})
+                                     "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 8}})
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(d)
-    _one_line(exc, "config.json", "rope_parameters.full_attention.rope_type", "'yarn'")
+    _one_line(exc, "config.json", "rope_parameters.full_attention.rope_type", "'dynamic'")
 
 
 def test_unknown_layer_type(tmp_path: Path) -> None:
@@ -467,11 +490,11 @@ def test_unsupported_gguf_family(tmp_path: Path) -> None:
 
 
 def test_unknown_gguf_rope_type(tmp_path: Path) -> None:
-    path = tmp_path / "yarn.gguf"
-    _rewrite_gguf(FIXTURES / "tiny_qwen3_gguf" / "model.gguf", path, rope_type="yarn")
+    path = tmp_path / "dynamic.gguf"
+    _rewrite_gguf(FIXTURES / "tiny_qwen3_gguf" / "model.gguf", path, rope_type="dynamic")
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(path)
-    _one_line(exc, "yarn.gguf", "qwen3.rope.scaling.type", "'yarn'")
+    _one_line(exc, "dynamic.gguf", "qwen3.rope.scaling.type", "'dynamic'")
 
 
 def test_cli_reports_an_unsupported_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

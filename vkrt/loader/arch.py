@@ -698,10 +698,20 @@ _SEED_OSS = ArchSpec(
     hf_refused_flags=("attention_out_bias", "mlp_bias"),
 )
 
+# Ministral 3: Mistral's layout with YaRN and a query temperature by position (rope_parameters'
+# llama_4_scaling_beta); llama.cpp's converter permutes its q/k rows as Llama's.
+_MINISTRAL3 = ArchSpec(
+    name="ministral3",
+    gguf_archs=("mistral3",),
+    hf_archs=("Ministral3ForCausalLM",),
+    gguf_qk_permuted=True,
+    default_sliding=_all_sliding,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
-                               _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS)
+                               _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3)
 
 
 def arch_for_gguf(gguf_arch: str) -> ArchSpec | None:

@@ -39,13 +39,14 @@ from vkrt.ops.recurrent import MAX_CONV_KERNEL
 log = logging.getLogger(__name__)
 
 # The rope scaling types vkrt computes (vkrt/models/rope.py), checked here once for both formats.
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Numbers each type needs, and numbers that must be positive where given (transformers' names).
 _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
                                            "llama3": ("factor", "original_max_position_embeddings"),
-                                           "longrope": ("short_factor", "long_factor")}
+                                           "longrope": ("short_factor", "long_factor"),
+                                           "yarn": ("factor", "original_max_position_embeddings")}
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
-                  "attention_factor", "beta_fast", "beta_slow")
+                  "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # config.json's MLP activation -> ModelConfig.hidden_act (relu2: ungated, max(x, 0)^2 of up alone)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "relu2": "relu2"}
@@ -83,7 +84,8 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
     RoPE; every check of a scaling is here."""
     if not params:
         return None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    scaling = {k: v for k, v in params.items()
+               if k not in ("rope_theta", "type", "partial_rotary_factor", "llama_4_scaling_beta")}
     kind = params.get("rope_type", params.get("type", "default"))
     kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     type_name = src.name(f"{fieldname}.rope_type")
@@ -113,6 +115,8 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
         scaling["factor"] = factor
         if scaling.get("attention_factor") is None:
             scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    if kind == "yarn":
+        _yarn_factors(src, fieldname, scaling, max_positions)
     for key in _ROPE_NEEDS[kind]:
         if scaling.get(key) is None:
             raise ModelFormatError(f"{src.source}: {fieldname} of rope_type {kind!r} has no {key!r}")
@@ -120,6 +124,43 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
         raise ModelFormatError(f"{src.source}: {fieldname}.high_freq_factor must differ from low_freq_factor; "
                                "the model's config is corrupt")
     return scaling
+
+
+def _yarn_factors(src: ConfigFields, fieldname: str, scaling: dict[str, Any], max_positions: int) -> None:
+    """transformers' YaRN defaults: factor the context extension, the attention factor
+    (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1) when both are given, else
+    0.1 ln(factor) + 1 (1 when nothing is extended)."""
+    orig = scaling.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
+    if not _is_int(orig) or orig <= 0:
+        raise ModelFormatError(f"{src.source}: {fieldname}: yarn needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = orig
+    factor = float(scaling.get("factor") or max_positions / orig)
+    scaling["factor"] = factor
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("attention_factor") is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        scaling["attention_factor"] = (mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both
+                                       else mscale(1.0))
+
+
+def _query_temperature(src: ConfigFields) -> dict[str, Any]:
+    """Ministral 3's query temperature (rope_parameters' llama_4_scaling_beta; queries times
+    1 + beta ln(1 + floor(p / original_max_position_embeddings))), checked; {} without one."""
+    params = src.get("rope_parameters")
+    params = params if isinstance(params, dict) else src.get("rope_scaling")
+    beta = params.get("llama_4_scaling_beta") if isinstance(params, dict) else None
+    if not beta:
+        return {}
+    name = src.name("rope_parameters.llama_4_scaling_beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ModelFormatError(f"{src.source}: {name} is {beta!r}, but it must be a number >= 0")
+    length = params.get("original_max_position_embeddings")
+    if not _is_int(length) or length <= 0:
+        raise ModelFormatError(f"{src.source}: {name} needs original_max_position_embeddings beside it")
+    return {"query_temperature_beta": float(beta), "query_temperature_length": length}
 
 
 def _rope_by_layer_type(src: ConfigFields, spec: ArchSpec,
@@ -349,6 +390,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         **_delta_net(src, layers),
         **_mamba(src, layers),
         **_multipliers(src, spec),
+        **_query_temperature(src),
         linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
         linear_decay_stored=bool(src.get("linear_decay_stored", False)),
         linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
@@ -581,7 +623,7 @@ _GGUF_REQUIRED = ("embedding_length", "attention.head_count", "feed_forward_leng
 # rope.scaling.* -> rope_scaling's keys
 _GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
                       "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
-                      "yarn_beta_slow": "beta_slow"}
+                      "yarn_beta_slow": "beta_slow", "yarn_log_multiplier": "mscale_all_dim"}
 
 
 def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
@@ -771,6 +813,10 @@ def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],
     for suffix, key in _GGUF_ROPE_SCALING.items():
         if meta.get(f"{arch}.rope.scaling.{suffix}") is not None:
             scaling[key] = meta[f"{arch}.rope.scaling.{suffix}"]
+    if scaling.get("mscale_all_dim"):  # llama.cpp takes YaRN's mscale to be 1 beside its log multiplier
+        scaling["mscale"] = 1.0
+    if meta.get(f"{arch}.attention.temperature_scale"):  # Ministral 3's, over the original context
+        scaling["llama_4_scaling_beta"] = meta[f"{arch}.attention.temperature_scale"]
     return scaling
 
 
