@@ -15,15 +15,11 @@ import numpy as np
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import validate
-from vkrt.loader.arch import (
-    ArchSpec,
-    arch_for_hf,
-    canonical_name,
-    check_weights,
-    supported_hf_archs,
-)
+from vkrt.loader.arch import arch_for_hf, supported_hf_archs
+from vkrt.loader.arch_spec import ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.normalize import hf_fields, model_config
+from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
-from vkrt.loader.arch import ArchSpec
+from vkrt.loader.arch_spec import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers, WeightData
 from vkrt.loader.gguf_file import GGUFFile
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
