@@ -18,8 +18,9 @@ from vkrt.loader import gguf_checks, validate
 from vkrt.loader.arch import arch_for_gguf, supported_gguf_archs
 from vkrt.loader.arch_spec import ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
+from vkrt.loader.gguf_fields import gguf_fields
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
-from vkrt.loader.normalize import gguf_fields, model_config
+from vkrt.loader.normalize import model_config
 from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
