@@ -309,7 +309,14 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
 
 
 # Text fixtures also written as their family's multimodal checkpoint (language model + vision tower).
-MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl", "tiny_qwen3_5_moe": "tiny_qwen3_5_moe_vl"}
+# fixture -> (its multimodal fixture, the multimodal family, that family's tiny vision tower).
+QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=BASE["hidden_size"],
+                   patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4)
+PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=16, patch_size=4)
+MULTIMODAL = {"tiny_qwen3_5": ("tiny_qwen3_5_vl", "Qwen3_5", QWEN_VISION),
+              "tiny_qwen3_5_moe": ("tiny_qwen3_5_moe_vl", "Qwen3_5Moe", QWEN_VISION),
+              "tiny_ministral3": ("tiny_ministral3_vl", "Mistral3", PIXTRAL_VISION)}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
@@ -463,7 +470,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
 
         if fixture in MULTIMODAL:
-            _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
+            _make_multimodal(fixtures, fixture, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES and fixture not in NOT_CONVERTED:
             _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
                           CONVERT_NOTES.get(family, " (an exact conversion)"))
@@ -481,23 +488,21 @@ def _save_fresh(model, out_dir: Path) -> None:
     (out_dir / "generation_config.json").unlink(missing_ok=True)
 
 
-def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_model, prompts: list[list[int]],
+def _make_multimodal(fixtures: Path, fixture: str, text_cfg, text_model, prompts: list[list[int]],
                      golden_for, sha256_file) -> None:
     """The text fixture's weights as the language model of the family's multimodal checkpoint (a tiny
-    vision tower beside it, under model.language_model. / model.visual. as users download them);
+    vision tower beside it, the language model under model.language_model. as users download them);
     the golden is that checkpoint's own forward on text."""
     import torch
     import transformers
 
     t0 = time.time()
-    out_dir = fixtures / MULTIMODAL[fixture]
+    name, family, vision = MULTIMODAL[fixture]
+    out_dir = fixtures / name
     config_cls = getattr(transformers, f"{family}Config")
     model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
     torch.manual_seed(4321)
-    cfg = config_cls(text_config=text_cfg.to_dict(), vision_config=dict(
-        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
-        patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4),
-        tie_word_embeddings=text_cfg.tie_word_embeddings)
+    cfg = config_cls(text_config=text_cfg.to_dict(), vision_config=vision, tie_word_embeddings=text_cfg.tie_word_embeddings)
     model = model_cls(cfg).to(torch.float32).eval()
     model.model.language_model.load_state_dict(text_model.model.state_dict())
     model.lm_head.load_state_dict(text_model.lm_head.state_dict())

@@ -25,7 +25,8 @@ FAMILIES = ["tiny_qwen2", "tiny_qwen2_gguf", "tiny_qwen3", "tiny_qwen3_gguf", "t
             "tiny_gemma2_gguf", "tiny_gemma3", "tiny_gemma3_gguf", "tiny_phi3", "tiny_smollm3", "tiny_granite",
             "tiny_phi3_partial", "tiny_ernie4_5", "tiny_lfm2", "tiny_lfm2_gguf", "tiny_qwen3_5", "tiny_qwen3_5_gguf", "tiny_granite4", "tiny_qwen3_next", "tiny_qwen3_next_gguf", "tiny_qwen3_5_moe", "tiny_qwen3_5_moe_gguf", "tiny_nemotron_h", "tiny_qwen3_5_vl", "tiny_lfm2_moe", "tiny_lfm2_moe_gguf", "tiny_granite4_gguf", "tiny_nemotron_h_gguf", "tiny_olmo_hybrid", "tiny_granite4_moe", "tiny_granite4_moe_gguf", "tiny_nemotron_h_moe", "tiny_nemotron_h_moe_gguf", "tiny_falcon_h1", "tiny_falcon_h1_gguf", "tiny_falcon_h1_nonorm", "tiny_qwen3_5_moe_vl",
             "tiny_olmo2", "tiny_olmo2_gguf", "tiny_olmo3", "tiny_olmo3_gguf", "tiny_exaone4", "tiny_exaone4_gguf",
-            "tiny_seed_oss", "tiny_seed_oss_gguf", "tiny_ministral3", "tiny_ministral3_gguf"]
+            "tiny_seed_oss", "tiny_seed_oss_gguf", "tiny_ministral3", "tiny_ministral3_gguf",
+            "tiny_ministral3_vl"]
 LLAMAS = ["tiny_llama", "tiny_llama_tied", "tiny_llama_bf16"]
 # Stated bound: max |logit difference| against transformers' float32 forward. Measured
 # 2.3e-5 at most on both backends (tiny_smollm3; most of it the goldens' 6-digit rounding),

@@ -272,6 +272,19 @@ def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
     _one_line(exc, "config.json", "text_config")
 
 
+def test_ministral3_multimodal_checkpoint_loads_its_language_model(caplog: pytest.LogCaptureFixture) -> None:
+    """Mistral3ForConditionalGeneration as Ministral 3 ships: text_config is the model, saved under
+    language_model.model. (the names before transformers 5); the vision tower and the projector are
+    skipped with one line each."""
+    text = load_model(FIXTURES / "tiny_ministral3")
+    with caplog.at_level("INFO", logger="vkrt.loader.hf_loader"):
+        vl = load_model(FIXTURES / "tiny_ministral3_vl")
+    assert vl.config.layers == text.config.layers and sorted(vl.weights) == sorted(text.weights)
+    assert (vl.config.query_temperature_beta, vl.config.tie_word_embeddings) == (0.1, True)
+    for what in ("skipped the vision tower (11 tensors)", "skipped the multimodal projector (4 tensors)"):
+        assert what in caplog.text
+
+
 def test_lfm2_moe_routing_fields(tmp_path: Path) -> None:
     """LFM2-MoE: sigmoid routing with the expert bias and routed_scaling_factor; the first
     num_dense_layers MLPs dense; without use_expert_bias the bias is not read."""

@@ -539,11 +539,15 @@ _SEED_OSS = ArchSpec(
 )
 
 # Ministral 3: Mistral's layout with YaRN and a query temperature by position (rope_parameters'
-# llama_4_scaling_beta); llama.cpp's converter permutes its q/k rows as Llama's.
+# llama_4_scaling_beta); llama.cpp's converter permutes its q/k rows as Llama's. Its checkpoints (and
+# Mistral Small 3.1's, whose text model is plain Mistral) are Mistral3ForConditionalGeneration.
 _MINISTRAL3 = ArchSpec(
     name="ministral3",
     gguf_archs=("mistral3",),
     hf_archs=("Ministral3ForCausalLM",),
+    hf_multimodal_archs=("Mistral3ForConditionalGeneration",),
+    hf_skipped={"vision_tower.": "the vision tower", "multi_modal_projector.": "the multimodal projector",
+                "model.vision_tower.": "the vision tower", "model.multi_modal_projector.": "the multimodal projector"},
     gguf_qk_permuted=True,
     default_sliding=_all_sliding,
 )

@@ -118,7 +118,10 @@ def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
     return canonical_name(hf_name, spec.hf_global, pattern, spec.hf_layer)
 
 
-_LANGUAGE_MODEL = "model.language_model."  # a multimodal checkpoint's language model
+# A multimodal checkpoint's language model, as transformers 5 names it or (Mistral3's) as the
+# checkpoints before it did -> the names of the language model saved on its own.
+_LANGUAGE_MODEL = {"model.language_model.": "model.", "language_model.model.": "model.",
+                   "language_model.lm_head.": "lm_head."}
 
 
 def _language_model_config(config_path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -159,8 +162,9 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     skipped: Counter[str] = Counter()
     for file in _safetensors_files(model_dir):
         for hf_name, (fmt, shape, data) in read_safetensors(file).items():
-            if multimodal and hf_name.startswith(_LANGUAGE_MODEL):
-                hf_name = "model." + hf_name[len(_LANGUAGE_MODEL):]
+            prefix = next((p for p in _LANGUAGE_MODEL if hf_name.startswith(p)), None) if multimodal else None
+            if prefix is not None:
+                hf_name = _LANGUAGE_MODEL[prefix] + hf_name[len(prefix):]
             name = _canonical_name(spec, hf_name)
             if name is None:
                 if spec.hf_ignored.search(hf_name):
