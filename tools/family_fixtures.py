@@ -280,10 +280,13 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                        "OLMo 2: norms after attention and after the MLP only (none before), QK-norm over all of q "
                        "and all of k, rope_theta 5e5"),
         "tiny_olmo3": ("Olmo3", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, sliding_window=WINDOW,
-                                     rope_parameters={t: {"rope_type": "default", "rope_theta": 5e5}
-                                                      for t in ("sliding_attention", "full_attention")}),
-                       f"OLMo 3: OLMo 2's layers, sliding window {WINDOW} in layers 0-2 and full attention in layer 3 "
-                       "(transformers' default layer_types)"),
+                                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                                      "full_attention": {"rope_type": "yarn", "rope_theta": 5e5,
+                                                                         "factor": 8.0, "beta_fast": 4.0,
+                                                                         "beta_slow": 1.0,
+                                                                         "original_max_position_embeddings": 16}}),
+                       f"OLMo 3: OLMo 2's layers, sliding window {WINDOW} in layers 0-2 (plain RoPE) and full "
+                       "attention in layer 3 (transformers' default layer_types) with YaRN, as the released models"),
         "tiny_exaone4": ("Exaone4", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, eos_token_id=None,
                                          sliding_window=WINDOW,
                                          sliding_window_pattern=4, rope_parameters={

@@ -325,9 +325,15 @@ def test_olmo2_and_olmo3_post_norm_layers(tmp_path: Path) -> None:
     assert load_model(FIXTURES / "tiny_olmo2_gguf" / "model.gguf").config.layers == olmo2.layers
     olmo3 = load_model(FIXTURES / "tiny_olmo3").config
     assert [(layer.post_norms, layer.window) for layer in olmo3.layers] == [(True, 8)] * 3 + [(True, 0)]
+    scalings = [layer.rope_scaling for layer in olmo3.layers]  # YaRN on the full layer only
+    assert scalings[:3] == [None] * 3 and scalings[3] is not None and scalings[3]["rope_type"] == "yarn"
+    # (the GGUF has one rope scaling, as llama.cpp applies it: to the full layers only)
     assert load_model(FIXTURES / "tiny_olmo3_gguf" / "model.gguf").config.layers == olmo3.layers
     d = _copy("tiny_olmo3", tmp_path)
     _edit_config(d, layer_types=None)
+    assert load_model(d).config.layers == olmo3.layers
+    # config.json's legacy spelling: one rope_scaling, which transformers gives the full layers only
+    _edit_config(d, rope_parameters=None, rope_theta=5e5, rope_scaling=scalings[3])
     assert load_model(d).config.layers == olmo3.layers
 
 

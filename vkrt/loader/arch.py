@@ -494,6 +494,7 @@ _OLMO2 = ArchSpec(
     qk_norm=True,
     qk_norm_per_head=False,
     attention_post_norms=True,
+    sliding_rope_unscaled=True,
 )
 
 # OLMo 3: OLMo 2 with sliding-window layers (layer_types; three of every four when it says none).
@@ -507,6 +508,7 @@ _OLMO3 = ArchSpec(
     qk_norm=True,
     qk_norm_per_head=False,
     attention_post_norms=True,
+    sliding_rope_unscaled=True,
     default_sliding=_every_fourth_full,
 )
 

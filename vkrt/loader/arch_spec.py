@@ -116,6 +116,9 @@ class ArchSpec:
     # Local layers' rope base when the file names none (Gemma 3: 10000), which also keeps the
     # file's rope scaling to the global layers; 0 = local layers rope as global ones do.
     local_rope_theta: float = 0.0
+    # The file's one rope scaling is the full-attention layers'; sliding ones rotate unscaled at the
+    # same base unless the file names theirs (OLMo 3, as transformers and llama.cpp read it).
+    sliding_rope_unscaled: bool = False
     # llama.cpp scales Gemma queries by 1/sqrt(hidden/heads) for the 27B models (this many
     # layers) and by 1/sqrt(head_dim) otherwise; GGUF files carry no query_pre_attn_scalar.
     gguf_wide_query_layers: int = 0

@@ -173,6 +173,8 @@ def _rope_by_layer_type(src: ConfigFields, spec: ArchSpec,
         local = dict(base)
         if spec.local_rope_theta:  # Gemma 3: its own local base; the scaling is global only
             local = {"rope_theta": src.get("rope_local_base_freq", spec.local_rope_theta)}
+        elif spec.sliding_rope_unscaled:
+            local = {"rope_theta": src.get("rope_local_base_freq", base["rope_theta"])}
         per_type = {False: base, True: local}
         name = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
         field_of = {False: name, True: name}
