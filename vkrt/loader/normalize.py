@@ -101,19 +101,8 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
     if kind == "default":
         return None
     scaling["rope_type"] = kind
-    if kind == "longrope":
-        orig = scaling.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
-        if not is_int(orig) or orig <= 0:
-            raise ModelFormatError(f"{src.source}: {fieldname}: longrope needs original_max_position_embeddings")
-        scaling["original_max_position_embeddings"] = orig
-        # transformers: factor defaults to the context extension, the attention factor to
-        # sqrt(1 + ln(factor) / ln(original context)) (1 when nothing is extended).
-        factor = float(scaling.get("factor") or max_positions / orig)
-        scaling["factor"] = factor
-        if scaling.get("attention_factor") is None:
-            scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    if kind == "yarn":
-        _yarn_factors(src, fieldname, scaling, max_positions)
+    if kind in ("longrope", "yarn"):
+        _context_extension(src, fieldname, kind, scaling, max_positions)
     for key in _ROPE_NEEDS[kind]:
         if scaling.get(key) is None:
             raise ModelFormatError(f"{src.source}: {fieldname} of rope_type {kind!r} has no {key!r}")
@@ -123,24 +112,30 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
     return scaling
 
 
-def _yarn_factors(src: ConfigFields, fieldname: str, scaling: dict[str, Any], max_positions: int) -> None:
-    """transformers' YaRN defaults: factor the context extension, the attention factor
-    (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1) when both are given, else
-    0.1 ln(factor) + 1 (1 when nothing is extended)."""
+def _context_extension(src: ConfigFields, fieldname: str, kind: str, scaling: dict[str, Any],
+                       max_positions: int) -> None:
+    """longrope's and YaRN's original context and factor (transformers' default: the context
+    extension), and the factor cos and sin are scaled by when the file gives none: 1 when nothing
+    is extended, else longrope's sqrt(1 + ln(factor) / ln(original context)), YaRN's
+    0.1 ln(factor) + 1 or, with mscale and mscale_all_dim,
+    (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1)."""
     orig = scaling.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
     if not is_int(orig) or orig <= 0:
-        raise ModelFormatError(f"{src.source}: {fieldname}: yarn needs original_max_position_embeddings")
+        raise ModelFormatError(f"{src.source}: {fieldname}: {kind} needs original_max_position_embeddings")
     scaling["original_max_position_embeddings"] = orig
-    factor = float(scaling.get("factor") or max_positions / orig)
-    scaling["factor"] = factor
-
-    def mscale(m: float) -> float:
-        return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
-
-    if scaling.get("attention_factor") is None:
-        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
-        scaling["attention_factor"] = (mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both
-                                       else mscale(1.0))
+    factor = scaling["factor"] = float(scaling.get("factor") or max_positions / orig)
+    if scaling.get("attention_factor") is not None:
+        return
+    log_factor = math.log(factor) if factor > 1.0 else 0.0
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not log_factor:
+        scaling["attention_factor"] = 1.0
+    elif kind == "longrope":
+        scaling["attention_factor"] = math.sqrt(1 + log_factor / math.log(orig))
+    elif mscale and mscale_all_dim:
+        scaling["attention_factor"] = (0.1 * mscale * log_factor + 1.0) / (0.1 * mscale_all_dim * log_factor + 1.0)
+    else:
+        scaling["attention_factor"] = 0.1 * log_factor + 1.0
 
 
 def _query_temperature(src: ConfigFields) -> dict[str, Any]:
