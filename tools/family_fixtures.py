@@ -49,8 +49,8 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # source package; VKRT_LLAMACPP names its vendor/llama.cpp directory), f32: the hybrids, gpt-oss, and the
 # families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
-                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Glm4Moe",
-                      "GptOss")
+                      "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
+                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -290,6 +290,40 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                   "Falcon-H1 as transformers' defaults have it: tiny_falcon_h1's mixers with no "
                                   "norm on Mamba2's output (y * silu(z)), conv 3, tied embeddings (scaled on the "
                                   "way in, the head by lm_head_multiplier), some multipliers left at 1"),
+        # Dense attention families of 2025-26 (after the hybrids, so their seeds stay).
+        "tiny_olmo2": ("Olmo2", dict(BASE, tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                                       "rope_theta": 5e5}),
+                       "OLMo 2: norms after attention and after the MLP only (none before), QK-norm over all of q "
+                       "and all of k, rope_theta 5e5"),
+        "tiny_olmo3": ("Olmo3", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, sliding_window=WINDOW,
+                                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                                      "full_attention": {"rope_type": "yarn", "rope_theta": 5e5,
+                                                                         "factor": 8.0, "beta_fast": 4.0,
+                                                                         "beta_slow": 1.0,
+                                                                         "original_max_position_embeddings": 16}}),
+                       f"OLMo 3: OLMo 2's layers, sliding window {WINDOW} in layers 0-2 (plain RoPE) and full "
+                       "attention in layer 3 (transformers' default layer_types) with YaRN, as the released models"),
+        "tiny_exaone4": ("Exaone4", dict(BASE, num_hidden_layers=4, tie_word_embeddings=False, eos_token_id=None,
+                                         sliding_window=WINDOW,
+                                         sliding_window_pattern=4, rope_parameters={
+                                             "rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}),
+                         f"EXAONE 4: norms after attention and the MLP only, per-head QK-norm; sliding window "
+                         f"{WINDOW} in layers 0-2 (RoPE, llama3-scaled), layer 3 full attention without RoPE"),
+        "tiny_seed_oss": ("SeedOss", dict(BASE, tie_word_embeddings=False, eos_token_id=None, head_dim=32,
+                                          attention_bias=True, attention_out_bias=False,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
+                          "Seed-OSS: q/k/v biases (none on o_proj or the MLP), head_dim 32 (heads x head_dim 128, "
+                          "not hidden 64), rope_theta 1e7"),
+        "tiny_ministral3": ("Ministral3", dict(BASE, tie_word_embeddings=True, eos_token_id=None, rope_parameters={
+                                "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0,
+                                "original_max_position_embeddings": 16, "max_position_embeddings": 256,
+                                "beta_fast": 2.0, "beta_slow": 0.25, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                "llama_4_scaling_beta": 0.1}),
+                            "Ministral 3: YaRN (factor 16 over 16 positions, the ramp over dims 0-3, attention "
+                            "factor from mscale 1 / mscale_all_dim 0.5), queries times 1 + 0.1 ln(1 + floor(p / 16)), "
+                            "tied embeddings"),
         "tiny_glm4_moe": ("Glm4Moe", dict(BASE, num_hidden_layers=3, tie_word_embeddings=False, eos_token_id=None,
                                           attention_bias=True, use_qk_norm=True, n_routed_experts=8,
                                           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -315,7 +349,14 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
 
 
 # Text fixtures also written as their family's multimodal checkpoint (language model + vision tower).
-MULTIMODAL = {"tiny_qwen3_5": "tiny_qwen3_5_vl", "tiny_qwen3_5_moe": "tiny_qwen3_5_moe_vl"}
+# fixture -> (its multimodal fixture, the multimodal family, that family's tiny vision tower).
+QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=BASE["hidden_size"],
+                   patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4)
+PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=16, patch_size=4)
+MULTIMODAL = {"tiny_qwen3_5": ("tiny_qwen3_5_vl", "Qwen3_5", QWEN_VISION),
+              "tiny_qwen3_5_moe": ("tiny_qwen3_5_moe_vl", "Qwen3_5Moe", QWEN_VISION),
+              "tiny_ministral3": ("tiny_ministral3_vl", "Mistral3", PIXTRAL_VISION)}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
 SEED_QWEN3_MOE_GGUF = 1234 + 99  # tiny_qwen3_moe_gguf's own weights (see _make_gguf)
 
@@ -471,7 +512,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         print(f"{fixture}: {time.time() - t0:.1f}s", flush=True)
 
         if fixture in MULTIMODAL:
-            _make_multimodal(fixtures, fixture, family, cfg, reloaded, prompts, golden_for, sha256_file)
+            _make_multimodal(fixtures, fixture, cfg, reloaded, prompts, golden_for, sha256_file)
         if family in CONVERTED_FAMILIES and fixture not in NOT_CONVERTED:
             if fixture in CONVERT_AS_RUN:
                 as_run = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",
@@ -497,23 +538,21 @@ def _save_fresh(model, out_dir: Path) -> None:
     (out_dir / "generation_config.json").unlink(missing_ok=True)
 
 
-def _make_multimodal(fixtures: Path, fixture: str, family: str, text_cfg, text_model, prompts: list[list[int]],
+def _make_multimodal(fixtures: Path, fixture: str, text_cfg, text_model, prompts: list[list[int]],
                      golden_for, sha256_file) -> None:
     """The text fixture's weights as the language model of the family's multimodal checkpoint (a tiny
-    vision tower beside it, under model.language_model. / model.visual. as users download them);
+    vision tower beside it, the language model under model.language_model. as users download them);
     the golden is that checkpoint's own forward on text."""
     import torch
     import transformers
 
     t0 = time.time()
-    out_dir = fixtures / MULTIMODAL[fixture]
+    name, family, vision = MULTIMODAL[fixture]
+    out_dir = fixtures / name
     config_cls = getattr(transformers, f"{family}Config")
     model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
     torch.manual_seed(4321)
-    cfg = config_cls(text_config=text_cfg.to_dict(), vision_config=dict(
-        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
-        patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4),
-        tie_word_embeddings=text_cfg.tie_word_embeddings)
+    cfg = config_cls(text_config=text_cfg.to_dict(), vision_config=vision, tie_word_embeddings=text_cfg.tie_word_embeddings)
     model = model_cls(cfg).to(torch.float32).eval()
     model.model.language_model.load_state_dict(text_model.model.state_dict())
     model.lm_head.load_state_dict(text_model.lm_head.state_dict())
@@ -631,11 +670,12 @@ from conversion.base import TextModel
 TextModel.set_vocab = lambda self: None
 import convert_hf_to_gguf
 model_class = convert_hf_to_gguf.get_model_class
-def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's, Nemotron-H's) skip it too
-    cls = model_class(name, mmproj)
-    for c in cls.__mro__[:cls.__mro__.index(TextModel)]:
-        if "set_vocab" in vars(c):
-            c.set_vocab = lambda self: None
+def no_vocab(name, mmproj=False):  # families with their own set_vocab (Mamba2's, Nemotron-H's) skip it too,
+    cls = model_class(name, mmproj)  # and those a wrapper delegates to (Mistral3's Ministral3Model)
+    for outer in [cls, *(v for v in vars(cls).values() if isinstance(v, type) and issubclass(v, TextModel))]:
+        for c in outer.__mro__[:outer.__mro__.index(TextModel)]:
+            if "set_vocab" in vars(c):
+                c.set_vocab = lambda self: None
     return cls
 convert_hf_to_gguf.get_model_class = no_vocab
 from conversion.base import ModelBase

@@ -195,6 +195,10 @@ CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("gpt_oss_builtin_tools", "gpt_oss", None, "<|return|>", [USER], True, {"builtin_tools": ["browser", "python"]}),
     ("gpt_oss_past_reasoning", "gpt_oss", None, "<|return|>", HARMONY_PAST_REASONING, True, {}),
     ("gpt_oss_training_turn", "gpt_oss", None, "<|return|>", HARMONY_PAST_REASONING[:2], False, {}),
+    # Seed-OSS: its own bos / eos set inside the template, a thinking budget, Python-style tool docs.
+    ("seed_oss_multi", "seed_oss", None, "<seed:eos>", [SYSTEM, *MULTI], True, {}),
+    ("seed_oss_budget", "seed_oss", None, "<seed:eos>", [USER], True, {"thinking_budget": 512}),
+    ("seed_oss_tools", "seed_oss", None, "<seed:eos>", TOOL_TURN, True, {"tools": TOOLS}),
 ]
 # Conversations a template must refuse (raise_exception), recorded with transformers' message.
 CHAT_ERRORS: list[tuple[str, str, list]] = [

@@ -276,6 +276,19 @@ def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
     _one_line(exc, "config.json", "text_config")
 
 
+def test_ministral3_multimodal_checkpoint_loads_its_language_model(caplog: pytest.LogCaptureFixture) -> None:
+    """Mistral3ForConditionalGeneration as Ministral 3 ships: text_config is the model, saved under
+    language_model.model. (the names before transformers 5); the vision tower and the projector are
+    skipped with one line each."""
+    text = load_model(FIXTURES / "tiny_ministral3")
+    with caplog.at_level("INFO", logger="vkrt.loader.hf_loader"):
+        vl = load_model(FIXTURES / "tiny_ministral3_vl")
+    assert vl.config.layers == text.config.layers and sorted(vl.weights) == sorted(text.weights)
+    assert (vl.config.query_temperature_beta, vl.config.tie_word_embeddings) == (0.1, True)
+    for what in ("skipped the vision tower (11 tensors)", "skipped the multimodal projector (4 tensors)"):
+        assert what in caplog.text
+
+
 def test_lfm2_moe_routing_fields(tmp_path: Path) -> None:
     """LFM2-MoE: sigmoid routing with the expert bias and routed_scaling_factor; the first
     num_dense_layers MLPs dense; without use_expert_bias the bias is not read."""
@@ -304,6 +317,83 @@ def test_olmo_hybrid_fields(tmp_path: Path) -> None:
     _edit_config(d, rope_parameters=None, linear_allow_neg_eigval=False)
     c = load_model(d).config
     assert not any(layer.rope for layer in c.layers) and c.linear_beta_scale == 1.0
+
+
+def test_olmo2_and_olmo3_post_norm_layers(tmp_path: Path) -> None:
+    """OLMo 2 / 3: every layer normed after attention and after the MLP only, QK-norm over all of q
+    and k; OLMo 3's sliding layers from layer_types, else three of every four; llama.cpp writes both
+    as olmo2, OLMo 3's pattern in the metadata."""
+    olmo2 = load_model(FIXTURES / "tiny_olmo2").config
+    assert [(layer.post_norms, layer.window) for layer in olmo2.layers] == [(True, 0)] * 2
+    assert (olmo2.qk_norm, olmo2.qk_norm_per_head) == (True, False)
+    assert load_model(FIXTURES / "tiny_olmo2_gguf" / "model.gguf").config.layers == olmo2.layers
+    olmo3 = load_model(FIXTURES / "tiny_olmo3").config
+    assert [(layer.post_norms, layer.window) for layer in olmo3.layers] == [(True, 8)] * 3 + [(True, 0)]
+    scalings = [layer.rope_scaling for layer in olmo3.layers]  # YaRN on the full layer only
+    assert scalings[:3] == [None] * 3 and scalings[3] is not None and scalings[3]["rope_type"] == "yarn"
+    # (the GGUF has one rope scaling, as llama.cpp applies it: to the full layers only)
+    assert load_model(FIXTURES / "tiny_olmo3_gguf" / "model.gguf").config.layers == olmo3.layers
+    d = _copy("tiny_olmo3", tmp_path)
+    _edit_config(d, layer_types=None)
+    assert load_model(d).config.layers == olmo3.layers
+    # config.json's legacy spelling: one rope_scaling, which transformers gives the full layers only
+    _edit_config(d, rope_parameters=None, rope_theta=5e5, rope_scaling=scalings[3])
+    assert load_model(d).config.layers == olmo3.layers
+
+
+def test_exaone4_global_layers_without_rope(tmp_path: Path) -> None:
+    """EXAONE 4: post-norm layers with per-head QK-norm; with a sliding window the full layers do not
+    rotate (the GGUF alike, its llama3 scaling as rope_freqs); without one every layer rotates; its
+    pattern as a period or a string of L (local) and G (global) when layer_types is absent."""
+    c = load_model(FIXTURES / "tiny_exaone4").config
+    assert [(layer.window, layer.rope, layer.post_norms) for layer in c.layers] == [(8, True, True)] * 3 + [(0, False, True)]
+    assert (c.qk_norm, c.qk_norm_per_head) == (True, True)
+    g = load_model(FIXTURES / "tiny_exaone4_gguf" / "model.gguf")
+    assert [(layer.window, layer.rope) for layer in g.config.layers] == [(8, True)] * 3 + [(0, False)]
+    assert "rope_freqs" in g.weights
+    d = _copy("tiny_exaone4", tmp_path)
+    _edit_config(d, layer_types=None, sliding_window_pattern="LGLG")
+    assert [(layer.window, layer.rope) for layer in load_model(d).config.layers] == [(8, True), (0, False)] * 2
+    _edit_config(d, sliding_window=None)
+    assert [(layer.window, layer.rope) for layer in load_model(d).config.layers] == [(0, True)] * 4
+
+
+def test_seed_oss_biases(tmp_path: Path) -> None:
+    """Seed-OSS: q/k/v biases from both formats (head_dim 32 beside hidden 64); a bias on o_proj or
+    the MLP, which vkrt does not run, is refused in one line."""
+    c = load_model(FIXTURES / "tiny_seed_oss").config
+    assert (c.qkv_bias, c.head_dim, c.num_heads * c.head_dim, c.hidden_size) == (True, 32, 128, 64)
+    g = load_model(FIXTURES / "tiny_seed_oss_gguf" / "model.gguf")
+    assert g.config.layers == c.layers and all(f"layers.1.{b}_bias" in g.weights for b in "qkv")
+    d = _copy("tiny_seed_oss", tmp_path)
+    for flag in ("attention_out_bias", "mlp_bias"):
+        _edit_config(d, **{"attention_out_bias": None, "mlp_bias": None, flag: True})
+        with pytest.raises(UnsupportedModelError) as exc:
+            load_model(d)
+        _one_line(exc, "config.json", flag, "does not run")
+
+
+def test_ministral3_yarn_and_query_temperature(tmp_path: Path) -> None:
+    """Ministral 3: YaRN with transformers' attention factor (mscale / mscale_all_dim), the query
+    temperature read from rope_parameters (and from llama.cpp's attention.temperature_scale and
+    yarn_log_multiplier), tied embeddings; a temperature without its length is refused."""
+    c = load_model(FIXTURES / "tiny_ministral3").config
+    scaling = c.layer(0).rope_scaling
+    assert scaling is not None and scaling["rope_type"] == "yarn" and "llama_4_scaling_beta" not in scaling
+    assert scaling["attention_factor"] == pytest.approx((0.1 * math.log(16) + 1) / (0.05 * math.log(16) + 1))
+    assert (c.query_temperature_beta, c.query_temperature_length, c.tie_word_embeddings) == (0.1, 16, True)
+    g = load_model(FIXTURES / "tiny_ministral3_gguf" / "model.gguf").config
+    assert g.layer(0).rope_scaling is not None
+    assert g.layer(0).rope_scaling["attention_factor"] == pytest.approx(scaling["attention_factor"])
+    assert (g.query_temperature_beta, g.query_temperature_length) == pytest.approx((0.1, 16))
+    d = _copy("tiny_ministral3", tmp_path)
+    params = json.loads((d / "config.json").read_text())["rope_parameters"]
+    _edit_config(d, rope_parameters={k: v for k, v in params.items() if k != "llama_4_scaling_beta"})
+    assert load_model(d).config.query_temperature_beta == 0.0
+    _edit_config(d, rope_parameters={k: v for k, v in params.items() if k != "original_max_position_embeddings"})
+    with pytest.raises(ModelFormatError) as exc:
+        load_model(d)
+    _one_line(exc, "config.json", "original_max_position_embeddings")
 
 
 def test_smollm3_nope_layers() -> None:
@@ -358,7 +448,7 @@ def test_yarn_needs_its_original_context(tmp_path: Path) -> None:
     _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0})
     with pytest.raises(ModelFormatError) as exc:
         load_model(d)
-    _one_line(exc, "config.json", "rope_parameters", "'original_max_position_embeddings'")
+    _one_line(exc, "config.json", "rope_parameters", "yarn needs original_max_position_embeddings")
 
 
 def test_unknown_layer_type(tmp_path: Path) -> None:

@@ -94,3 +94,32 @@ def test_longrope_table_divides_by_the_factors_of_its_length(positions: int) -> 
     other = "short_factor" if kind == "long_factor" else "long_factor"
     wrong = np.outer(np.arange(positions), plain_inv() / np.array(LONGROPE[other]))
     assert np.abs(table[:, : DIM // 2] - np.cos(wrong) * 1.19).max() > 1e-2  # the choice matters here
+
+
+def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones() -> None:
+    """YaRN (Ministral 3's settings): a frequency that turns more than beta_fast times over the
+    original context is kept, one that turns fewer than beta_slow times is divided by the factor,
+    and those between are blended: never outside [inv / factor, inv], decreasing in the dim."""
+    dim, theta, orig, factor = 128, 1e6, 16384, 16.0
+    scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+               "beta_fast": 32.0, "beta_slow": 1.0}
+    got, inv = inv_frequencies(dim, theta, scaling), plain_inv(dim, theta)
+    turns = orig * inv / (2 * math.pi)
+    fast, slow = turns > 32 * 2, turns < 1 / 2  # clear of the ramp's rounding to whole dims
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    np.testing.assert_allclose(got[fast], inv[fast], rtol=1e-14)
+    np.testing.assert_allclose(got[slow], inv[slow] / factor, rtol=1e-14)
+    assert (got <= inv * (1 + 1e-14)).all() and (got >= inv / factor * (1 - 1e-14)).all()
+    assert (np.diff(got / inv) <= 1e-14).all()
+
+
+def test_query_temperature_table_scales_by_position() -> None:
+    """A rotation by 0 whose length is 1 + beta ln(1 + floor(p / length)): rope with it multiplies."""
+    from vkrt.models.rope import query_temperature_table
+    from vkrt.ops.attention import rope
+
+    table = query_temperature_table(40, 16, 0.1, 16)
+    x = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
+    positions = np.array([0, 16, 39], np.int32)
+    want = x * np.float32([1.0, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)])[:, None].astype(np.float32)
+    np.testing.assert_array_equal(rope(x, positions, table, 16), want)

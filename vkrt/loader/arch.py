@@ -1,33 +1,22 @@
 """Per-architecture tables: how GGUF and HF names map onto vkrt's canonical weight names,
 and which family traits (biases, QK-norm, sandwich norms, ...) each architecture has.
 
-Adding an architecture means adding one `ArchSpec` row here; the GGUF and HF loaders are
-driven entirely by these tables, and the models read only the traits they produce.
+Adding an architecture means adding one `ArchSpec` row here (the row's fields are described in
+vkrt/loader/arch_spec.py); the GGUF and HF loaders are driven entirely by these tables, and the
+models read only the traits they produce.
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from vkrt.errors import ModelFormatError
-from vkrt.loader.config import ModelConfig, WeightData
-
-# Canonical per-layer weights, in the order a block uses them. A family has a subset:
-# q/k/v or the fused qkv_proj, gate/up or the fused gate_up_proj; the rest are traits.
-LAYER_WEIGHTS = (
-    "attn_norm",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "ffn_norm",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
+from vkrt.loader.arch_spec import (
+    GGUF_GLOBAL,
+    GGUF_LAYER,
+    HF_GLOBAL,
+    HF_LAYER,
+    LAYER_WEIGHTS,
+    ArchSpec,
 )
 
 
@@ -43,67 +32,23 @@ def _alternating(i: int, cfg: dict[str, Any]) -> bool:
     return i % 2 == 0  # Gemma 2: local, global, local, ...
 
 
+def _every_fourth_full(i: int, cfg: dict[str, Any]) -> bool:
+    return (i + 1) % 4 != 0  # OLMo 3: three sliding layers, then one full
+
+
+def _exaone4_sliding(i: int, cfg: dict[str, Any]) -> bool:
+    pattern = cfg.get("sliding_window_pattern") or 4  # a period (every n-th layer global) or "LLLG"
+    if isinstance(pattern, str):
+        return pattern[i % len(pattern)] == "L"
+    return (i + 1) % int(pattern) != 0
+
+
 def _gemma3_sliding(i: int, cfg: dict[str, Any]) -> bool:
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
     return (i + 1) % pattern != 0  # Gemma 3: five local layers, then one global
 
 
-def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
-                   layer_names: dict[str, str]) -> str | None:
-    """A checkpoint tensor name -> vkrt's canonical name ("layers.{i}.<name>" for per-layer
-    tensors, whose layer index and suffix `layer_pattern` captures), or None if unknown."""
-    if name in global_names:
-        return global_names[name]
-    m = layer_pattern.match(name)
-    if not m:
-        return None
-    if m.group(2) in layer_names:
-        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
-    # One expert of a sparse MLP saved on its own: "...experts.{e}..." in the table.
-    e = _EXPERT_INDEX.search(m.group(2))
-    if e and str(int(e.group(1))) == e.group(1):
-        canonical = layer_names.get(f"{m.group(2)[:e.start(1)]}{{e}}{m.group(2)[e.end(1):]}")
-        if canonical is not None:
-            return f"layers.{m.group(1)}.{canonical.format(e=e.group(1))}"
-    return None
 
-
-_EXPERT_INDEX = re.compile(r"experts\.(\d+)\.")
-
-
-_GGUF_GLOBAL = {
-    "token_embd.weight": "embed_tokens",
-    "output_norm.weight": "final_norm",
-    "output.weight": "lm_head",
-}
-_GGUF_LAYER = {
-    "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "q_proj",
-    "attn_k.weight": "k_proj",
-    "attn_v.weight": "v_proj",
-    "attn_output.weight": "o_proj",
-    "ffn_norm.weight": "ffn_norm",
-    "ffn_gate.weight": "gate_proj",
-    "ffn_up.weight": "up_proj",
-    "ffn_down.weight": "down_proj",
-}
-_HF_GLOBAL = {
-    "model.embed_tokens.weight": "embed_tokens",
-    "model.norm.weight": "final_norm",
-    "lm_head.weight": "lm_head",
-}
-_HF_LAYER = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q_proj",
-    "self_attn.k_proj.weight": "k_proj",
-    "self_attn.v_proj.weight": "v_proj",
-    "self_attn.o_proj.weight": "o_proj",
-    "post_attention_layernorm.weight": "ffn_norm",
-    "mlp.gate_proj.weight": "gate_proj",
-    "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
-}
-_ROTARY = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a cached table, recomputed from the config
 # Sparse MLPs: the router [E, hidden], then the experts, either stacked [E, out, in] as
 # llama.cpp writes them (gate and up separate) or one tensor per expert as HF saves them.
 _MOE_GGUF = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate_proj",
@@ -123,18 +68,6 @@ _SHARED_EXPERT_HF = {"mlp.shared_expert.gate_proj.weight": "shared_expert.gate_p
                      "mlp.shared_expert.up_proj.weight": "shared_expert.up_proj",
                      "mlp.shared_expert.down_proj.weight": "shared_expert.down_proj",
                      "mlp.shared_expert_gate.weight": "shared_expert_gate"}
-# The attention's own weights, which a layer without attention does not have; a recurrent
-# layer has its mixer's (MIXER_WEIGHTS, by LayerConfig.recurrent).
-_ATTENTION_ONLY = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_bias", "k_bias", "v_bias", "o_bias", "sinks",
-                   "q_norm", "k_norm")
-MIXER_WEIGHTS = {"short_conv": ("conv.in_proj", "conv.weight", "conv.out_proj"),
-                 "gated_delta_net": ("delta.in_proj_qkv", "delta.in_proj_z", "delta.in_proj_b", "delta.in_proj_a",
-                                     "delta.conv.weight", "delta.A_log", "delta.dt_bias", "delta.norm",
-                                     "delta.out_proj"),
-                 "mamba2": ("mamba.in_proj", "mamba.conv.weight", "mamba.A_log", "mamba.D", "mamba.dt_bias",
-                            "mamba.norm", "mamba.out_proj")}
-# A dense layer's MLP; a MoE layer has the router and experts instead (check_weights).
-DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _QKV_BIAS_GGUF = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
 _QKV_BIAS_HF = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
                 "self_attn.v_proj.bias": "v_bias"}
@@ -150,114 +83,13 @@ _GEMMA_HF = {
     "post_feedforward_layernorm.weight": "post_ffn_norm",
 }
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """How one architecture family is named in GGUF and HF checkpoints, and what it computes."""
-
-    name: str  # ModelConfig.architecture
-    gguf_archs: tuple[str, ...]  # values of GGUF `general.architecture`
-    hf_archs: tuple[str, ...]  # entries of config.json `architectures`
-    # Tensor names: GGUF global names and per-layer suffixes (after "blk.{i}."), HF's (after
-    # "model.layers.{i}."), each -> vkrt's canonical name. Llama's unless a row says otherwise.
-    gguf_global: dict[str, str] = field(default_factory=lambda: dict(_GGUF_GLOBAL))
-    gguf_layer: dict[str, str] = field(default_factory=lambda: dict(_GGUF_LAYER))
-    hf_global: dict[str, str] = field(default_factory=lambda: dict(_HF_GLOBAL))
-    hf_layer: dict[str, str] = field(default_factory=lambda: dict(_HF_LAYER))
-    layer_weights: tuple[str, ...] = LAYER_WEIGHTS  # required per layer
-    # llama.cpp's converter interleaves the RoPE halves of q/k rows for this family.
-    gguf_qk_permuted: bool = False
-    # A GGUF of one of gguf_archs is this family only when it has experts (`<arch>.expert_count`):
-    # llama.cpp writes Mixtral as "llama", as it runs it.
-    gguf_with_experts: bool = False
-    # `<arch>.<suffix>` keys llama.cpp refuses a file of this family without (Granite: logit_scale).
-    gguf_required: tuple[str, ...] = ()
-    # llama.cpp leaves every n-th layer unrotated (NoPE) in this family, a rule it does not write
-    # into the file (SmolLM3: 4); 0: every layer rotates.
-    gguf_nope_every: int = 0
-    # Tensors present in some checkpoints that carry no information vkrt needs.
-    hf_ignored: re.Pattern[str] = _ROTARY
-    # -- family traits (ModelConfig fields of the same names) --
-    activation: str = "silu"  # MLP gate when config.json names none (GGUF never does)
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    sandwich_norms: bool = False
-    hf_norm_offset: float = 0.0  # HF checkpoints store norm weights as w of (1 + w)
-    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
-    # Which layers are sliding when config.json has no `layer_types` (None: none are).
-    default_sliding: Callable[[int, dict[str, Any]], bool] | None = None
-    # Local layers' rope base when the file names none (Gemma 3: 10000), which also keeps the
-    # file's rope scaling to the global layers; 0 = local layers rope as global ones do.
-    local_rope_theta: float = 0.0
-    # llama.cpp scales Gemma queries by 1/sqrt(hidden/heads) for the 27B models (this many
-    # layers) and by 1/sqrt(head_dim) otherwise; GGUF files carry no query_pre_attn_scalar.
-    gguf_wide_query_layers: int = 0
-    # QK-norm over each head (Qwen3, Gemma 3) or over all of q and all of k (OLMoE).
-    qk_norm_per_head: bool = True
-    # The QK-norm is config.json's `use_qk_norm` (default on) and, in a GGUF, there when its tensors
-    # are, as llama.cpp's optional ones (GLM-4.5; GLM-4.5-Air has none).
-    qk_norm_optional: bool = False
-    # RoPE rotates pairs (2i, 2i + 1) instead of the halves (i, i + d/2) (ERNIE 4.5).
-    rope_interleaved: bool = False
-    # Recurrent mixers some of the family's layers use instead of attention: config.json's
-    # layer type -> LayerConfig.mixer ("conv" -> "short_conv" for LFM2).
-    mixer_types: dict[str, str] = field(default_factory=dict)
-    # Every layer's mixer when the file lists no layer types (Falcon-H1: "attention_mamba2").
-    default_mixer: str = "attention"
-    # config.json's muP multipliers (Falcon-H1's) are read into ModelConfig.multipliers.
-    hf_multipliers: bool = False
-    # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
-    attn_output_gate: bool = False
-    # llama.cpp's converter reorders this family's delta-net value heads tiled over key heads (Qwen3.5).
-    gguf_v_heads_tiled: bool = False
-    # Mixture of experts: whether the k router weights are renormalised when the file does
-    # not say (config.json's norm_topk_prob; GGUF never does: llama.cpp's per-arch choice).
-    norm_topk_prob: bool = False
-    # A shared expert beside the routed ones (Qwen2-MoE): its width is read from the file; gated by
-    # sigmoid(x @ shared_expert_gate) (Qwen2-MoE), or not (Granite 4: the layer's own MLP).
-    shared_expert: bool = False
-    shared_expert_gated: bool = True
-    moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
-    router_norm_eps: float = 1e-6  # ModelConfig.router_norm_eps (the sigmoid router's)
-    # A bias on the router and on every expert's projections (gpt-oss).
-    expert_biases: bool = False
-    clamped_swiglu: bool = False  # the experts' activation is gpt-oss's (ModelConfig.swiglu_limit)
-    # rope_scaling settings a GGUF cannot say, as the family's own configs have them (gpt-oss's
-    # YaRN ramp is not truncated; llama.cpp always truncates it, transformers follows the config).
-    gguf_rope_scaling: dict[str, Any] = field(default_factory=dict)
-    # HF's expert stacks are [E, in, out] with gate and up columns interleaved (gpt-oss): the
-    # loader turns them into llama.cpp's gate, up and down stacks.
-    hf_interleaved_experts: bool = False
-    # -- config.json in this family's own words --
-    hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
-    hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads
-    # The characters of a layer-pattern string (Nemotron-H's hybrid_override_pattern) -> layer types.
-    hf_pattern: dict[str, str] = field(default_factory=dict)
-    hf_defaults: dict[str, Any] = field(default_factory=dict)  # fields the family implies when absent
-    # Each block is one norm, one sublayer (a mixer, or the MLP: layer type "mlp") and a residual,
-    # not a mixer and an MLP (Nemotron-H); the block's norm is "norm".
-    one_sublayer: bool = False
-    # OLMo 2's order in attention layers: no norm before attention or MLP, one after each (the
-    # file's post-attention norm, canonical ffn_norm, normalises the attention's output there).
-    attention_post_norms: bool = False
-    # No RoPE when config.json has no rope_parameters (OLMo-hybrid's NoPE checkpoints).
-    nope_without_rope_parameters: bool = False
-    linear_norm_eps: float = 0.0  # the delta net's gated output norm's eps (0: rms_norm_eps)
-    # Multimodal checkpoints whose language model is this family (config.json's text_config, tensors
-    # under "model.language_model."); the other towers are skipped with one log line each.
-    hf_multimodal_archs: tuple[str, ...] = ()
-    # Tensors a checkpoint carries that vkrt does not run, by name prefix -> what they are (logged).
-    hf_skipped: dict[str, str] = field(default_factory=dict)
-    # Multi-token-prediction layers saved after the main ones, as many as this config.json field says
-    # (GGUF: `<arch>.nextn_predict_layers`, counted in block_count); skipped with one log line.
-    mtp_layers: str = ""
-
 
 _LLAMA = ArchSpec(
     name="llama",
     gguf_archs=("llama",),
     hf_archs=("LlamaForCausalLM",),
     # Llama 3.1-style GGUFs bake the rope scaling into per-frequency factors.
-    gguf_global={**_GGUF_GLOBAL, "rope_freqs.weight": "rope_freqs"},
+    gguf_global={**GGUF_GLOBAL, "rope_freqs.weight": "rope_freqs"},
     gguf_qk_permuted=True,
 )
 
@@ -272,8 +104,8 @@ _QWEN2 = ArchSpec(
     name="qwen2",
     gguf_archs=("qwen2",),
     hf_archs=("Qwen2ForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF},
-    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF},
+    gguf_layer={**GGUF_LAYER, **_QKV_BIAS_GGUF},
+    hf_layer={**HF_LAYER, **_QKV_BIAS_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias"),
     qkv_bias=True,
     default_sliding=_qwen2_sliding,
@@ -283,8 +115,8 @@ _QWEN3 = ArchSpec(
     name="qwen3",
     gguf_archs=("qwen3",),
     hf_archs=("Qwen3ForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF},
-    hf_layer={**_HF_LAYER, **_QK_NORM_HF},
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF},
+    hf_layer={**HF_LAYER, **_QK_NORM_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
     default_sliding=_qwen2_sliding,
@@ -294,8 +126,8 @@ _GEMMA2 = ArchSpec(
     name="gemma2",
     gguf_archs=("gemma2",),
     hf_archs=("Gemma2ForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_GEMMA_GGUF},
-    hf_layer={**_HF_LAYER, **_GEMMA_HF},
+    gguf_layer={**GGUF_LAYER, **_GEMMA_GGUF},
+    hf_layer={**HF_LAYER, **_GEMMA_HF},
     layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm"),
     activation="gelu_tanh",
     sandwich_norms=True,
@@ -309,8 +141,8 @@ _GEMMA3 = ArchSpec(
     name="gemma3",
     gguf_archs=("gemma3",),
     hf_archs=("Gemma3ForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_GEMMA_GGUF, **_QK_NORM_GGUF},
-    hf_layer={**_HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF},
+    gguf_layer={**GGUF_LAYER, **_GEMMA_GGUF, **_QK_NORM_GGUF},
+    hf_layer={**HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF},
     layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm"),
     activation="gelu_tanh",
     qk_norm=True,
@@ -348,7 +180,7 @@ _PHI3 = ArchSpec(
     name="phi3",
     gguf_archs=("phi3",),
     hf_archs=("Phi3ForCausalLM",),
-    gguf_global={**_GGUF_GLOBAL, "rope_factors_long.weight": "rope_factors_long",
+    gguf_global={**GGUF_GLOBAL, "rope_factors_long.weight": "rope_factors_long",
                  "rope_factors_short.weight": "rope_factors_short"},
     gguf_layer={"attn_norm.weight": "attn_norm", "attn_qkv.weight": "qkv_proj",
                 "attn_output.weight": "o_proj", "ffn_norm.weight": "ffn_norm",
@@ -365,8 +197,8 @@ _QWEN3_MOE = ArchSpec(
     name="qwen3_moe",
     gguf_archs=("qwen3moe",),
     hf_archs=("Qwen3MoeForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
-    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
     default_sliding=_qwen2_sliding,
@@ -379,8 +211,8 @@ _QWEN2_MOE = ArchSpec(
     name="qwen2_moe",
     gguf_archs=("qwen2moe",),
     hf_archs=("Qwen2MoeForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
-    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_MOE_HF, **_SHARED_EXPERT_HF},
+    gguf_layer={**GGUF_LAYER, **_QKV_BIAS_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_layer={**HF_LAYER, **_QKV_BIAS_HF, **_MOE_HF, **_SHARED_EXPERT_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_bias", "k_bias", "v_bias"),
     qkv_bias=True,
     default_sliding=_qwen2_sliding,
@@ -394,8 +226,8 @@ _MIXTRAL = ArchSpec(
     hf_archs=("MixtralForCausalLM",),
     gguf_qk_permuted=True,
     gguf_with_experts=True,
-    gguf_layer={**_GGUF_LAYER, **_MOE_GGUF},
-    hf_layer={**_HF_LAYER, **_MIXTRAL_HF},
+    gguf_layer={**GGUF_LAYER, **_MOE_GGUF},
+    hf_layer={**HF_LAYER, **_MIXTRAL_HF},
     default_sliding=_all_sliding,
     norm_topk_prob=True,  # Mixtral always renormalises (its config has no such key)
 )
@@ -405,8 +237,8 @@ _OLMOE = ArchSpec(
     name="olmoe",
     gguf_archs=("olmoe",),
     hf_archs=("OlmoeForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
-    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF},
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, **_MOE_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
     qk_norm_per_head=False,
@@ -433,11 +265,11 @@ _LFM2 = ArchSpec(
     name="lfm2",
     gguf_archs=("lfm2",),
     hf_archs=("Lfm2ForCausalLM",),
-    gguf_global={**_GGUF_GLOBAL, "token_embd_norm.weight": "final_norm"},
-    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, "shortconv.in_proj.weight": "conv.in_proj",
+    gguf_global={**GGUF_GLOBAL, "token_embd_norm.weight": "final_norm"},
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, "shortconv.in_proj.weight": "conv.in_proj",
                 "shortconv.conv.weight": "conv.weight", "shortconv.conv.bias": "conv.bias",
                 "shortconv.out_proj.weight": "conv.out_proj"},
-    hf_global={**_HF_GLOBAL, "model.embedding_norm.weight": "final_norm"},
+    hf_global={**HF_GLOBAL, "model.embedding_norm.weight": "final_norm"},
     hf_layer=_LFM2_LAYER,
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
@@ -486,8 +318,8 @@ _QWEN3_5 = ArchSpec(
     hf_archs=("Qwen3_5ForCausalLM",),
     hf_multimodal_archs=("Qwen3_5ForConditionalGeneration",),
     hf_skipped=_VISION_TOWER,
-    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF},
-    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF},
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
     hf_norm_offset=1.0,
@@ -513,8 +345,8 @@ _GRANITE4 = ArchSpec(
     gguf_archs=("granitehybrid",),
     hf_archs=("GraniteMoeHybridForCausalLM",),
     # The shared MLP's gate and up are stored apart; with experts it is written as a shared expert.
-    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
-    hf_layer={**_HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
+    gguf_layer={**GGUF_LAYER, **_MAMBA2_GGUF, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
+    hf_layer={**HF_LAYER, "shared_mlp.input_linear.weight": "gate_up_proj",
               "shared_mlp.output_linear.weight": "down_proj", "block_sparse_moe.router.layer.weight": "router",
               "block_sparse_moe.input_linear.weight": "experts.gate_up_proj",
               "block_sparse_moe.output_linear.weight": "experts.down_proj", **_MAMBA2_HF},
@@ -580,9 +412,9 @@ _FALCON_H1 = ArchSpec(
     name="falcon_h1",
     gguf_archs=("falcon-h1",),
     hf_archs=("FalconH1ForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_MAMBA2_GGUF, "ffn_norm": "ffn_norm"},  # (llama.cpp names it without ".weight")
-    hf_global={**_HF_GLOBAL, "model.final_layernorm.weight": "final_norm"},
-    hf_layer={**_HF_LAYER, "pre_ff_layernorm.weight": "ffn_norm", "feed_forward.gate_proj.weight": "gate_proj",
+    gguf_layer={**GGUF_LAYER, **_MAMBA2_GGUF, "ffn_norm": "ffn_norm"},  # (llama.cpp names it without ".weight")
+    hf_global={**HF_GLOBAL, "model.final_layernorm.weight": "final_norm"},
+    hf_layer={**HF_LAYER, "pre_ff_layernorm.weight": "ffn_norm", "feed_forward.gate_proj.weight": "gate_proj",
               "feed_forward.up_proj.weight": "up_proj", "feed_forward.down_proj.weight": "down_proj",
               **_MAMBA2_HF},
     default_mixer="attention_mamba2",
@@ -597,7 +429,7 @@ _OLMO_HYBRID = ArchSpec(
     name="olmo_hybrid",
     gguf_archs=(),  # no llama.cpp architecture for it
     hf_archs=("OlmoHybridForCausalLM",),
-    hf_layer={**_HF_LAYER, **_QK_NORM_HF, "attention_layer_norm.weight": "attn_norm",
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, "attention_layer_norm.weight": "attn_norm",
               "feedforward_layer_norm.weight": "ffn_norm", "post_feedforward_layernorm.weight": "post_ffn_norm",
               "linear_attn.q_proj.weight": "delta.in_proj_q", "linear_attn.k_proj.weight": "delta.in_proj_k",
               "linear_attn.v_proj.weight": "delta.in_proj_v", "linear_attn.a_proj.weight": "delta.in_proj_a",
@@ -623,9 +455,9 @@ _QWEN3_NEXT = ArchSpec(
     gguf_archs=("qwen3next",),
     hf_archs=("Qwen3NextForCausalLM",),
     hf_skipped=_MTP_HEAD,
-    gguf_layer={**_GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF, "ssm_ba.weight": "delta.in_proj_ba",
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF, "ssm_ba.weight": "delta.in_proj_ba",
                 **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
-    hf_layer={**_HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF, "linear_attn.in_proj_qkvz.weight": "delta.in_proj_qkvz",
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF, "linear_attn.in_proj_qkvz.weight": "delta.in_proj_qkvz",
               "linear_attn.in_proj_ba.weight": "delta.in_proj_ba", **_MOE_HF, **_SHARED_EXPERT_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
     qk_norm=True,
@@ -664,10 +496,10 @@ _GLM4_MOE = ArchSpec(
     name="glm4_moe",
     gguf_archs=("glm4moe",),
     hf_archs=("Glm4MoeForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, **_QK_NORM_GGUF, **_MOE_GGUF, "post_attention_norm.weight": "ffn_norm",
+    gguf_layer={**GGUF_LAYER, **_QKV_BIAS_GGUF, **_QK_NORM_GGUF, **_MOE_GGUF, "post_attention_norm.weight": "ffn_norm",
                 "exp_probs_b.bias": "expert_bias", "ffn_gate_shexp.weight": "shared_expert.gate_proj",
                 "ffn_up_shexp.weight": "shared_expert.up_proj", "ffn_down_shexp.weight": "shared_expert.down_proj"},
-    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_QK_NORM_HF, **_MOE_HF, "mlp.gate.e_score_correction_bias": "expert_bias",
+    hf_layer={**HF_LAYER, **_QKV_BIAS_HF, **_QK_NORM_HF, **_MOE_HF, "mlp.gate.e_score_correction_bias": "expert_bias",
               "mlp.shared_experts.gate_proj.weight": "shared_expert.gate_proj",
               "mlp.shared_experts.up_proj.weight": "shared_expert.up_proj",
               "mlp.shared_experts.down_proj.weight": "shared_expert.down_proj"},
@@ -694,13 +526,13 @@ _GPT_OSS = ArchSpec(
     name="gpt_oss",
     gguf_archs=("gpt-oss",),
     hf_archs=("GptOssForCausalLM",),
-    gguf_layer={**_GGUF_LAYER, **_QKV_BIAS_GGUF, "attn_output.bias": "o_bias", "attn_sinks.weight": "sinks",
+    gguf_layer={**GGUF_LAYER, **_QKV_BIAS_GGUF, "attn_output.bias": "o_bias", "attn_sinks.weight": "sinks",
                 "post_attention_norm.weight": "ffn_norm", "ffn_gate_inp.weight": "router",
                 "ffn_gate_inp.bias": "router_bias", "ffn_gate_exps.weight": "experts.gate_proj",
                 "ffn_up_exps.weight": "experts.up_proj", "ffn_down_exps.weight": "experts.down_proj",
                 "ffn_gate_exps.bias": "experts.gate_bias", "ffn_up_exps.bias": "experts.up_bias",
                 "ffn_down_exps.bias": "experts.down_bias"},
-    hf_layer={**_HF_LAYER, **_QKV_BIAS_HF, **_GPT_OSS_ATTENTION, "mlp.router.weight": "router",
+    hf_layer={**HF_LAYER, **_QKV_BIAS_HF, **_GPT_OSS_ATTENTION, "mlp.router.weight": "router",
               "mlp.router.bias": "router_bias", "mlp.experts.gate_up_proj": "experts.gate_up_proj",
               "mlp.experts.gate_up_proj_bias": "experts.gate_up_bias", "mlp.experts.down_proj": "experts.down_proj",
               "mlp.experts.down_proj_bias": "experts.down_bias"},
@@ -714,10 +546,83 @@ _GPT_OSS = ArchSpec(
     gguf_rope_scaling={"truncate": False},
 )
 
+# OLMo 2: no norm before attention or the MLP, one after each (saved as post_attention_layernorm and
+# post_feedforward_layernorm), QK-norm over all of q and all of k.
+_OLMO2 = ArchSpec(
+    name="olmo2",
+    gguf_archs=("olmo2",),  # llama.cpp writes OLMo 3 as olmo2 too, its sliding layers in the metadata
+    hf_archs=("Olmo2ForCausalLM",),
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, "post_attention_norm.weight": "ffn_norm",
+                "post_ffw_norm.weight": "post_ffn_norm"},
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, "post_feedforward_layernorm.weight": "post_ffn_norm"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    qk_norm_per_head=False,
+    attention_post_norms=True,
+    sliding_rope_unscaled=True,
+)
+
+# OLMo 3: OLMo 2 with sliding-window layers (layer_types; three of every four when it says none).
+_OLMO3 = ArchSpec(
+    name="olmo3",
+    gguf_archs=(),
+    hf_archs=("Olmo3ForCausalLM",),
+    gguf_layer=_OLMO2.gguf_layer,
+    hf_layer=_OLMO2.hf_layer,
+    layer_weights=_OLMO2.layer_weights,
+    qk_norm=True,
+    qk_norm_per_head=False,
+    attention_post_norms=True,
+    sliding_rope_unscaled=True,
+    default_sliding=_every_fourth_full,
+)
+
+# EXAONE 4: OLMo 2's post-norm layers with per-head QK-norm, sliding layers beside full ones that
+# (when a window is set) do not rotate positions.
+_EXAONE4 = ArchSpec(
+    name="exaone4",
+    gguf_archs=("exaone4",),
+    hf_archs=("Exaone4ForCausalLM",),
+    gguf_global=_LLAMA.gguf_global,  # llama3-scaled checkpoints: per-frequency factors
+    gguf_layer=_OLMO2.gguf_layer,
+    hf_layer=_OLMO2.hf_layer,
+    layer_weights=_OLMO2.layer_weights,
+    qk_norm=True,
+    attention_post_norms=True,
+    default_sliding=_exaone4_sliding,
+    global_nope_with_window=True,
+)
+
+# Seed-OSS: Qwen2's layout (q/k/v biases, pre-norms); llama.cpp names the MLP's norm post_attention_norm.
+_SEED_OSS = ArchSpec(
+    name="seed_oss",
+    gguf_archs=("seed_oss",),
+    hf_archs=("SeedOssForCausalLM",),
+    gguf_layer={**_QWEN2.gguf_layer, "post_attention_norm.weight": "ffn_norm"},
+    hf_layer=_QWEN2.hf_layer,
+    layer_weights=_QWEN2.layer_weights,
+    qkv_bias=True,
+    hf_refused_flags=("attention_out_bias", "mlp_bias"),
+)
+
+# Ministral 3: Mistral's layout with YaRN and a query temperature by position (rope_parameters'
+# llama_4_scaling_beta); llama.cpp's converter permutes its q/k rows as Llama's. Its checkpoints (and
+# Mistral Small 3.1's, whose text model is plain Mistral) are Mistral3ForConditionalGeneration.
+_MINISTRAL3 = ArchSpec(
+    name="ministral3",
+    gguf_archs=("mistral3",),
+    hf_archs=("Ministral3ForCausalLM",),
+    hf_multimodal_archs=("Mistral3ForConditionalGeneration",),
+    hf_skipped={"vision_tower.": "the vision tower", "multi_modal_projector.": "the multimodal projector",
+                "model.vision_tower.": "the vision tower", "model.multi_modal_projector.": "the multimodal projector"},
+    gguf_qk_permuted=True,
+    default_sliding=_all_sliding,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
-                               _GLM4_MOE, _GPT_OSS)
+                               _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:
@@ -744,165 +649,3 @@ def arch_named(name: str) -> ArchSpec:
     """The spec whose ModelConfig.architecture is `name`."""
     return next(a for a in ARCHS if a.name == name)
 
-
-def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightData]) -> None:
-    """Raise ModelFormatError unless every canonical weight is present with its logical shape."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
-    gated_q_rows = 2 * q_rows if config.attn_output_gate else q_rows  # q and a gate per head
-    v_heads, key_dim = config.linear_num_value_heads, config.linear_num_key_heads * config.linear_key_head_dim
-    value_dim = v_heads * config.linear_value_head_dim
-    mamba_inner = config.mamba_num_heads * config.mamba_head_dim
-    mamba_bc = config.mamba_n_groups * config.mamba_state_size  # B's (and C's) channels
-    expected: dict[str, tuple[int, ...]] = {
-        "embed_tokens": (config.vocab_size, hidden),
-        "final_norm": (hidden,),
-    }
-    if not config.tie_word_embeddings:
-        expected["lm_head"] = (config.vocab_size, hidden)
-    shapes = {
-        "norm": (hidden,),
-        "attn_norm": (hidden,),
-        "q_proj": (gated_q_rows, hidden),
-        "k_proj": (kv_rows, hidden),
-        "v_proj": (kv_rows, hidden),
-        "qkv_proj": (q_rows + 2 * kv_rows, hidden),
-        "q_bias": (q_rows,),
-        "k_bias": (kv_rows,),
-        "v_bias": (kv_rows,),
-        "q_norm": (config.head_dim,) if config.qk_norm_per_head else (q_rows,),
-        "k_norm": (config.head_dim,) if config.qk_norm_per_head else (kv_rows,),
-        "o_proj": (hidden, q_rows),
-        "o_bias": (hidden,),
-        "sinks": (config.num_heads,),
-        "post_attn_norm": (hidden,),
-        "ffn_norm": (hidden,),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "gate_up_proj": (2 * inter, hidden),
-        "down_proj": (hidden, inter),
-        "post_ffn_norm": (hidden,),
-        "conv.in_proj": (3 * hidden, hidden),
-        "conv.weight": (hidden, config.conv_kernel),
-        "conv.bias": (hidden,),
-        "conv.out_proj": (hidden, hidden),
-        "delta.in_proj_qkv": (2 * key_dim + value_dim, hidden),
-        "delta.in_proj_z": (value_dim, hidden),
-        "delta.in_proj_b": (v_heads, hidden),
-        "delta.in_proj_a": (v_heads, hidden),
-        "delta.in_proj_qkvz": (2 * key_dim + 2 * value_dim, hidden),
-        "delta.in_proj_q": (key_dim, hidden),
-        "delta.in_proj_k": (key_dim, hidden),
-        "delta.in_proj_v": (value_dim, hidden),
-        "delta.conv_q": (key_dim, config.conv_kernel),
-        "delta.conv_k": (key_dim, config.conv_kernel),
-        "delta.conv_v": (value_dim, config.conv_kernel),
-        "delta.in_proj_ba": (2 * v_heads, hidden),
-        "delta.conv.weight": (2 * key_dim + value_dim, config.conv_kernel),
-        "delta.A_log": (v_heads,),
-        "delta.A": (v_heads,),
-        "delta.dt_bias": (v_heads,),
-        "delta.norm": (config.linear_value_head_dim,),
-        "delta.out_proj": (hidden, value_dim),
-        "mamba.in_proj": (2 * mamba_inner + 2 * mamba_bc + config.mamba_num_heads, hidden),
-        "mamba.conv.weight": (mamba_inner + 2 * mamba_bc, config.conv_kernel),
-        "mamba.conv.bias": (mamba_inner + 2 * mamba_bc,),
-        "mamba.A_log": (config.mamba_num_heads,),
-        "mamba.A": (config.mamba_num_heads,),
-        "mamba.D": (config.mamba_num_heads,),
-        "mamba.dt_bias": (config.mamba_num_heads,),
-        "mamba.norm": (mamba_inner,),
-        "mamba.out_proj": (hidden, mamba_inner),
-    }
-    for i in range(config.num_layers):
-        layer = config.layer(i)
-        names = list(arch_named(config.architecture).layer_weights)
-        if not layer.attends:
-            names = [n for n in names if n not in _ATTENTION_ONLY]
-        if not config.qk_norm:  # (a family whose QK-norm is optional: ArchSpec.qk_norm_optional)
-            names = [n for n in names if n not in ("q_norm", "k_norm")]
-        if layer.recurrent:
-            names += MIXER_WEIGHTS[layer.recurrent]
-            if config.mamba_norm == "none":  # Mamba2 without its gated norm (Falcon-H1's option)
-                names = [n for n in names if n != "mamba.norm"]
-            if config.conv_bias and layer.recurrent in ("mamba2", "short_conv"):
-                names.append("mamba.conv.bias" if layer.recurrent == "mamba2" else "conv.bias")
-            if config.linear_decay_stored:  # llama.cpp's A = -exp(A_log)
-                names = [{"delta.A_log": "delta.A", "mamba.A_log": "mamba.A"}.get(n, n) for n in names]
-            for fused, apart in (("delta.in_proj_qkvz", ("delta.in_proj_qkv", "delta.in_proj_z")),
-                                 ("delta.in_proj_ba", ("delta.in_proj_b", "delta.in_proj_a"))):
-                if f"layers.{i}.{fused}" in weights:  # Qwen3-Next's projections, interleaved per key head
-                    names = [n for n in names if n not in apart] + [fused]
-            if f"layers.{i}.delta.in_proj_q" in weights:  # OLMo-hybrid's: q, k, v apart, each convolved apart
-                merged = f"layers.{i}.delta.conv.weight" in weights  # (as transformers holds it in memory)
-                names = [n for n in names if n not in ("delta.in_proj_qkv", "delta.conv.weight")]
-                names += ["delta.in_proj_q", "delta.in_proj_k", "delta.in_proj_v"]
-                names += ["delta.conv.weight"] if merged else ["delta.conv_q", "delta.conv_k", "delta.conv_v"]
-        if "gate_up_proj" in names and f"layers.{i}.gate_proj" in weights:  # stored apart (GGUF)
-            names = [n for n in names if n != "gate_up_proj"] + ["gate_proj", "up_proj"]
-        if layer.post_norms:  # OLMo 2's attention layers: ffn_norm is the attention's output norm here
-            names = [n for n in names if n != "attn_norm"] + ["post_ffn_norm"]
-        if not layer.mlp:  # a block of one mixer (Nemotron-H)
-            names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
-        for name in names:
-            if not (layer.moe and name in DENSE_MLP_WEIGHTS):
-                expected[f"layers.{i}.{name}"] = shapes[name]
-        if layer.moe:
-            expected.update(_expert_shapes(source, config, i, weights))
-    for name, shape in expected.items():
-        weight = weights.get(name)
-        if weight is None:
-            raise ModelFormatError(
-                f"{source}: weight {name!r} is missing; the file is incomplete or not a "
-                f"{config.architecture} checkpoint"
-            )
-        vector = len(shape) == 1 and math.prod(weight.shape) == shape[0]
-        if weight.shape != shape and not vector and not (
-                "conv" in name and weight.shape == (shape[0], 1, *shape[1:])):
-            # (HF keeps a depthwise conv's weight as [C, 1, K], llama.cpp as [C, K]; llama.cpp writes
-            # some vectors with unit dims or as rows of groups: Mamba2's A, D [H, 1] and norm [G, inner / G])
-            raise ModelFormatError(
-                f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "
-                f"{shape}; the checkpoint and its config disagree"
-            )
-
-
-def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, WeightData]
-                   ) -> dict[str, tuple[int, ...]]:
-    """Layer i's router and experts: stacked [E, out, in] tensors (GGUF) or one tensor per
-    expert (HF); an expert beyond num_experts is an error naming it."""
-    experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    p = f"layers.{i}."
-    out: dict[str, tuple[int, ...]] = {p + "router": (experts, hidden)}
-    if config.expert_bias:
-        out[p + "expert_bias"] = (experts,)
-    shared = config.shared_expert_intermediate_size
-    ungated = config.hidden_act == "relu2"  # Nemotron-H's experts and shared expert: up and down only
-    if shared and ungated:
-        out |= {p + "shared_expert.up_proj": (shared, hidden), p + "shared_expert.down_proj": (hidden, shared)}
-    elif shared and config.shared_expert_gated:
-        out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),
-                p + "shared_expert.down_proj": (hidden, shared), p + "shared_expert_gate": (1, hidden)}
-    elif shared and p + "shared_expert.gate_proj" in weights:  # Granite 4's ungated shared MLP, from GGUF
-        out |= {p + "shared_expert.gate_proj": (shared, hidden), p + "shared_expert.up_proj": (shared, hidden),
-                p + "shared_expert.down_proj": (hidden, shared)}
-    elif shared:  # Granite 4: the layer's own MLP (gate|up fused) runs beside the experts, ungated
-        out |= {p + "gate_up_proj": (2 * shared, hidden), p + "down_proj": (hidden, shared)}
-    if arch_named(config.architecture).expert_biases:
-        out |= {p + "router_bias": (experts,), p + "experts.gate_bias": (experts, inter),
-                p + "experts.up_bias": (experts, inter), p + "experts.down_bias": (experts, hidden)}
-    proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-    if ungated:
-        del proj["gate_proj"]
-    if p + "experts.gate_up_proj" in weights:  # Granite 4: gate|up stacked per expert [E, 2F, H]
-        return out | {p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
-    if p + "experts.down_proj" in weights:  # stacked (GGUF)
-        return out | {f"{p}experts.{n}": (experts, *shape) for n, shape in proj.items()}
-    prefix = p + "experts."
-    for name in weights:
-        index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
-        if index.isdigit() and int(index) >= experts:
-            raise ModelFormatError(f"{source}: weight {name!r} is an expert beyond the config's "
-                                   f"{experts} experts; the checkpoint and its config disagree")
-    return out | {f"{prefix}{e}.{n}": shape for e in range(experts) for n, shape in proj.items()}

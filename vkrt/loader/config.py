@@ -101,6 +101,10 @@ class ModelConfig:
     qk_norm_per_head: bool = True  # QK-norm over each head; False: over all of q and of k (OLMoE)
     rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head (partial rotary); 0 = all
     rope_interleaved: bool = False  # RoPE pairs (2i, 2i + 1) instead of (i, i + rotated / 2) (ERNIE 4.5)
+    # Queries times 1 + beta * ln(1 + floor(p / length)) after RoPE (Ministral 3's llama_4_scaling_beta,
+    # length its original context); beta 0 = none.
+    query_temperature_beta: float = 0.0
+    query_temperature_length: int = 0
     # -- recurrent mixers (layers whose LayerConfig.recurrent is set) -------------------------
     conv_kernel: int = 0  # taps K of the depthwise causal convolution (LFM2's conv_L_cache)
     conv_bias: bool = False  # the convolution adds a bias per channel

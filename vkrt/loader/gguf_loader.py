@@ -15,16 +15,13 @@ from gguf import GGUFValueType, LlamaFileType
 from vkrt.core.formats import FORMATS, by_gguf_type
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader import gguf_checks, validate
-from vkrt.loader.arch import (
-    ArchSpec,
-    arch_for_gguf,
-    canonical_name,
-    check_weights,
-    supported_gguf_archs,
-)
+from vkrt.loader.arch import arch_for_gguf, supported_gguf_archs
+from vkrt.loader.arch_spec import ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
+from vkrt.loader.gguf_fields import gguf_fields, gguf_mtp_layers
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
-from vkrt.loader.normalize import gguf_fields, gguf_mtp_layers, model_config
+from vkrt.loader.normalize import model_config
+from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,11 @@ import numpy as np
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import validate
-from vkrt.loader.arch import (
-    ArchSpec,
-    arch_for_hf,
-    canonical_name,
-    check_weights,
-    supported_hf_archs,
-)
+from vkrt.loader.arch import arch_for_hf, supported_hf_archs
+from vkrt.loader.arch_spec import ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.normalize import hf_fields, model_config
+from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +118,10 @@ def _canonical_name(spec: ArchSpec, hf_name: str) -> str | None:
     return canonical_name(hf_name, spec.hf_global, pattern, spec.hf_layer)
 
 
-_LANGUAGE_MODEL = "model.language_model."  # a multimodal checkpoint's language model
+# A multimodal checkpoint's language model, as transformers 5 names it or (Mistral3's) as the
+# checkpoints before it did -> the names of the language model saved on its own.
+_LANGUAGE_MODEL = {"model.language_model.": "model.", "language_model.model.": "model.",
+                   "language_model.lm_head.": "lm_head."}
 
 
 def _language_model_config(config_path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -202,8 +201,9 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     mtp = _mtp_layers(config_path, spec, cfg)
     for file in _safetensors_files(model_dir):
         for hf_name, (fmt, shape, data) in read_safetensors(file).items():
-            if multimodal and hf_name.startswith(_LANGUAGE_MODEL):
-                hf_name = "model." + hf_name[len(_LANGUAGE_MODEL):]
+            prefix = next((p for p in _LANGUAGE_MODEL if hf_name.startswith(p)), None) if multimodal else None
+            if prefix is not None:
+                hf_name = _LANGUAGE_MODEL[prefix] + hf_name[len(prefix):]
             layer = _LAYER_INDEX.match(hf_name[len(spec.hf_prefix) + 1:]) if hf_name.startswith(spec.hf_prefix) else None
             if layer and int(layer.group(1)) in mtp:
                 skipped["the multi-token-prediction layers"] += 1

@@ -1,8 +1,9 @@
 """config.json and GGUF metadata -> one ModelConfig, with per-layer attention and rope.
 
 One normalisation serves both formats. A GGUF file's metadata is first read into config.json's
-field names (`gguf_fields`, as transformers' GGUF loader maps them, with the layer pattern,
-query scale and sparse layers llama.cpp derives spelled as config.json would), then
+field names (`gguf_fields` in vkrt/loader/gguf_fields.py, as transformers' GGUF loader maps them,
+with the layer pattern, query scale and sparse layers llama.cpp derives spelled as config.json
+would), then
 `model_config` builds the ModelConfig from those fields once, taking each family trait from the
 ArchSpec row once. Errors name a field as its file spells it (`ConfigFields.name`).
 
@@ -26,13 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import numpy as np
-from gguf import GGUFValueType
-
 from vkrt.errors import ModelFormatError, UnsupportedModelError
-from vkrt.loader.arch import ArchSpec
-from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers, WeightData
-from vkrt.loader.gguf_file import GGUFFile
+from vkrt.loader.arch_spec import ArchSpec
+from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
 
@@ -46,7 +43,7 @@ _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
                                            "longrope": ("short_factor", "long_factor"),
                                            "yarn": ("factor", "original_max_position_embeddings")}
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
-                  "attention_factor", "beta_fast", "beta_slow")
+                  "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # config.json's MLP activation -> ModelConfig.hidden_act (relu2: ungated, max(x, 0)^2 of up alone)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "relu2": "relu2"}
@@ -74,7 +71,7 @@ class ConfigFields:
         return self.spelled.get(key, key)
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
+def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -84,7 +81,8 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
     RoPE; every check of a scaling is here."""
     if not params:
         return None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    scaling = {k: v for k, v in params.items()
+               if k not in ("rope_theta", "type", "partial_rotary_factor", "llama_4_scaling_beta")}
     kind = params.get("rope_type", params.get("type", "default"))
     kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     type_name = src.name(f"{fieldname}.rope_type")
@@ -103,19 +101,8 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
     if kind == "default":
         return None
     scaling["rope_type"] = kind
-    if kind == "longrope":
-        orig = scaling.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
-        if not _is_int(orig) or orig <= 0:
-            raise ModelFormatError(f"{src.source}: {fieldname}: longrope needs original_max_position_embeddings")
-        scaling["original_max_position_embeddings"] = orig
-        # transformers: factor defaults to the context extension, the attention factor to
-        # sqrt(1 + ln(factor) / ln(original context)) (1 when nothing is extended).
-        factor = float(scaling.get("factor") or max_positions / orig)
-        scaling["factor"] = factor
-        if scaling.get("attention_factor") is None:
-            scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    if kind == "yarn" and scaling.get("attention_factor") is None and scaling.get("factor") is not None:
-        scaling["attention_factor"] = _yarn_attention_factor(scaling)
+    if kind in ("longrope", "yarn"):
+        _context_extension(src, fieldname, kind, scaling, max_positions)
     for key in _ROPE_NEEDS[kind]:
         if scaling.get(key) is None:
             raise ModelFormatError(f"{src.source}: {fieldname} of rope_type {kind!r} has no {key!r}")
@@ -123,6 +110,49 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
         raise ModelFormatError(f"{src.source}: {fieldname}.high_freq_factor must differ from low_freq_factor; "
                                "the model's config is corrupt")
     return scaling
+
+
+def _context_extension(src: ConfigFields, fieldname: str, kind: str, scaling: dict[str, Any],
+                       max_positions: int) -> None:
+    """longrope's and YaRN's original context and factor (transformers' default: the context
+    extension), and the factor cos and sin are scaled by when the file gives none: 1 when nothing
+    is extended, else longrope's sqrt(1 + ln(factor) / ln(original context)), YaRN's
+    0.1 ln(factor) + 1 or, with mscale and mscale_all_dim,
+    (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1)."""
+    orig = scaling.get("original_max_position_embeddings") or src.get("original_max_position_embeddings")
+    if not is_int(orig) or orig <= 0:
+        raise ModelFormatError(f"{src.source}: {fieldname}: {kind} needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = orig
+    factor = scaling["factor"] = float(scaling.get("factor") or max_positions / orig)
+    if scaling.get("attention_factor") is not None:
+        return
+    log_factor = math.log(factor) if factor > 1.0 else 0.0
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not log_factor:
+        scaling["attention_factor"] = 1.0
+    elif kind == "longrope":
+        scaling["attention_factor"] = math.sqrt(1 + log_factor / math.log(orig))
+    elif mscale and mscale_all_dim:
+        scaling["attention_factor"] = (0.1 * mscale * log_factor + 1.0) / (0.1 * mscale_all_dim * log_factor + 1.0)
+    else:
+        scaling["attention_factor"] = 0.1 * log_factor + 1.0
+
+
+def _query_temperature(src: ConfigFields) -> dict[str, Any]:
+    """Ministral 3's query temperature (rope_parameters' llama_4_scaling_beta; queries times
+    1 + beta ln(1 + floor(p / original_max_position_embeddings))), checked; {} without one."""
+    params = src.get("rope_parameters")
+    params = params if isinstance(params, dict) else src.get("rope_scaling")
+    beta = params.get("llama_4_scaling_beta") if isinstance(params, dict) else None
+    if not beta:
+        return {}
+    name = src.name("rope_parameters.llama_4_scaling_beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ModelFormatError(f"{src.source}: {name} is {beta!r}, but it must be a number >= 0")
+    length = params.get("original_max_position_embeddings")
+    if not is_int(length) or length <= 0:
+        raise ModelFormatError(f"{src.source}: {name} needs original_max_position_embeddings beside it")
+    return {"query_temperature_beta": float(beta), "query_temperature_length": length}
 
 
 def _rope_by_layer_type(src: ConfigFields, spec: ArchSpec,
@@ -138,6 +168,8 @@ def _rope_by_layer_type(src: ConfigFields, spec: ArchSpec,
         local = dict(base)
         if spec.local_rope_theta:  # Gemma 3: its own local base; the scaling is global only
             local = {"rope_theta": src.get("rope_local_base_freq", spec.local_rope_theta)}
+        elif spec.sliding_rope_unscaled:
+            local = {"rope_theta": src.get("rope_local_base_freq", base["rope_theta"])}
         per_type = {False: base, True: local}
         name = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
         field_of = {False: name, True: name}
@@ -212,7 +244,7 @@ def _moe_fields(src: ConfigFields) -> tuple[int, int, int]:
     expert_ffn = src.get("moe_intermediate_size") or src.get("intermediate_size")
     for key, value, top in (("num_experts", experts, MAX_EXPERTS), ("num_experts_per_tok", per_token, experts),
                             ("moe_intermediate_size", expert_ffn, None)):
-        if not _is_int(value) or value < 1 or (top is not None and value > top):
+        if not is_int(value) or value < 1 or (top is not None and value > top):
             bound = f" and at most {top}" if top is not None else ""
             raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer{bound}, got {value!r}")
     return experts, per_token, expert_ffn
@@ -224,9 +256,9 @@ def _shared_expert_width(src: ConfigFields, spec: ArchSpec, experts: int) -> int
         return 0
     value = src.get("shared_expert_intermediate_size")
     count, width = src.get("n_shared_experts"), src.get("moe_intermediate_size")
-    if value is None and _is_int(count) and count >= 1 and _is_int(width):  # GLM-4.5: that many experts' width
+    if value is None and is_int(count) and count >= 1 and is_int(width):  # GLM-4.5: that many experts' width
         value = count * width
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ModelFormatError(f"{src.source}: {src.name('shared_expert_intermediate_size')} must be a positive "
                                f"integer, got {value!r}")
     return value
@@ -238,12 +270,12 @@ def _sparse_layers(src: ConfigFields, num_layers: int) -> list[bool]:
     num_dense_layers are dense."""
     step = src.get("decoder_sparse_step") or 1
     first = src.get("num_dense_layers") or 0
-    if not _is_int(first) or first < 0:
+    if not is_int(first) or first < 0:
         raise ModelFormatError(f"{src.source}: {src.name('num_dense_layers')} must be a count, got {first!r}")
     dense = [*(src.get("mlp_only_layers") or []), *range(min(first, num_layers))]
-    if not _is_int(step) or step < 1:
+    if not is_int(step) or step < 1:
         raise ModelFormatError(f"{src.source}: decoder_sparse_step must be a positive integer, got {step!r}")
-    if not isinstance(dense, list) or any(not _is_int(i) for i in dense):
+    if not isinstance(dense, list) or any(not is_int(i) for i in dense):
         raise ModelFormatError(f"{src.source}: mlp_only_layers must be a list of layer indices")
     return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
 
@@ -268,16 +300,6 @@ def _int_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
-
-
-def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
-    """transformers' default YaRN attention factor: 0.1 ln(factor) + 1, or the ratio of the two
-    mscales where mscale and mscale_all_dim are both given (1 when nothing is extended)."""
-    def mscale(factor: float, m: float = 1.0) -> float:
-        return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
-
-    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all else mscale(factor)
 
 
 def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[str, Any] | None = None,
@@ -305,8 +327,12 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
                                     f"(supported: {', '.join(ACTIVATIONS)})")
     rope = _rope_by_layer_type(src, spec, max_positions)
     window = src.get("sliding_window")
-    window = int(window) if _is_int(window) and window > 0 else 0
+    window = int(window) if is_int(window) and window > 0 else 0
     moe = _moe_fields(src)
+    for flag in spec.hf_refused_flags:
+        if src.get(flag):
+            raise UnsupportedModelError(f"{src.source}: {src.name(flag)} is set; vkrt does not run the weights it "
+                                        f"adds to a {spec.name} model")
     if moe[0] and src.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{src.source}: clip_qkv is not supported")
     if spec.one_sublayer:  # Nemotron-H: its "moe" blocks are the sparse ones (and its dense
@@ -315,7 +341,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         sparse = sparse if moe[0] else [False] * num_layers
     else:
         sparse = _sparse_layers(src, num_layers) if moe[0] else [False] * num_layers
-    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)], rotated, is_moe, mixer,
+    layers = tuple(LayerConfig(window if sliding else 0, *rope[bool(sliding and window)],
+                               rotated and not (spec.global_nope_with_window and window and not sliding), is_moe, mixer,
                                mlp=not spec.one_sublayer or mixer == "none",
                                post_norms=spec.attention_post_norms and mixer == "attention")
                    for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
@@ -348,7 +375,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(src.get("tie_word_embeddings", False)),
         hidden_act=ACTIVATIONS[act],
-        bos_token_id=bos if _is_int(bos) else None,
+        bos_token_id=bos if is_int(bos) else None,
         eos_token_ids=tuple(eos_ids),
         name=name,
         layers=layers,
@@ -360,6 +387,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         **_delta_net(src, layers),
         **_mamba(src, layers),
         **_multipliers(src, spec),
+        **_query_temperature(src),
         linear_v_heads_tiled=bool(src.get("linear_v_heads_tiled", False)),
         linear_decay_stored=bool(src.get("linear_decay_stored", False)),
         linear_beta_scale=2.0 if src.get("linear_allow_neg_eigval") else 1.0,
@@ -411,7 +439,7 @@ def _expert_groups(src: ConfigFields, spec: ArchSpec, moe: tuple[int, int, int])
         raise UnsupportedModelError(f"{src.source}: {src.name('moe_latent_size')} {src.get('moe_latent_size')!r}: "
                                     "experts working in a latent projection are not supported yet")
     groups, top = src.get("n_group") or 1, src.get("topk_group") or 1
-    if not (_is_int(groups) and _is_int(top) and 1 <= top <= groups and experts % groups == 0
+    if not (is_int(groups) and is_int(top) and 1 <= top <= groups and experts % groups == 0
             and (groups == 1 or experts // groups >= 2) and groups <= MAX_ROUTER_GROUPS):
         raise ModelFormatError(f"{src.source}: {src.name('n_group')} {groups!r} and {src.name('topk_group')} {top!r} "
                                f"must split the {experts} experts into equal groups of at least 2 (at most "
@@ -434,7 +462,7 @@ def _conv_kernel(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> int:
     if not key:
         return 0
     taps = src.get(key)
-    if not _is_int(taps) or not 2 <= taps <= MAX_CONV_KERNEL:
+    if not is_int(taps) or not 2 <= taps <= MAX_CONV_KERNEL:
         raise UnsupportedModelError(f"{src.source}: {src.name(key)} is {taps!r}; vkrt convolves "
                                     f"2 to {MAX_CONV_KERNEL} taps")
     return taps
@@ -450,7 +478,7 @@ def _delta_net(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, 
     out: dict[str, int] = {}
     for key in _DELTA_NET:
         value = src.get(key)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
         out[key] = value
     if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
@@ -463,7 +491,7 @@ def _ffn_width(src: ConfigFields, width: int) -> int:
     """The MLP's width: LFM2 derives it from intermediate_size (block_auto_adjust_ff_dim: 2/3 of
     it, times block_ffn_dim_multiplier, rounded up to block_multiple_of), as transformers does;
     a Granite 4 hybrid without experts runs its shared MLP (shared_intermediate_size)."""
-    if src.get("num_local_experts") == 0 and _is_int(src.get("shared_intermediate_size")):
+    if src.get("num_local_experts") == 0 and is_int(src.get("shared_intermediate_size")):
         return int(src.values["shared_intermediate_size"])
     if not src.get("block_auto_adjust_ff_dim"):
         return width
@@ -485,15 +513,15 @@ def _mamba(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[str, Any]
     # Granite 4's inner width is mamba_expand x hidden, Falcon-H1's mamba_d_ssm when it says;
     # Nemotron-H's is simply heads x head_dim.
     d_ssm = src.get("mamba_d_ssm")
-    inner = d_ssm if _is_int(d_ssm) and d_ssm > 0 else int(src.get("mamba_expand", 2)) * hidden
+    inner = d_ssm if is_int(d_ssm) and d_ssm > 0 else int(src.get("mamba_expand", 2)) * hidden
     head_dim = src.get("mamba_d_head", "auto")
-    if head_dim == "auto" and _is_int(heads) and heads > 0:
+    if head_dim == "auto" and is_int(heads) and heads > 0:
         head_dim = inner // heads
     for key, value in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_d_state", state),
                        ("mamba_d_head", head_dim)):
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
-    assert _is_int(heads) and _is_int(groups) and _is_int(head_dim)
+    assert is_int(heads) and is_int(groups) and is_int(head_dim)
     if src.get("mamba_expand") is not None and heads * head_dim != inner:
         raise ModelFormatError(f"{src.source}: {src.name('mamba_n_heads')} x {src.name('mamba_d_head')} must be "
                                f"the inner width ({'mamba_d_ssm' if d_ssm else 'mamba_expand x hidden_size'}: {inner})")
@@ -566,274 +594,3 @@ def hf_fields(config_path: Path, cfg: dict[str, Any], spec: ArchSpec) -> ConfigF
     if spec.nope_without_rope_parameters and not values.get("rope_parameters") and values.get("rope_theta") is None:
         values.setdefault("position_embedding_type", "nope")
     return ConfigFields(str(config_path), values, spelled)
-
-
-# ---- GGUF metadata -> config.json's names -------------------------------------------------
-
-# GGUF key (after "<arch>.") -> config.json field, for the values that only change their name.
-_GGUF_NAMES = {
-    "embedding_length": "hidden_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "feed_forward_length": "intermediate_size",
-    "block_count": "num_hidden_layers",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "rope.freq_base": "rope_theta",
-    "rope.freq_base_swa": "rope_local_base_freq",
-    "context_length": "max_position_embeddings",
-    "attention.sliding_window": "sliding_window",
-    "attn_logit_softcapping": "attn_logit_softcapping",
-    "final_logit_softcapping": "final_logit_softcapping",
-    "expert_count": "num_experts",
-    "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-    "expert_shared_count": "n_shared_experts",
-    "expert_weights_norm": "norm_topk_prob",
-    "expert_weights_scale": "routed_scaling_factor",
-    "expert_group_count": "n_group",
-    "expert_group_used_count": "topk_group",
-    # Granite's multipliers
-    "attention.scale": "attention_multiplier",
-    "embedding_scale": "embedding_multiplier",
-    "residual_scale": "residual_multiplier",
-    "logit_scale": "logits_scaling",
-}
-_GGUF_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
-_GGUF_REQUIRED = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
-# rope.scaling.* -> rope_scaling's keys
-_GGUF_ROPE_SCALING = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
-                      "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
-                      "yarn_beta_slow": "beta_slow"}
-
-
-def gguf_mtp_layers(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any]) -> range:
-    """The blocks after the main ones that hold multi-token-prediction layers (ArchSpec.mtp_layers:
-    `<arch>.nextn_predict_layers` of block_count, as llama.cpp's converter counts them)."""
-    count, blocks = meta.get(f"{arch}.nextn_predict_layers"), meta.get(f"{arch}.block_count")
-    if not spec.mtp_layers or not count or not _is_int(blocks):
-        return range(0)
-    if not _is_int(count) or not 0 < count < blocks:
-        raise ModelFormatError(f"{path}: metadata {arch}.nextn_predict_layers is {count!r}, but it must count "
-                               f"some of the {blocks} blocks; the file is corrupt")
-    return range(blocks - count, blocks)
-
-
-def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], reader: GGUFFile,
-                weights: dict[str, WeightData], vocab: int) -> ConfigFields:
-    """A GGUF file's metadata under config.json's names, with what llama.cpp derives from the
-    file (layer pattern, query scale, sparse layers, tied head, longrope factors) spelled as
-    config.json spells it. Pops the longrope factor tensors from `weights`."""
-    values: dict[str, Any] = {}
-    spelled: dict[str, str] = {}
-    for suffix in (*_GGUF_REQUIRED, *spec.gguf_required):
-        if meta.get(f"{arch}.{suffix}") is None and f"{arch}.{suffix}" not in reader.fields:  # (or per layer)
-            raise ModelFormatError(f"{path}: metadata key '{arch}.{suffix}' is missing; the GGUF is incomplete")
-    kv_heads_per_layer = None
-    ffn_per_layer = None
-    for suffix in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
-        f = reader.fields.get(f"{arch}.{suffix}")
-        if f is not None and f.types[0] == GGUFValueType.ARRAY:
-            # llama.cpp marks a hybrid's recurrent layers by 0 KV heads, and (Nemotron-H) its layers
-            # without an MLP by a 0 FFN width; other per-layer counts are not read
-            readable = {"attention.head_count_kv": bool(spec.mixer_types), "feed_forward_length": spec.one_sublayer}
-            if not readable.get(suffix) or not isinstance(f.value, list):
-                raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
-            if suffix == "feed_forward_length":
-                ffn_per_layer = f.value
-            else:
-                kv_heads_per_layer = f.value
-    for suffix, key in _GGUF_NAMES.items():
-        spelled[key] = f"{arch}.{suffix}"
-        if meta.get(f"{arch}.{suffix}") is not None:
-            values[key] = meta[f"{arch}.{suffix}"]
-    mtp = gguf_mtp_layers(path, spec, arch, meta)
-    if mtp:  # the main layers only
-        values["num_hidden_layers"] = mtp.start
-    if meta.get(f"{arch}.attention.layer_norm_epsilon") is not None:  # Nemotron-H writes its RMSNorm's so
-        values.setdefault("rms_norm_eps", meta[f"{arch}.attention.layer_norm_epsilon"])
-    values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
-    if kv_heads_per_layer is not None:
-        _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
-    if ffn_per_layer is not None:
-        _gguf_one_sublayer_blocks(path, arch, spec, values, ffn_per_layer)
-    if spec.default_mixer == "attention_mamba2":  # Falcon-H1: Mamba2 beside attention in every layer
-        _gguf_ssm(arch, meta, values, spelled, ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads",
-                                                "mamba_d_head"))
-        values["mamba_conv_bias"] = any(name.endswith(".mamba.conv.bias") for name in weights)
-        # llama.cpp gates Mamba2's output before its norm, and runs no norm where the file has none
-        values["mamba_rms_norm"] = any(name.endswith(".mamba.norm") for name in weights)
-    recurrent = reader.fields.get(f"{arch}.attention.recurrent_layers")
-    if recurrent is not None and "gated_delta_net" in spec.mixer_types.values():
-        _gguf_delta_nets(path, arch, spec, meta, values, spelled, recurrent.value)
-    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
-    rope_dim = meta.get(f"{arch}.rope.dimension_count")
-    if _is_int(rope_dim) and head_dim > 0 and rope_dim != head_dim:  # head_dim 0 is refused by the checks
-        values["partial_rotary_factor"] = rope_dim / head_dim
-        spelled["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
-    values["vocab_size"] = vocab
-    values["tie_word_embeddings"] = "lm_head" not in weights
-    if spec.qk_norm_optional:
-        values["use_qk_norm"] = any(name.endswith(".q_norm") for name in weights)
-    if spec.gguf_nope_every:  # as SmolLM3's config.json spells llama.cpp's rule: 0 = a NoPE layer
-        values["no_rope_layers"] = [int((i + 1) % spec.gguf_nope_every != 0) for i in range(values["num_hidden_layers"])]
-    scaling = _gguf_rope_scaling(path, arch, meta, weights)
-    if scaling is not None:
-        values["rope_scaling"] = {**spec.gguf_rope_scaling, **scaling}
-    spelled["rope_scaling.rope_type"] = f"{arch}.rope.scaling.type"
-    spelled |= {f"rope_scaling.{key}": f"{arch}.rope.scaling.{suffix}" for suffix, key in _GGUF_ROPE_SCALING.items()}
-    pattern = _gguf_sliding_pattern(reader, arch, values["num_hidden_layers"])
-    if pattern is not None:
-        values["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
-    if spec.gguf_wide_query_layers:  # llama.cpp's query scale for Gemma (GGUF has no query_pre_attn_scalar)
-        wide = values["num_hidden_layers"] == spec.gguf_wide_query_layers
-        values["query_pre_attn_scalar"] = values["hidden_size"] / values["num_attention_heads"] if wide else head_dim
-    if values.get("num_experts") and not any(name.endswith(".router") for name in weights):
-        values["num_experts"] = 0  # an expert count written for a model without experts (Nemotron-H's)
-    if values.get("num_experts"):  # llama.cpp: a layer with a router is sparse
-        values["mlp_only_layers"] = [i for i in range(values["num_hidden_layers"])
-                                     if f"layers.{i}.router" not in weights]
-        values["use_expert_bias"] = any(name.endswith(".expert_bias") for name in weights)
-        if spec.one_sublayer:  # Nemotron-H: the blocks with a router are its MoE blocks
-            values["layer_types"] = ["moe" if f"layers.{i}.router" in weights else kind
-                                     for i, kind in enumerate(values.get("layer_types") or [])]
-        gating = meta.get(f"{arch}.expert_gating_func")
-        if gating is not None and _GGUF_GATING.get(gating) != spec.moe_router:
-            raise UnsupportedModelError(f"{path}: '{arch}.expert_gating_func' {gating!r} is not this family's "
-                                        f"{spec.moe_router} routing; vkrt does not run it")
-    eos: list[int] = []
-    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if _is_int(meta.get(k)) and meta[k] not in eos:
-            eos.append(meta[k])
-    values["eos_token_id"] = eos
-    values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
-    return ConfigFields(str(path), values, spelled, norm_offset_stored=True)
-
-
-def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], weights: dict[str, WeightData],
-                           values: dict[str, Any], spelled: dict[str, str], kv_heads: list[Any]) -> None:
-    """A hybrid's layer kinds from its per-layer KV head counts (0: a recurrent layer, as
-    llama.cpp writes them), with the recurrent mixer's settings."""
-    layers = values["num_hidden_layers"]
-    if len(kv_heads) != layers or any(not _is_int(n) or n < 0 for n in kv_heads) or not any(kv_heads):
-        raise ModelFormatError(f"{path}: '{arch}.attention.head_count_kv' must list {layers} counts, some "
-                               "positive (attention layers) and 0 for recurrent ones; the file is corrupt")
-    if len({n for n in kv_heads if n}) != 1:
-        raise UnsupportedModelError(f"{path}: attention layers with different KV head counts are not supported")
-    mixer = next(iter(spec.mixer_types))  # the family's recurrent layer type
-    values["layer_types"] = ["full_attention" if n else mixer for n in kv_heads]
-    values["num_key_value_heads"] = max(kv_heads)
-    values["conv_bias"] = any(name.endswith(".conv.bias") for name in weights)
-    if spec.mixer_types[mixer] == "mamba2":
-        _gguf_mamba(path, arch, meta, values, spelled)
-        return
-    values["conv_L_cache"] = meta.get(f"{arch}.shortconv.l_cache")
-    spelled["conv_L_cache"] = f"{arch}.shortconv.l_cache"
-
-
-def _gguf_one_sublayer_blocks(path: Path, arch: str, spec: ArchSpec, values: dict[str, Any], ffn: list[Any]) -> None:
-    """Nemotron-H's blocks from its per-layer FFN widths (an MLP block where > 0) beside the KV
-    head counts that marked the attention blocks; the rest are Mamba2."""
-    layers, kinds = values["num_hidden_layers"], values.get("layer_types")
-    widths = {n for n in ffn if n}
-    if len(ffn) != layers or any(not _is_int(n) or n < 0 for n in ffn) or len(widths) != 1 or kinds is None:
-        raise ModelFormatError(f"{path}: '{arch}.feed_forward_length' must list {layers} widths, one positive "
-                               "width for the MLP blocks and 0 for the others; the file is corrupt")
-    mlp = next(t for t, m in spec.mixer_types.items() if m == "none")
-    values["layer_types"] = [mlp if n else kind for n, kind in zip(ffn, kinds, strict=True)]
-    values["intermediate_size"] = widths.pop()
-
-
-def _gguf_mamba(path: Path, arch: str, meta: dict[str, Any], values: dict[str, Any], spelled: dict[str, str]) -> None:
-    """Mamba2's settings from the `ssm.*` keys llama.cpp writes (granitehybrid), in Granite 4's
-    config.json names; its hybrids do not rotate positions (llama.cpp's converter marks that by
-    rope.scaling.finetuned false), and a model without experts runs its shared MLP."""
-    _gguf_ssm(arch, meta, values, spelled, ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads",
-                                            "mamba_d_head"))
-    values["mamba_conv_bias"] = values.pop("conv_bias")
-    if meta.get(f"{arch}.rope.scaling.finetuned") is False:
-        values["position_embedding_type"] = "nope"
-    if not values.get("num_experts") and _is_int(values.get("shared_expert_intermediate_size")):
-        values["intermediate_size"] = values.pop("shared_expert_intermediate_size")
-        spelled["intermediate_size"] = f"{arch}.expert_shared_feed_forward_length"
-
-
-def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], values: dict[str, Any],
-                     spelled: dict[str, str], recurrent: Any) -> None:
-    """A delta-net hybrid's layer kinds (`attention.recurrent_layers`) and its heads, from the
-    `ssm.*` keys llama.cpp writes for them."""
-    layers = values["num_hidden_layers"]
-    if not isinstance(recurrent, list) or len(recurrent) != layers:
-        raise ModelFormatError(f"{path}: '{arch}.attention.recurrent_layers' must list {layers} flags; the file is corrupt")
-    mixer = next(t for t, m in spec.mixer_types.items() if m == "gated_delta_net")
-    values["layer_types"] = [mixer if flag else "full_attention" for flag in recurrent]
-    _gguf_ssm(arch, meta, values, spelled, ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
-                                            "linear_num_value_heads", "linear_value_head_dim"))
-    values["linear_v_heads_tiled"] = spec.gguf_v_heads_tiled
-
-
-_SSM_KEYS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank")
-
-
-def _gguf_ssm(arch: str, meta: dict[str, Any], values: dict[str, Any], spelled: dict[str, str],
-              names: tuple[str, str, str, str, str]) -> None:
-    """llama.cpp's `ssm.*` keys (conv taps, state size, groups, heads; inner size / heads is the
-    head dim), which it writes for Mamba2 and delta nets alike, under the family's config names;
-    A = -exp(A_log) is stored (ssm_a)."""
-    for key, suffix in zip(names, _SSM_KEYS, strict=False):
-        values[key] = meta.get(f"{arch}.{suffix}")
-        spelled[key] = f"{arch}.{suffix}"
-    inner, heads = meta.get(f"{arch}.ssm.inner_size"), values[names[3]]
-    values[names[4]] = inner // heads if _is_int(inner) and _is_int(heads) and heads else None
-    spelled[names[4]] = f"{arch}.ssm.inner_size"
-    values["linear_decay_stored"] = True
-
-
-def _gguf_rope_scaling(path: Path, arch: str, meta: dict[str, Any],
-                       weights: dict[str, WeightData]) -> dict[str, Any] | None:
-    """rope_scaling from `rope.scaling.*` (or the pre-2024 `rope.scale_linear`), or Phi-3's
-    longrope, whose factors llama.cpp stores as tensors."""
-    if "rope_factors_long" in weights and "rope_factors_short" in weights:
-        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if not _is_int(orig) or orig <= 0:
-            raise ModelFormatError(f"{path}: rope_factors tensors need '{arch}.rope.scaling.original_context_length'")
-        params: dict[str, Any] = {"rope_type": "longrope", "long_factor": _factors(path, weights, "rope_factors_long"),
-                                  "short_factor": _factors(path, weights, "rope_factors_short"),
-                                  "original_max_position_embeddings": orig}
-        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
-        if isinstance(attn, (int, float)):
-            params["attention_factor"] = float(attn)
-        return params
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind is None and meta.get(f"{arch}.rope.scale_linear") is not None:  # pre-2024 key
-        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scale_linear"])}
-    if kind in (None, "none"):
-        return None
-    scaling = {"rope_type": kind}
-    for suffix, key in _GGUF_ROPE_SCALING.items():
-        if meta.get(f"{arch}.rope.scaling.{suffix}") is not None:
-            scaling[key] = meta[f"{arch}.rope.scaling.{suffix}"]
-    return scaling
-
-
-def _factors(path: Path, weights: dict[str, WeightData], name: str) -> list[float]:
-    w = weights.pop(name)
-    if w.fmt not in ("f32", "f16"):
-        raise ModelFormatError(f"{path}: tensor {name!r} must be F32 or F16, not {w.fmt}")
-    return [float(v) for v in np.asarray(w.data, dtype=np.float64).reshape(-1)]
-
-
-def _gguf_sliding_pattern(reader: GGUFFile, arch: str, num_layers: int) -> list[bool] | None:
-    """Per-layer sliding flags from `attention.sliding_window_pattern` (a period n, every n-th
-    layer global, as llama.cpp reads it; or one bool per layer); None: the file has none (the
-    family's rule applies)."""
-    f = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    if f is None:
-        return None
-    value = f.value
-    if f.types and f.types[0] == GGUFValueType.ARRAY and isinstance(value, list) and len(value) == num_layers:
-        return [bool(v) for v in value]
-    if _is_int(value) and value >= 0:
-        return [value == 0 or i % value < value - 1 for i in range(num_layers)]
-    raise ModelFormatError(f"{arch}.attention.sliding_window_pattern: expected a period or {num_layers} flags")

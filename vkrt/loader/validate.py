@@ -396,7 +396,7 @@ def model_config(source: str, config: ModelConfig, weights: Mapping[str, WeightD
     included, and capped a context beyond 32-bit positions).
 
     Runs before anything loops over layers; per-weight shapes are checked after it
-    (`arch.check_weights`).
+    (`weight_shapes.check_weights`).
     """
     _config(source, config)
     layer_count(source, config.num_layers, weights)

@@ -6,11 +6,11 @@ net of Qwen3.5 / Qwen3-Next, Mamba2; its state in a slot per sequence) or attent
 summed, (post-norm), residual (x scale), norm, gated MLP (or relu2's ungated one) or mixture of
 experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama,
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
-Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, Qwen3-MoE, Mixtral,
-OLMoE and gpt-oss (attention sinks, biased experts, the clamped SwiGLU) differ only in ModelConfig
-(vkrt/loader/normalize.py builds it) and in the weights a file holds: the traits are read from
-there, never from a family name. Written in primitive ops; vkrt.ops.fusion folds them into
-fused kernels.
+Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
+Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and gpt-oss (attention sinks, biased experts,
+the clamped SwiGLU) differ only in ModelConfig
+(vkrt/loader/normalize.py builds it): the traits are read from there, never from a family name.
+Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vkrt.core.tensor import Tensor
 from vkrt.errors import VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
-from vkrt.models.rope import rope_table
+from vkrt.models.rope import query_temperature_table, rope_table
 from vkrt.models.weights import (
     Attention,
     AttentionMamba2,
@@ -62,6 +62,7 @@ class DecoderModel(CausalLM):
         self.activation = ACTIVATIONS[c.hidden_act]  # the loader admits only these
         self.weights = build_weights(loaded, backend)
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
+        self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
         self.scale = c.query_scale or 1.0 / float(np.sqrt(c.head_dim))
 
@@ -75,6 +76,10 @@ class DecoderModel(CausalLM):
         positions = self.kv_positions(num_blocks, block_size, max_len)
         if positions > self._rope_positions:
             self._rope = rope_tables(self.config, positions, self.weights.rope_freqs, self.upload_f32)
+            c = self.config
+            if c.query_temperature_beta:
+                self._query_temperature = self.upload_f32(query_temperature_table(
+                    positions, c.head_dim, c.query_temperature_beta, c.query_temperature_length))
             self._rope_positions = positions
         return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len, state_slots)
 
@@ -129,6 +134,8 @@ class DecoderModel(CausalLM):
         """Attention of the normed input x over layer i's cache (its K/V written first), through o_proj."""
         c = self.config
         q = self.query_and_cache_write(attn, x, step, kv, i)
+        if self._query_temperature is not None:  # after RoPE, as transformers scales them
+            q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         if attn.sinks is None:
             a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,

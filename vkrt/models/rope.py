@@ -55,32 +55,35 @@ def inv_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
 
 
 def _yarn(inv: np.ndarray, rot_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    """YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than beta_slow
-    times over the original context are interpolated (divided by factor), those turning more
-    than beta_fast times kept, with a linear ramp over the dims between; `truncate` (default
-    true) rounds the ramp's ends to whole dims."""
-    factor = float(scaling["factor"])
-    original = float(scaling["original_max_position_embeddings"])
-    fast, slow = float(scaling.get("beta_fast") or 32.0), float(scaling.get("beta_slow") or 1.0)
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by factor), those turning more than beta_fast times kept, a linear ramp
+    over the dims between; the ramp's ends rounded outwards unless `truncate` is false."""
+    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
 
-    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times
-        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times in orig
+        return rot_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = dim_of(fast), dim_of(slow)
+    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rot_dim - 1)
-    if low == high:
-        high += 0.001  # as transformers avoids the singular ramp
-    ramp = np.clip((np.arange(rot_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    keep = 1.0 - ramp  # the share of the original (extrapolated) frequency
-    return inv / factor * (1.0 - keep) + inv * keep
+    ramp = np.clip((np.arange(rot_dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0.0, 1.0)
+    return inv / factor * ramp + inv * (1.0 - ramp)
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor transformers multiplies cos and sin by (longrope's and YaRN's; 1 for the others)."""
-    scaled = (scaling or {}).get("rope_type") in ("longrope", "yarn")
-    return float((scaling or {}).get("attention_factor") or 1.0) if scaled else 1.0
+    """The factor transformers multiplies cos and sin by (longrope's and yarn's; 1 for the others)."""
+    kind = (scaling or {}).get("rope_type")
+    return float((scaling or {}).get("attention_factor") or 1.0) if kind in ("longrope", "yarn") else 1.0
+
+
+def query_temperature_table(positions: int, head_dim: int, beta: float, length: int) -> np.ndarray:
+    """[positions, head_dim] cos | sin table of a rotation by angle 0 and length
+    1 + beta * ln(1 + floor(p / length)) (Ministral 3's llama_4_scaling_beta): `rope` with it
+    multiplies each query by its position's temperature, exactly."""
+    scale = 1.0 + beta * np.log1p(np.floor(np.arange(positions, dtype=np.float64) / length))
+    cos = np.repeat(scale.astype(np.float32)[:, None], head_dim // 2, axis=1)
+    return np.concatenate([cos, np.zeros_like(cos)], axis=1)
 
 
 def rope_table(positions: int, head_dim: int, theta: float, scaling: dict[str, Any] | None,
