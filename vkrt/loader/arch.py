@@ -8,6 +8,7 @@ models read only the traits they produce.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from vkrt.loader.arch_spec import (
@@ -563,19 +564,8 @@ _OLMO2 = ArchSpec(
 )
 
 # OLMo 3: OLMo 2 with sliding-window layers (layer_types; three of every four when it says none).
-_OLMO3 = ArchSpec(
-    name="olmo3",
-    gguf_archs=(),
-    hf_archs=("Olmo3ForCausalLM",),
-    gguf_layer=_OLMO2.gguf_layer,
-    hf_layer=_OLMO2.hf_layer,
-    layer_weights=_OLMO2.layer_weights,
-    qk_norm=True,
-    qk_norm_per_head=False,
-    attention_post_norms=True,
-    sliding_rope_unscaled=True,
-    default_sliding=_every_fourth_full,
-)
+_OLMO3 = replace(_OLMO2, name="olmo3", gguf_archs=(), hf_archs=("Olmo3ForCausalLM",),
+                 default_sliding=_every_fourth_full)
 
 # EXAONE 4: OLMo 2's post-norm layers with per-head QK-norm, sliding layers beside full ones that
 # (when a window is set) do not rotate positions.
