@@ -3,7 +3,7 @@
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
 Phi3ForCausalLM, SmolLM3, Granite, the mixtures of experts Qwen3MoeForCausalLM,
-MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Glm4MoeForCausalLM, and the hybrids), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM, and the hybrids), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
 golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
@@ -50,7 +50,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
                       "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
-                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss")
+                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -58,6 +58,8 @@ CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "
 CONVERT_CONFIG: dict[str, Any] = {
     "GraniteMoeHybrid": lambda cfg: cfg | {"layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}
                                                            .get(t, t) for t in cfg["layer_types"]]},
+    # MiniMax-M2's released configs name the router's sigmoid, which the converter writes as the gating function.
+    "MiniMaxM2": lambda cfg: cfg | {"scoring_func": "sigmoid"},
 }
 # Where a converted GGUF says otherwise than the HF config, llama.cpp runs what the GGUF says: its
 # golden is transformers' forward of the HF fixture (the same weights) with the config overrides
@@ -345,6 +347,12 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                          "then a full layer; 4 experts of 32 (top-2, softmax over the chosen logits, a router "
                          "bias, expert biases), the clamped SwiGLU at its own limit (7; llama.cpp's converter "
                          "cannot write another), weights of std 0.5 so that its clamps bite"),
+        "tiny_minimax_m2": ("MiniMaxM2", dict(BASE, num_hidden_layers=2, tie_word_embeddings=False, eos_token_id=None,
+                                              intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                                              rope_theta=10000.0, rotary_dim=8),
+                            "MiniMax-M2: QK-norm over all of q and all of k, RoPE on the first 8 of each head's 16 "
+                            "dims (rotary_dim, as the released configs spell it); every MLP 8 experts of 16, top-2 by "
+                            "sigmoid score + the score-correction bias, renormalised"),
     }
 
 

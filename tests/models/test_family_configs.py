@@ -621,6 +621,29 @@ def test_glm4_moe_config(tmp_path: Path) -> None:
     _one_line(exc, "shared_expert.gate_proj", "(64, 64)")
 
 
+def test_minimax_m2_config(tmp_path: Path) -> None:
+    """MiniMax-M2: every MLP sparse, sigmoid routing with the score-correction bias (one group, no
+    scaling), weights divided by their sum alone; QK-norm over all heads, RoPE on rotary_dim dims,
+    which released configs give without partial_rotary_factor; the same from llama.cpp's GGUF."""
+    saved = load_model(FIXTURES / "tiny_minimax_m2").config
+    assert [layer.moe for layer in saved.layers] == [True, True]
+    assert (saved.num_experts, saved.num_experts_per_tok, saved.moe_intermediate_size,
+            saved.shared_expert_intermediate_size) == (8, 2, 16, 0)
+    assert (saved.moe_router, saved.expert_bias, saved.moe_groups, saved.router_norm_eps, saved.routed_scaling_factor,
+            saved.norm_topk_prob) == ("sigmoid", True, 1, 0.0, 1.0, True)
+    assert (saved.qkv_bias, saved.qk_norm, saved.qk_norm_per_head, saved.rotary_dim) == (False, True, False, 8)
+    converted = load_model(FIXTURES / "tiny_minimax_m2_gguf" / "model.gguf").config
+    assert dataclasses.replace(converted, name=saved.name, bos_token_id=saved.bos_token_id) == saved
+    d = _copy("tiny_minimax_m2", tmp_path)
+    _edit_config(d, rope_parameters=None, rope_theta=10000.0)  # as released: rotary_dim alone
+    assert load_model(d).config == saved
+    for dims, error in ((7, UnsupportedModelError), (32, ModelFormatError)):
+        _edit_config(d, rotary_dim=dims)
+        with pytest.raises(error) as exc:
+            load_model(d)
+        _one_line(exc, "rotary_dim", str(dims))
+
+
 @pytest.mark.parametrize("name", ["tiny_smollm3", "tiny_granite", "tiny_ernie4_5", "tiny_phi3_partial", "tiny_olmoe"])
 def test_converted_gguf_config_equals_the_hf_one(name: str) -> None:
     """llama.cpp's converter keeps what vkrt computes with (SmolLM3's NoPE layers, a rule llama.cpp

@@ -609,10 +609,29 @@ _MINISTRAL3 = ArchSpec(
     default_sliding=_all_sliding,
 )
 
+# MiniMax-M2: Mixtral's names (block_sparse_moe, w1 / w3 / w2) with OLMoE's QK-norm over all of q and
+# all of k and RoPE on rotary_dim dims of each head; every MLP sparse, experts chosen by sigmoid score
+# plus the score-correction bias, their scores renormalised (by their sum alone, as transformers does).
+_MINIMAX_M2 = ArchSpec(
+    name="minimax_m2",
+    gguf_archs=("minimax-m2",),
+    hf_archs=("MiniMaxM2ForCausalLM",),
+    gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_MOE_GGUF, "exp_probs_b.bias": "expert_bias"},
+    hf_layer={**HF_LAYER, **_QK_NORM_HF, **_MIXTRAL_HF, "block_sparse_moe.e_score_correction_bias": "expert_bias"},
+    layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
+    qk_norm=True,
+    qk_norm_per_head=False,
+    hf_defaults={"use_expert_bias": True},  # transformers always adds the bias (use_routing_bias in its configs)
+    moe_router="sigmoid",
+    router_norm_eps=0.0,
+    norm_topk_prob=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
-                               _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3)
+                               _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3,
+                               _MINIMAX_M2)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:

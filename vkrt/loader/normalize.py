@@ -184,20 +184,25 @@ def _rope_by_layer_type(src: ConfigFields, spec: ArchSpec,
 
 def _rotary_dim(src: ConfigFields, head_dim: int) -> int:
     """Dims of each head that RoPE rotates: head_dim times `partial_rotary_factor` (top level
-    or in the rope parameters), as transformers computes it; 0 when every dim rotates."""
+    or in the rope parameters), as transformers computes it, else MiniMax-M2's `rotary_dim`; 0 when
+    every dim rotates."""
     params = src.get("rope_parameters")
-    factor = src.get("partial_rotary_factor")
+    key, factor = "partial_rotary_factor", src.get("partial_rotary_factor")
     if factor is None and isinstance(params, dict):
         inner = params.get("full_attention", params)
         factor = inner.get("partial_rotary_factor") if isinstance(inner, dict) else None
+    if factor is None and src.get("rotary_dim") is not None:
+        key, dims = "rotary_dim", src.get("rotary_dim")
+        factor = dims / head_dim if is_int(dims) and head_dim > 0 else dims
     if factor is None or factor == 1.0:
         return 0
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ModelFormatError(f"{src.source}: {src.name('partial_rotary_factor')} is {factor!r}, but it must "
-                               "be a number in (0, 1]; the model's config is corrupt")
+        bound = f"a count of dims from 2 to head_dim ({head_dim})" if key == "rotary_dim" else "a number in (0, 1]"
+        raise ModelFormatError(f"{src.source}: {src.name(key)} is {src.get(key, factor)!r}, but it must "
+                               f"be {bound}; the model's config is corrupt")
     rotary = int(head_dim * factor)
     if rotary < 2 or rotary % 2:
-        raise UnsupportedModelError(f"{src.source}: {src.name('partial_rotary_factor')} {factor} rotates "
+        raise UnsupportedModelError(f"{src.source}: {src.name(key)} {src.get(key, factor)} rotates "
                                     f"{rotary} of {head_dim} dims per head; RoPE needs an even number")
     return 0 if rotary == head_dim else rotary
 
