@@ -31,7 +31,7 @@ from vkrt.models.weights import Experts
 
 # *_gguf: the HF fixture through llama.cpp's converter (tiny_qwen3_moe_gguf: the gguf package's writer)
 MOE = ["tiny_qwen3_moe", "tiny_qwen3_moe_gguf", "tiny_mixtral", "tiny_mixtral_gguf", "tiny_olmoe", "tiny_olmoe_gguf",
-       "tiny_qwen2_moe"]
+       "tiny_qwen2_moe", "tiny_minimax_m2", "tiny_minimax_m2_gguf"]
 LOGIT_ATOL = 2e-4
 MAX_LEN = 64
 
@@ -130,9 +130,11 @@ def test_engine_concurrent_greedy_requests_equal_the_goldens(device: str, reques
 # with the SwiGLU gate (moe_matmul_gated), down, combine, residual add; before the gate was
 # folded into the expert matmul it was 8 (21, 26, 24, 38 were 22, 28, 26, 40). Qwen2-MoE's
 # shared expert adds three: its gate|up with SwiGLU, its down, its gate logit (the combine
-# takes the shared term: moe_combine_shared).
+# takes the shared term: moe_combine_shared). MiniMax-M2 counts as OLMoE (QK-norm over all of q
+# and of k): its sigmoid router with the bias is one routing dispatch, as the softmax one is.
 DECODE_DISPATCHES = {"tiny_qwen3_moe": 21, "tiny_qwen3_moe_gguf": 26, "tiny_mixtral": 24, "tiny_mixtral_gguf": 24,
-                     "tiny_olmoe": 38, "tiny_olmoe_gguf": 38, "tiny_qwen2_moe": 32}
+                     "tiny_olmoe": 38, "tiny_olmoe_gguf": 38, "tiny_qwen2_moe": 32, "tiny_minimax_m2": 38,
+                     "tiny_minimax_m2_gguf": 38}
 
 
 @pytest.mark.parametrize("name", MOE)
