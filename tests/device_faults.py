@@ -11,7 +11,7 @@ import pytest
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.batch import VK_ERROR_DEVICE_LOST, VK_ERROR_OUT_OF_DEVICE_MEMORY
 
-__all__ = ["VK_ERROR_DEVICE_LOST", "VK_ERROR_OUT_OF_DEVICE_MEMORY", "FailingLib", "inject"]
+__all__ = ["VK_ERROR_DEVICE_LOST", "VK_ERROR_OUT_OF_DEVICE_MEMORY", "FailingLib", "inject", "refuse_allocation"]
 
 
 class FailingLib:
@@ -49,3 +49,22 @@ def inject(monkeypatch: pytest.MonkeyPatch, backend: Backend, call: str, result:
     hook = FailingLib(batch.lib, call, result, nth, every)
     monkeypatch.setattr(batch, "lib", hook)
     return hook
+
+
+
+def refuse_allocation(monkeypatch: pytest.MonkeyPatch, backend: Backend, nth: int) -> list[int]:
+    """Make the Vulkan `backend`'s `nth` activation allocation from now fail as a full device's
+    does (the memory manager's own refusal), in the middle of recording a step. Returns the
+    sizes asked for so far."""
+    memory = backend.memory  # type: ignore[attr-defined]
+    alloc, asked = memory.alloc, []
+
+    def refusing(size: int, purpose: str) -> Any:
+        if purpose == "activations":
+            asked.append(size)
+            if len(asked) == nth:
+                memory._refuse(size, purpose)
+        return alloc(size, purpose)
+
+    monkeypatch.setattr(memory, "alloc", refusing)
+    return asked

@@ -12,7 +12,12 @@ import pytest
 from engine_fakes import FakeLM, FaultyLM, byte_tokenizer
 
 from tests.conftest import FIXTURES
-from tests.device_faults import VK_ERROR_DEVICE_LOST, VK_ERROR_OUT_OF_DEVICE_MEMORY, inject
+from tests.device_faults import (
+    VK_ERROR_DEVICE_LOST,
+    VK_ERROR_OUT_OF_DEVICE_MEMORY,
+    inject,
+    refuse_allocation,
+)
 from vkrt.backend.base import Backend
 from vkrt.engine import LLM, SamplingParams
 from vkrt.errors import DeviceLostError, OutOfDeviceMemory
@@ -87,6 +92,20 @@ def test_vulkan_out_of_memory_in_a_submit_fails_the_request_and_the_next_one_is_
     assert llm.generate([case["input_ids"]], _params(case))[0].token_ids == case["greedy_ids"]
     blocks = llm.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_vulkan_allocation_refused_mid_prefill_discards_the_step(
+        tiny_llama: tuple[LLM, dict], vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill runs eagerly: the refusal comes with part of its forward recorded into the open
+    batch, which must not run with the next step (it would write K/V into blocks given to others)."""
+    llm, case = tiny_llama
+    asked = refuse_allocation(monkeypatch, vk_default, nth=5)
+    failed = llm.generate([case["input_ids"]], _params(case))[0]
+    assert len(asked) >= 5 and failed.finish_reason == "error" and failed.token_ids == []
+    assert "cannot allocate" in failed.outputs[0].error and "for activations" in failed.outputs[0].error
+    batch = vk_default.batch  # type: ignore[attr-defined]
+    assert batch.recorded == 0 and not batch.recording  # the partial forward was dropped, not left open
+    assert llm.generate([case["input_ids"]], _params(case))[0].token_ids == case["greedy_ids"]
 
 
 @pytest.mark.parametrize("call", ["vkQueueSubmit", "vkWaitForFences"])
