@@ -291,8 +291,9 @@ class EngineCore:
             self.device_lost = exc
             return self._fail(list(self.scheduler.requests.values()), exc)
         except OutOfDeviceMemory as exc:
-            # The step was refused before any of it ran (runner.execute discarded what it had
-            # recorded), so the engine is consistent: its requests end, the others go on.
+            # runner.execute discarded what the step had recorded; what ran of it wrote only its
+            # own requests' blocks and state, released now, so the engine is consistent: its
+            # requests end, the others go on.
             log.error("a step of %d requests ran out of device memory (%s); ending them", len(scheduled.scheduled), exc)
             return self._fail([s.request for s in scheduled.scheduled], exc)
         self.block_manager.commit_state_snapshots()
