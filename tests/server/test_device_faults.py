@@ -71,6 +71,7 @@ def test_out_of_memory_fails_the_request_and_the_server_goes_on() -> None:
         assert client.get("/health").status_code == 200
         ok = client.post("/v1/completions", json=BODY)
         assert ok.json()["choices"][0]["finish_reason"] == "length"
+        assert "vkrt_out_of_memory_steps_total 1.0" in client.get("/metrics").text
     engine.shutdown()
 
 

@@ -48,6 +48,7 @@ class EngineMetrics:
     num_cached_state_snapshots: int = 0  # of which hold the state after a cached prefix
     steps: int = 0
     nonfinite_logits: int = 0  # requests ended because their logits held NaN or Inf
+    out_of_memory_steps: int = 0  # steps the device refused for lack of memory
     device: str = ""  # the device the model runs on, as its backend names it ("" before the load)
     backend: str = ""
     device_memory_bytes: int = 0  # the device's memory (its largest device-local heap; 0: unknown)
@@ -317,6 +318,7 @@ class AsyncLLM:
             num_cached_state_snapshots=blocks.snapshots.num_cached if blocks.snapshots is not None else 0,
             steps=totals.steps,
             nonfinite_logits=totals.nonfinite_logits,
+            out_of_memory_steps=totals.out_of_memory_steps,
             device=self._device[0],
             backend=self._device[1],
             device_memory_bytes=self._device[2],

@@ -76,6 +76,7 @@ class EngineTotals:
     decode_counters_max: dict[str, int] = field(default_factory=dict)  # worst pure-decode step
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's proposals and acceptances
     nonfinite_logits: int = 0  # requests ended because their logits held NaN or Inf
+    out_of_memory_steps: int = 0  # steps the device refused for lack of memory (their requests ended)
 
     def decode_counters_per_step(self) -> dict[str, float]:
         return {k: v / self.decode_steps for k, v in self.decode_counters.items()} if self.decode_steps else {}
@@ -295,6 +296,7 @@ class EngineCore:
             # own requests' blocks and state, released now, so the engine is consistent: its
             # requests end, the others go on.
             log.error("a step of %d requests ran out of device memory (%s); ending them", len(scheduled.scheduled), exc)
+            self.totals.out_of_memory_steps += 1
             return self._fail([s.request for s in scheduled.scheduled], exc)
         self.block_manager.commit_state_snapshots()
         now = time.monotonic()
