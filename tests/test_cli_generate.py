@@ -155,3 +155,27 @@ def test_bad_kv_events_config_is_a_usage_error() -> None:
     result = _run("serve", "--kv-events-config", '{"enable_kv_cache_events": true, "port": 5557}')
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "unknown key(s) port; known: buffer_steps, enable_kv_cache_events, endpoint" in result.stderr
+
+
+@pytest.mark.parametrize("error", ["lost", "oom"])
+def test_a_device_fault_ends_generate_in_one_line(error: str, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The device fails in the second step (the fault hook: the runner raises the backend's typed error)."""
+    from vkrt.cli import main
+    from vkrt.engine.runner import ModelRunner
+    from vkrt.errors import DeviceLostError, OutOfDeviceMemory
+
+    fault = (DeviceLostError("vkQueueSubmit returned VK_ERROR_DEVICE_LOST: restart vkrt") if error == "lost"
+             else OutOfDeviceMemory("vkQueueSubmit ran out of device memory (VkResult -2)"))
+    execute, steps = ModelRunner.execute, []
+
+    def failing(self: ModelRunner, *args: object, **kwargs: object) -> object:
+        steps.append(1)
+        if len(steps) == 2:
+            raise fault
+        return execute(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModelRunner, "execute", failing)
+    code = main(["generate", "hi", "-n", "4", "--model", str(smollm2_path), "--device", "reference"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vkrt: error:")]
+    assert code == 1 and errors == [f"vkrt: error: {fault}"]

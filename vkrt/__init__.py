@@ -1,6 +1,7 @@
 """vkrt: a Vulkan-first LLM inference runtime."""
 
 from vkrt.errors import (
+    DeviceLostError,
     ModelFormatError,
     OutOfDeviceMemory,
     RequestError,
@@ -11,6 +12,7 @@ from vkrt.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeviceLostError",
     "ModelFormatError",
     "OutOfDeviceMemory",
     "RequestError",

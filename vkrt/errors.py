@@ -28,6 +28,11 @@ class OutOfDeviceMemory(VkrtError):
         self.purpose = purpose
 
 
+class DeviceLostError(VkrtError):
+    """The device stopped executing work (VK_ERROR_DEVICE_LOST: a driver reset, a hang, a GPU
+    fallen off the bus). Nothing on it can be trusted or run again: restart the process."""
+
+
 class RequestError(VkrtError):
     """A generation request is invalid (bad parameter, prompt too long, ...).
 

@@ -105,3 +105,19 @@ class PoisonedLM(FakeLM):
         ids, rows = self.backend.read(step.token_ids), self.backend.read(step.logits_index)
         logits[ids[rows] == self.poison, 7] = self.value
         return self.backend.upload(logits, "f32")
+
+
+class FaultyLM(FakeLM):
+    """FakeLM whose `nth` forward (1-based) raises `error` before touching the KV cache: a step
+    the device refused (out of memory) or could not run (lost). `every`: that forward and all later."""
+
+    def __init__(self, error: Exception, nth: int, every: bool = False) -> None:
+        super().__init__()
+        self.error, self.nth, self.every = error, nth, every
+        self.forwards = 0
+
+    def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
+        self.forwards += 1
+        if self.forwards == self.nth or (self.every and self.forwards > self.nth):
+            raise self.error
+        return super().forward(step, kv)

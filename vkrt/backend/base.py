@@ -184,6 +184,10 @@ class Backend(ABC):
         """Submit pending work and wait for it."""
         self.run_sync_hooks()
 
+    def discard(self) -> None:  # noqa: B027 (an optional hook: nothing is queued by default)
+        """Drop work recorded but not yet submitted: the step it belonged to failed (its
+        results are not wanted), and the next step must not run it."""
+
     # Backends that can record a step once and re-submit it (see VulkanBackend.capture).
     supports_replay: bool = False
 

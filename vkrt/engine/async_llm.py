@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ class EngineMetrics:
     num_cached_state_snapshots: int = 0  # of which hold the state after a cached prefix
     steps: int = 0
     nonfinite_logits: int = 0  # requests ended because their logits held NaN or Inf
+    out_of_memory_steps: int = 0  # steps the device refused for lack of memory
     device: str = ""  # the device the model runs on, as its backend names it ("" before the load)
     backend: str = ""
     device_memory_bytes: int = 0  # the device's memory (its largest device-local heap; 0: unknown)
@@ -82,6 +83,9 @@ class AsyncLLM:
                  tokenizer: Tokenizer | None = None, load_in_background: bool = False, **kwargs: Any) -> None:
         self.config = make_config(config, **kwargs)
         self.load_error: BaseException | None = None
+        # The device was lost mid-run: every request ended with it, and this engine serves no more.
+        self.device_error: BaseException | None = None
+        self._fatal_listeners: list[Callable[[BaseException], None]] = []
         self._engine: EngineCore | None = None
         self._shut_down = False
         self._streams: dict[str, _Stream] = {}
@@ -103,8 +107,12 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        """Loaded and usable (a failed load is never ready)."""
-        return self._ready.is_set() and self.load_error is None
+        """Loaded and usable (a failed load or a lost device is never ready)."""
+        return self._ready.is_set() and self.load_error is None and self.device_error is None
+
+    def add_fatal_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call `listener(error)`, on the engine thread, once the device is lost (the server stops then)."""
+        self._fatal_listeners.append(listener)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loaded (True) or the timeout passes; re-raises a load failure."""
@@ -259,6 +267,10 @@ class AsyncLLM:
             for stream, output in streams:
                 if stream is not None:
                     stream.put(output)
+            if engine.device_lost is not None and self.device_error is None:
+                self.device_error = engine.device_lost
+                for listener in self._fatal_listeners:
+                    listener(engine.device_lost)
         self._fail_all(VkrtError("the engine was shut down"))
         engine.close()
         # Drop the engine (and with it the model's weights and KV cache) now rather than when
@@ -306,6 +318,7 @@ class AsyncLLM:
             num_cached_state_snapshots=blocks.snapshots.num_cached if blocks.snapshots is not None else 0,
             steps=totals.steps,
             nonfinite_logits=totals.nonfinite_logits,
+            out_of_memory_steps=totals.out_of_memory_steps,
             device=self._device[0],
             backend=self._device[1],
             device_memory_bytes=self._device[2],

@@ -24,7 +24,7 @@ from vkrt.engine.runner import ModelRunner, StepResult, StepStats, build_forward
 from vkrt.engine.sampler import Sampler, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
 from vkrt.engine.speculative import SpecStats, backoff_after, ngram_proposal
-from vkrt.errors import NoTokenizerError, VkrtError
+from vkrt.errors import DeviceLostError, NoTokenizerError, OutOfDeviceMemory, VkrtError
 from vkrt.models.base import CausalLM
 from vkrt.ops.sampling import NONFINITE
 from vkrt.tokenizer import Tokenizer
@@ -76,6 +76,7 @@ class EngineTotals:
     decode_counters_max: dict[str, int] = field(default_factory=dict)  # worst pure-decode step
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's proposals and acceptances
     nonfinite_logits: int = 0  # requests ended because their logits held NaN or Inf
+    out_of_memory_steps: int = 0  # steps the device refused for lack of memory (their requests ended)
 
     def decode_counters_per_step(self) -> dict[str, float]:
         return {k: v / self.decode_steps for k, v in self.decode_counters.items()} if self.decode_steps else {}
@@ -149,6 +150,9 @@ class EngineCore:
                                           seed=config.seed)
         self.totals = EngineTotals()
         self.stats_listeners: list[StatsListener] = []
+        # Set once a step met VK_ERROR_DEVICE_LOST: nothing can run any more, so every request
+        # (running, waiting or added later) ends with it; the process has to be restarted.
+        self.device_lost: DeviceLostError | None = None
         log.info("KV cache: %s blocks x %d tokens (%d MiB), max_model_len %d",
                  " + ".join(f"{n} ({len(g.layers)} layers, window {g.window or 'full'})"
                             for n, g in zip(num_blocks, groups, strict=True)),
@@ -264,6 +268,8 @@ class EngineCore:
         """Run one batched forward; an output for every request that got a token (for a
         FINAL_ONLY request, only once it finishes). A verify step (speculative decoding) may
         give a request several tokens."""
+        if self.device_lost is not None:
+            return self._fail(list(self.scheduler.requests.values()), self.device_lost)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self._publish_kv_events()
@@ -279,7 +285,19 @@ class EngineCore:
         sampling = None if layout.prompt_rows else sample_inputs(row_requests, len(batch.logits_index))
         # A hybrid's prefix caching: states restored from snapshots and snapshots taken this step.
         copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens) for s in scheduled.scheduled)
-        result = self.runner.execute(batch, sampling, masks, copies)
+        try:
+            result = self.runner.execute(batch, sampling, masks, copies)
+        except DeviceLostError as exc:
+            log.critical("%s; ending every request, and this engine can run nothing more", exc)
+            self.device_lost = exc
+            return self._fail(list(self.scheduler.requests.values()), exc)
+        except OutOfDeviceMemory as exc:
+            # runner.execute discarded what the step had recorded; what ran of it wrote only its
+            # own requests' blocks and state, released now, so the engine is consistent: its
+            # requests end, the others go on.
+            log.error("a step of %d requests ran out of device memory (%s); ending them", len(scheduled.scheduled), exc)
+            self.totals.out_of_memory_steps += 1
+            return self._fail([s.request for s in scheduled.scheduled], exc)
         self.block_manager.commit_state_snapshots()
         now = time.monotonic()
         for s in scheduled.scheduled:  # proposals count as computed once they are accepted
@@ -394,6 +412,21 @@ class EngineCore:
             if k > 0:
                 request.spec_token_ids = ngram_proposal(request.all_token_ids, k, spec.prompt_lookup_max,
                                                         spec.prompt_lookup_min)
+
+    def _fail(self, requests: list[Request], exc: VkrtError) -> list[RequestOutput]:
+        """End `requests` with finish_reason "error" and `exc` as the reason: their step failed
+        on the device. Their blocks go back, and none the step did not fill stays in the prefix cache."""
+        outputs: list[RequestOutput] = []
+        for request in requests:
+            request.error = str(exc)
+            self.block_manager.forget_uncomputed(request)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            output = self.outputs.make_output(request)
+            if output is not None:
+                outputs.append(output)
+            self.outputs.remove(request.request_id)
+        self._publish_kv_events()
+        return outputs
 
     def _nonfinite(self, request: Request) -> RequestStatus:
         """End a request whose logits hold NaN or Inf (a corrupt weight, an overflow): any token

@@ -199,19 +199,31 @@ class BlockManager:
         self._release(reversed(released))
         return len(released)
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """Take the request's blocks past its computed tokens out of the prefix cache: they were
+        published when allocated, and the step that was to fill them failed."""
+        blocks = self._req_blocks.get(request.request_id, [])
+        for block_id in blocks[request.num_computed_tokens // self.block_size:]:
+            if block_id != NULL_BLOCK:
+                self._unpublish(block_id)
+
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
-        old_hash = self._block_hash[block_id]
-        if old_hash is not None:  # evict: the block is about to hold other tokens
-            if self._cached.get(old_hash) == block_id:
-                del self._cached[old_hash]
-                if self.on_evict is not None:
-                    self.on_evict(old_hash)
-                if self.events is not None:
-                    self.events.removed(old_hash)
-            self._block_hash[block_id] = None
+        self._unpublish(block_id)  # evict: the block is about to hold other tokens
         self._ref_counts[block_id] = 1
         return block_id
+
+    def _unpublish(self, block_id: int) -> None:
+        old_hash = self._block_hash[block_id]
+        if old_hash is None:
+            return
+        if self._cached.get(old_hash) == block_id:
+            del self._cached[old_hash]
+            if self.on_evict is not None:
+                self.on_evict(old_hash)
+            if self.events is not None:
+                self.events.removed(old_hash)
+        self._block_hash[block_id] = None
 
     def _cache_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:
         start = self._req_num_hashed.get(request.request_id, 0)

@@ -243,6 +243,11 @@ class KVCacheManager:
         """Every group releases the request's blocks past its first `num_tokens` positions."""
         return sum(m.trim(request, num_tokens) for m in self.managers)
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """After a failed step: no prefix-cache hit may reach the blocks it did not fill."""
+        for m in self.managers:
+            m.forget_uncomputed(request)
+
     def free(self, request: Request) -> None:
         for m in self.managers:
             m.free(request)

@@ -17,7 +17,7 @@ from vkrt.engine.request import Request
 from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
 from vkrt.engine.scheduler import SchedulerOutput
 from vkrt.engine.state_snapshots import StateCopies
-from vkrt.errors import NotReplayable
+from vkrt.errors import DeviceLostError, NotReplayable, OutOfDeviceMemory
 from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.ops.sampling import ALL_ALLOWED, mask_words
 
@@ -162,23 +162,15 @@ class ModelRunner:
         rows = int(batch.logits_index.shape[0])
         if sampling is not None and sampling.uniforms.shape != (rows,):
             raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
-        graph = None if copies else self._graph_for(batch)
-        if graph is not None:
-            result = graph.run(batch, sampling, masks)
-        else:
-            host_masks = None if masks is None else masks()
-            step = StepTensors.upload(self.backend, batch)
-            copies = copies or StateCopies()
-            self._copy_states(copies.restore)
-            logits = self.model.forward(step, self.kv)
-            self._copy_states(copies.snapshot)
-            if sampling is not None:
-                mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
-                ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
-                                       self.backend.upload(sampling.uniforms, "f32"), mask)
-                result = StepResult(token_ids=self.backend.read(ids).reshape(rows))
+        try:
+            graph = None if copies else self._graph_for(batch)
+            if graph is not None:
+                result = graph.run(batch, sampling, masks)
             else:
-                result = StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1))
+                result = self._run_eagerly(batch, sampling, masks, copies or StateCopies())
+        except (OutOfDeviceMemory, DeviceLostError):
+            self.backend.discard()  # what the failed step recorded must not run with the next one
+            raise
         self.last_step = StepStats(
             num_seqs=batch.num_seqs,
             num_tokens=batch.num_tokens,
@@ -188,6 +180,21 @@ class ModelRunner:
             replayed=graph is not None,
         )
         return result
+
+    def _run_eagerly(self, batch: ForwardBatch, sampling: SampleInputs | None, masks: MaskSource | None,
+                     copies: StateCopies) -> StepResult:
+        rows = int(batch.logits_index.shape[0])
+        host_masks = None if masks is None else masks()
+        step = StepTensors.upload(self.backend, batch)
+        self._copy_states(copies.restore)
+        logits = self.model.forward(step, self.kv)
+        self._copy_states(copies.snapshot)
+        if sampling is None:
+            return StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1))
+        mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
+        ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
+                               self.backend.upload(sampling.uniforms, "f32"), mask)
+        return StepResult(token_ids=self.backend.read(ids).reshape(rows))
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slot src to dst in every recurrent layer's tensors, for each (src, dst)."""

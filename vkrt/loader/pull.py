@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,11 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 _HOW_TO_GET_A_MODEL = "pass --model PATH to a .gguf file or a Hugging Face model directory instead"
 _MODEL_FILE_SUFFIXES = (".gguf", ".json", ".safetensors")
+# Beside each cached GGUF: "<sha256> <size> <mtime_ns>" as of the last time its digest matched,
+# so a use hashes the file again only when it changed.
+_VERIFIED_SUFFIX = ".verified"
+# A pull's temporary directory in which nothing changed for this long was left by a killed pull.
+_STALE_PULL_SECONDS = 3600
 
 
 def model_cache_dir() -> Path:
@@ -108,8 +114,50 @@ def find_model(name: str) -> Path | None:
     model = _known(name)
     cached = model_cache_dir() / model.filename
     if cached.is_file():  # only ever created complete and verified (os.replace of a checked file)
-        return cached
+        return _verified(model, cached)
     return _installed_gguf(model)
+
+
+def _stamp(model: KnownModel, path: Path) -> str:
+    st = path.stat()
+    return f"{model.sha256} {st.st_size} {st.st_mtime_ns}"
+
+
+def _verified(model: KnownModel, path: Path) -> Path:
+    """`path`, once its size and sha256 are the model's (the digest only when the file changed
+    since it last matched); VkrtError naming the command that fetches it again otherwise."""
+    record = path.with_name(path.name + _VERIFIED_SUFFIX)
+    try:
+        if record.read_text(encoding="ascii") == _stamp(model, path):
+            return path
+    except (OSError, UnicodeDecodeError):
+        pass
+    size = path.stat().st_size
+    found = f"{size} bytes, expected {model.size}" if size != model.size else ""
+    if not found:
+        log.info("verifying %s", path)
+        digest = _file_sha256(path)
+        found = f"sha256 {digest}, expected {model.sha256}" if digest != model.sha256 else ""
+    if found:
+        raise VkrtError(f"the cached {model.name} at {path} has {found}: it was damaged or changed after it was "
+                        f"pulled, so vkrt will not use it; run `vkrt pull {model.name}` to fetch it again")
+    _write_record(model, path)
+    return path
+
+
+def _write_record(model: KnownModel, path: Path) -> None:
+    try:
+        path.with_name(path.name + _VERIFIED_SUFFIX).write_text(_stamp(model, path), encoding="ascii")
+    except OSError:  # a read-only cache: the file is hashed again on its next use
+        pass
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def find_default_model() -> Path | None:
@@ -224,20 +272,40 @@ def _assemble(model: KnownModel, dest: Path, progress: bool) -> None:
                 f"it was not kept. Retry `vkrt pull {model.name}`, or {_HOW_TO_GET_A_MODEL}"
             )
         os.replace(assembled, dest)
+    _write_record(model, dest)
+
+
+def _remove_stale_pulls(cache: Path) -> None:
+    """Delete the temporary directories of pulls that were killed (a signal, a power cut) before
+    they could clean up; one that changed recently may be another pull's, still running."""
+    for tmp in cache.glob(".pull-*"):
+        entries = [tmp, *tmp.rglob("*")]
+        try:
+            newest = max(p.stat().st_mtime for p in entries)
+        except OSError:  # it went away meanwhile
+            continue
+        if time.time() - newest > _STALE_PULL_SECONDS:
+            log.info("removing %s, left by an interrupted pull", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     """Make model `name` available in the model cache and return its GGUF path (cached after the first call).
 
     The GGUF is assembled in a temporary directory inside the cache and moved into place
-    only after its sha256 matches, so a partial or corrupt download never looks complete.
+    only after its sha256 matches, so a partial or corrupt download never looks complete. A
+    cached file that no longer matches is fetched again.
     """
     model = _known(name)
     dest = model_cache_dir() / model.filename
     if dest.is_file():
-        return dest
+        try:
+            return _verified(model, dest)
+        except VkrtError as exc:
+            log.warning("%s; fetching it again", exc)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_pulls(dest.parent)
         _check_free_space(model, dest.parent)
         _assemble(model, dest, progress)
     except OSError as exc:  # an unwritable or full cache: say where, not a traceback
@@ -291,4 +359,12 @@ class ModelListing:
 
 def list_models() -> list[ModelListing]:
     """Every pullable model, with where it is cached if it is."""
-    return [ModelListing(m.name, m.size, m.description, find_model(m.name)) for m in KNOWN_MODELS.values()]
+    return [ModelListing(m.name, m.size, m.description, _usable(m.name)) for m in KNOWN_MODELS.values()]
+
+
+def _usable(name: str) -> Path | None:
+    try:
+        return find_model(name)
+    except VkrtError as exc:  # damaged: listed as not pulled, since `vkrt pull` is what fixes it
+        log.warning("%s", exc)
+        return None

@@ -23,17 +23,18 @@ def load_engine(config: ServerConfig) -> AsyncLLM:
 
 def serve(config: ServerConfig) -> None:
     """Listen on config.host:config.port at once and load the model in the background;
-    returns when the server stops. Raises the load error if the model cannot be loaded."""
+    returns when the server stops. Raises the error that stopped it if the model cannot be
+    loaded or its device was lost (then the process exits non-zero, for a supervisor to restart)."""
     import uvicorn
 
     config.validate()
     failure: list[BaseException] = []
 
-    def stop_on_load_error(exc: BaseException) -> None:
+    def stop(exc: BaseException) -> None:
         failure.append(exc)
         server.should_exit = True
 
-    app = build_app(None, config, loader=lambda: load_engine(config), on_load_error=stop_on_load_error)
+    app = build_app(None, config, loader=lambda: load_engine(config), on_fatal=stop)
     server = uvicorn.Server(uvicorn_config(app, config, host=config.host, port=config.port,
                                            log_level=config.uvicorn_log_level))
     log.info("serving %s on http://%s:%d", config.model_name(), config.host, config.port)

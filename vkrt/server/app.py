@@ -50,15 +50,16 @@ _POST = (*_COMMON, 400, 404, 408, 413, 503)
 
 
 def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: EngineLoader | None = None,
-              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`, or over the engine `loader` builds in the
-    background once the server is up (GET /health answers 503 until it is ready)."""
+    background once the server is up (GET /health answers 503 until it is ready).
+    `on_fatal(error)` is called when the engine cannot serve: its load failed, or its device was lost."""
     state = ServerState(config, engine)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.ensure_future(_load(state, loader, on_load_error)) if loader is not None else None
+        task = asyncio.ensure_future(_load(state, loader, on_fatal)) if loader is not None else None
         try:
             yield
         finally:
@@ -221,6 +222,9 @@ async def _load(state: ServerState, loader: EngineLoader,
             on_error(exc)
         return
     state.engine = engine
+    add_fatal_listener = getattr(engine, "add_fatal_listener", None)  # AsyncLLM has one; test doubles may not
+    if on_error is not None and add_fatal_listener is not None:
+        add_fatal_listener(on_error)
     try:
         await _warm_up(engine)
     except Exception as exc:

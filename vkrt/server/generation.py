@@ -73,6 +73,9 @@ class ServerState:
 
     def require_engine(self) -> EngineClient:
         if self.engine is None or not self.ready:
+            lost = getattr(self.engine, "device_error", None)
+            if lost is not None:
+                raise APIError(503, f"the device failed: {lost}", code="device_lost")
             error = self.load_error or getattr(self.engine, "load_error", None)
             detail = f"the model failed to load: {error}" if error else "the model is still loading"
             raise APIError(503, f"{detail}; retry when GET /health answers 200", code="model_not_ready")

@@ -67,6 +67,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("vkrt_engine_steps", "Engine steps run.", value=stats.steps)
         yield CounterMetricFamily("vkrt_nonfinite_logits", "Requests ended with finish_reason error because their "
                                   "logits held NaN or Inf.", value=stats.nonfinite_logits)
+        yield CounterMetricFamily("vkrt_out_of_memory_steps", "Engine steps the device refused for lack of memory; "
+                                  "their requests ended with finish_reason error.", value=stats.out_of_memory_steps)
         # Counted as each step generates them, so a rate moves while a long request streams
         # (vkrt_generation_tokens_total counts a request's tokens when it finishes).
         yield CounterMetricFamily("vkrt_engine_generation_tokens", "Tokens generated, counted at every engine step.",

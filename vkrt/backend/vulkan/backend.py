@@ -278,6 +278,9 @@ class VulkanBackend(Backend):
         self.run_sync_hooks()
         self.batch.flush()
 
+    def discard(self) -> None:
+        self.batch.discard()
+
     # -- dispatch --------------------------------------------------------------------
     def run_shader(self, module: str, bindings: list[tuple[Tensor, str, bool]],
                    groups: tuple[int, int, int], push: tuple[str, tuple] | None = None,

@@ -19,7 +19,7 @@ from typing import Any
 from vkrt.backend.base import Counters
 from vkrt.backend.vulkan.memory import Allocation
 from vkrt.backend.vulkan.profile import COPY_LABEL, Profiler, QueryTimeline
-from vkrt.errors import NotReplayable, VkrtError
+from vkrt.errors import DeviceLostError, NotReplayable, OutOfDeviceMemory, VkrtError
 
 UINT64_MAX = 0xFFFFFFFFFFFFFFFF
 # Fence waits block without limit (a step may legitimately take long on a CPU device); tests
@@ -28,6 +28,28 @@ FENCE_TIMEOUT_NS = UINT64_MAX
 # Memory freed while a batch is open is recycled only after it completes; past this many
 # bytes the batch is submitted early so a long prefill cannot exhaust the device.
 DEFERRED_FREE_CAP = 256 << 20
+# The VkResult codes a running step can meet (the Vulkan spec's values).
+VK_TIMEOUT = 2
+VK_ERROR_OUT_OF_HOST_MEMORY = -1
+VK_ERROR_OUT_OF_DEVICE_MEMORY = -2
+VK_ERROR_DEVICE_LOST = -4
+
+
+def check_result(result: int, call: str) -> None:
+    """Raise the typed error for `call`'s failed VkResult: DeviceLostError (unrecoverable),
+    OutOfDeviceMemory (the work was refused; the device still runs), VkrtError otherwise."""
+    if result == 0:
+        return
+    if result == VK_ERROR_DEVICE_LOST:
+        raise DeviceLostError(f"{call} returned VK_ERROR_DEVICE_LOST: the device stopped running work (a driver "
+                              "reset or a hang); restart vkrt, and see the system log if it happens again")
+    if result in (VK_ERROR_OUT_OF_DEVICE_MEMORY, VK_ERROR_OUT_OF_HOST_MEMORY):
+        memory = "device" if result == VK_ERROR_OUT_OF_DEVICE_MEMORY else "host"
+        raise OutOfDeviceMemory(f"{call} ran out of {memory} memory (VkResult {result}); lower --max-num-seqs "
+                                "or --kv-cache-memory, or free memory other processes hold", purpose=call)
+    if result == VK_TIMEOUT:
+        raise VkrtError(f"{call} timed out: the submitted work did not complete")
+    raise VkrtError(f"{call} failed with VkResult {result}")
 
 
 @dataclass(eq=False)
@@ -280,8 +302,8 @@ class CommandBatch:
         submit = self.ffi.new("VkSubmitInfo*", {"sType": self.vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
                                                 "commandBufferCount": 1, "pCommandBuffers": cmd_array})
         gate, self._gate = self._gate, None
-        if gate is not None and lib.vkSetEvent(self.device, gate[0]) != 0:  # set: replays without host work pass
-            raise VkrtError("vkSetEvent failed on a recorded step's event")
+        if gate is not None:  # set: replays without host work pass
+            check_result(lib.vkSetEvent(self.device, gate[0]), "vkSetEvent")
         recorded = RecordedCommands(self.cmd, cmd_array, submit,
                                     self.counters.dispatches - self._capture_start[0],
                                     self.counters.barriers - self._capture_start[1], timeline,
@@ -315,8 +337,8 @@ class CommandBatch:
             self.submit_and_wait(recorded.submit, recorded.timeline)
             return
         lib, gate = self.lib, recorded.gate
-        if gate is not None and lib.vkResetEvent(self.device, gate[0]) != 0:
-            raise VkrtError("vkResetEvent failed on a recorded step's event")
+        if gate is not None:
+            check_result(lib.vkResetEvent(self.device, gate[0]), "vkResetEvent")
         self._queue_submit(recorded.submit)
         self.counters.host_overlaps += 1
         self.in_flight = recorded
@@ -324,8 +346,8 @@ class CommandBatch:
             during()
         finally:
             self.in_flight = None
-            if gate is not None and lib.vkSetEvent(self.device, gate[0]) != 0:
-                raise VkrtError("vkSetEvent failed: the submitted step cannot complete (device lost?)")
+            if gate is not None:  # without it the submitted step cannot complete
+                check_result(lib.vkSetEvent(self.device, gate[0]), "vkSetEvent")
             self._wait(recorded.timeline)
 
     def free_recorded(self, recorded: RecordedCommands) -> None:
@@ -356,9 +378,28 @@ class CommandBatch:
         lib.vkEndCommandBuffer(self.cmd)
         self.recording = False
         if self.recorded:
-            self.submit_and_wait(self._submit, self._timeline)
+            try:
+                self.submit_and_wait(self._submit, self._timeline)
+            except OutOfDeviceMemory:
+                self._reset_open()  # refused, so nothing of it is pending: the next batch starts clean
+                raise
+        self._reset_open()
+
+    def discard(self) -> None:
+        """Drop the open batch unsubmitted (a step failed; its results are not wanted), so the
+        next step records into a clean command buffer. Every submit is waited for, so nothing
+        is pending on the device and the frees deferred under the batch can be released."""
+        if self.capturing or self.in_flight is not None:
+            return  # a capture ends itself (VulkanBackend.capture); a replay always waits
+        if self.recording:
+            self.lib.vkEndCommandBuffer(self.cmd)
+            self.recording = False
+        self._reset_open()
+
+    def _reset_open(self) -> None:
+        """Make the open command buffer empty again and release what waited on its completion."""
         self.recorded = 0
-        lib.vkResetCommandBuffer(self.cmd, 0)
+        self.lib.vkResetCommandBuffer(self.cmd, 0)
         self.referenced.clear()
         self._written.clear()
         self._read.clear()
@@ -375,9 +416,7 @@ class CommandBatch:
         self._wait(timeline)
 
     def _queue_submit(self, submit_info: Any) -> None:
-        result = self.lib.vkQueueSubmit(self.queue, 1, submit_info, self.fence)
-        if result != 0:
-            raise RuntimeError(f"vkQueueSubmit failed with VkResult {result}")
+        check_result(self.lib.vkQueueSubmit(self.queue, 1, submit_info, self.fence), "vkQueueSubmit")
         self.counters.submits += 1
 
     def _wait(self, timeline: QueryTimeline | None) -> None:
@@ -387,8 +426,7 @@ class CommandBatch:
         result = lib.vkWaitForFences(self.device, 1, self._fence_array, 1, FENCE_TIMEOUT_NS)
         self.counters.wait_us += (time.perf_counter_ns() - waited) // 1000
         self.counters.fence_waits += 1
-        if result != 0:  # the work may still be pending: the fence is not reset under it
-            raise RuntimeError(f"vkWaitForFences failed with VkResult {result} (2: timeout; device lost?)")
+        check_result(result, "vkWaitForFences")  # on failure the work may be pending: the fence stays set
         lib.vkResetFences(self.device, 1, self._fence_array)
         if timeline is not None:
             # The fence has signalled, so the queries are available: no waiting here.
