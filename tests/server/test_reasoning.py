@@ -14,7 +14,13 @@ import openai
 import pytest
 
 from tests.server.live_model import LiveModel, live_model
-from vkrt.server.reasoning import THINK, ReasoningSplitter, split_reasoning, starts_inside, template_tags
+from vkrt.server.reasoning import (
+    THINK,
+    ReasoningSplitter,
+    split_reasoning,
+    starts_inside,
+    template_tags,
+)
 
 THOUGHT = "<think>\nfirst 2, then 2 more</think>\n\nThe answer is 4."
 

@@ -28,10 +28,10 @@ from vkrt.server.config import ServerConfig
 from vkrt.server.engine_client import EngineClient
 from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
+from vkrt.server.markers import keep_markers, special_ids
 from vkrt.server.middleware import request_id_of
 from vkrt.server.prompts import chat_prompt, check_request_text
 from vkrt.server.protocol import ChatCompletionRequest
-from vkrt.server.markers import keep_markers, special_ids
 from vkrt.server.reasoning import (
     TAGS_BY_PARSER,
     THINK,
@@ -133,7 +133,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     if tools:
         parser = "harmony" if speaks_harmony else pick_parser(template, state.config.tool_call_parser)
     special = {} if speaks_harmony else special_ids(engine.tokenizer, _markers(tags, parser))
-    if tools and forced:
+    if tools and forced and parser is not None:
         body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits(), special)
     template_kwargs = body.chat_template_kwargs
     if body.reasoning_effort is not None:

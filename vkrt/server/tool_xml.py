@@ -30,7 +30,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from vkrt.engine.guided import JSON_WHITESPACE
@@ -53,7 +53,7 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTA
 _PYTHON_WORDS = {"True": True, "False": False, "None": None}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _patterns(syntax: XmlSyntax) -> tuple[re.Pattern[str], re.Pattern[str]]:
     """(a whole call: its name and body, the head of a call: its name) in `syntax`."""
     opener, closer = re.escape(syntax.opener), re.escape(syntax.closer)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from vkrt.engine.guided import JSON_WHITESPACE, GuidedDecoding
