@@ -17,7 +17,8 @@ import pytest
 from tests.conftest import FIXTURES
 from tests.server.conftest import Live
 from tests.server.fake_engine import FakeEngine
-from tests.server.test_api import sse_events
+from tests.server.test_harmony import _stream
+from tests.server.test_tool_xml import _accepts
 from vkrt.engine.guided import GrammarCompiler
 from vkrt.server.chat import ChoiceStream, OutputReading
 from vkrt.server.generation import Update
@@ -110,14 +111,6 @@ def test_edges_whole_and_streamed(text: str, reasoning: str | None, content: str
         assert [(c["name"], c["arguments"]) for c in got_calls] == (calls or [])
 
 
-def _accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar: Any, text: str) -> bool:
-    guide = compiler.compile(grammar)
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        if not guide.advance(token):
-            return False
-    return bool(guide._matcher.is_accepting())
-
-
 def test_forcing_grammar_accepts_the_template_syntax(smollm2_path: Path) -> None:
     """Over a vocabulary that spells the tags as text the grammar's sentences are the
     template's own calls, but for a list or mapping, which it holds to JSON (valid for the
@@ -162,22 +155,6 @@ def _seed_engine(script: str) -> FakeEngine:
     engine = FakeEngine(max_model_len=4096, script=script)
     engine.tokenizer.chat_template = TEMPLATE
     return engine
-
-
-def _stream(live: Live, body: dict[str, Any]) -> tuple[str, str, dict[int, dict[str, str]], str | None]:
-    """(reasoning, content, calls by index, finish_reason) of a streamed chat completion."""
-    reasoning, content, calls, finish = "", "", {}, None
-    for event in sse_events(live.client.post("/v1/chat/completions", json={**body, "stream": True})):
-        [choice] = event["choices"]
-        delta = choice["delta"]
-        reasoning += delta.get("reasoning_content") or ""
-        content += delta.get("content") or ""
-        for call in delta.get("tool_calls") or []:
-            entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
-            entry["name"] += call["function"].get("name", "")
-            entry["arguments"] += call["function"].get("arguments") or ""
-        finish = choice["finish_reason"] or finish
-    return reasoning, content, calls, finish
 
 
 def test_chat_tool_call_whole_and_streamed(serve_fake: Callable[..., Live]) -> None:
