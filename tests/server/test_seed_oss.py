@@ -243,3 +243,16 @@ def test_messages_api_blocks(serve_fake: Callable[..., Live]) -> None:
         assert reply.content[0].thinking == REASONING
         assert reply.content[1].name == "get_weather" and reply.content[1].input == {"city": "Paris", "days": 2}
         assert reply.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize(("raw", "value"), [
+    ("['c', 'f']", ["c", "f"]), ("{'wind': True, 'rain': None}", {"wind": True, "rain": None}),
+    ('["c"]', ["c"]), ("(1, 2)", "(1, 2)"), ("{1, 2}", "{1, 2}"), ("{'a': {1}}", "{'a': {1}}"),
+    ("b'x'", "b'x'"), ("1+2j", "1+2j"), ("__import__('os')", "__import__('os')"), ("[" * 5000, "[" * 5000),
+])
+def test_python_spelled_values(raw: str, value: Any) -> None:
+    """A list or mapping in Python's spelling reads as JSON would; anything with no JSON form
+    (a tuple, a set, bytes, a complex, code, nesting too deep) stays the text the model wrote."""
+    text = f"<seed:tool_call>\n<function=f>\n<parameter=v>{raw}</parameter>\n</function>\n</seed:tool_call>"
+    [call] = READING.split(text, None)[2] or []
+    assert json.loads(call.arguments) == {"v": value}

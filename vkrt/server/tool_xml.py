@@ -86,10 +86,11 @@ def _value(text: str, schema: Any) -> Any:
         return _PYTHON_WORDS[text]
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # a model may write "[[[[..." deeper than json's stack
         try:  # Seed's template writes a mapping or a list with Python's str: {'a': 1}
             value = ast.literal_eval(text)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            json.dumps(value)  # a set or bytes inside has no JSON
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return text
         if not isinstance(value, (dict, list, int, float)):
             return text
