@@ -100,15 +100,25 @@ MISTRAL_TOOL_TURN = [
     {"role": "user", "content": "Thanks"},
 ]
 # Qwen3.5 writes each argument as its own <parameter=...> block: strings bare, the rest as JSON.
+TYPED_CALLS = [
+    {"type": "function", "function": {"name": "get_weather",
+                                      "arguments": {"city": "Paris", "days": 3, "units": ["c", "f"],
+                                                    "opts": {"wind": True}}}},
+    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}}]
 QWEN3_5_TYPED_ARGS = [
     {"role": "user", "content": "Weather in Paris, three days?"},
-    {"role": "assistant", "content": "Let me look.", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather",
-                                          "arguments": {"city": "Paris", "days": 3, "units": ["c", "f"],
-                                                        "opts": {"wind": True}}}},
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}}]},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": TYPED_CALLS},
     {"role": "tool", "content": "{\"temp\": 21}"},
     {"role": "tool", "content": "{\"temp\": 19}"},
+]
+# Seed-OSS: the same calls after a thought holding a thinking-budget reflection, as the model writes it.
+SEED_OSS_TYPED_ARGS = [
+    QWEN3_5_TYPED_ARGS[0],
+    {"role": "assistant", "content": "Let me look.",
+     "reasoning_content": "Two cities.\n<seed:cot_budget_reflect>I have used 4 tokens, and there are 508 tokens "
+                          "remaining for use.</seed:cot_budget_reflect>\nParis first.",
+     "tool_calls": TYPED_CALLS},
+    *QWEN3_5_TYPED_ARGS[2:],
 ]
 # LFM2 has no tool_calls field in its template: the call is the assistant's content, pythonic.
 LFM2_TOOL_TURN = [
@@ -199,6 +209,7 @@ CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("seed_oss_multi", "seed_oss", None, "<seed:eos>", [SYSTEM, *MULTI], True, {}),
     ("seed_oss_budget", "seed_oss", None, "<seed:eos>", [USER], True, {"thinking_budget": 512}),
     ("seed_oss_tools", "seed_oss", None, "<seed:eos>", TOOL_TURN, True, {"tools": TOOLS}),
+    ("seed_oss_tool_args_typed", "seed_oss", None, "<seed:eos>", SEED_OSS_TYPED_ARGS, True, {"tools": TOOLS}),
 ]
 # Conversations a template must refuse (raise_exception), recorded with transformers' message.
 CHAT_ERRORS: list[tuple[str, str, list]] = [

@@ -465,8 +465,9 @@ def register(sub: Any) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool-call syntax (default: picked from its chat template)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
-                   help="split reasoning into reasoning_content: auto (by the chat template: <think> tags "
-                        "or harmony), think (<think> tags always), harmony (gpt-oss's channels), none (never)")
+                   help="split reasoning into reasoning_content: auto (by the chat template: <think> or "
+                        "<seed:think> tags, or harmony), think (<think> tags always), seed_oss (<seed:think> "
+                        "tags always), harmony (gpt-oss's channels), none (never)")
     p.add_argument("--json-max-digits", type=int, default=ServerConfig.json_max_digits, metavar="N",
                    help="digits an integer may have in schema-constrained JSON and forced tool calls when the "
                         "schema sets no minimum/maximum (a number's fraction: at most 10); 0: unbounded")

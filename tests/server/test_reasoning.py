@@ -14,7 +14,13 @@ import openai
 import pytest
 
 from tests.server.live_model import LiveModel, live_model
-from vkrt.server.reasoning import ReasoningSplitter, split_reasoning, starts_inside, template_thinks
+from vkrt.server.reasoning import (
+    THINK,
+    ReasoningSplitter,
+    split_reasoning,
+    starts_inside,
+    template_tags,
+)
 
 THOUGHT = "<think>\nfirst 2, then 2 more</think>\n\nThe answer is 4."
 
@@ -37,7 +43,7 @@ def test_split_whole_and_streamed(text: str, inside: bool, reasoning: str | None
 
 
 def test_template_and_prompt_detection() -> None:
-    assert template_thinks("{{ '<think>\\n' }}...{{ '</think>' }}") and not template_thinks("{{ messages }}")
+    assert template_tags("{{ '<think>\\n' }}...{{ '</think>' }}") == THINK and template_tags("{{ messages }}") is None
     assert starts_inside("<|im_start|>assistant\n<think>\n") and not starts_inside("<|im_start|>assistant\n")
 
 

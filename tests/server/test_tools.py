@@ -269,7 +269,10 @@ PARIS = {"city": "Paris", "unit": "celsius"}
 JSON_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
             "celsius\n</parameter>\n</function>\n</tool_call>")
-PARSERS = ["hermes", "qwen3_xml", "mistral", "llama3_json"]
+# Seed-OSS's framing: its tags are special tokens of the fake vocabulary, as the grammar must know.
+SEED_CALL = ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=unit>"
+             "celsius</parameter>\n</function>\n</seed:tool_call>")
+PARSERS = ["hermes", "qwen3_xml", "seed_oss", "mistral", "llama3_json"]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -277,8 +280,8 @@ def _calls(parser: str, n: int) -> str:
     """n calls of get_weather(Paris, celsius) in `parser`'s syntax, as a model writes them."""
     if parser == "hermes":
         return "\n".join([f"<tool_call>\n{JSON_CALL}\n</tool_call>"] * n)
-    if parser == "qwen3_xml":
-        return "\n".join([XML_CALL] * n)
+    if parser in ("qwen3_xml", "seed_oss"):
+        return "\n".join([XML_CALL if parser == "qwen3_xml" else SEED_CALL] * n)
     if parser == "mistral":
         return "[TOOL_CALLS][" + ",".join([JSON_CALL] * n) + "]"
     return ";".join([JSON_CALL.replace('"arguments"', '"parameters"')] * n)

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vkrt.errors import RequestError
-from vkrt.server import harmony
+from vkrt.server import harmony, tool_xml
 from vkrt.server.choices import (
     CandidateSet,
     merged_updates,
@@ -28,10 +28,19 @@ from vkrt.server.config import ServerConfig
 from vkrt.server.engine_client import EngineClient
 from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
+from vkrt.server.markers import keep_markers, special_ids
 from vkrt.server.middleware import request_id_of
 from vkrt.server.prompts import chat_prompt, check_request_text
 from vkrt.server.protocol import ChatCompletionRequest
-from vkrt.server.reasoning import ReasoningSplitter, split_reasoning, starts_inside, template_thinks
+from vkrt.server.reasoning import (
+    TAGS_BY_PARSER,
+    THINK,
+    ReasoningSplitter,
+    ThinkTags,
+    split_reasoning,
+    starts_inside,
+    template_tags,
+)
 from vkrt.server.responses import (
     check_model,
     combined_usage,
@@ -59,7 +68,7 @@ from vkrt.tokenizer import Tokenizer
 class OutputReading:
     """How one request's output is read: the tool-call parser (None: no tools offered), whether
     several calls may be answered, the reasoning split (None: off; else whether the output starts
-    inside a thought), and whether it is harmony, whose channels give all three
+    inside a thought) and its tags, and whether it is harmony, whose channels give all three
     (vkrt/server/harmony.py), with the header of a message its prompt left open."""
 
     parser: str | None
@@ -67,6 +76,7 @@ class OutputReading:
     inside: bool | None
     harmony: bool = False
     harmony_opened: str | None = None
+    tags: ThinkTags = THINK
 
     def split(self, text: str, tools: list[dict[str, Any]] | None) -> tuple[str | None, str, list[ToolCall] | None]:
         """(reasoning, content, the calls or None when it answers none) of a whole output."""
@@ -76,7 +86,8 @@ class OutputReading:
             if self.parser is not None:
                 calls = [ToolCall(name, arguments) for name, arguments in named]
         else:
-            reasoning, content = split_reasoning(text, self.inside) if self.inside is not None else (None, text)
+            reasoning, content = (split_reasoning(text, self.inside, self.tags) if self.inside is not None
+                                  else (None, text))
             if self.parser is not None:
                 before, calls = parse_tool_calls(content, self.parser, tools)
                 content = before if calls else content
@@ -115,34 +126,41 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     parser = None
     template = engine.tokenizer.chat_template if engine.tokenizer else None
     speaks_harmony = _reads_harmony(state.config, template)
+    mode = state.config.reasoning_parser
+    tags = TAGS_BY_PARSER.get(mode) or (template_tags(template) if mode == "auto" else None)
     # A named tool_choice is exactly one call, whatever parallel_tool_calls says.
     parallel = several_calls(forced, body.parallel_tool_calls)
     if tools:
         parser = "harmony" if speaks_harmony else pick_parser(template, state.config.tool_call_parser)
-        if forced:
-            body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits())
+    special = {} if speaks_harmony else special_ids(engine.tokenizer, _markers(tags, parser))
+    if tools and forced and parser is not None:
+        body._tool_grammar = forcing_grammar(tools, forced, parser, parallel, state.config.max_digits(), special)
     template_kwargs = body.chat_template_kwargs
     if body.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
                                              body.continue_final_message, template_kwargs, state.config, tools)
     params = sampling_params(body, state.config.max_digits())
-    if speaks_harmony:
-        params = harmony.sampling_params(params, engine.tokenizer)
+    params = harmony.sampling_params(params, engine.tokenizer) if speaks_harmony else keep_markers(params, special)
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
     except RequestError as exc:
         raise field_error(exc, body, "messages") from exc
     candidates = start_candidates(state, response_id, opened, arrival)
     log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
-    mode = state.config.reasoning_parser
     if speaks_harmony:
         inside = None if mode == "none" else False  # the analysis channel is the thought
         reading = OutputReading(parser, parallel, inside, True, harmony.open_header(prompt))
     else:
-        thinks = mode == "think" or (mode == "auto" and template_thinks(template))
-        reading = OutputReading(parser, parallel, starts_inside(prompt) if thinks else None)
+        inside = starts_inside(prompt, tags) if tags is not None else None
+        reading = OutputReading(parser, parallel, inside, tags=tags or THINK)
     return StartedChat(engine, candidates, reading)
+
+
+def _markers(tags: ThinkTags | None, parser: str | None) -> list[str]:
+    """The tags the output is read by: its thought's, and its tool calls' where they are XML."""
+    syntax = tool_xml.SYNTAXES.get(parser or "")
+    return ([tags.open, tags.close] if tags else []) + ([syntax.opener, syntax.closer] if syntax else [])
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -191,7 +209,8 @@ class ChoiceStream:
         self.tokenizer = tokenizer
         self.reading = reading
         self.harmony = harmony.HarmonyParser(reading.harmony_opened) if reading.harmony else None
-        self.splitter = (ReasoningSplitter(reading.inside) if reading.inside is not None and not reading.harmony
+        self.splitter = (ReasoningSplitter(reading.inside, reading.tags)
+                         if reading.inside is not None and not reading.harmony
                          else None)
         self.calls = (ToolCallStream(reading.parser, reading.parallel, tools)
                       if reading.parser is not None and not reading.harmony else None)

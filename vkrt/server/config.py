@@ -17,8 +17,8 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/live", "/version"})
 
 
 # The syntaxes vkrt/server/tools.py parses (named here so the config does not import the server).
-TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "llama3_json", "mistral", "harmony")
-REASONING_PARSERS = ("auto", "think", "harmony", "none")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "seed_oss", "llama3_json", "mistral", "harmony")
+REASONING_PARSERS = ("auto", "think", "seed_oss", "harmony", "none")
 
 
 @dataclass
@@ -57,7 +57,8 @@ class ServerConfig:
     chat_template_timeout: float = 2.0  # seconds one chat-template rendering may take
     escape_special_tokens: bool = False  # message content tokenised as text, never as control tokens
     tool_call_parser: str | None = None  # None: picked from the chat template (server/tools.py)
-    # reasoning_content: auto (by template), think (<think> tags), harmony (gpt-oss channels), none
+    # reasoning_content: auto (by template), think (<think> tags), seed_oss (<seed:think> tags),
+    # harmony (gpt-oss channels), none
     reasoning_parser: str = "auto"
     # Digits an integer (or a number's integer part) may have under a JSON-schema constraint
     # or a forced tool call when the schema sets no bounds (--json-max-digits; 0: unbounded).

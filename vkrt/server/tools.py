@@ -4,9 +4,9 @@
 Each parser knows one model family's call syntax: "hermes" (Hermes, Qwen 2.5/3:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), "llama3_json" (Llama 3.x:
 a bare `{"name": ..., "parameters": {...}}`), "mistral" (`[TOOL_CALLS][{"name": ...,
-"arguments": {...}}]`), and "qwen3_xml" (Qwen3.5, Qwen3-Coder: an XML block per argument,
-vkrt/server/tool_xml.py). gpt-oss's "harmony" calls are messages on a channel, read with the rest
-of its output by vkrt/server/harmony.py. The forcing grammar writes the same syntax, so a
+"arguments": {...}}]`), "qwen3_xml" (Qwen3.5, Qwen3-Coder) and "seed_oss" (Seed-OSS): an XML
+block per argument (vkrt/server/tool_xml.py). gpt-oss's "harmony" calls are messages on a
+channel, read with the rest of its output by vkrt/server/harmony.py. The forcing grammar writes the same syntax, so a
 forced call always parses.
 A call's `arguments` is the model's own JSON text of the arguments value (not re-encoded), so
 the argument fragments streamed as they are generated join to exactly the non-streamed text.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,17 +119,20 @@ def several_calls(forced: str | None, parallel: bool) -> bool:
 
 
 def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, parallel: bool,
-                    max_digits: int | None = DEFAULT_MAX_DIGITS) -> GuidedDecoding:
+                    max_digits: int | None = DEFAULT_MAX_DIGITS,
+                    special_ids: Mapping[str, int] | None = None) -> GuidedDecoding:
     """A Lark grammar whose sentences are one call (or, with `parallel` and any function
     forced, several) of the forced function(s), in `parser`'s syntax, with arguments valid for
     their schema, strictly (`arguments_schema`). The grammar ends with the call: a single call
     completes it, so the engine stops there; after each of several calls the model may end its
-    turn (EOS) or call again. A harmony call ends the turn (`<|call|>`), so it is always one."""
+    turn (EOS) or call again. A harmony call ends the turn (`<|call|>`), so it is always one.
+    `special_ids` names the XML syntaxes' call tags that are special tokens of the vocabulary."""
     parallel = several_calls(forced, parallel)
     if parser == "harmony":
         return GuidedDecoding("grammar", harmony.forcing_grammar(tools, forced, max_digits))
-    if parser == "qwen3_xml":
-        return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel, max_digits))
+    if parser in tool_xml.SYNTAXES:
+        return GuidedDecoding("grammar", tool_xml.forcing_grammar(tools, forced, parallel, max_digits,
+                                                                  tool_xml.SYNTAXES[parser], special_ids))
     key = "parameters" if parser == "llama3_json" else "arguments"
     call = "call: %json " + json.dumps(_call_schema(tools, forced, key, max_digits))
     if parser == "hermes":
@@ -148,6 +152,8 @@ def pick_parser(chat_template: str | None, override: str | None) -> str:
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if tool_xml.SYNTAXES["seed_oss"].opener in template:  # it writes <function= too
+        return "seed_oss"
     if "<function=" in template:  # inside <tool_call>: checked before hermes
         return "qwen3_xml"
     if "<tool_call>" in template:
@@ -159,8 +165,9 @@ def pick_parser(chat_template: str | None, override: str | None) -> str:
 
 def call_opener(parser: str) -> str:
     """The text that starts a tool call in `parser`'s syntax (streamed content stops there)."""
-    return {"hermes": "<tool_call>", "qwen3_xml": tool_xml.OPENER, "mistral": "[TOOL_CALLS]",
-            "llama3_json": "{"}[parser]
+    if parser in tool_xml.SYNTAXES:
+        return tool_xml.SYNTAXES[parser].opener
+    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
 
 
 def _call(obj: Any, raw: str, arguments_key: str) -> ToolCall | None:
@@ -176,10 +183,10 @@ def _call(obj: Any, raw: str, arguments_key: str) -> ToolCall | None:
 def parse_tool_calls(text: str, parser: str,
                      tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
     """(content before the calls, the calls); no calls when the text holds none that parse.
-    `tools` types qwen3_xml's bare values (the JSON syntaxes carry their own types)."""
+    `tools` types the XML syntaxes' bare values (the JSON syntaxes carry their own types)."""
     decoder = json.JSONDecoder()
-    if parser == "qwen3_xml":
-        content, named = tool_xml.parse(text, tools)
+    if parser in tool_xml.SYNTAXES:
+        content, named = tool_xml.parse(text, tools, tool_xml.SYNTAXES[parser])
         return content, [ToolCall(name, arguments) for name, arguments in named]
     if parser == "hermes":
         calls = []
@@ -411,7 +418,7 @@ class ToolCallStream:
     def __init__(self, parser: str, parallel: bool, tools: list[dict[str, Any]] | None = None) -> None:
         self.parser = parser
         self.parallel = parallel
-        self.tools = tools  # types qwen3_xml's values
+        self.tools = tools  # types the XML syntaxes' values
         self.text = ""
         self.content_sent = 0
         self.ids: list[str] = []  # the calls announced so far
@@ -437,8 +444,8 @@ class ToolCallStream:
 
     def _written(self) -> list[tuple[str | None, str]]:
         """Each call written so far: its name (None until complete) and its arguments so far."""
-        if self.parser == "qwen3_xml":
-            return list(tool_xml.written(self.text, self.tools))
+        if self.parser in tool_xml.SYNTAXES:
+            return list(tool_xml.written(self.text, self.tools, tool_xml.SYNTAXES[self.parser]))
         return [(span.name, "" if span.arguments_start is None else self.text[span.arguments_start:span.arguments_end])
                 for span in call_spans(self.text, self.parser)]
 
