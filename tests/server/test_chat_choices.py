@@ -131,6 +131,16 @@ def test_a_call_parsed_whole_keeps_the_models_argument_text() -> None:
     assert call.arguments == '{"x":1,\n  "y": [true]}'
 
 
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>"),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": ' + "[" * 100_000),
+    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 100_000),
+])
+def test_json_nested_deeper_than_the_decoder_goes_is_text_not_a_crash(parser: str, text: str) -> None:
+    """A model that writes "[[[[..." past json's recursion limit gets its text back, no calls."""
+    assert parse_tool_calls(text, parser) == (text, [])
+
+
 def test_without_calls_the_stream_is_all_content() -> None:
     stream = ToolCallStream("hermes", parallel=True)
     sent = [stream.feed(p, final=False) for p in ("Hi <tool", "_ca", "t> there")]

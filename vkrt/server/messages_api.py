@@ -36,7 +36,7 @@ from vkrt.server.messages_stream import message_events, sse_error, stop_of, tool
 from vkrt.server.prompts import chat_prompt, check_request_text
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.responses import check_model, event_stream, new_response_id
-from vkrt.server.tools import check_tools
+from vkrt.server.tools import UNDECODABLE, check_tools
 
 _ERRORS = (400, 401, 404, 408, 413, 431, 500, 503)
 
@@ -186,7 +186,7 @@ def _message_id(response_id: str) -> str:
 def _tool_input(arguments: str) -> dict[str, Any] | None:
     try:
         value = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
+    except UNDECODABLE:
         return None
     return value if isinstance(value, dict) else None
 

@@ -26,6 +26,9 @@ from vkrt.engine.json_bounds import DEFAULT_MAX_DIGITS, bound_numbers, close_obj
 from vkrt.server import harmony, tool_xml
 from vkrt.server.errors import APIError, shown
 
+# What decoding a model's JSON may raise: malformed text, or nesting deeper than json's stack ("[[[[...").
+UNDECODABLE = (json.JSONDecodeError, RecursionError)
+
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
@@ -193,7 +196,7 @@ def parse_tool_calls(text: str, parser: str,
         for match in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
             try:
                 call = _call(json.loads(match.group(1)), match.group(1), "arguments")
-            except json.JSONDecodeError:
+            except UNDECODABLE:
                 call = None
             if call is not None:
                 calls.append(call)
@@ -206,7 +209,7 @@ def parse_tool_calls(text: str, parser: str,
         rest = text[cut + len("[TOOL_CALLS]"):].lstrip()
         try:
             items, _ = decoder.raw_decode(rest)
-        except json.JSONDecodeError:
+        except UNDECODABLE:
             return text, []
         if not isinstance(items, list):
             items, raws = [items], [rest]
@@ -220,7 +223,7 @@ def parse_tool_calls(text: str, parser: str,
     while rest:
         try:
             obj, end = decoder.raw_decode(rest)
-        except json.JSONDecodeError:
+        except UNDECODABLE:
             return text, []
         call = _call(obj, rest[:end], "parameters")
         if call is None:
@@ -492,7 +495,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                     try:
                         function = {**function, "arguments": json.loads(function["arguments"])}
-                    except json.JSONDecodeError:
+                    except UNDECODABLE:
                         pass
                     call = {**call, "function": function}
                 decoded.append(call)
