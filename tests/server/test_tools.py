@@ -412,3 +412,23 @@ def test_forced_integer_ends_at_16_digits(serve_fake: Any, parser: str) -> None:
     assert Forecast.model_validate_json(_forced_arguments(serve_fake, parser, script)).days == int("1" * 16)
     unbounded = _forced_arguments(serve_fake, parser, script, json_max_digits=0)
     assert Forecast.model_validate_json(unbounded).days == int(ones)
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+def test_call_tags_that_are_special_tokens_stay_in_the_text(serve_fake: Any, parser: str, stream: bool) -> None:
+    """The fake's <tool_call>, </tool_call> and [TOOL_CALLS] are special tokens: decoded with
+    special tokens skipped (the request default) the reply would hold bare JSON and no call.
+    The request keeps them, so an unforced call is read, and a forced one names them by id."""
+    from tests.server.fake_engine import SPECIALS, FakeEngine
+
+    live = serve_fake(FakeEngine(max_model_len=2048, script=_calls(parser, 1) + "<eos>"), tool_call_parser=parser)
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    assert _ask(client, stream) == ([("get_weather", PARIS)], "tool_calls")
+    assert not live.engine.requests[0][2].skip_special_tokens
+    assert _ask(client, stream, tool_choice=NAMED) == ([("get_weather", PARIS)], "tool_calls")
+    grammar = live.engine.requests[1][2].guided_decoding
+    tags = ["<tool_call>", "</tool_call>"] if parser == "hermes" else ["[TOOL_CALLS]"]
+    ids = {text: i for i, text in SPECIALS.items()}
+    assert grammar is not None and all(f"<[{ids[tag]}]>" in grammar.spec and tag not in grammar.spec for tag in tags)

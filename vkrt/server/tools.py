@@ -129,7 +129,7 @@ def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, paral
     their schema, strictly (`arguments_schema`). The grammar ends with the call: a single call
     completes it, so the engine stops there; after each of several calls the model may end its
     turn (EOS) or call again. A harmony call ends the turn (`<|call|>`), so it is always one.
-    `special_ids` names the XML syntaxes' call tags that are special tokens of the vocabulary."""
+    `special_ids` names the call tags (`call_tags`) that are special tokens of the vocabulary."""
     parallel = several_calls(forced, parallel)
     if parser == "harmony":
         return GuidedDecoding("grammar", harmony.forcing_grammar(tools, forced, max_digits))
@@ -138,11 +138,17 @@ def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, paral
                                                                   tool_xml.SYNTAXES[parser], special_ids))
     key = "parameters" if parser == "llama3_json" else "arguments"
     call = "call: %json " + json.dumps(_call_schema(tools, forced, key, max_digits))
+    ids = special_ids or {}
+
+    def tag(marker: str) -> str:  # a special token is named by its id, never spelled as text
+        return f"<[{ids[marker]}]>" if marker in ids else json.dumps(marker)
+
     if parser == "hermes":
         start = 'start: one ("\\n" one)*' if parallel else "start: one"
-        lines = [start, 'one: "<tool_call>\\n" call "\\n</tool_call>"']
+        lines = [start, f'one: {tag("<tool_call>")} "\\n" call "\\n" {tag("</tool_call>")}']
     elif parser == "mistral":
-        lines = ['start: "[TOOL_CALLS][" call ("," call)* "]"' if parallel else 'start: "[TOOL_CALLS][" call "]"']
+        items = 'call ("," call)*' if parallel else "call"
+        lines = [f'start: {tag("[TOOL_CALLS]")} "[" {items} "]"']
     else:
         lines = ['start: call (";" call)*' if parallel else "start: call"]
     return GuidedDecoding("grammar", "\n".join([*lines, call]))
@@ -164,6 +170,14 @@ def pick_parser(chat_template: str | None, override: str | None) -> str:
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3_json"
     return "hermes"
+
+
+def call_tags(parser: str | None) -> tuple[str, ...]:
+    """The tags `parser`'s calls are written with: a tokenizer may hold them as special
+    tokens, which the output's text must then keep (vkrt/server/markers.py)."""
+    if parser in tool_xml.SYNTAXES:
+        return tool_xml.SYNTAXES[parser].opener, tool_xml.SYNTAXES[parser].closer
+    return {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]",)}.get(parser or "", ())
 
 
 def call_opener(parser: str) -> str:
