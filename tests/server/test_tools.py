@@ -105,9 +105,11 @@ def test_required_round_trip_streamed_and_named(live: LiveModel) -> None:
     assert int(stream_calls[0]["fragments"]) > 1
     assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
     assert _valid_arguments("get_time", named.message.tool_calls[0].function.arguments)
-    # Parallel calls: the grammar allows more after each; every complete one is valid.
-    assert parallel.message.tool_calls
-    assert all(_valid_arguments(c.function.name, c.function.arguments) for c in parallel.message.tool_calls)
+    # Parallel calls: the grammar allows more after each; every complete one is valid (max_tokens
+    # may cut the last, which is then kept with its arguments as far as written).
+    calls = parallel.message.tool_calls
+    complete = calls if parallel.finish_reason == "tool_calls" else calls[:-1]
+    assert calls and all(_valid_arguments(c.function.name, c.function.arguments) for c in complete)
 
     history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
                {"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps({"result": "sunny, 21"})}]
