@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -136,7 +137,7 @@ def test_chat_shows_a_harmony_reply_by_channel(capsys: pytest.CaptureFixture[str
     no markers in either, whatever the token boundaries (scripted outputs, no model)."""
     from types import SimpleNamespace
 
-    from vkrt.cli_generate import _harmony_chat, _run_once
+    from vkrt.cli_generate import ChatReading, _chat_reading, _run_once
 
     text = ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
             "<|message|>Paris.")
@@ -146,11 +147,57 @@ def test_chat_shows_a_harmony_reply_by_channel(capsys: pytest.CaptureFixture[str
     template = (FIXTURES / "chat_templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
     llm = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template),
                           generate_stream=lambda prompt, params: iter(outputs))
-    assert _harmony_chat(SimpleNamespace(chat=True), llm) and not _harmony_chat(SimpleNamespace(chat=False), llm)
-    run = _run_once(llm, [0], None, stream=True, harmony=True)
+    assert _chat_reading(SimpleNamespace(chat=True), llm, "") == ChatReading(None)
+    assert _chat_reading(SimpleNamespace(chat=False), llm, None) is None
+    run = _run_once(llm, [0], None, stream=True, reading=ChatReading(None))
     out, err = capsys.readouterr()
     assert (out, err) == ("Paris.\n", "Think.")
     assert run["text"] == text  # the JSON report keeps the raw output
+
+
+def _scripted_llm(template: str, text: str, cuts: list[int]) -> Any:
+    """An LLM stand-in whose stream gives `text` in the pieces `cuts` marks."""
+    from types import SimpleNamespace
+
+    bounds = [0, *cuts, len(text)]
+    outputs = [SimpleNamespace(text=text[a:b], token_ids=[1], finished=b == len(text), finish_reason="stop",
+                               prompt_token_ids=[0]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template),
+                           generate_stream=lambda prompt, params: iter(outputs))
+
+
+@pytest.mark.parametrize("template, opened", [
+    ("qwen3.jinja", "<think>"), ("seed_oss.jinja", "<seed:think>"), ("mistral.jinja", None)])
+@pytest.mark.parametrize("cuts", [[], [2, 9, 14, 23], list(range(1, 60))])
+def test_chat_shows_a_thought_on_stderr_and_the_answer_on_stdout(template: str, opened: str | None,
+                                                                 cuts: list[int],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`vkrt chat` with a template that knows think tags (Qwen3's <think>, Seed-OSS's
+    <seed:think>): the thought goes to stderr, the answer to stdout, with no tag in either,
+    however the stream is cut; a prompt that opens the thought itself leaves the reply inside
+    it. A template without think tags shows the reply as written."""
+    from types import SimpleNamespace
+
+    from vkrt.cli_generate import _chat_reading, _run_once
+
+    source = (FIXTURES / "chat_templates" / template).read_text(encoding="utf-8")
+    chat = SimpleNamespace(chat=True)
+    closing = opened.replace("<", "</") if opened else "</think>"
+    text = f"{opened or '<think>'}Think.{closing}\n\nParis."
+    llm = _scripted_llm(source, text, [c for c in cuts if c < len(text)])
+    reading = _chat_reading(chat, llm, "<|im_start|>assistant\n")
+    run = _run_once(llm, [0], None, stream=True, reading=reading)
+    out, err = capsys.readouterr()
+    assert (out, err) == ((text + "\n", "") if opened is None else ("Paris.\n", "Think."))
+    assert run["text"] == text
+    if opened is None:
+        assert reading is None
+        return
+    inside = _chat_reading(chat, llm, f"<|im_start|>assistant\n{opened}\n")
+    assert inside is not None and inside.inside and not reading.inside
+    llm = _scripted_llm(source, text[len(opened):], [c for c in cuts if c < len(text) - len(opened)])
+    _run_once(llm, [0], None, stream=True, reading=inside)
+    assert capsys.readouterr() == ("Paris.\n", "Think.")
 def test_bad_kv_events_config_is_a_usage_error() -> None:
     result = _run("serve", "--kv-events-config", '{"enable_kv_cache_events": true, "port": 5557}')
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -179,3 +226,16 @@ def test_a_device_fault_ends_generate_in_one_line(error: str, smollm2_path: Path
     code = main(["generate", "hi", "-n", "4", "--model", str(smollm2_path), "--device", "reference"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vkrt: error:")]
     assert code == 1 and errors == [f"vkrt: error: {fault}"]
+
+
+def test_chat_keeps_think_tags_that_are_special_tokens_in_the_text() -> None:
+    """Seed-OSS's <seed:think> is a special token (in the fake vocabulary as in the model's):
+    decoded with special tokens skipped the thought would run into the answer unmarked."""
+    from tests.server.fake_engine import FakeTokenizer
+    from vkrt.cli_generate import ChatReading
+    from vkrt.engine.config import SamplingParams
+    from vkrt.server.reasoning import SEED_THINK, THINK
+
+    params = SamplingParams(max_tokens=4)
+    assert not ChatReading(SEED_THINK).params(params, FakeTokenizer()).skip_special_tokens
+    assert ChatReading(THINK).params(params, FakeTokenizer()) == params  # plain text in this vocabulary

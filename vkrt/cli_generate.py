@@ -8,11 +8,16 @@ import random
 import statistics
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vkrt.backend import BACKEND_NAMES
 from vkrt.core.kv_format import KV_DTYPES
 from vkrt.errors import VkrtError
+
+if TYPE_CHECKING:
+    from vkrt.server.reasoning import ThinkTags
 
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_MAX_MODEL_LEN = 4096  # generate/chat/bench: min(model's context, this) unless given
@@ -107,15 +112,16 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
                check_tensors=args.check_tensors, **overrides)
 
 
-def _prompt_of(args: argparse.Namespace, llm: Any) -> Any:
+def _prompt_of(args: argparse.Namespace, llm: Any) -> tuple[Any, str | None]:
+    """(the prompt to generate from, the rendered chat text or None when not a chat)."""
     if not args.chat:
-        return args.prompt
+        return args.prompt, None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     from vkrt.engine.prompts import render_chat
 
-    _, ids = render_chat(llm.tokenizer, messages)
-    return ids
+    text, ids = render_chat(llm.tokenizer, messages)
+    return ids, text
 
 
 def _stats_line(run: dict[str, Any]) -> str:
@@ -126,30 +132,69 @@ def _stats_line(run: dict[str, Any]) -> str:
             f"{c.get('fence_waits', 0):.0f} fence waits, {c.get('drains', 0):.0f} drains")
 
 
-def _harmony_chat(args: argparse.Namespace, llm: Any) -> bool:
-    """Whether this is a chat with a harmony (gpt-oss) template: its channels are then read."""
+@dataclass(frozen=True)
+class ChatReading:
+    """How `vkrt chat` shows a reply whose template thinks: the thought (harmony's analysis
+    channel, or the text inside think tags) on stderr, the answer on stdout, split as the
+    server splits `reasoning_content` off."""
+
+    tags: ThinkTags | None  # None: harmony's channels
+    inside: bool = False  # the prompt leaves the model inside an open thought
+
+    def params(self, params: Any, tokenizer: Any) -> Any:
+        """`params` that keep the markers the reply is read by in its text."""
+        from vkrt.server import harmony
+        from vkrt.server.markers import keep_markers, special_ids
+
+        if self.tags is None:
+            return harmony.sampling_params(params, tokenizer)
+        return keep_markers(params, special_ids(tokenizer, [self.tags.open, self.tags.close]))
+
+    def reader(self) -> Callable[[str, bool], tuple[str, str]]:
+        """A fresh reader of one streamed reply: each piece to its (reasoning, answer) text."""
+        from vkrt.server.harmony import HarmonyParser
+        from vkrt.server.reasoning import ReasoningSplitter
+
+        if self.tags is None:
+            channels = HarmonyParser()
+
+            def by_channel(text: str, final: bool) -> tuple[str, str]:
+                read = channels.feed(text, final=final)
+                return read.reasoning, read.content
+            return by_channel
+        return ReasoningSplitter(self.inside, self.tags).feed
+
+
+def _chat_reading(args: argparse.Namespace, llm: Any, prompt_text: str | None) -> ChatReading | None:
+    """How a chat's reply is shown: by harmony's channels (gpt-oss) or with the thought of the
+    think tags its template knows split off; None (not a chat, or no thinking template): as written."""
     from vkrt.server.harmony import template_speaks_harmony
+    from vkrt.server.reasoning import starts_inside, template_tags
 
-    return bool(args.chat) and template_speaks_harmony(llm.tokenizer.chat_template if llm.tokenizer else None)
+    template = llm.tokenizer.chat_template if llm.tokenizer else None
+    if not args.chat:
+        return None
+    if template_speaks_harmony(template):
+        return ChatReading(None)
+    tags = template_tags(template)
+    return None if tags is None else ChatReading(tags, starts_inside(prompt_text, tags))
 
 
-def _run_once(llm: Any, prompt: Any, params: Any, stream: bool, harmony: bool = False) -> dict[str, Any]:
-    """One generation; streamed to stdout, a harmony reply's analysis channel to stderr."""
-    from vkrt.server.harmony import HarmonyParser
-
+def _run_once(llm: Any, prompt: Any, params: Any, stream: bool, reading: ChatReading | None = None) -> dict[str, Any]:
+    """One generation, streamed to stdout (a thinking chat's thought to stderr: `ChatReading`)."""
     start = time.perf_counter()
     first = None
     final = None
     pieces: list[str] = []
     ids: list[int] = []
-    reader = HarmonyParser() if harmony else None
+    read = reading.reader() if reading is not None else None
     for out in llm.generate_stream(prompt, params):  # deltas: each holds what its step added
         if first is None and out.token_ids:
             first = time.perf_counter() - start
-        if stream and reader is not None:
-            read = reader.feed(out.text, final=out.finished)
-            sys.stderr.write(read.reasoning)
-            sys.stdout.write(read.content)
+        if stream and read is not None:
+            reasoning, content = read(out.text, out.finished)
+            sys.stderr.write(reasoning)
+            sys.stdout.write(content)
             sys.stdout.flush()
         elif stream:
             sys.stdout.write(out.text)
@@ -167,9 +212,9 @@ def _run_once(llm: Any, prompt: Any, params: Any, stream: bool, harmony: bool = 
             "seconds": time.perf_counter() - start}
 
 
-def _measure(llm: Any, prompt: Any, params: Any, stream: bool, harmony: bool = False) -> dict[str, Any]:
+def _measure(llm: Any, prompt: Any, params: Any, stream: bool, reading: ChatReading | None = None) -> dict[str, Any]:
     """One generation with the engine's per-phase stats taken around it."""
-    run = _run_once(llm, prompt, params, stream, harmony)
+    run = _run_once(llm, prompt, params, stream, reading)
     stats = llm.stats()
     run.update(load_seconds=stats["load_seconds"], prompt_tokens=len(run["prompt_ids"]),
                generated_tokens=len(run["ids"]),
@@ -185,18 +230,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise VkrtError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     llm = _load(args)
-    prompt = _prompt_of(args, llm)
-    harmony = _harmony_chat(args, llm)
+    prompt, prompt_text = _prompt_of(args, llm)
+    reading = _chat_reading(args, llm, prompt_text)
     runs = []
     for i in range(max(1, args.repeat)):
         seed = args.seed if args.seed is not None else random.randrange(1 << 31)
         llm.engine.reset_totals()
         params = _params(args, seed)
-        if harmony:
-            from vkrt.server.harmony import sampling_params
-
-            params = sampling_params(params, llm.tokenizer)
-        run = _measure(llm, prompt, params, stream=not args.json, harmony=harmony)
+        if reading is not None:
+            params = reading.params(params, llm.tokenizer)
+        run = _measure(llm, prompt, params, stream=not args.json, reading=reading)
         run["seed"] = seed
         runs.append(run)
         if args.stats and not args.json:

@@ -38,7 +38,9 @@ SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>",
             259: "<|start|>", 260: "<|channel|>", 261: "<|message|>", 262: "<|end|>", 263: "<|return|>",
             264: "<|call|>", 265: "<|constrain|>",
             # Seed-OSS's think and tool-call tags (vkrt/server/reasoning.py, tool_xml.py)
-            266: "<seed:think>", 267: "</seed:think>", 268: "<seed:tool_call>", 269: "</seed:tool_call>"}
+            266: "<seed:think>", 267: "</seed:think>", 268: "<seed:tool_call>", 269: "</seed:tool_call>",
+            # Hermes's and Mistral's call tags, special tokens in some vocabularies (vkrt/server/tools.py)
+            270: "<tool_call>", 271: "</tool_call>", 272: "[TOOL_CALLS]"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

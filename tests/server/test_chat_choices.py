@@ -133,8 +133,8 @@ def test_a_call_parsed_whole_keeps_the_models_argument_text() -> None:
 
 @pytest.mark.parametrize("parser, text", [
     ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "</tool_call>"),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": ' + "[" * 100_000),
-    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 100_000),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}]"),
+    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 100_000 + "]" * 100_000 + "}"),
 ])
 def test_json_nested_deeper_than_the_decoder_goes_is_text_not_a_crash(parser: str, text: str) -> None:
     """A model that writes "[[[[..." past json's recursion limit gets its text back, no calls."""
@@ -153,3 +153,66 @@ def test_only_the_first_call_without_parallel_calls() -> None:
     stream = ToolCallStream("mistral", parallel=False)
     deltas = stream.feed(CALLS["mistral"], final=False)[1] + stream.feed("", final=True)[1]
     assert {d["index"] for d in deltas} == {0}
+
+
+# Outputs that stop inside their calls, as max_tokens or a stop string leaves them.
+UNFINISHED = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "a}b', 1),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu', 2),
+    ("hermes", 'Hi \n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool', 1),
+    ("hermes", 'Hi <tool_call>\n{"na', 0),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": [1, 2]}}, {"name": "g", "arguments": {"y": -', 2),
+    ("mistral", 'Ok [TOOL_CALLS] ', 0),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 12}}; {"name": "g", "parameters": {"y": "z', 2),
+    ("qwen3_xml", 'A\n<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n<parameter=y>\nab', 1),
+    ("seed_oss", '<seed:tool_call>\n<function=f>\n<parameter=x>1</parameter>\n</func', 1),
+]
+
+
+def _streamed(parser: str, pieces: list[str]) -> tuple[str, list[dict[str, str]]]:
+    """The content and calls (name, arguments joined) a stream fed `pieces` sends."""
+    stream = ToolCallStream(parser, parallel=True)
+    content, calls = "", {}
+    for k, piece in enumerate([*pieces, ""]):
+        sent, deltas = stream.feed(piece, final=k == len(pieces))
+        content += sent
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+            call["name"] += delta["function"].get("name", "")
+            call["arguments"] += delta["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("parser, text, written", UNFINISHED)
+def test_a_stream_cut_inside_its_calls_sends_the_whole_parse_whatever_the_split(parser: str, text: str,
+                                                                                 written: int) -> None:
+    """Split anywhere in two, or a character at a time, the stream joins to the whole parse:
+    each call whose name is written, the last with its arguments as far as written; with no
+    name written, the text is content."""
+    content, calls = parse_tool_calls(text, parser)
+    want = (content, [{"name": c.name, "arguments": c.arguments} for c in calls])
+    assert all(_streamed(parser, [text[:i], text[i:]]) == want for i in range(len(text) + 1))
+    assert _streamed(parser, list(text)) == want
+    assert len(calls) == written and (content == text) == (written == 0)  # a cut call is kept, not dropped
+
+
+def test_a_call_cut_by_max_tokens_is_answered_alike_whole_and_streamed(serve_fake: Any) -> None:
+    """Through the route: the call is in message.tool_calls and in the stream's deltas, its
+    arguments as far as written, and the finish reason says the output was cut."""
+    text = UNFINISHED[0][1]
+    live = serve_fake(FakeEngine(max_model_len=2048, script=text + " more"))
+    body = {**CHAT, "max_tokens": len(live.engine.tokenizer.encode(text)), "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    [choice] = live.client.post("/v1/chat/completions", json=body).json()["choices"]
+    call = {"name": "f", "arguments": '{"x": 1, "s": "a}b'}
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Sure."
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    events = sse_events(live.client.post("/v1/chat/completions", json={**body, "stream": True}))
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Sure."
+    streamed = {"name": "", "arguments": ""}
+    for d in deltas:
+        for entry in d["delta"].get("tool_calls") or []:
+            streamed["name"] += entry["function"].get("name") or ""
+            streamed["arguments"] += entry["function"]["arguments"]
+    assert streamed == call and deltas[-1]["finish_reason"] == "length"

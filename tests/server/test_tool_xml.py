@@ -16,7 +16,13 @@ import pytest
 
 from tests.server.live_model import LiveModel, live_model
 from vkrt.engine.guided import GrammarCompiler
-from vkrt.server.tools import ToolCallStream, forcing_grammar, parse_tool_calls, pick_parser
+from vkrt.server.tools import (
+    ToolCall,
+    ToolCallStream,
+    forcing_grammar,
+    parse_tool_calls,
+    pick_parser,
+)
 from vkrt.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
@@ -61,8 +67,11 @@ def test_rendered_calls_read_back_to_their_arguments() -> None:
         "code": {"type": "string"}, "flag": {"type": "boolean"}}}}}
     [call] = parse_tool_calls(text, "qwen3_xml", [tool])[1]
     assert json.loads(call.arguments) == {"code": "007", "flag": True}
-    for broken in ("<tool_call>\n<function=f>\n<parameter=code>\n1\n</parameter>\n", "no call", "<function=f>"):
+    for broken in ("no call", "<function=f>", "<tool_call>\n<function=f"):
         assert parse_tool_calls(broken, "qwen3_xml", [tool]) == (broken, [])
+    # Cut inside the call (max_tokens): kept, its arguments as far as its closed parameters go.
+    cut = "Hm <tool_call>\n<function=f>\n<parameter=code>\n1\n</parameter>\n<parameter=fl"
+    assert parse_tool_calls(cut, "qwen3_xml", [tool]) == ("Hm", [ToolCall("f", '{"code": "1"')])
 
 
 @pytest.mark.parametrize("step", [1, 3, 7])

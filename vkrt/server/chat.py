@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vkrt.errors import RequestError
-from vkrt.server import harmony, tool_xml
+from vkrt.server import harmony
 from vkrt.server.choices import (
     CandidateSet,
     merged_updates,
@@ -54,6 +54,7 @@ from vkrt.server.sampling import check_unsupported, field_error, sampling_params
 from vkrt.server.tools import (
     ToolCall,
     ToolCallStream,
+    call_tags,
     check_tools,
     forcing_grammar,
     new_call_id,
@@ -158,9 +159,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
 
 
 def _markers(tags: ThinkTags | None, parser: str | None) -> list[str]:
-    """The tags the output is read by: its thought's, and its tool calls' where they are XML."""
-    syntax = tool_xml.SYNTAXES.get(parser or "")
-    return ([tags.open, tags.close] if tags else []) + ([syntax.opener, syntax.closer] if syntax else [])
+    """The tags the output is read by: its thought's and its tool calls'."""
+    return ([tags.open, tags.close] if tags else []) + list(call_tags(parser))
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:

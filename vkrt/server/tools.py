@@ -129,7 +129,7 @@ def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, paral
     their schema, strictly (`arguments_schema`). The grammar ends with the call: a single call
     completes it, so the engine stops there; after each of several calls the model may end its
     turn (EOS) or call again. A harmony call ends the turn (`<|call|>`), so it is always one.
-    `special_ids` names the XML syntaxes' call tags that are special tokens of the vocabulary."""
+    `special_ids` names the call tags (`call_tags`) that are special tokens of the vocabulary."""
     parallel = several_calls(forced, parallel)
     if parser == "harmony":
         return GuidedDecoding("grammar", harmony.forcing_grammar(tools, forced, max_digits))
@@ -138,11 +138,17 @@ def forcing_grammar(tools: list[dict[str, Any]], forced: str, parser: str, paral
                                                                   tool_xml.SYNTAXES[parser], special_ids))
     key = "parameters" if parser == "llama3_json" else "arguments"
     call = "call: %json " + json.dumps(_call_schema(tools, forced, key, max_digits))
+    ids = special_ids or {}
+
+    def tag(marker: str) -> str:  # a special token is named by its id, never spelled as text
+        return f"<[{ids[marker]}]>" if marker in ids else json.dumps(marker)
+
     if parser == "hermes":
         start = 'start: one ("\\n" one)*' if parallel else "start: one"
-        lines = [start, 'one: "<tool_call>\\n" call "\\n</tool_call>"']
+        lines = [start, f'one: {tag("<tool_call>")} "\\n" call "\\n" {tag("</tool_call>")}']
     elif parser == "mistral":
-        lines = ['start: "[TOOL_CALLS][" call ("," call)* "]"' if parallel else 'start: "[TOOL_CALLS][" call "]"']
+        items = 'call ("," call)*' if parallel else "call"
+        lines = [f'start: {tag("[TOOL_CALLS]")} "[" {items} "]"']
     else:
         lines = ['start: call (";" call)*' if parallel else "start: call"]
     return GuidedDecoding("grammar", "\n".join([*lines, call]))
@@ -166,6 +172,14 @@ def pick_parser(chat_template: str | None, override: str | None) -> str:
     return "hermes"
 
 
+def call_tags(parser: str | None) -> tuple[str, ...]:
+    """The tags `parser`'s calls are written with: a tokenizer may hold them as special
+    tokens, which the output's text must then keep (vkrt/server/markers.py)."""
+    if parser in tool_xml.SYNTAXES:
+        return tool_xml.SYNTAXES[parser].opener, tool_xml.SYNTAXES[parser].closer
+    return {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]",)}.get(parser or "", ())
+
+
 def call_opener(parser: str) -> str:
     """The text that starts a tool call in `parser`'s syntax (streamed content stops there)."""
     if parser in tool_xml.SYNTAXES:
@@ -186,7 +200,19 @@ def _call(obj: Any, raw: str, arguments_key: str) -> ToolCall | None:
 def parse_tool_calls(text: str, parser: str,
                      tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
     """(content before the calls, the calls); no calls when the text holds none that parse.
+    An output cut inside its calls (max_tokens, a stop string) keeps each call whose name is
+    written, the last with its arguments as far as written (as OpenAI does), so the whole parse
+    and a stream, whatever its pieces, agree (`ToolCallStream` announces a call at its name).
     `tools` types the XML syntaxes' bare values (the JSON syntaxes carry their own types)."""
+    if ends_inside_calls(text, parser):
+        cut = _calls_start(text, parser)
+        cut_calls = []
+        for name, arguments in written_calls(text, parser, tools):
+            if name is None:
+                break  # a stream announces calls in order, each once its name is known
+            cut_calls.append(ToolCall(name, arguments))
+        if cut_calls:
+            return text[:cut].rstrip(), cut_calls
     decoder = json.JSONDecoder()
     if parser in tool_xml.SYNTAXES:
         content, named = tool_xml.parse(text, tools, tool_xml.SYNTAXES[parser])
@@ -397,20 +423,50 @@ def call_spans(text: str, parser: str) -> list[CallSpan]:
     return spans
 
 
+def _calls_start(text: str, parser: str) -> int:
+    """Where the calls begin (the whole output is the call in llama3_json)."""
+    return 0 if parser == "llama3_json" else text.find(call_opener(parser))
+
+
+def ends_inside_calls(text: str, parser: str) -> bool:
+    """Whether the output stops inside its calls: after a call's opener and before the closing
+    tag (hermes, XML), list (mistral) or object (llama3_json) that ends them."""
+    if parser == "llama3_json":
+        spans = call_spans(text, parser)
+        return bool(spans) and spans[-1].end is None
+    if parser == "mistral":
+        cut = text.find("[TOOL_CALLS]")
+        i = _skip_whitespace(text, cut + len("[TOOL_CALLS]"))
+        return cut >= 0 and (i == len(text) or (text[i] == "[" and _value_end(text, i) is None))
+    opener, closer = call_tags(parser)
+    cut = text.rfind(opener)
+    return cut >= 0 and text.find(closer, cut) < 0
+
+
+def written_calls(text: str, parser: str, tools: list[dict[str, Any]] | None = None) -> list[tuple[str | None, str]]:
+    """Each call written so far: its name (None until complete) and its arguments so far."""
+    if parser in tool_xml.SYNTAXES:
+        return list(tool_xml.written(text, tools, tool_xml.SYNTAXES[parser]))
+    return [(span.name, "" if span.arguments_start is None else text[span.arguments_start:span.arguments_end])
+            for span in call_spans(text, parser)]
+
+
 def sendable_content(text: str, parser: str) -> int:
     """How much of the output so far is surely content: everything before a tool call's
-    opener, less any tail that may be the opener's beginning."""
+    opener, less any tail that may be the opener's beginning and the whitespace before it
+    (which the whole parse strips from content that a call follows)."""
     if parser == "llama3_json":  # a call is the whole output, a JSON object
         stripped = text.lstrip()
         return len(text) if stripped and not stripped.startswith("{") else 0
     opener = call_opener(parser)
     cut = text.find(opener)
-    if cut >= 0:
-        return cut
-    for k in range(min(len(opener) - 1, len(text)), 0, -1):
-        if text.endswith(opener[:k]):
-            return len(text) - k
-    return len(text)
+    if cut < 0:
+        cut = len(text)
+        for k in range(min(len(opener) - 1, len(text)), 0, -1):
+            if text.endswith(opener[:k]):
+                cut = len(text) - k
+                break
+    return len(text[:cut].rstrip())
 
 
 class ToolCallStream:
@@ -437,20 +493,14 @@ class ToolCallStream:
         content = self.text[self.content_sent:safe]
         self.content_sent = safe
         deltas = []
-        for index, (name, written) in enumerate(self._written()[:None if self.parallel else 1]):
+        for index, (name, written) in enumerate(written_calls(self.text, self.parser, self.tools)[
+                :None if self.parallel else 1]):
             if name is None and index >= len(self.ids):
                 break  # calls are announced in order, each once its name is known
             delta = self._delta(index, name, written)
             if delta is not None:
                 deltas.append(delta)
         return content, deltas
-
-    def _written(self) -> list[tuple[str | None, str]]:
-        """Each call written so far: its name (None until complete) and its arguments so far."""
-        if self.parser in tool_xml.SYNTAXES:
-            return list(tool_xml.written(self.text, self.tools, tool_xml.SYNTAXES[self.parser]))
-        return [(span.name, "" if span.arguments_start is None else self.text[span.arguments_start:span.arguments_end])
-                for span in call_spans(self.text, self.parser)]
 
     def _delta(self, index: int, name: str | None, arguments: str) -> dict[str, Any] | None:
         """The delta that brings call `index` up to `arguments`, None if nothing is new."""
