@@ -217,16 +217,19 @@ def test_responses_api_items(serve_fake: Callable[..., Live]) -> None:
         assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris", "note": "a<b|c"}')
 
 
-def test_messages_api_blocks(serve_fake: Callable[..., Live]) -> None:
+def messages_api_replies(live: Live, tools: list[Any], messages: Any, max_tokens: int) -> list[Any]:
+    """One turn offering the OpenAI-style `tools` through the anthropic SDK, whole and streamed."""
     anthropic = pytest.importorskip("anthropic", reason="anthropic is a dev extra (pip install -e .[dev])")
-    live = serve_fake(_harmony_engine(CALL))
     client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=30)
-    tools: Any = [{"name": "get_weather", "description": "Weather now",
-                   "input_schema": TOOLS[0]["function"]["parameters"]}]
-    message = client.messages.create(model="fake", max_tokens=200, messages=USER, tools=tools)
-    with client.messages.stream(model="fake", max_tokens=200, messages=USER, tools=tools) as stream:
-        streamed = stream.get_final_message()
-    for reply in (message, streamed):
+    offered: Any = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                     "input_schema": t["function"]["parameters"]} for t in tools]
+    message = client.messages.create(model="fake", max_tokens=max_tokens, messages=messages, tools=offered)
+    with client.messages.stream(model="fake", max_tokens=max_tokens, messages=messages, tools=offered) as stream:
+        return [message, stream.get_final_message()]
+
+
+def test_messages_api_blocks(serve_fake: Callable[..., Live]) -> None:
+    for reply in messages_api_replies(serve_fake(_harmony_engine(CALL)), TOOLS[:1], USER, 200):
         assert [block.type for block in reply.content] == ["thinking", "tool_use"]
         assert reply.content[0].thinking == "Need the weather tool."
         assert reply.content[1].name == "get_weather" and reply.content[1].input == {"city": "Paris", "note": "a<b|c"}

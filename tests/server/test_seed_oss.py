@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import FIXTURES
 from tests.server.conftest import Live
 from tests.server.fake_engine import FakeEngine
-from tests.server.test_harmony import _stream
+from tests.server.test_harmony import _stream, messages_api_replies
 from tests.server.test_tool_xml import _accepts
 from vkrt.engine.guided import GrammarCompiler
 from vkrt.server.chat import ChoiceStream, OutputReading
@@ -229,15 +229,7 @@ def test_responses_api_items(serve_fake: Callable[..., Live]) -> None:
 
 
 def test_messages_api_blocks(serve_fake: Callable[..., Live]) -> None:
-    anthropic = pytest.importorskip("anthropic", reason="anthropic is a dev extra (pip install -e .[dev])")
-    live = serve_fake(_seed_engine(THOUGHT + CALL))
-    client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=30)
-    tools: Any = [{"name": "get_weather", "description": "Weather now",
-                   "input_schema": TOOLS[0]["function"]["parameters"]}]
-    message = client.messages.create(model="fake", max_tokens=400, messages=USER, tools=tools)
-    with client.messages.stream(model="fake", max_tokens=400, messages=USER, tools=tools) as stream:
-        streamed = stream.get_final_message()
-    for reply in (message, streamed):
+    for reply in messages_api_replies(serve_fake(_seed_engine(THOUGHT + CALL)), TOOLS[:1], USER, 400):
         assert [block.type for block in reply.content] == ["thinking", "tool_use"]
         assert reply.content[0].thinking == REASONING
         assert reply.content[1].name == "get_weather" and reply.content[1].input == {"city": "Paris", "days": 2}
