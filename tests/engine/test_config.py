@@ -26,7 +26,8 @@ from vkrt.errors import RequestError, VkrtError
     (SamplingParams(stop=["ok", ""]), "stop"),
     (SamplingParams(min_tokens=20, max_tokens=10), "min_tokens"),
     (SamplingParams(logprobs=21), "logprobs"),
-    (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
+    (SamplingParams(prompt_logprobs=-2), "prompt_logprobs"),
+    (SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
     (SamplingParams(logprob_token_ids=[0, 999]), "logprob_token_ids"),
     (SamplingParams(n=2), "n"),
     (SamplingParams(seed=-1), "seed"),
@@ -40,7 +41,7 @@ def test_bad_sampling_params_name_the_field(params: SamplingParams, param: str) 
 
 def test_good_sampling_params_pass() -> None:
     SamplingParams(max_tokens=None, temperature=0.0, top_k=-1, top_p=0.5, min_p=0.1, logit_bias={255: -100},
-                   stop="x", stop_token_ids=[1], min_tokens=3, logprobs=20, prompt_logprobs=0,
+                   stop="x", stop_token_ids=[1], min_tokens=3, logprobs=20, prompt_logprobs=-1,
                    logprob_token_ids=[0, 255], seed=2**62).validate(256)
     assert SamplingParams(stop="a").stop_strings == ["a"] and SamplingParams().stop_strings == []
 

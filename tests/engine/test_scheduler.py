@@ -145,3 +145,19 @@ def test_logprobs_and_prompt_logprobs_match_uncached_logits(make_llm: Callable[.
         assert entry.token.token_id == out.token_ids[k] and entry.token.rank == 1  # greedy
         assert abs(entry.token.logprob - row.max()) < 1e-4 and len(entry.top) == 2
         assert abs(entry.scored[0].logprob - row[7]) < 1e-4
+
+
+def test_prompt_logprobs_minus_one_scores_the_whole_vocabulary(make_llm: Callable[..., LLM]) -> None:
+    """vLLM's prompt_logprobs=-1: every vocabulary entry at each prompt position, in rank order."""
+    llm = make_llm()
+    prompt = list(range(30, 36))
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1))[0]
+    logits = fake(llm).reference_logits(prompt).astype(np.float64)
+    lp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert entry is not None and len(entry.top) == lp.shape[1]
+        assert sorted(alt.token_id for alt in entry.top) == list(range(lp.shape[1]))
+        assert [alt.rank for alt in entry.top] == list(range(1, lp.shape[1] + 1))
+        assert max(abs(alt.logprob - lp[i - 1, alt.token_id]) for alt in entry.top) < 1e-4

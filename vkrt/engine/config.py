@@ -14,6 +14,8 @@ from vkrt.errors import RequestError, VkrtError
 
 # Most top/scored logprobs one request may ask for per position (OpenAI caps top_logprobs at 20).
 MAX_LOGPROBS = 20
+# prompt_logprobs asking for every vocabulary entry at each prompt position (vLLM's -1).
+ALL_LOGPROBS = -1
 # Most ids one request may score explicitly with logprob_token_ids (each costs a gather per row).
 MAX_LOGPROB_TOKEN_IDS = 1024
 # Default KV budget when kv_cache_memory is not given: enough for max_num_seqs full-length
@@ -132,7 +134,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives per generated token (0: only the chosen one)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # ALL_LOGPROBS: the whole vocabulary
     logprob_token_ids: list[int] | None = None  # also score exactly these ids at every position
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -189,10 +191,12 @@ class SamplingParams:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"{self.min_tokens} exceeds max_tokens={self.max_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS
+                                                     or self.prompt_logprobs == ALL_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], or {ALL_LOGPROBS} for the whole "
+                      f"vocabulary, got {self.prompt_logprobs}")
         if self.logprob_token_ids is not None:
             if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
                 raise bad("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} ids per request")

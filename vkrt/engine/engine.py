@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from vkrt.engine.config import EngineConfig, SamplingParams
+from vkrt.engine.config import ALL_LOGPROBS, EngineConfig, SamplingParams
 from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_events import KVEvents, all_blocks_cleared, event_batch
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
@@ -305,9 +305,12 @@ class EngineCore:
         if result.logits is not None:
             for request, row, position, count in layout.prompt_rows:
                 assert request.prompt_logprobs is not None
+                num_top = request.params.prompt_logprobs or 0
+                if num_top == ALL_LOGPROBS:
+                    num_top = result.logits.shape[1]
                 for k in range(count):
                     entry = token_logprobs(result.logits[row + k], request.prompt_token_ids[position + k],
-                                           request.params.prompt_logprobs or 0, request.params.logprob_token_ids)
+                                           num_top, request.params.logprob_token_ids)
                     self.outputs.fill_text(entry)
                     request.prompt_logprobs.append(entry)
 

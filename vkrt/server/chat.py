@@ -179,12 +179,15 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                 "usage": combined_usage([results]), "system_fingerprint": None}
     if results[0].prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, results[0].prompt_logprobs)
+    if body.return_token_ids:  # vLLM's: the prompt's top-level, each choice's in it
+        response["prompt_token_ids"] = results[0].prompt_token_ids
     return JSONResponse(response)
 
 
 def chat_choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index: int, result: Result,
                 reading: OutputReading) -> dict[str, Any]:
-    logprobs = chat_logprobs(tokenizer, result.logprobs) if result.logprobs is not None else None
+    logprobs = (chat_logprobs(tokenizer, result.logprobs, body.return_tokens_as_token_ids)
+                if result.logprobs is not None else None)
     reasoning, content, calls = reading.split(result.text, body.tools)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     finish_reason = result.finish_reason
@@ -194,8 +197,11 @@ def chat_choice(tokenizer: Tokenizer | None, body: ChatCompletionRequest, index:
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     if reading.inside is not None:
         message["reasoning_content"] = reasoning
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": result.stop_reason}
+    choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": result.stop_reason}
+    if body.return_token_ids:
+        choice["token_ids"] = result.token_ids
+    return choice
 
 
 Delta = tuple[dict[str, Any], Any, str | None]  # (delta, logprobs, finish_reason) of one chunk
@@ -205,8 +211,9 @@ class ChoiceStream:
     """One choice's stream: its updates turned into deltas of reasoning, content and tool calls."""
 
     def __init__(self, tokenizer: Tokenizer | None, reading: OutputReading,
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, tokens_as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids
         self.reading = reading
         self.harmony = harmony.HarmonyParser(reading.harmony_opened) if reading.harmony else None
         self.splitter = (ReasoningSplitter(reading.inside, reading.tags)
@@ -222,7 +229,8 @@ class ChoiceStream:
         return bool(self.harmony_call_ids) or (self.calls is not None and self.calls.found_calls)
 
     def deltas(self, update: Update) -> Iterator[Delta]:
-        logprobs = chat_logprobs(self.tokenizer, update.logprobs) if update.logprobs is not None else None
+        logprobs = (chat_logprobs(self.tokenizer, update.logprobs, self.tokens_as_ids)
+                    if update.logprobs is not None else None)
         final = update.finish_reason is not None
         if self.harmony is not None:
             yield from self._harmony_deltas(self.harmony, update, logprobs)
@@ -285,19 +293,30 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: ChatComple
     def current_usage() -> dict[str, Any]:
         return combined_usage([[generation.result for generation in generations]])
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> bytes:
-        payload = {**chunk_base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": finish_reason}]}
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None,
+              token_ids: list[int] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids or []
+        payload = {**chunk_base, "choices": [choice]}
+        if body.return_token_ids and "role" in delta:  # as vLLM streams it: with each choice's first chunk
+            payload["prompt_token_ids"] = generations[index].result.prompt_token_ids
         if include_usage:
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
 
-    streams = [ChoiceStream(tokenizer, reading, body.tools) for _ in generations]
+    streams = [ChoiceStream(tokenizer, reading, body.tools, body.return_tokens_as_token_ids) for _ in generations]
     # OpenAI sends each choice's role first, alone, before any content.
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+    # A choice's ids not sent yet: they go with its next chunk (a delta held back, say a tool
+    # call's text being parsed, holds them back too), so the chunks' ids join to the whole.
+    pending: list[list[int]] = [[] for _ in generations]
     async for index, update in merged_updates(candidates.groups):
+        pending[index] += update.token_ids
         for delta, logprobs, finish_reason in streams[index].deltas(update):
-            yield chunk(index, delta, logprobs, finish_reason)
+            yield chunk(index, delta, logprobs, finish_reason, pending[index])
+            pending[index] = []
     if include_usage:
         yield sse({**chunk_base, "choices": [], "usage": current_usage()})

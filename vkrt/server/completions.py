@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vkrt.engine.config import SamplingParams
+from vkrt.engine.config import ALL_LOGPROBS, SamplingParams
 from vkrt.errors import RequestError
 from vkrt.server.choices import (
     CandidateSet,
@@ -84,7 +84,7 @@ def _candidate_params(body: CompletionRequest, max_digits: int | None) -> Sampli
     changes: dict[str, Any] = {}
     if body.best_of is not None and body.best_of > body.n and params.logprobs is None:
         changes["logprobs"] = 0  # ranking by cumulative logprob needs each sampled token's
-    if body.echo and body.logprobs is not None:
+    if body.echo and body.logprobs is not None and params.prompt_logprobs != ALL_LOGPROBS:
         changes["prompt_logprobs"] = max(body.logprobs, params.prompt_logprobs or 0)
     return dataclasses.replace(params, **changes) if changes else params
 
@@ -101,7 +101,7 @@ def _prompt_part(tokenizer: Tokenizer | None, body: CompletionRequest, result: R
     assert body.logprobs is not None
     positions = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
     cut = [None if p is None else dataclasses.replace(p, top=p.top[:body.logprobs]) for p in positions]
-    return echo_logprobs(tokenizer, result.prompt_token_ids, cut)
+    return echo_logprobs(tokenizer, result.prompt_token_ids, cut, body.return_tokens_as_token_ids)
 
 
 def _choice(tokenizer: Tokenizer | None, body: CompletionRequest, index: int, result: Result,
@@ -110,14 +110,18 @@ def _choice(tokenizer: Tokenizer | None, body: CompletionRequest, index: int, re
     if body.logprobs is not None and result.logprobs is not None:
         if body.echo:
             prompt_part = _prompt_part(tokenizer, body, result)
-            output_part = completion_logprobs(tokenizer, result.logprobs, logprobs_text_length(prompt_part))
+            output_part = completion_logprobs(tokenizer, result.logprobs, logprobs_text_length(prompt_part),
+                                              body.return_tokens_as_token_ids)
             logprobs = joined_logprobs(prompt_part, output_part)
         else:
-            logprobs = completion_logprobs(tokenizer, result.logprobs, 0)
+            logprobs = completion_logprobs(tokenizer, result.logprobs, 0, body.return_tokens_as_token_ids)
     choice = {"index": index, "text": echo_text + result.text, "logprobs": logprobs,
               "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
     if body.prompt_logprobs is not None and result.prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, result.prompt_logprobs)
+    if body.return_token_ids:  # vLLM's: both inside the choice
+        choice["prompt_token_ids"] = result.prompt_token_ids
+        choice["token_ids"] = result.token_ids
     return choice
 
 
@@ -132,13 +136,20 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: Completion
     num_candidates = sum(len(group) for group in groups)
     offsets = [0] * num_candidates
     started = [False] * num_candidates
+    first = [True] * num_candidates  # no chunk of this choice sent yet
 
     def current_usage() -> dict[str, Any]:
         return combined_usage([[generation.result for generation in group] for group in groups])
 
-    def chunk(index: int, text: str, logprobs: Any, finish_reason: str | None) -> bytes:
-        payload = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}]}
+    def chunk(index: int, text: str, logprobs: Any, finish_reason: str | None,
+              token_ids: list[int] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if body.return_token_ids:  # as vLLM streams them: the prompt's in a choice's first chunk
+            if first[index]:
+                first[index] = False
+                choice["prompt_token_ids"] = candidates.generation(index).result.prompt_token_ids
+            choice["token_ids"] = token_ids or []
+        payload = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = current_usage() if continuous_usage else None
         return sse(payload)
@@ -154,8 +165,8 @@ async def _stream(state: ServerState, candidates: CandidateSet, body: Completion
                 yield chunk(index, echo_texts[index // body.n], prompt_part, None)
         logprobs = None
         if update.logprobs is not None and body.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, update.logprobs, offsets[index])
+            logprobs = completion_logprobs(tokenizer, update.logprobs, offsets[index], body.return_tokens_as_token_ids)
             offsets[index] += logprobs_text_length(logprobs)
-        yield chunk(index, update.text, logprobs, update.finish_reason)
+        yield chunk(index, update.text, logprobs, update.finish_reason, update.token_ids)
     if include_usage:
         yield sse({**base, "choices": [], "usage": current_usage()})

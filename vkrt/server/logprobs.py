@@ -16,24 +16,32 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else _LOGPROB_FLOOR
 
 
-def _text(tokenizer: Tokenizer | None, logprob: Logprob) -> str:
+def _text(tokenizer: Tokenizer | None, logprob: Logprob, as_ids: bool = False) -> str:
+    if as_ids:  # vLLM's return_tokens_as_token_ids: every token by its id, even half a character
+        return _id_name(logprob.token_id)
     if logprob.text:
         return logprob.text
-    # Without a tokenizer, name the id the way vLLM's return_tokens_as_token_ids does.
-    return tokenizer.token_text(logprob.token_id) if tokenizer is not None else f"token_id:{logprob.token_id}"
+    # Without a tokenizer, name the id the way return_tokens_as_token_ids does.
+    return tokenizer.token_text(logprob.token_id) if tokenizer is not None else _id_name(logprob.token_id)
 
 
-def completion_logprobs(tokenizer: Tokenizer | None, positions: list[TokenLogprobs], text_offset: int) -> dict[str, Any]:
-    """{tokens, token_logprobs, top_logprobs, text_offset}; offsets continue from `text_offset`."""
+def _id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, positions: list[TokenLogprobs], text_offset: int,
+                        as_ids: bool = False) -> dict[str, Any]:
+    """{tokens, token_logprobs, top_logprobs, text_offset}; offsets continue from `text_offset`;
+    `as_ids` names the tokens "token_id:<id>"."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top_logprobs: list[dict[str, float]] = []
     offsets: list[int] = []
     for position in positions:
-        text = _text(tokenizer, position.token)
+        text = _text(tokenizer, position.token, as_ids)
         tokens.append(text)
         token_logprobs.append(_finite(position.token.logprob))
-        top = {_text(tokenizer, alt): _finite(alt.logprob) for alt in position.top}
+        top = {_text(tokenizer, alt, as_ids): _finite(alt.logprob) for alt in position.top}
         top.setdefault(text, _finite(position.token.logprob))
         top_logprobs.append(top)
         offsets.append(text_offset)
@@ -43,18 +51,18 @@ def completion_logprobs(tokenizer: Tokenizer | None, positions: list[TokenLogpro
 
 
 def echo_logprobs(tokenizer: Tokenizer | None, prompt_token_ids: list[int],
-                  positions: list[TokenLogprobs | None]) -> dict[str, Any]:
+                  positions: list[TokenLogprobs | None], as_ids: bool = False) -> dict[str, Any]:
     """The prompt's tokens in completion-logprobs form, for `echo` with `logprobs`, as vLLM
     sends them: a position the model did not score (the first) has null logprob and top_logprobs."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for token_id, position in zip(prompt_token_ids, positions, strict=True):
         if position is None:
-            text = tokenizer.token_text(token_id) if tokenizer is not None else f"token_id:{token_id}"
+            text = tokenizer.token_text(token_id) if tokenizer is not None and not as_ids else _id_name(token_id)
             entry: dict[str, list[Any]] = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
                                            "text_offset": [offset]}
         else:
-            entry = completion_logprobs(tokenizer, [position], offset)
+            entry = completion_logprobs(tokenizer, [position], offset, as_ids)
         for key, values in entry.items():
             out[key] += values
         offset += len(entry["tokens"][0])
@@ -73,17 +81,18 @@ def logprobs_text_length(logprobs: dict[str, Any]) -> int:
     return sum(len(token) for token in logprobs["tokens"])
 
 
-def _chat_entry(tokenizer: Tokenizer | None, logprob: Logprob) -> dict[str, Any]:
-    return {"token": _text(tokenizer, logprob), "logprob": _finite(logprob.logprob),
+def _chat_entry(tokenizer: Tokenizer | None, logprob: Logprob, as_ids: bool) -> dict[str, Any]:
+    return {"token": _text(tokenizer, logprob, as_ids), "logprob": _finite(logprob.logprob),
             "bytes": list(tokenizer.token_bytes(logprob.token_id)) if tokenizer is not None else None}
 
 
-def chat_logprobs(tokenizer: Tokenizer | None, positions: list[TokenLogprobs]) -> dict[str, Any]:
-    """{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+def chat_logprobs(tokenizer: Tokenizer | None, positions: list[TokenLogprobs], as_ids: bool = False) -> dict[str, Any]:
+    """{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}; `as_ids`
+    names the tokens "token_id:<id>" (`bytes` stay the token's own)."""
     content = []
     for position in positions:
-        entry = _chat_entry(tokenizer, position.token)
-        entry["top_logprobs"] = [_chat_entry(tokenizer, alt) for alt in position.top]
+        entry = _chat_entry(tokenizer, position.token, as_ids)
+        entry["top_logprobs"] = [_chat_entry(tokenizer, alt, as_ids) for alt in position.top]
         content.append(entry)
     return {"content": content}
 

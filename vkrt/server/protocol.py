@@ -78,8 +78,13 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # -1: every vocabulary entry
     structured_outputs: StructuredOutputs | None = None
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len)
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts (default left)
     # llama.cpp extensions
     json_schema: dict[str, Any] | bool | None = None
     grammar: str | None = None
