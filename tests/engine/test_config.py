@@ -23,6 +23,8 @@ from vkrt.errors import RequestError, VkrtError
     (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
     (SamplingParams(logit_bias={3: 101.0}), "logit_bias"),
     (SamplingParams(stop_token_ids=[300]), "stop_token_ids"),
+    (SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
+    (SamplingParams(allowed_token_ids=[1, 256]), "allowed_token_ids"),
     (SamplingParams(stop=["ok", ""]), "stop"),
     (SamplingParams(min_tokens=20, max_tokens=10), "min_tokens"),
     (SamplingParams(logprobs=21), "logprobs"),

@@ -108,6 +108,19 @@ def test_logit_bias_forces_and_bans(logits: np.ndarray) -> None:
     assert out.token_ids[0] != top
 
 
+def test_allowed_token_ids_restrict_every_path(logits: np.ndarray) -> None:
+    """Greedy, top-k (a device-samplable request otherwise) and full sampling all stay inside the set,
+    logprobs stay the raw model's."""
+    allowed = [int(i) for i in np.argsort(logits)[:3]]  # the three least likely
+    assert set(draws(logits, 300, allowed_token_ids=allowed).tolist()) <= set(allowed)
+    assert set(draws(logits, 300, top_k=5, allowed_token_ids=allowed).tolist()) <= set(allowed)
+    out = Sampler().sample(logits[None], [request(temperature=0.0, logprobs=0, allowed_token_ids=allowed)])
+    best = max(allowed, key=lambda t: logits[t])
+    assert out.token_ids == [best]
+    entry = out.logprobs[0]
+    assert entry is not None and entry.token.rank == V - allowed.index(best)
+
+
 def test_min_tokens_masks_eos_and_stop_ids(logits: np.ndarray) -> None:
     params = SamplingParams(min_tokens=2, stop_token_ids=[3])
     masked = apply_penalties_and_bias(logits, params, [0], [9], eos_token_ids=(V - 1,))

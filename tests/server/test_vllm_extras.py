@@ -87,3 +87,42 @@ def test_logprob_tokens_named_by_id(fake: Live) -> None:
     tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs
               for e in c.choices[0].logprobs.content or []]
     assert tokens == ["token_id:97", "token_id:98"]
+
+
+def test_allowed_token_ids_reach_the_sampler_and_are_checked(fake: Live) -> None:
+    client = _client(fake)
+    client.completions.create(model="fake", prompt="hi", max_tokens=2, extra_body={"allowed_token_ids": [97, 98]})
+    assert fake.engine.requests[-1][2].allowed_token_ids == [97, 98]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"allowed_token_ids": [97, 100000]})
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
+    assert "100000" in caught.value.body["message"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("side", "kept"), [(None, b"cdef"), ("left", b"cdef"), ("right", b"abcd")])
+def test_truncate_prompt_tokens_keeps_one_end(fake: Live, side: str | None, kept: bytes) -> None:
+    extra: dict[str, Any] = {"truncate_prompt_tokens": 4, **({"truncation_side": side} if side else {})}
+    completion = _client(fake).completions.create(model="fake", prompt="abcdef", max_tokens=1, echo=True,
+                                                  extra_body=extra)
+    assert fake.engine.requests[-1][1] == list(kept)
+    assert completion.usage is not None and completion.usage.prompt_tokens == 4
+    assert completion.choices[0].text == kept.decode() + "a"  # the echo is the prompt that ran
+    _client(fake).chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=1, extra_body=extra)
+    rendered = fake.engine.tokenizer.encode("<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n")
+    assert fake.engine.requests[-1][1] == (rendered[:4] if side == "right" else rendered[-4:])
+
+
+def test_truncate_prompt_tokens_bounds(fake: Live) -> None:
+    client = _client(fake)
+    client.completions.create(model="fake", prompt="x" * 70, max_tokens=1, extra_body={"truncate_prompt_tokens": 5})
+    assert len(fake.engine.requests[-1][1]) == 5  # a prompt longer than the context, cut to fit
+    for bad in (0, -2, 65):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="fake", prompt="abc", max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": bad})
+        assert caught.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="fake", prompt="abc", extra_body={"truncation_side": "middle"})

@@ -128,6 +128,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None  # sample only these ids (None: any)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -182,6 +183,12 @@ class SamplingParams:
                 raise bad("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
             if not -100.0 <= float(bias) <= 100.0:
                 raise bad("logit_bias", f"bias {bias} for token {token_id} must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must hold at least one token id")
+            bad_id = next((t for t in self.allowed_token_ids if not 0 <= t < vocab_size), None)
+            if bad_id is not None:
+                raise bad("allowed_token_ids", f"token id {bad_id} is outside the vocabulary [0, {vocab_size})")
         for token_id in self.stop_token_ids:
             if not 0 <= token_id < vocab_size:
                 raise bad("stop_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")

@@ -1,6 +1,6 @@
 """Host (numpy) sampler over a step's logits rows.
 
-Order, as vLLM v1: min_tokens masking and logit_bias, then penalties (repetition over prompt
+Order, as vLLM v1: allowed_token_ids, min_tokens masking and logit_bias, then penalties (repetition over prompt
 + output with HF semantics, presence/frequency over output, OpenAI semantics); greedy rows
 take the argmax of that; the others divide by temperature, then min-p, top-k and top-p
 filter, and one uniform draw from the request's own generator picks a token by inverse CDF.
@@ -63,7 +63,7 @@ def token_logprobs(logits_row: np.ndarray, token_id: int, num_top: int,
 def _raw_logits_suffice(request: Request) -> bool:
     """No logits processor applies and no logprob is asked for."""
     p = request.params
-    return (p.logprobs is None and p.logprob_token_ids is None and not p.logit_bias
+    return (p.logprobs is None and p.logprob_token_ids is None and not p.logit_bias and p.allowed_token_ids is None
             and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
             and request.num_output_tokens >= p.min_tokens)
 
@@ -124,6 +124,10 @@ def apply_penalties_and_bias(row: np.ndarray, params: SamplingParams, prompt_ids
     """The logits a request's sampling sees (float64 copy), before temperature."""
     x = row.astype(np.float64)
     vocab = x.shape[0]
+    if params.allowed_token_ids is not None:
+        allowed = np.full(vocab, -np.inf)
+        allowed[params.allowed_token_ids] = 0.0
+        x += allowed
     if len(output_ids) < params.min_tokens:
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         banned = [t for t in banned if 0 <= t < vocab]

@@ -16,6 +16,7 @@ from vkrt.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    SamplingFields,
     TokenizeRequest,
 )
 from vkrt.server.tools import template_messages
@@ -90,6 +91,21 @@ def check_request_text(body: CompletionRequest | ChatCompletionRequest | Tokeniz
     check_text_fields(body)
 
 
+def truncated(prompt_ids: list[int], body: SamplingFields, max_model_len: int) -> list[int]:
+    """The prompt cut to vLLM's `truncate_prompt_tokens` (-1: max_model_len) from the
+    `truncation_side` end (default left: the start goes, the end the model continues stays)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max_model_len
+    if not 1 <= keep <= max_model_len:
+        raise _bad("truncate_prompt_tokens", f"must be -1 (max_model_len) or in [1, {max_model_len}], got {keep}")
+    if len(prompt_ids) <= keep:
+        return prompt_ids
+    return prompt_ids[:keep] if body.truncation_side == "right" else prompt_ids[-keep:]
+
+
 def completion_prompts(engine: EngineClient, body: CompletionRequest,
                        max_chars: int) -> list[tuple[list[int], str | None]]:
     """Each prompt of a completion request as (token ids, text or None); a string, a list of
@@ -108,12 +124,13 @@ def completion_prompts(engine: EngineClient, body: CompletionRequest,
     prompts: list[tuple[list[int], str | None]] = []
     for i, prompt in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt.{i}"
+        text: str | None = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             ids = require_tokenizer(engine, param).encode(prompt, add_special_tokens=body.add_special_tokens)
-            prompts.append((ids, prompt))
         else:  # ids outside the vocabulary are refused by the engine when it makes the request
             ids = list(prompt)
-            prompts.append((ids, None))
+        cut = truncated(ids, body, engine.max_model_len)
+        prompts.append((cut, text if len(cut) == len(ids) else None))  # a cut prompt echoes its ids' text
         if not ids:  # the engine would refuse it too, but under "prompt" rather than this one's place
             raise _bad(param, "the prompt is empty")
     return prompts

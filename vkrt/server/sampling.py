@@ -146,6 +146,7 @@ def sampling_params(body: SamplingFields, max_digits: int | None = DEFAULT_MAX_D
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
+        allowed_token_ids=body.allowed_token_ids,
         seed=body.seed,
         stop=body.stop,
         stop_token_ids=list(body.stop_token_ids or []),
