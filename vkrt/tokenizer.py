@@ -353,6 +353,11 @@ class Tokenizer:
         """How one token reads on its own (for logprobs); partial UTF-8 shows as U+FFFD."""
         return self.decode([token_id], skip_special_tokens=False)
 
+    def token_piece(self, token_id: int) -> str:
+        """The token as the vocabulary spells it ("Ġis", "▁is", "<0x0A>"), as transformers'
+        convert_ids_to_tokens gives it."""
+        return self._tok.id_to_token(token_id) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token contributes to the text (for OpenAI `bytes` fields)."""
         piece = self._tok.id_to_token(token_id)

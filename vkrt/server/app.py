@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from vkrt import __version__
 from vkrt.engine.config import SamplingParams
@@ -121,7 +124,10 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
             raise APIError(404, "metrics are disabled (--disable-metrics)", code="not_found")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    # The OpenAI routes also answer under the root path (llama-server's; the openai SDK with a
+    # base URL without /v1): the same operations, so the document lists each once.
     @app.get("/v1/models", response_model=schemas.ModelList, responses=schemas.error_responses(*_COMMON))
+    @app.get("/models", include_in_schema=False)
     async def models() -> dict[str, Any]:
         max_model_len = state.engine.max_model_len if state.ready and state.engine else None
         # The file or directory name only: the absolute path says too much about the host.
@@ -134,6 +140,7 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         200: {"model": schemas.CompletionResponse, "content": schemas.SSE,
               "description": "the completion; with stream=true, server-sent events"},
         **schemas.error_responses(*_POST, 429)})
+    @app.post("/completions", include_in_schema=False)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(state, body, raw)
 
@@ -141,8 +148,19 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         200: {"model": schemas.ChatCompletionResponse, "content": schemas.SSE,
               "description": "the chat completion; with stream=true, server-sent events"},
         **schemas.error_responses(*_POST, 429)})
+    @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
+
+    @app.post("/invocations", openapi_extra=schemas.INVOCATIONS_BODY, responses={
+        200: {"model": schemas.InvocationResponse, "content": schemas.SSE,
+              "description": "a chat completion for a body with `messages`, else a completion for one with `prompt`"},
+        **schemas.error_responses(*_POST, 429)})
+    async def invocations(raw: Request) -> Response:
+        body = await invocation_body(raw)
+        if isinstance(body, ChatCompletionRequest):
+            return await create_chat_completion(state, body, raw)
+        return await create_completion(state, body, raw)
 
     add_responses_routes(app, state, schemas.error_responses(*_POST, 429))
     add_messages_routes(app, state)  # the Anthropic Messages API
@@ -172,6 +190,25 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
     return app
 
 
+async def invocation_body(raw: Request) -> ChatCompletionRequest | CompletionRequest:
+    """POST /invocations's body as the request its shape names, as vLLM dispatches it (SageMaker
+    calls this one route): a chat request when it has `messages`, a completion with `prompt`."""
+    try:
+        payload = json.loads(await raw.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    kind: type[ChatCompletionRequest | CompletionRequest] | None = None
+    if isinstance(payload, dict):
+        kind = ChatCompletionRequest if "messages" in payload else CompletionRequest if "prompt" in payload else None
+    if kind is None:
+        raise APIError(400, "send a chat request (with 'messages') or a completion request (with 'prompt')",
+                       code="invalid_value")
+    try:
+        return kind.model_validate(payload)
+    except ValidationError as exc:  # answered as the routes answer theirs: a 400 naming the field
+        raise RequestValidationError(exc.errors()) from None
+
+
 def _tokenize(engine: EngineClient, body: TokenizeRequest, config: ServerConfig) -> dict[str, Any]:
     tokenizer = require_tokenizer(engine, "prompt")
     if body.messages is not None:
@@ -184,7 +221,8 @@ def _tokenize(engine: EngineClient, body: TokenizeRequest, config: ServerConfig)
         check_prompt_chars(len(text), config.max_prompt_chars, "prompt")
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = tokenizer.encode(text, add_special_tokens=add_special)
-    token_strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
+    # vLLM's: the vocabulary's pieces ("Ġis"), not how each token decodes alone
+    token_strs = [tokenizer.token_piece(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
 
 

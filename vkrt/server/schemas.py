@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel
 
 from vkrt.server.errors import ERROR_TYPES
 
@@ -56,6 +56,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     stop_reason: str | int | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -106,6 +108,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -117,6 +120,16 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class InvocationResponse(RootModel[ChatCompletionResponse | CompletionResponse]):
+    """What POST /invocations answers: the response of the route its body's shape picks."""
+
+
+# POST /invocations takes either request body (it reads the body itself to pick the route).
+INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+    {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]}}}}}
 
 
 class ModelCard(BaseModel):
