@@ -37,15 +37,17 @@ class RequestError(VkrtError):
     """A generation request is invalid (bad parameter, prompt too long, ...).
 
     `param` names the offending parameter; `code` is a machine-readable reason where one
-    is worth telling apart (the server sends it as the OpenAI error `code`).
+    is worth telling apart (the server sends it as the OpenAI error `code`); `details` are
+    numbers a client may act on (the server adds them to the error object).
     """
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 code: str | None = None) -> None:
+                 code: str | None = None, details: dict[str, int] | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
         self.code = code
+        self.details = details or {}
 
 
 class DeviceUnavailable(VkrtError):

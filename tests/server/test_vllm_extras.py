@@ -172,3 +172,26 @@ def test_tokenize_token_strs_are_vocabulary_pieces(serve_fake: Callable[..., Liv
     body = live.client.post("/tokenize", json={"prompt": "This is\nit", "return_token_strs": True}).json()
     assert body["token_strs"] == ["This", "Ġis", "Ċ", "it"]
     assert body["tokens"] == engine.tokenizer.encode("This is\nit")
+
+
+def test_completion_prompt_mixing_text_and_ids_is_one_prompt(fake: Live) -> None:
+    """llama-server's [12, "text", 34]: each string tokenised on its own, the ids kept as given."""
+    completion = _client(fake).completions.create(model="fake", prompt=[257, "hi", 258, "yo"], max_tokens=1,  # type: ignore[list-item]
+                                                  echo=True)
+    assert fake.engine.requests[-1][1] == [257, *b"hi", 258, *b"yo"]
+    assert len(completion.choices) == 1 and completion.choices[0].text == "hiyoa"  # special tokens decode away
+
+
+def test_context_exceeded_says_how_many_tokens(fake: Live) -> None:
+    """llama-server's n_prompt_tokens and n_ctx beside the OpenAI error fields, for either limit."""
+    client = _client(fake)
+    for extra in ({"prompt": "x" * 70}, {"prompt": "x" * 10, "max_tokens": 60}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="fake", **extra)  # type: ignore[call-overload]
+        error = caught.value.body
+        assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"  # type: ignore[index]
+        assert (error["n_prompt_tokens"], error["n_ctx"]) == (len(extra["prompt"]), 64)  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x" * 80}])
+    assert caught.value.body["param"] == "messages" and caught.value.body["n_ctx"] == 64  # type: ignore[index]
+    assert "n_ctx" not in fake.client.post("/v1/completions", json={"prompt": ""}).json()["error"]

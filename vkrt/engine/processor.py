@@ -61,7 +61,7 @@ class RequestProcessor:
             raise RequestError(
                 f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens, but the "
                 f"prompt has {len(prompt_token_ids)}, leaving no room to generate; shorten the prompt",
-                param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
+                param="prompt", code=CONTEXT_LENGTH_EXCEEDED, details=self._context(len(prompt_token_ids)))
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
@@ -73,4 +73,9 @@ class RequestProcessor:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
                 f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} to "
-                "generate); lower max_tokens", param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
+                "generate); lower max_tokens", param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED,
+                details=self._context(num_prompt_tokens))
+
+    def _context(self, num_prompt_tokens: int) -> dict[str, int]:
+        """What a context-length refusal tells the client, in llama-server's names."""
+        return {"n_prompt_tokens": num_prompt_tokens, "n_ctx": self.max_model_len}

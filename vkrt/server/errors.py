@@ -58,21 +58,25 @@ def shown(value: object) -> str:
 class APIError(Exception):
     """An error the server answers with an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 details: dict[str, int] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.details = details or {}
 
     @classmethod
     def from_request_error(cls, exc: RequestError) -> APIError:
-        return cls(exc.status, str(exc), param=exc.param, code=exc.code or "invalid_value")
+        return cls(exc.status, str(exc), param=exc.param, code=exc.code or "invalid_value", details=exc.details)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               details: dict[str, int] | None = None) -> dict[str, Any]:
+    """The OpenAI error object; `details` join it (llama-server's n_prompt_tokens and n_ctx)."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+                      "param": param, "code": code, **(details or {})}}
 
 
 # Anthropic's error `type` for each status (the Messages routes answer in Anthropic's shape).
@@ -93,8 +97,8 @@ def wants_anthropic_errors(path: str) -> bool:
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, details: dict[str, int] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, details), status_code=status, headers=headers)
 
 
 def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -129,11 +133,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
 
 
 def _answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
-            headers: dict[str, str] | None = None) -> JSONResponse:
+            headers: dict[str, str] | None = None, details: dict[str, int] | None = None) -> JSONResponse:
     """The error in the shape the route's API speaks: Anthropic's on the Messages routes."""
     if wants_anthropic_errors(request.url.path):
         return anthropic_error_response(status, message, headers)
-    return error_response(status, message, param, code, headers)
+    return error_response(status, message, param, code, headers, details)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -141,12 +145,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return _answer(request, exc.status, exc.message, exc.param, exc.code)
+        return _answer(request, exc.status, exc.message, exc.param, exc.code, details=exc.details)
 
     async def on_request_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestError)
         err = APIError.from_request_error(exc)
-        return _answer(request, err.status, err.message, err.param, err.code)
+        return _answer(request, err.status, err.message, err.param, err.code, details=err.details)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         # Validation failures are 400 (as OpenAI and vLLM answer), never FastAPI's 422.

@@ -20,6 +20,7 @@ from vkrt.server.protocol import (
     TokenizeRequest,
 )
 from vkrt.server.tools import template_messages
+from vkrt.tokenizer import Tokenizer
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -109,24 +110,27 @@ def truncated(prompt_ids: list[int], body: SamplingFields, max_model_len: int) -
 def completion_prompts(engine: EngineClient, body: CompletionRequest,
                        max_chars: int) -> list[tuple[list[int], str | None]]:
     """Each prompt of a completion request as (token ids, text or None); a string, a list of
-    ids, a list of strings or a list of id lists (CPU work: run it off the loop)."""
+    ids, a list of strings, a list of id lists, or llama-server's one prompt of text and ids
+    mixed (`[12, "text", 34]`) (CPU work: run it off the loop)."""
     raw: Any = body.prompt
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(x, int) for x in raw)):
+    kinds = {type(x) for x in raw} if isinstance(raw, list) else set()
+    if isinstance(raw, str) or (raw and kinds <= {int, str} and int in kinds):
         raw = [raw]
     if not raw:
         raise _bad("prompt", "the prompt is empty")
     kinds = {type(x) for x in raw}
-    if len(kinds) > 1 and str in kinds:
-        raise _bad("prompt", "mixes text and token ids; send a list of strings or a list of token-id lists")
-    if len(kinds) > 1 or int in kinds:
-        raise _bad("prompt", "mixes token ids and lists of token ids; send one list of ids per prompt")
-    check_prompt_chars(sum(len(x) for x in raw if isinstance(x, str)), max_chars, "prompt")
+    if len(kinds) > 1:
+        raise _bad("prompt", "mixes lists of token ids with text or ids; send a list of strings, a list of "
+                   "token-id lists, or one prompt of text and ids")
+    check_prompt_chars(sum(_chars(x) for x in raw), max_chars, "prompt")
     prompts: list[tuple[list[int], str | None]] = []
     for i, prompt in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt.{i}"
         text: str | None = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             ids = require_tokenizer(engine, param).encode(prompt, add_special_tokens=body.add_special_tokens)
+        elif any(isinstance(piece, str) for piece in prompt):
+            ids = _mixed_ids(require_tokenizer(engine, param), prompt, body.add_special_tokens)
         else:  # ids outside the vocabulary are refused by the engine when it makes the request
             ids = list(prompt)
         cut = truncated(ids, body, engine.max_model_len)
@@ -134,6 +138,23 @@ def completion_prompts(engine: EngineClient, body: CompletionRequest,
         if not ids:  # the engine would refuse it too, but under "prompt" rather than this one's place
             raise _bad(param, "the prompt is empty")
     return prompts
+
+
+def _chars(prompt: str | list[Any]) -> int:
+    """The characters of text in one prompt (its strings, for a mixed one)."""
+    return len(prompt) if isinstance(prompt, str) else sum(len(piece) for piece in prompt if isinstance(piece, str))
+
+
+def _mixed_ids(tokenizer: Tokenizer, pieces: list[int | str], add_special_tokens: bool) -> list[int]:
+    """A prompt of text and ids as llama-server tokenises it: each string on its own, the ids as
+    given, special tokens (a BOS) only where the prompt starts with text."""
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, str):
+            ids += tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0)
+        else:
+            ids.append(piece)
+    return ids
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -110,7 +110,7 @@ def _renamed(exc: APIError) -> APIError:
         return exc
     param = _PARAMS[head] + exc.param[len(head):]
     message = exc.message.replace(exc.param, param, 1) if exc.message.startswith(exc.param) else exc.message
-    return APIError(exc.status, message, param=param, code=exc.code)
+    return APIError(exc.status, message, param=param, code=exc.code, details=exc.details)
 
 
 def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:

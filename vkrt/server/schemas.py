@@ -18,6 +18,9 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None
     code: str | None
+    # with code context_length_exceeded, as llama-server's: the prompt's tokens and the context
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
 
 
 class ErrorResponse(BaseModel):
