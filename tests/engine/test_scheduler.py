@@ -161,3 +161,16 @@ def test_prompt_logprobs_minus_one_scores_the_whole_vocabulary(make_llm: Callabl
         assert sorted(alt.token_id for alt in entry.top) == list(range(lp.shape[1]))
         assert [alt.rank for alt in entry.top] == list(range(1, lp.shape[1] + 1))
         assert max(abs(alt.logprob - lp[i - 1, alt.token_id]) for alt in entry.top) < 1e-4
+
+
+def test_steps_are_counted_by_the_tokens_they_ran(make_llm: Callable[..., LLM]) -> None:
+    """vllm:iteration_tokens_total's source: a 20-token prompt in chunks of 8, 8 and 4, then 3
+    one-token decode steps."""
+    from vkrt.engine.engine import STEP_TOKEN_BUCKETS
+
+    llm = make_llm(max_num_batched_tokens=8)
+    llm.generate([list(range(30, 50))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    totals = llm.engine.totals
+    by_bound = dict(zip((*STEP_TOKEN_BUCKETS, "above"), totals.steps_by_tokens, strict=True))
+    assert (by_bound[1], by_bound[8], by_bound[16]) == (3, 3, 0) and sum(totals.steps_by_tokens) == totals.steps
+    assert totals.step_tokens == 20 + 3

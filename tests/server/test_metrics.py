@@ -107,3 +107,42 @@ def test_prefix_caching_and_state_slots_are_gauges() -> None:
     dense = gauges(EngineMetrics(prefix_caching=True))
     assert (dense["vkrt_prefix_caching_enabled"], dense["vkrt_num_state_slots"],
             dense["vkrt_num_state_snapshots"]) == (1, 0, 0)
+
+
+def test_vllm_request_params_histograms(fake: Live) -> None:
+    """vllm:request_params_n once per prompt, with its choices; vllm:request_params_max_tokens per
+    request, what the context left where max_tokens was not given (the fake's context is 64)."""
+    fake.client.post("/v1/completions", json={"prompt": ["hi", "yo"], "n": 3, "max_tokens": 2})
+    fake.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 7})
+    fake.client.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": None})
+    after = scrape(fake)
+    label = (("model_name", "fake"),)
+    assert after[("vllm:request_params_n_count", label)] == 4  # two prompts, then one, then one
+    assert after[("vllm:request_params_n_sum", label)] == 3 + 3 + 1 + 1
+    assert after[("vllm:request_params_n_bucket", (("le", "2.0"), *label))] == 2
+    assert after[("vllm:request_params_n_bucket", (("le", "5.0"), *label))] == 4
+    assert after[("vllm:request_params_max_tokens_count", label)] == 6 + 1 + 1
+    assert after[("vllm:request_params_max_tokens_sum", label)] == 6 * 2 + 7 + 16  # completions default to 16
+    fake.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    prompt = len(fake.engine.requests[-1][1])
+    assert scrape(fake)[("vllm:request_params_max_tokens_sum", label)] == 6 * 2 + 7 + 16 + 64 - prompt
+
+
+def test_iteration_tokens_histogram_counts_steps_by_tokens() -> None:
+    """vllm:iteration_tokens_total under vLLM's buckets, from the engine's steps-by-tokens counts."""
+    from vkrt.engine.async_llm import EngineMetrics
+    from vkrt.engine.engine import STEP_TOKEN_BUCKETS
+    from vkrt.server.metrics import ServerMetrics
+
+    per_bucket = [3, 2] + [0] * (len(STEP_TOKEN_BUCKETS) - 2) + [1]  # 3 steps of 1 token, 2 of 2..8, 1 huge
+    text = ServerMetrics(lambda: EngineMetrics(steps_by_tokens=tuple(per_bucket), step_tokens=20003),
+                         "m").render().decode()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:iteration_tokens_total"]
+    assert family.type == "histogram"
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("vllm:iteration_tokens_total_bucket", "1.0")] == 3
+    assert samples[("vllm:iteration_tokens_total_bucket", "8.0")] == 5
+    assert samples[("vllm:iteration_tokens_total_bucket", "16384.0")] == 5
+    assert samples[("vllm:iteration_tokens_total_bucket", "+Inf")] == 6
+    assert samples[("vllm:iteration_tokens_total_count", None)] == 6
+    assert samples[("vllm:iteration_tokens_total_sum", None)] == 20003

@@ -41,6 +41,9 @@ VLLM_METRICS = {
     "vllm:request_inference_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
 }
 
 
@@ -80,6 +83,12 @@ def test_vllm_metric_names_and_types(live: LiveModel) -> None:
         assert value(name, "_count") == 2, name
     assert value("vllm:inter_token_latency_seconds", "_count") == 4  # 2 gaps in each of 3 tokens
     assert value("vllm:request_generation_tokens", "_sum") == 6
+    assert value("vllm:request_params_n", "_sum") == 2 and value("vllm:request_params_max_tokens", "_sum") == 6
+    # A prefill and two decode steps each, and the warm-up's; the repeat's prefill runs only what
+    # the prefix cache did not hold.
+    totals = live.engine.engine.totals
+    assert value("vllm:iteration_tokens_total", "_count") == totals.steps >= 6
+    assert value("vllm:iteration_tokens_total", "_sum") == totals.step_tokens >= usages[0]["prompt_tokens"] + 4
     assert value("vllm:num_requests_running") == 0
     (info,) = families["vllm:cache_config_info"].samples
     blocks = live.engine.engine.block_manager

@@ -195,3 +195,30 @@ def test_context_exceeded_says_how_many_tokens(fake: Live) -> None:
         client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x" * 80}])
     assert caught.value.body["param"] == "messages" and caught.value.body["n_ctx"] == 64  # type: ignore[index]
     assert "n_ctx" not in fake.client.post("/v1/completions", json={"prompt": ""}).json()["error"]
+
+
+CHAT_TURN = "<|im_start|>user\nx<|im_end|>\n"
+
+
+@pytest.mark.parametrize(("flags", "prompt"), [
+    ({}, CHAT_TURN + "<|im_start|>assistant\nThe answer is"),  # llama-server's prefill
+    ({"add_generation_prompt": False, "continue_final_message": True}, CHAT_TURN + "<|im_start|>assistant\nThe answer is"),
+    ({"add_generation_prompt": True}, CHAT_TURN + "<|im_start|>assistant\nThe answer is<|im_end|>\n<|im_start|>assistant\n"),
+])
+def test_a_final_assistant_message_is_continued(fake: Live, flags: dict[str, Any], prompt: str) -> None:
+    """Unless the client asks for a new turn, the reply goes on from the final assistant text,
+    and /tokenize renders the conversation the same way."""
+    messages: Any = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}]
+    _client(fake).chat.completions.create(model="fake", messages=messages, max_tokens=1, extra_body=flags)
+    assert fake.engine.requests[-1][1] == fake.engine.tokenizer.encode(prompt)
+    tokens = fake.client.post("/tokenize", json={"messages": messages, **flags}).json()["tokens"]
+    assert tokens == fake.engine.tokenizer.encode(prompt)
+
+
+def test_a_final_assistant_tool_call_opens_a_new_turn(fake: Live) -> None:
+    messages: Any = [{"role": "user", "content": "x"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    _client(fake).chat.completions.create(model="fake", messages=messages, max_tokens=1)
+    assert fake.engine.tokenizer.decode(fake.engine.requests[-1][1], skip_special_tokens=False) \
+        .endswith("<|im_end|>\n<|im_start|>assistant\n")

@@ -47,6 +47,8 @@ class EngineMetrics:
     num_state_snapshots: int = 0  # a hybrid's prefix-cache state snapshot slots (0: none)
     num_cached_state_snapshots: int = 0  # of which hold the state after a cached prefix
     steps: int = 0
+    steps_by_tokens: tuple[int, ...] = ()  # steps per STEP_TOKEN_BUCKETS bucket (the last: above them all)
+    step_tokens: int = 0  # tokens run, over all steps
     nonfinite_logits: int = 0  # requests ended because their logits held NaN or Inf
     out_of_memory_steps: int = 0  # steps the device refused for lack of memory
     device: str = ""  # the device the model runs on, as its backend names it ("" before the load)
@@ -317,6 +319,8 @@ class AsyncLLM:
             num_state_snapshots=blocks.snapshots.num_slots if blocks.snapshots is not None else 0,
             num_cached_state_snapshots=blocks.snapshots.num_cached if blocks.snapshots is not None else 0,
             steps=totals.steps,
+            steps_by_tokens=tuple(totals.steps_by_tokens),
+            step_tokens=totals.step_tokens,
             nonfinite_logits=totals.nonfinite_logits,
             out_of_memory_steps=totals.out_of_memory_steps,
             device=self._device[0],

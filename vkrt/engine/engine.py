@@ -7,6 +7,7 @@ the engine in a loop; AsyncLLM drives it from a background thread.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -58,11 +59,19 @@ class IterationStats:
     spec: SpecStats = field(default_factory=SpecStats)  # this step's verified proposals
 
 
+# Upper bounds of the steps-by-tokens histogram: vLLM's buckets of vllm:iteration_tokens_total.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class EngineTotals:
     """Running totals since start (the facades derive tok/s and per-step averages from these)."""
 
     steps: int = 0
+    # Steps by the tokens they ran: steps_by_tokens[i] counts those with at most
+    # STEP_TOKEN_BUCKETS[i] tokens and more than the bound before (the last: more than all).
+    steps_by_tokens: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+    step_tokens: int = 0  # tokens run, over all steps
     prompt_tokens: int = 0
     generation_tokens: int = 0
     # A step with any prefill token counts as prefill time; pure-decode steps as decode time.
@@ -456,6 +465,8 @@ class EngineCore:
         totals = self.totals
         step = stats.step
         totals.steps += 1
+        totals.steps_by_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, step.num_tokens)] += 1
+        totals.step_tokens += step.num_tokens
         totals.prompt_tokens += stats.num_prompt_tokens
         totals.generation_tokens += stats.num_generation_tokens
         totals.spec.add(stats.spec)

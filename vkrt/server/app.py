@@ -31,7 +31,7 @@ from vkrt.server.errors import APIError, install_error_handlers, shown
 from vkrt.server.generation import ServerState
 from vkrt.server.messages_api import add_messages_routes
 from vkrt.server.middleware import ServerMiddleware
-from vkrt.server.prompts import chat_prompt, check_prompt_chars, check_request_text
+from vkrt.server.prompts import chat_prompt, check_prompt_chars, check_request_text, turn_flags
 from vkrt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -212,8 +212,7 @@ async def invocation_body(raw: Request) -> ChatCompletionRequest | CompletionReq
 def _tokenize(engine: EngineClient, body: TokenizeRequest, config: ServerConfig) -> dict[str, Any]:
     tokenizer = require_tokenizer(engine, "prompt")
     if body.messages is not None:
-        text, ids = chat_prompt(engine, body.messages, body.add_generation_prompt, body.continue_final_message,
-                                body.chat_template_kwargs, config)
+        text, ids = chat_prompt(engine, body.messages, *turn_flags(body), body.chat_template_kwargs, config)
         if body.add_special_tokens:  # off by default: the template writes its own BOS
             ids = tokenizer.encode(text, add_special_tokens=True)
     else:

@@ -85,6 +85,8 @@ def start_candidates(state: ServerState, response_id: str, opened: list[list[Can
     except BaseException:
         release_all(groups)
         raise
+    for group in groups:
+        state.metrics.observe_choices(len(group))
     return CandidateSet(response_id, groups)
 
 

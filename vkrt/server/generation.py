@@ -207,7 +207,15 @@ class Generation:
                 log.info("request %s ended (%s) after %d tokens", self.request_id, result.finish_reason,
                          len(result.token_ids))
             state.metrics.record_finished(result.finish_reason, len(result.prompt_token_ids),
-                                          len(result.token_ids), self.arrival_time, result.engine_metrics)
+                                          len(result.token_ids), self.arrival_time, result.engine_metrics,
+                                          self._max_tokens())
+
+    def _max_tokens(self) -> int | None:
+        """The most this request could generate: its max_tokens, or what the context left."""
+        if self.params.max_tokens is not None:
+            return self.params.max_tokens
+        engine = self.state.engine
+        return None if engine is None else engine.max_model_len - len(self.result.prompt_token_ids)
 
     def _absorb(self, output: RequestOutput) -> Update:
         """Add one delta output to the result; the update it makes."""

@@ -16,10 +16,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from vkrt.engine.async_llm import EngineMetrics
+from vkrt.engine.engine import STEP_TOKEN_BUCKETS
 from vkrt.engine.request import RequestMetrics
 from vkrt.engine.speculative import SpecStats
 
@@ -30,6 +37,7 @@ _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's for vllm:request_params_n
 
 
 # Device counters always exported, even before the first step; others appear once reported.
@@ -115,8 +123,21 @@ class _EngineCollector(Collector):
             info.add_metric([str(stats.block_size), str(stats.num_kv_blocks), stats.kv_cache_dtype,
                              str(stats.prefix_caching)], 1)
         yield info
+        yield self._iteration_tokens(stats)
         if stats.spec is not None:  # only when the engine speculates (--speculative-config)
             yield from self._spec_decode(stats.spec)
+
+    def _iteration_tokens(self, stats: EngineMetrics) -> HistogramMetricFamily:
+        """vLLM's histogram of tokens per engine step (a histogram despite its _total name)."""
+        family = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens run per engine step.",
+                                       labels=["model_name"])
+        per_bucket = stats.steps_by_tokens or (0,) * (len(STEP_TOKEN_BUCKETS) + 1)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(floatToGoString, STEP_TOKEN_BUCKETS), "+Inf"), per_bucket, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric([self._model_name], buckets, sum_value=stats.step_tokens)
+        return family
 
     def _spec_decode(self, spec: SpecStats) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters: a draft is one request's proposals in one step."""
@@ -165,13 +186,21 @@ class ServerMetrics:
         self._vllm.itl.observe(seconds)
 
     def record_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
-                        arrival_time: float | None = None, stamps: RequestMetrics | None = None) -> None:
+                        arrival_time: float | None = None, stamps: RequestMetrics | None = None,
+                        max_tokens: int | None = None) -> None:
         """Count a finished request; `arrival_time` (the server's) and the engine's `stamps`
-        give its end-to-end, queue, prefill, decode and inference times."""
+        give its end-to-end, queue, prefill, decode and inference times; `max_tokens` is the
+        most it could generate (its parameter, or what the context left)."""
         self.requests.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self._vllm.record(finish_reason, prompt_tokens, generation_tokens, arrival_time, stamps)
+        if max_tokens is not None:
+            self._vllm.max_tokens.observe(max_tokens)
+
+    def observe_choices(self, num_choices: int) -> None:
+        """A prompt's choices (its n, or best_of candidates), once per prompt as it starts."""
+        self._vllm.n.observe(num_choices)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -212,6 +241,9 @@ class _VllmRequestMetrics:
                                                _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.n = histogram("vllm:request_params_n", "Choices asked for per prompt (n, or best_of).", _N_BUCKETS)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "max_tokens per request (what the context "
+                                    "left, where it was not given).", _TOKEN_BUCKETS)
 
     def record(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
                arrival_time: float | None, stamps: RequestMetrics | None) -> None:

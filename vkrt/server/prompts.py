@@ -177,6 +177,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def turn_flags(body: ChatCompletionRequest | TokenizeRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) for rendering `body`'s messages. A final
+    assistant message with text, and neither flag sent, is continued (llama-server's prefill:
+    the reply goes on from that text), not closed by a new turn; sent flags are as vLLM reads them."""
+    if {"add_generation_prompt", "continue_final_message"} & body.model_fields_set or not body.messages:
+        return body.add_generation_prompt, body.continue_final_message
+    final = body.messages[-1]
+    prefill = (final.role == "assistant" and bool(final.content) and not (final.model_extra or {}).get("tool_calls"))
+    return (False, True) if prefill else (body.add_generation_prompt, body.continue_final_message)
+
+
 def _message_chars(dicts: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) for m in dicts if isinstance(m.get("content"), str))
 

@@ -115,8 +115,9 @@ def _renamed(exc: APIError) -> APIError:
 
 def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates what `body` asks for."""
+    # A new turn always: input ending in an assistant message is history, never a prefill.
     fields: dict[str, Any] = {"messages": to_messages(body), "stream": body.stream,
-                              "parallel_tool_calls": body.parallel_tool_calls}
+                              "parallel_tool_calls": body.parallel_tool_calls, "add_generation_prompt": True}
     for name, value in (("model", body.model), ("max_completion_tokens", body.max_output_tokens),
                         ("temperature", body.temperature), ("top_p", body.top_p), ("user", body.user)):
         if value is not None:
