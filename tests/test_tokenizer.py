@@ -91,9 +91,10 @@ def test_from_model_accepts_loaded_model(smollm2_path: Path) -> None:
 # ---- SentencePiece-llama vocabulary in a GGUF -------------------------------------------
 
 
-def _spm_gguf(path: Path, model: str = "llama", arch: str = "llama", add_space_prefix: bool | None = None
-              ) -> dict[str, int]:
-    """A SentencePiece-style GGUF vocabulary of 5 merged pieces, byte tokens and 3 specials."""
+def _spm_gguf(path: Path, model: str = "llama", arch: str = "llama", add_space_prefix: bool | None = None,
+              token_ids: dict[str, int] | None = None) -> dict[str, int]:
+    """A SentencePiece-style GGUF vocabulary of 5 merged pieces, byte tokens and 3 specials;
+    `token_ids` adds tokenizer.ggml.* keys naming tokens."""
     pieces = ["▁h", "ll", "▁he", "llo", "▁hello"]  # merged in this order (descending score)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += ["▁", "h", "e", "l", "o"] + pieces
@@ -108,6 +109,8 @@ def _spm_gguf(path: Path, model: str = "llama", arch: str = "llama", add_space_p
     w.add_eos_token_id(2)
     if add_space_prefix is not None:
         w.add_add_space_prefix(add_space_prefix)
+    for key, value in (token_ids or {}).items():
+        w.add_uint32(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -125,6 +128,22 @@ def test_sentencepiece_gguf(tmp_path: Path) -> None:
     assert tok.encode("hello", add_special_tokens=False) == [vocab["▁hello"]]
     assert tok.token_bytes(vocab["<0xC3>"]) == b"\xc3"
     assert tok.eos_token_ids == (2,)
+
+
+def test_fim_tokens_from_gguf_keys_or_their_spelling(tmp_path: Path) -> None:
+    """CodeLlama-style GGUFs name their infill tokens by key; a vocabulary that spells them as
+    Qwen2.5-Coder does (the fixture) needs no key; a key outside the vocabulary is refused."""
+    keys = {"tokenizer.ggml.fim_pre_token_id": 259, "tokenizer.ggml.fim_suf_token_id": 260,
+            "tokenizer.ggml.fim_mid_token_id": 261}
+    _spm_gguf(tmp_path / "fim.gguf", token_ids=keys)
+    assert Tokenizer.from_gguf(tmp_path / "fim.gguf").fim_token_ids == {"prefix": 259, "suffix": 260, "middle": 261}
+    _spm_gguf(tmp_path / "plain.gguf")
+    assert Tokenizer.from_gguf(tmp_path / "plain.gguf").fim_token_ids == {}
+    _spm_gguf(tmp_path / "bad.gguf", token_ids={"tokenizer.ggml.fim_sep_token_id": 5000})
+    with pytest.raises(ModelFormatError, match="fim_sep_token_id"):
+        Tokenizer.from_gguf(tmp_path / "bad.gguf")
+    qwen = Tokenizer.from_hf_dir(Path(__file__).parent / "fixtures" / "tiny_fim_tokenizer")
+    assert qwen.fim_token_ids == {"prefix": 321, "middle": 322, "suffix": 323, "repo": 325, "file_sep": 326}
 
 
 def test_unsupported_tokenizer_model(tmp_path: Path) -> None:

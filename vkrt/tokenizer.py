@@ -131,6 +131,17 @@ def _token_id_or_none(tok: HFTokenizer, content: Any) -> int | None:
     return tok.token_to_id(content) if isinstance(content, str) else None
 
 
+# Fill-in-the-middle roles: the GGUF key naming each one's token, and how vocabularies spell
+# it (Qwen2.5-Coder's, then StarCoder's), for a tokenizer whose file names none.
+FIM_ROLES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "prefix": ("tokenizer.ggml.fim_pre_token_id", ("<|fim_prefix|>", "<fim_prefix>")),
+    "suffix": ("tokenizer.ggml.fim_suf_token_id", ("<|fim_suffix|>", "<fim_suffix>")),
+    "middle": ("tokenizer.ggml.fim_mid_token_id", ("<|fim_middle|>", "<fim_middle>")),
+    "repo": ("tokenizer.ggml.fim_rep_token_id", ("<|repo_name|>", "<repo_name>")),
+    "file_sep": ("tokenizer.ggml.fim_sep_token_id", ("<|file_sep|>", "<file_sep>")),
+}
+
+
 class Tokenizer:
     """Text <-> token ids, plus the model's chat template."""
 
@@ -142,6 +153,7 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         chat_template: str | None,
         byte_level: bool,
+        fim_token_ids: dict[str, int] | None = None,
     ) -> None:
         self._tok = tokenizer
         self._bos_token_id = bos_token_id
@@ -151,6 +163,11 @@ class Tokenizer:
         self._template = ChatTemplate(chat_template) if chat_template else None
         self._byte_level = byte_level
         self._text_tok: HFTokenizer | None = None  # a copy that reads special-token text as text
+        self._fim_token_ids = dict(fim_token_ids or {})
+        for role, (_, spellings) in FIM_ROLES.items():
+            found = next((i for i in map(tokenizer.token_to_id, spellings) if i is not None), None)
+            if found is not None:
+                self._fim_token_ids.setdefault(role, found)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -288,12 +305,14 @@ class Tokenizer:
             get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         ]
         eos_ids += [i for i, (t, k) in enumerate(zip(tokens, token_types, strict=True)) if k == _TOKEN_CONTROL and t in _EOG_TEXTS]
+        fim = {role: get(key) for role, (key, _) in FIM_ROLES.items()}
         return cls(
             tok,
             bos_token_id=bos,
             eos_token_ids=[i for i in eos_ids if isinstance(i, int)],
             chat_template=get("tokenizer.chat_template"),
             byte_level=byte_level,
+            fim_token_ids={role: i for role, i in fim.items() if isinstance(i, int)},
         )
 
     # ---- properties ---------------------------------------------------------------------
@@ -314,6 +333,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    @property
+    def fim_token_ids(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens the vocabulary has, by role (FIM_ROLES): from the GGUF's
+        keys, else found by their spelling; empty for a model without them."""
+        return self._fim_token_ids
 
     @property
     def bos_token(self) -> str | None:

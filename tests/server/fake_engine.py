@@ -40,7 +40,10 @@ SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>",
             # Seed-OSS's think and tool-call tags (vkrt/server/reasoning.py, tool_xml.py)
             266: "<seed:think>", 267: "</seed:think>", 268: "<seed:tool_call>", 269: "</seed:tool_call>",
             # Hermes's and Mistral's call tags, special tokens in some vocabularies (vkrt/server/tools.py)
-            270: "<tool_call>", 271: "</tool_call>", 272: "[TOOL_CALLS]"}
+            270: "<tool_call>", 271: "</tool_call>", 272: "[TOOL_CALLS]",
+            # Qwen2.5-Coder's fill-in-the-middle tokens (vkrt/server/infill.py)
+            273: "<|fim_prefix|>", 274: "<|fim_suffix|>", 275: "<|fim_middle|>", 276: "<|repo_name|>",
+            277: "<|file_sep|>"}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -52,6 +55,8 @@ class FakeTokenizer:
 
     eos_token_ids = (EOS,)
     vocab_size = 256 + len(SPECIALS)
+
+    fim_token_ids = {"prefix": 273, "suffix": 274, "middle": 275, "repo": 276, "file_sep": 277}
 
     def __init__(self, chat_template: str = CHATML) -> None:
         self.chat_template = chat_template

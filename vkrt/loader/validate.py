@@ -192,7 +192,8 @@ GGUF_NUMBERS = (
 )
 GGUF_TOKEN_IDS = tuple(
     f"tokenizer.ggml.{name}_token_id"
-    for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "mask")
+    for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "mask",
+                 "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
 )
 GGUF_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
 

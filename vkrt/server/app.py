@@ -29,6 +29,7 @@ from vkrt.server.config import PUBLIC_PATHS, ServerConfig
 from vkrt.server.engine_client import EngineClient, require_tokenizer
 from vkrt.server.errors import APIError, install_error_handlers, shown
 from vkrt.server.generation import ServerState
+from vkrt.server.infill import create_infill
 from vkrt.server.messages_api import add_messages_routes
 from vkrt.server.middleware import ServerMiddleware
 from vkrt.server.prompts import chat_prompt, check_prompt_chars, check_request_text, turn_flags
@@ -36,6 +37,7 @@ from vkrt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    InfillRequest,
     TokenizeRequest,
 )
 from vkrt.server.responses import check_model
@@ -161,6 +163,13 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
         if isinstance(body, ChatCompletionRequest):
             return await create_chat_completion(state, body, raw)
         return await create_completion(state, body, raw)
+
+    @app.post("/infill", responses={
+        200: {"model": schemas.InfillResponse, "content": schemas.SSE,
+              "description": "the code between prefix and suffix; with stream=true, server-sent events"},
+        **schemas.error_responses(*_POST, 429)})
+    async def infill(body: InfillRequest, raw: Request) -> Response:
+        return await create_infill(state, body, raw)
 
     add_responses_routes(app, state, schemas.error_responses(*_POST, 429))
     add_messages_routes(app, state)  # the Anthropic Messages API

@@ -102,6 +102,23 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+class InfillChunk(_Body):
+    """One file of llama-server's `input_extra`: context from elsewhere in the project."""
+
+    text: str
+    filename: str = "tmp"  # llama-server's default
+
+
+class InfillRequest(SamplingFields):
+    """llama-server's /infill: the code before and after the cursor, other files as context."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] = Field(default_factory=list)
+    prompt: str = ""  # written after input_prefix: the start of the line being completed
+    n_predict: int | None = None  # llama-server's max_tokens; -1: until the context is full
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_call_id, tool_calls, ...) pass through to the chat template.
     model_config = ConfigDict(extra="allow", strict=True)

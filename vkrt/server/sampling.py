@@ -19,6 +19,7 @@ from vkrt.server.errors import APIError, shown
 from vkrt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    InfillRequest,
     SamplingFields,
     StructuredOutputs,
 )
@@ -43,7 +44,8 @@ def check_unsupported(body: SamplingFields) -> None:
                    "'json_schema' or 'structural_tag'")
     if isinstance(body, CompletionRequest):
         if body.suffix:
-            raise _bad("suffix", "not supported: vkrt has no fill-in-the-middle; put the text in the prompt")
+            raise _bad("suffix", "not supported on /v1/completions; for fill-in-the-middle send input_prefix and "
+                       "input_suffix to POST /infill (a model with FIM tokens)")
         if body.best_of is not None and body.best_of < body.n:
             raise _bad("best_of", f"must be >= n ({body.n}), got {body.best_of}")
         if body.stream and body.best_of is not None and body.best_of > body.n:
@@ -122,10 +124,14 @@ def guided_decoding(body: SamplingFields) -> tuple[GuidedDecoding, str] | None:
 def sampling_params(body: SamplingFields, max_digits: int | None = DEFAULT_MAX_DIGITS) -> SamplingParams:
     """The OpenAI fields as SamplingParams (400 only for what cannot be mapped at all); a JSON
     schema constraint bounds its numbers to `max_digits` digits (the server's --json-max-digits)."""
+    max_tokens: int | None
     if isinstance(body, ChatCompletionRequest):
         # None: until the context is full.
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    elif isinstance(body, InfillRequest):  # llama-server's n_predict, -1 (its default) until the context is full
+        max_tokens = body.n_predict if body.n_predict is not None else body.max_tokens
+        max_tokens, logprobs = (None if max_tokens == -1 else max_tokens), None
     else:
         assert isinstance(body, CompletionRequest)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS

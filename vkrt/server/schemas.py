@@ -135,6 +135,20 @@ INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/j
     {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]}}}}}
 
 
+class InfillResponse(BaseModel):
+    """POST /infill's answer, in llama-server's shape (its last stream event has the same fields)."""
+
+    content: str
+    stop: bool
+    model: str
+    stop_type: Literal["eos", "word", "limit"]
+    stopping_word: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    tokens_cached: int
+    truncated: bool  # the prompt was cut to fit the context
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
