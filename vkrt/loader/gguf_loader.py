@@ -6,6 +6,7 @@ import functools
 import logging
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.gguf_fields import gguf_fields, gguf_mtp_layers
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
 from vkrt.loader.normalize import model_config
+from vkrt.loader.pooling import gguf_pooling
 from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
@@ -190,6 +192,7 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
         validate.layer_count(str(path), mtp.start if mtp else meta[f"{arch}.block_count"], weights)
     fields = gguf_fields(path, spec, arch, meta, reader, weights, _vocab_size(path, reader, weights))
     config = model_config(fields, spec, name=str(meta.get("general.name", path.stem)))
+    config = replace(config, **gguf_pooling(path, meta.get(f"{arch}.pooling_type")))
     validate.model_config(str(path), config, weights)
     if spec.gguf_qk_permuted:
         for i in range(config.num_layers):
