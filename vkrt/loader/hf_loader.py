@@ -212,6 +212,8 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 hf_name = _LANGUAGE_MODEL[prefix] + hf_name[len(prefix):]
             if labels and hf_name == "score.weight":
                 hf_name = "lm_head.weight"
+            elif not hf_name.startswith(spec.hf_prefix) and _canonical_name(spec, f"{spec.hf_prefix}.{hf_name}"):
+                hf_name = f"{spec.hf_prefix}.{hf_name}"  # a base model saved alone (Qwen3-Embedding)
             layer = _LAYER_INDEX.match(hf_name[len(spec.hf_prefix) + 1:]) if hf_name.startswith(spec.hf_prefix) else None
             if layer and int(layer.group(1)) in mtp:
                 skipped["the multi-token-prediction layers"] += 1
