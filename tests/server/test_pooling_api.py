@@ -161,3 +161,14 @@ def test_embeddings_run_beside_a_generation(embed_url: str) -> None:
     completion, embeddings = asyncio.run(both())
     assert completion.usage.completion_tokens == 8 or completion.choices[0].finish_reason == "stop"
     np.testing.assert_allclose(embeddings.data[3].embedding, normalised(GOLDEN["embeddings"][3]["last"]), atol=TOL)
+
+
+def test_routes_in_the_openapi_document_and_on_the_fake_engine(fake: Any) -> None:
+    paths = fake.client.get("/openapi.json").json()["paths"]
+    for path, schema in (("/v1/embeddings", "EmbeddingResponse"), ("/v1/rerank", "RerankResponse"),
+                         ("/score", "ScoreResponse"), ("/v1/score", "ScoreResponse")):
+        responses = paths[path]["post"]["responses"]
+        assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith(f"/{schema}")
+        assert {"400", "401", "404", "413", "429", "500", "503"} <= set(responses)
+    reply = fake.client.post("/v1/embeddings", json={"input": ["ab", "ba"]}).json()  # the fuzzing lanes' engine
+    assert reply["data"][0]["embedding"] == reply["data"][1]["embedding"] and reply["usage"]["prompt_tokens"] == 4
