@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from model_files import V, write_gguf
 
 from vkrt.errors import UnsupportedModelError
 from vkrt.loader import load_model
@@ -62,7 +63,13 @@ def test_sequence_classification_head_is_the_lm_head() -> None:
     assert loaded.weights["lm_head"].shape == (1, loaded.config.hidden_size)
 
 
-def test_gguf_pooling_type() -> None:
+def test_a_gguf_pooling_type_is_read(tmp_path: Path) -> None:
+    config = load_model(write_gguf(tmp_path / "m.gguf", metadata={"llama.pooling_type": (2, V.UINT32)})).config
+    assert (config.pooling, config.pooling_normalize) == ("cls", True)
+    assert load_model(write_gguf(tmp_path / "plain.gguf")).config.pooling == ""
+
+
+def test_gguf_pooling_types() -> None:
     path = Path("m.gguf")
     assert gguf_pooling(path, None) == {} and gguf_pooling(path, 0) == {}
     assert gguf_pooling(path, 1) == {"pooling": "mean", "pooling_normalize": True}

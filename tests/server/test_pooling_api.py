@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,6 +120,14 @@ def test_yes_no_reranker_scores_equal_transformers(embed_url: str) -> None:
                         timeout=60).json()
     assert [d["index"] for d in scored["data"]] == [0, 1, 2]
     assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=TOL)
+
+
+def test_a_qwen3_reranker_by_name_needs_no_flag(tmp_path: Path) -> None:
+    model = shutil.copytree(EMBED, tmp_path / "Qwen3-Reranker-tiny")
+    rerank = GOLDEN["rerank"]
+    with serve(model) as url:
+        reply = httpx.post(f"{url}/score", json={"text_1": rerank["query"], "text_2": rerank["documents"]}, timeout=60)
+    assert [d["score"] for d in reply.json()["data"]] == pytest.approx(rerank["yes_no_scores"], abs=TOL)
 
 
 def test_classifier_scores_equal_transformers(seqcls_url: str) -> None:

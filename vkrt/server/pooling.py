@@ -5,7 +5,8 @@ generation requests, so several prompts share prefill steps and no generation wa
 Scoring models: a sequence-classification head of one label (`*ForSequenceClassification`,
 a `score` linear on the last token's state: its sigmoid), or, with `--reranker yes-no`, a causal
 LM reranker in Qwen3-Reranker's format (its documented prompt; the score is the softmax of the
-"yes" logit against "no" at the last position, as vLLM computes it).
+"yes" logit against "no" at the last position, as vLLM computes it). A model whose name says it is a
+Qwen3-Reranker is taken as one without the flag, as llama.cpp's converter recognises it.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ class PoolingTask:
 
 def pooling_task(state: ServerState, engine: EngineClient) -> PoolingTask:
     model = engine.model_config
+    reranker = state.config.reranker or ("yes-no" if "qwen3-reranker" in model.name.lower() else None)
     return PoolingTask(method=state.config.pooling or model.pooling or "last", normalize=model.pooling_normalize,
                        matryoshka=model.matryoshka, hidden_size=model.hidden_size,
-                       scorer="classifier" if model.num_labels else state.config.reranker,
-                       num_labels=model.num_labels)
+                       scorer="classifier" if model.num_labels else reranker, num_labels=model.num_labels)
 
 
 async def warm_up_pooling(engine: EngineClient) -> None:
