@@ -7,10 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
-from model_files import V, write_gguf
+from loader_fixtures import hf_weights
+from model_files import SMALL, V, write_gguf
 
-from vkrt.errors import UnsupportedModelError
+from vkrt.engine.config import EngineConfig
+from vkrt.engine.engine import EngineCore
+from vkrt.engine.pooling import PoolingParams
+from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import load_model
 from vkrt.loader.pooling import gguf_pooling
 
@@ -71,8 +76,37 @@ def test_a_gguf_pooling_type_is_read(tmp_path: Path) -> None:
 
 def test_gguf_pooling_types() -> None:
     path = Path("m.gguf")
-    assert gguf_pooling(path, None) == {} and gguf_pooling(path, 0) == {}
-    assert gguf_pooling(path, 1) == {"pooling": "mean", "pooling_normalize": True}
-    assert gguf_pooling(path, 3)["pooling"] == "last"
-    with pytest.raises(UnsupportedModelError, match="pooling_type 4"):
-        gguf_pooling(path, 4)
+    assert gguf_pooling(path, None, None, {}) == {} and gguf_pooling(path, 0, None, {}) == {}
+    assert gguf_pooling(path, 1, None, {}) == {"pooling": "mean", "pooling_normalize": True}
+    assert gguf_pooling(path, 3, None, {})["pooling"] == "last"
+    with pytest.raises(UnsupportedModelError, match="pooling_type 7"):
+        gguf_pooling(path, 7, None, {})
+    with pytest.raises(ModelFormatError, match="needs a"):
+        gguf_pooling(path, 4, None, {})
+
+
+def last_logits(model: Path, ids: list[int]) -> np.ndarray:
+    core = EngineCore.from_config(EngineConfig(model=str(model), device="reference", max_model_len=64, kv_dtype="f32"))
+    core.add(core.make_pooling_request("r", ids, PoolingParams("last", logits=True)))
+    while core.has_unfinished():
+        for output in core.step():
+            assert output.pooling is not None and output.pooling.logits is not None
+            return output.pooling.logits
+    raise AssertionError("no output")
+
+
+def test_a_gguf_rank_head_is_the_lm_head(tmp_path: Path) -> None:
+    """llama.cpp's converter writes Qwen3-Reranker as pooling type rank with the LM head's yes and no
+    rows as cls.output: that head's logits are the causal LM's logits of those two tokens."""
+    yes, no = 40, 7
+    head = hf_weights(SMALL, tied=True)["embed_tokens"][[yes, no]]
+    rank = write_gguf(tmp_path / "rank.gguf", extra_tensors={"cls.output.weight": head},
+                      metadata={"llama.pooling_type": (4, V.UINT32),
+                                "llama.classifier.output_labels": (["yes", "no"], V.ARRAY)})
+    config = load_model(rank).config
+    assert (config.num_labels, config.classifier_labels, config.pooling) == (2, ("yes", "no"), "last")
+    ids = [3, 50, 9, 12, 200]
+    np.testing.assert_allclose(last_logits(rank, ids), last_logits(write_gguf(tmp_path / "lm.gguf"), ids)[[yes, no]],
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ModelFormatError, match="no pooling_type rank"):
+        load_model(write_gguf(tmp_path / "odd.gguf", extra_tensors={"cls.output.weight": head}))

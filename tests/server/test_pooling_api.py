@@ -181,3 +181,22 @@ def test_routes_in_the_openapi_document_and_on_the_fake_engine(fake: Any) -> Non
         assert {"400", "401", "404", "413", "429", "500", "503"} <= set(responses)
     reply = fake.client.post("/v1/embeddings", json={"input": ["ab", "ba"]}).json()  # the fuzzing lanes' engine
     assert reply["data"][0]["embedding"] == reply["data"][1]["embedding"] and reply["usage"]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize(("labels", "expected"), [(("yes", "no"), ("yes-no", (0, 1))), (("no", "yes"), ("yes-no", (1, 0))),
+                                                  (("a", "b"), ("classifier", None))])
+def test_a_two_label_head_labelled_yes_no_scores_as_the_reranker(labels: tuple[str, str], expected: Any) -> None:
+    """A GGUF of pooling type rank (llama.cpp's Qwen3-Reranker): its head holds the yes and no rows."""
+    from dataclasses import replace
+
+    from tests.server.fake_engine import FakeEngine
+    from vkrt.server.generation import ServerState
+    from vkrt.server.pooling import pooling_task
+
+    class RankEngine(FakeEngine):
+        @property
+        def model_config(self) -> Any:
+            return replace(super().model_config, num_labels=2, classifier_labels=labels)
+
+    task = pooling_task(ServerState(ServerConfig(), RankEngine()), RankEngine())
+    assert (task.scorer, task.yes_no_labels) == expected

@@ -4,7 +4,9 @@ Sentence-transformers directories declare their pipeline in modules.json: the Tr
 then a Pooling module (`1_Pooling/config.json`: one `pooling_mode_*` set) and optionally
 Normalize. GGUF writes llama.cpp's `<arch>.pooling_type`. A `*ForSequenceClassification`
 checkpoint has a `score` linear [num_labels, hidden] where the LM head would be: vkrt loads it as
-the head, so the model's "logits" are the labels'.
+the head, so the model's "logits" are the labels'. So does a GGUF of pooling type rank: its
+`cls.output` head (llama.cpp's converter writes Qwen3-Reranker's yes and no rows of the LM head
+there, labelled by `<arch>.classifier.output_labels`).
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.loader.config import WeightData
 
 # sentence-transformers' Pooling modes vkrt runs -> vkrt.engine.pooling's method names.
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
-# llama.cpp's enum llama_pooling_type (0 none, 4 rank: a classifier head vkrt does not read from GGUF).
-_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+# llama.cpp's enum llama_pooling_type (0 none; 4 rank: the last token through the `cls.output` head).
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "last"}
+GGUF_RANK = 4
+GGUF_CLASSIFIER = "cls.output.weight"
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
 
@@ -71,14 +76,28 @@ def _st_pooling(path: Path) -> str:
     return _ST_MODES[modes[0]]
 
 
-def gguf_pooling(path: Path, value: Any) -> dict[str, Any]:
-    """ModelConfig fields from GGUF's `<arch>.pooling_type` (None: absent). llama.cpp normalises
-    its embeddings by default, so a GGUF that declares pooling is normalised too."""
+def gguf_pooling(path: Path, value: Any, labels: Any, weights: dict[str, WeightData]) -> dict[str, Any]:
+    """ModelConfig fields from GGUF's `<arch>.pooling_type` (None: absent) and, for rank, its head
+    (moved into `weights` as the LM head) and `labels`. llama.cpp normalises its embeddings by
+    default, so a GGUF that declares pooling is normalised too."""
+    head = weights.pop(GGUF_CLASSIFIER, None)
     if value is None or value == 0:
+        if head is not None:
+            raise ModelFormatError(f"{path}: has a {GGUF_CLASSIFIER} head but no pooling_type rank (4); the file is "
+                                   "not one llama.cpp's converter wrote")
         return {}
     if value not in _GGUF_POOLING:
-        raise UnsupportedModelError(f"{path}: pooling_type {value!r} is not supported (vkrt pools 1 mean, 2 cls, 3 last)")
-    return {"pooling": _GGUF_POOLING[value], "pooling_normalize": True}
+        raise UnsupportedModelError(f"{path}: pooling_type {value!r} is not supported (vkrt pools 1 mean, 2 cls, "
+                                    "3 last, 4 rank)")
+    fields: dict[str, Any] = {"pooling": _GGUF_POOLING[value], "pooling_normalize": True}
+    if value == GGUF_RANK:
+        if head is None or len(head.shape) != 2:
+            raise ModelFormatError(f"{path}: pooling_type rank (4) needs a [labels, hidden] {GGUF_CLASSIFIER} tensor")
+        weights["lm_head"] = WeightData("lm_head", head.fmt, head.shape, head.data, head.row_order, head.row_scale)
+        names = tuple(str(label) for label in labels) if isinstance(labels, list) else ()
+        fields |= {"num_labels": head.shape[0], "tie_word_embeddings": False,
+                   "classifier_labels": names if len(names) == head.shape[0] else ()}
+    return fields
 
 
 def num_labels(config_path: Path, cfg: dict[str, Any], archs: list[Any]) -> int:

@@ -6,7 +6,9 @@ Scoring models: a sequence-classification head of one label (`*ForSequenceClassi
 a `score` linear on the last token's state: its sigmoid), or, with `--reranker yes-no`, a causal
 LM reranker in Qwen3-Reranker's format (its documented prompt; the score is the softmax of the
 "yes" logit against "no" at the last position, as vLLM computes it). A model whose name says it is a
-Qwen3-Reranker is taken as one without the flag, as llama.cpp's converter recognises it.
+Qwen3-Reranker is taken as one without the flag, as llama.cpp's converter recognises it; so is a
+GGUF of pooling type rank whose two-row head is labelled yes and no (the converter's Qwen3-Reranker:
+the same prompt, its head the LM head's yes and no rows).
 """
 
 from __future__ import annotations
@@ -43,14 +45,19 @@ class PoolingTask:
     hidden_size: int
     scorer: str | None  # "classifier" | "yes-no" | None
     num_labels: int
+    # The logits rows of "yes" and "no" when a two-label head holds them (None: the vocabulary's tokens).
+    yes_no_labels: tuple[int, int] | None = None
 
 
 def pooling_task(state: ServerState, engine: EngineClient) -> PoolingTask:
     model = engine.model_config
     reranker = state.config.reranker or ("yes-no" if "qwen3-reranker" in model.name.lower() else None)
+    labels = model.classifier_labels
+    yes_no = (labels.index("yes"), labels.index("no")) if sorted(labels) == ["no", "yes"] else None
+    scorer = ("yes-no" if yes_no else "classifier") if model.num_labels else reranker
     return PoolingTask(method=state.config.pooling or model.pooling or "last", normalize=model.pooling_normalize,
-                       matryoshka=model.matryoshka, hidden_size=model.hidden_size,
-                       scorer="classifier" if model.num_labels else reranker, num_labels=model.num_labels)
+                       matryoshka=model.matryoshka, hidden_size=model.hidden_size, scorer=scorer,
+                       num_labels=model.num_labels, yes_no_labels=yes_no)
 
 
 async def warm_up_pooling(engine: EngineClient) -> None:
@@ -97,8 +104,8 @@ async def pool_all(state: ServerState, engine: EngineClient, prompts: list[list[
         state.num_in_flight -= 1
 
 
-def check_scorer(task: PoolingTask) -> str:
-    """The model's scorer, or 400 for a model that cannot score."""
+def check_scorer(task: PoolingTask) -> None:
+    """400 for a model that cannot score."""
     if task.scorer is None:
         raise APIError(400, "this model is neither a reranker nor a sequence classifier, so it cannot score; serve a "
                        "*ForSequenceClassification checkpoint, or a Qwen3-Reranker with --reranker yes-no",
@@ -106,7 +113,6 @@ def check_scorer(task: PoolingTask) -> str:
     if task.scorer == "classifier" and task.num_labels != 1:
         raise APIError(400, f"this model's classification head has {task.num_labels} labels; scores need a head of "
                        "one label", param="model", code="model_not_supported")
-    return task.scorer
 
 
 def _yes_no(tokenizer: Tokenizer) -> tuple[int, int]:
@@ -117,14 +123,16 @@ def _yes_no(tokenizer: Tokenizer) -> tuple[int, int]:
     return yes, no
 
 
-def score_prompts(engine: EngineClient, scorer: str, pairs: list[tuple[str, str]], max_chars: int) -> list[list[int]]:
+def score_prompts(engine: EngineClient, task: PoolingTask, pairs: list[tuple[str, str]],
+                  max_chars: int) -> list[list[int]]:
     """Token ids of each (query, document) pair as the scorer reads them. CPU work: call it off the event loop."""
     tokenizer = require_tokenizer(engine, "documents")
     for query, document in pairs:
         check_prompt_chars(len(query) + len(document), max_chars, "documents")
-    if scorer == "classifier":
+    if task.scorer == "classifier":
         return [tokenizer.encode_pair(query, document) for query, document in pairs]
-    _yes_no(tokenizer)
+    if task.yes_no_labels is None:
+        _yes_no(tokenizer)
     prefix = tokenizer.encode(YES_NO_PREFIX, add_special_tokens=False)
     suffix = tokenizer.encode(YES_NO_SUFFIX, add_special_tokens=False)
     return [[*prefix, *tokenizer.encode(f"<Instruct>: {YES_NO_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}",
@@ -135,17 +143,19 @@ def score_prompts(engine: EngineClient, scorer: str, pairs: list[tuple[str, str]
 async def score_pairs(state: ServerState, pairs: list[tuple[str, str]], param: str) -> tuple[list[float], int]:
     """Each pair's relevance score in [0, 1], and the tokens the prompts held."""
     engine = state.require_engine()
-    scorer = check_scorer(pooling_task(state, engine))
-    prompts = await state.run_cpu(score_prompts, engine, scorer, pairs, state.config.max_prompt_chars)
+    task = pooling_task(state, engine)
+    check_scorer(task)
+    prompts = await state.run_cpu(score_prompts, engine, task, pairs, state.config.max_prompt_chars)
     results = await pool_all(state, engine, prompts, PoolingParams("last", logits=True), param)
+    if task.scorer == "yes-no":
+        assert engine.tokenizer is not None
+        yes, no = task.yes_no_labels or _yes_no(engine.tokenizer)
     scores = []
     for result in results:
         assert result.logits is not None
-        if scorer == "classifier":
+        if task.scorer == "classifier":
             margin = float(result.logits[0])
         else:
-            assert engine.tokenizer is not None
-            yes, no = _yes_no(engine.tokenizer)
             margin = float(result.logits[yes]) - float(result.logits[no])
         # sigmoid(margin): a classifier's probability, and softmax([no, yes])'s yes for the reranker
         scores.append(1.0 / (1.0 + math.exp(-margin)) if margin >= 0 else math.exp(margin) / (1.0 + math.exp(margin)))
