@@ -10,11 +10,13 @@ Writes two HF directories under tests/fixtures/, each with a word-level tokenize
     tiny_qwen3_embed/   Qwen3-Embedding's shape: Qwen3 with tied embeddings, saved as its base
                         model (tensor names without "model.", no LM head) as the released
                         checkpoints are, with sentence-transformers' modules.json, last-token
-                        Pooling and Normalize. golden.json: transformers' last hidden state
-                        (after the final norm) pooled last / mean / cls, and the yes/no scores
-                        Qwen3-Reranker's documented prompt gives with the same weights.
-    tiny_qwen3_seqcls/  Qwen3ForSequenceClassification with one label; golden.json: sigmoid of
-                        its logit for query + document pairs (the tokenizer's pair encoding).
+                        Pooling and Normalize. pooling_golden.json: transformers' last hidden
+                        state (after the final norm) pooled last / mean / cls, and the yes/no
+                        scores Qwen3-Reranker's documented prompt gives with the same weights.
+    tiny_qwen3_seqcls/  Qwen3ForSequenceClassification with one label; pooling_golden.json:
+                        sigmoid of its logit for query + document pairs (the pair encoding).
+
+The goldens are not named golden.json: the logits-golden tests take every such file for theirs.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def make_embed(tokenizer: Tokenizer) -> None:
             scores.append(float(torch.softmax(torch.stack([last[no], last[yes]]), 0)[1]))
     golden = {"generator": "tools/make_pooling_fixtures.py", "seed": SEED, "note": "pooled states are not normalised",
               "embeddings": embeddings, "rerank": {"query": QUERY, "documents": DOCUMENTS, "yes_no_scores": scores}}
-    (out / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
+    (out / "pooling_golden.json").write_text(json.dumps(golden, indent=1) + "\n")
 
 
 def make_seqcls(tokenizer: Tokenizer) -> None:
@@ -128,7 +130,7 @@ def make_seqcls(tokenizer: Tokenizer) -> None:
                   for document in DOCUMENTS]
     golden = {"generator": "tools/make_pooling_fixtures.py", "seed": SEED + 1, "query": QUERY, "documents": DOCUMENTS,
               "scores": scores}
-    (out / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
+    (out / "pooling_golden.json").write_text(json.dumps(golden, indent=1) + "\n")
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ def run(core: EngineCore, prompts: dict[str, tuple[list[int], PoolingParams]]) -
 @pytest.mark.parametrize("device_name", ["reference", "vulkan"])
 @pytest.mark.parametrize("chunk", [512, 5], ids=["whole", "chunked"])
 def test_pooled_states_equal_transformers(device_name: str, chunk: int) -> None:
-    golden = json.loads((EMBED / "golden.json").read_text())["embeddings"]
+    golden = json.loads((EMBED / "pooling_golden.json").read_text())["embeddings"]
     core = engine(EMBED, device_name, max_num_batched_tokens=chunk)
     prompts = {f"{i}-{m}": (e["ids"], PoolingParams(m)) for i, e in enumerate(golden) for m in ("last", "mean", "cls")}
     core.add_request("generation", golden[0]["ids"], SamplingParams(max_tokens=3, temperature=0.0))
@@ -61,7 +61,7 @@ def test_pooled_states_equal_transformers(device_name: str, chunk: int) -> None:
 
 
 def test_a_prompt_pools_the_same_alone_and_in_a_batch() -> None:
-    golden = json.loads((EMBED / "golden.json").read_text())["embeddings"]
+    golden = json.loads((EMBED / "pooling_golden.json").read_text())["embeddings"]
     core = engine(EMBED, "vulkan" if vulkan_unavailable_reason() is None else "reference")
     alone = run(core, {"alone": (golden[1]["ids"], PoolingParams("mean"))})["alone"]
     batch = run(core, {str(i): (e["ids"], PoolingParams("mean")) for i, e in enumerate(golden)})
@@ -70,7 +70,7 @@ def test_a_prompt_pools_the_same_alone_and_in_a_batch() -> None:
 
 @pytest.mark.parametrize("device_name", ["reference", "vulkan"])
 def test_classifier_logits_equal_transformers(device_name: str) -> None:
-    golden = json.loads((SEQCLS / "golden.json").read_text())
+    golden = json.loads((SEQCLS / "pooling_golden.json").read_text())
     core = engine(SEQCLS, device_name)
     assert core.model.config.num_labels == 1
     assert core.tokenizer is not None
@@ -95,7 +95,7 @@ def test_a_classifier_refuses_generation_and_pools_a_full_context() -> None:
 
 
 def test_pooling_computes_every_position_despite_the_prefix_cache() -> None:
-    golden = json.loads((EMBED / "golden.json").read_text())["embeddings"][3]
+    golden = json.loads((EMBED / "pooling_golden.json").read_text())["embeddings"][3]
     core = engine(EMBED, "reference", enable_prefix_caching=True, block_size=4)
     core.add_request("warm", golden["ids"], SamplingParams(max_tokens=1, temperature=0.0))
     while core.has_unfinished():

@@ -25,8 +25,8 @@ openai = pytest.importorskip("openai", reason="the openai SDK is a dev extra (pi
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 EMBED = FIXTURES / "tiny_qwen3_embed"
 SEQCLS = FIXTURES / "tiny_qwen3_seqcls"
-GOLDEN = json.loads((EMBED / "golden.json").read_text())
-SEQCLS_GOLDEN = json.loads((SEQCLS / "golden.json").read_text())
+GOLDEN = json.loads((EMBED / "pooling_golden.json").read_text())
+SEQCLS_GOLDEN = json.loads((SEQCLS / "pooling_golden.json").read_text())
 TEXTS = [e["text"] for e in GOLDEN["embeddings"]]
 TOL = 1e-4  # f32 KV cache: transformers' f32 forward to ~1e-6
 
