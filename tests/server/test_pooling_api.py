@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -200,3 +201,25 @@ def test_a_two_label_head_labelled_yes_no_scores_as_the_reranker(labels: tuple[s
 
     task = pooling_task(ServerState(ServerConfig(), RankEngine()), RankEngine())
     assert (task.scorer, task.yes_no_labels) == expected
+
+
+def test_vkrt_serve_warms_a_classifier_with_a_pooling_request() -> None:
+    """A classifier does not generate, so `vkrt serve`'s warm-up is one pooling request: /ready turns 200."""
+    config = ServerConfig(model=SEQCLS, device="reference", served_model_name="tiny", max_model_len=64)
+    engines: list[Any] = []
+
+    def loader() -> Any:
+        engines.append(load_engine(config))
+        return engines[0]
+
+    try:
+        with BackgroundServer(build_app(None, config, loader=loader)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as http:
+            deadline = time.monotonic() + 120
+            while http.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline, http.get("/ready").text
+                time.sleep(0.05)
+            assert engines[0].metrics().prompt_tokens == 1  # the warm-up's one token, pooled
+    finally:
+        for engine in engines:
+            engine.shutdown()
