@@ -102,3 +102,15 @@ def test_pooling_computes_every_position_despite_the_prefix_cache() -> None:
         core.step()
     mean = run(core, {"mean": (golden["ids"], PoolingParams("mean"))})["mean"]
     np.testing.assert_allclose(mean.embedding, golden["mean"], atol=2e-5, rtol=1e-5)
+
+
+def test_llm_embed_batches_prompts() -> None:
+    from vkrt.engine import LLM
+
+    golden = json.loads((EMBED / "pooling_golden.json").read_text())["embeddings"]
+    llm = LLM(EMBED, device="reference", max_model_len=64, kv_dtype="f32")
+    results = llm.embed([e["text"] for e in golden], PoolingParams("cls"))
+    for result, e in zip(results, golden, strict=True):
+        np.testing.assert_allclose(result.embedding, e["cls"], atol=2e-5, rtol=1e-5)
+    with pytest.raises(RequestError, match="empty"):
+        llm.embed([[]])
