@@ -147,16 +147,12 @@ async def score_pairs(state: ServerState, pairs: list[tuple[str, str]], param: s
     check_scorer(task)
     prompts = await state.run_cpu(score_prompts, engine, task, pairs, state.config.max_prompt_chars)
     results = await pool_all(state, engine, prompts, PoolingParams("last", logits=True), param)
-    if task.scorer == "yes-no":
-        assert engine.tokenizer is not None
-        yes, no = task.yes_no_labels or _yes_no(engine.tokenizer)
+    # The logits rows a reranker compares (None: a one-label classifier's single logit).
+    rows = None if task.scorer == "classifier" else task.yes_no_labels or _yes_no(require_tokenizer(engine, "documents"))
     scores = []
     for result in results:
         assert result.logits is not None
-        if task.scorer == "classifier":
-            margin = float(result.logits[0])
-        else:
-            margin = float(result.logits[yes]) - float(result.logits[no])
-        # sigmoid(margin): a classifier's probability, and softmax([no, yes])'s yes for the reranker
+        margin = float(result.logits[0]) if rows is None else float(result.logits[rows[0]] - result.logits[rows[1]])
+        # sigmoid(margin): a classifier's probability, and softmax([yes, no])'s yes for a reranker
         scores.append(1.0 / (1.0 + math.exp(-margin)) if margin >= 0 else math.exp(margin) / (1.0 + math.exp(margin)))
     return scores, sum(len(p) for p in prompts)
