@@ -29,6 +29,7 @@ Then, from the repository root:
     .venv-tools/bin/python tools/make_fixtures.py --only kv       # tiny_llama_hd32 only
     .venv-tools/bin/python tools/make_fixtures.py --only families # tools/family_fixtures.py
     .venv-tools/bin/python tools/make_fixtures.py --only moe      # its mixtures of experts only
+    .venv-tools/bin/python tools/make_fixtures.py --only pooling  # tools/make_pooling_fixtures.py
     .venv-tools/bin/python tools/make_fixtures.py --only families --fixture tiny_ernie4_5  # one of them
     .venv-tools/bin/python tools/make_fixtures.py --only smollm2 --gguf PATH/TO/file.gguf
 
@@ -545,7 +546,7 @@ def make_smollm2(gguf_path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["tiny", "kv", "families", "moe", "smollm2"], help="generate one group")
+    ap.add_argument("--only", choices=["tiny", "kv", "families", "moe", "pooling", "smollm2"], help="generate one group")
     ap.add_argument("--gguf", help=f"path to {SMOL_GGUF_NAME}")
     ap.add_argument("--fixture", action="append", default=[],
                     help="with --only families: only this family fixture (e.g. tiny_ernie4_5; repeatable)")
@@ -562,6 +563,10 @@ def main() -> None:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
         make_families(FIXTURES, SEED, TINY_PROMPTS, golden_for, sha256_file,
                       only=MOE_FIXTURES if args.only == "moe" else tuple(args.fixture))
+    if args.only in (None, "pooling"):
+        import make_pooling_fixtures
+
+        make_pooling_fixtures.main()
     if args.only in (None, "smollm2"):
         make_smollm2(find_gguf(args.gguf))
 

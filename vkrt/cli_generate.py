@@ -432,6 +432,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser, json_max_digits=args.json_max_digits,
+                       pooling=args.pooling, reranker=args.reranker,
                        timeout_keep_alive=args.timeout_keep_alive,
                        timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
                        max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins)))
@@ -478,7 +479,8 @@ def register(sub: Any) -> None:
                    help="time every kernel with device timestamps (adds a 'profile' section; slows the run a little)")
     p.set_defaults(func=cmd_bench)
 
-    from vkrt.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig
+    from vkrt.engine.pooling import POOLING_METHODS
+    from vkrt.server.config import REASONING_PARSERS, RERANKERS, TOOL_CALL_PARSERS, ServerConfig
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_args(p, default_len="the model's")
@@ -514,6 +516,13 @@ def register(sub: Any) -> None:
     p.add_argument("--json-max-digits", type=int, default=ServerConfig.json_max_digits, metavar="N",
                    help="digits an integer may have in schema-constrained JSON and forced tool calls when the "
                         "schema sets no minimum/maximum (a number's fraction: at most 10); 0: unbounded")
+    p.add_argument("--pooling", choices=POOLING_METHODS, default=None,
+                   help="how /v1/embeddings pools a prompt's hidden states: last token, mean, or the first (cls) "
+                        "token (default: the model's sentence-transformers or GGUF pooling, else last)")
+    p.add_argument("--reranker", choices=RERANKERS, default=None,
+                   help="yes-no: the model is a causal-LM reranker in Qwen3-Reranker's format, scoring "
+                        "/v1/rerank and /score by its yes/no logits (a *ForSequenceClassification model scores "
+                        "without it)")
     p.add_argument("--escape-special-tokens", action="store_true",
                    help="tokenise message content as text, so '<|im_end|>' typed by a user is not a control token")
     p.add_argument("--timeout-keep-alive", type=float, default=ServerConfig.timeout_keep_alive, metavar="SECONDS",

@@ -359,6 +359,16 @@ class Tokenizer:
         # thread then leaves the server's event loop running.
         return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair as the tokenizer's pair template joins them (a cross-encoder's
+        query and document: [CLS] a [SEP] b [SEP] for BERT's, the two texts' ids for Qwen's)."""
+        return list(self._tok.encode_batch([(first, second)], add_special_tokens=True)[0].ids)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry spelled exactly `token`, or None."""
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
+
     def encode_as_text(self, text: str) -> list[int]:
         """Token ids of `text` with special-token text (say "<|im_end|>") tokenised as plain text."""
         if self._text_tok is None:

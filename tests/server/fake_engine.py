@@ -29,8 +29,10 @@ from vkrt.chat_template import ChatTemplate, TemplateBudget
 from vkrt.engine.async_llm import EngineMetrics
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import GrammarCompiler, Guide
+from vkrt.engine.pooling import PoolingParams, PoolingResult
 from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from vkrt.loader.config import ModelConfig
 
 EOS = 256
 SPECIALS = {256: "<eos>", 257: "<|im_start|>", 258: "<|im_end|>",
@@ -250,6 +252,23 @@ class FakeEngine:
             if not finished:
                 self.abort(rid)
             self.active.discard(rid)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """A generative model of the byte vocabulary with 8-dimensional hidden states."""
+        return ModelConfig(architecture="fake", vocab_size=self.tokenizer.vocab_size, hidden_size=8,
+                           intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
+
+    async def pool(self, prompt_token_ids: list[int], params: PoolingParams,
+                   request_id: str | None = None) -> PoolingResult:
+        """The prompt's token counts modulo 8 (plus one) as its pooled state; its last token as logits."""
+        processor = RequestProcessor(self.tokenizer.vocab_size, self.max_model_len, (EOS,),
+                                     GrammarCompiler(None, self.tokenizer.vocab_size, (EOS,)))
+        processor.make_pooling_request(request_id or "fake", prompt_token_ids, params)
+        await asyncio.sleep(self.step_delay)
+        embedding = np.bincount(np.asarray(prompt_token_ids) % 8, minlength=8).astype(np.float32) + 1
+        logits = np.eye(self.tokenizer.vocab_size, dtype=np.float32)[prompt_token_ids[-1]] if params.logits else None
+        return PoolingResult(embedding, logits, len(prompt_token_ids))
 
     def abort(self, request_id: str) -> None:
         if request_id in self.active:

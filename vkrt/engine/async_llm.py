@@ -15,10 +15,12 @@ from typing import Any
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore, IterationStats, StatsListener
 from vkrt.engine.llm import make_config
+from vkrt.engine.pooling import PoolingParams, PoolingResult
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, render_chat
 from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
 from vkrt.engine.speculative import SpecStats
 from vkrt.errors import RequestError, VkrtError
+from vkrt.loader.config import ModelConfig
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
 
@@ -140,6 +142,10 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model.config
+
     def metrics(self) -> EngineMetrics:
         """A copy of the gauges and totals as of the last completed step."""
         with self._cond:
@@ -180,6 +186,19 @@ class AsyncLLM:
                                            prompt=prompt_text if prompt_text is not None else text,
                                            output_kind=RequestOutputKind.DELTA)
         return self._stream(request)
+
+    async def pool(self, prompt_token_ids: list[int], params: PoolingParams,
+                   request_id: str | None = None) -> PoolingResult:
+        """Run the prompt's prefill with the generation requests and return its pooled hidden state
+        (and last logits, if asked). RequestError for a bad prompt; VkrtError if the step failed."""
+        request = self.engine.make_pooling_request(request_id or uuid.uuid4().hex, prompt_token_ids, params)
+        final: RequestOutput | None = None
+        async for output in self._stream(request):
+            final = output
+        if final is None or final.pooling is None:
+            error = final.outputs[0].error if final is not None else None
+            raise VkrtError(error or "the pooling request ended without a result")
+        return final.pooling
 
     async def _stream(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
         request_id = request.request_id

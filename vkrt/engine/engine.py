@@ -2,7 +2,9 @@
 
 Requests come in through one edge: `make_request` validates a prompt and its parameters and
 compiles its grammar (vkrt/engine/processor.py), `add` queues the Request it made. LLM drives
-the engine in a loop; AsyncLLM drives it from a background thread.
+the engine in a loop; AsyncLLM drives it from a background thread. A pooling request
+(`make_pooling_request`, vkrt/engine/pooling.py) shares the steps with generation requests:
+its prompt runs as any prefill, and it finishes with its hidden states instead of a token.
 """
 
 from __future__ import annotations
@@ -14,18 +16,27 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from vkrt.engine.config import ALL_LOGPROBS, EngineConfig, SamplingParams
 from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_events import KVEvents, all_blocks_cleared, event_batch
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
 from vkrt.engine.output import OutputProcessor
+from vkrt.engine.pooling import PoolingParams
 from vkrt.engine.processor import RequestProcessor
 from vkrt.engine.request import Request, RequestOutput, RequestOutputKind, RequestStatus
-from vkrt.engine.runner import ModelRunner, StepResult, StepStats, build_forward_batch
+from vkrt.engine.runner import LogitsLayout, ModelRunner, StepResult, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
 from vkrt.engine.speculative import SpecStats, backoff_after, ngram_proposal
-from vkrt.errors import DeviceLostError, NoTokenizerError, OutOfDeviceMemory, VkrtError
+from vkrt.errors import (
+    DeviceLostError,
+    NoTokenizerError,
+    OutOfDeviceMemory,
+    RequestError,
+    VkrtError,
+)
 from vkrt.models.base import CausalLM
 from vkrt.ops.sampling import NONFINITE
 from vkrt.tokenizer import Tokenizer
@@ -237,8 +248,16 @@ class EngineCore:
                      output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """Validate a request and compile its grammar, once; RequestError for a bad prompt,
         parameter or grammar. Safe from any thread (nothing is queued)."""
+        if self.model.config.num_labels:
+            raise RequestError(f"this model is a sequence classifier ({self.model.config.num_labels} labels): it "
+                               "scores (/v1/rerank, /v1/score) and embeds, but does not generate text", param="model")
         return self.processor.make_request(request_id, prompt_token_ids, params, prompt=prompt,
                                            output_kind=output_kind)
+
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> Request:
+        """A request whose prompt's final-norm hidden states are pooled instead of sampled from;
+        RequestError for a bad prompt. Safe from any thread."""
+        return self.processor.make_pooling_request(request_id, prompt_token_ids, params)
 
     def add(self, request: Request) -> None:
         """Queue a request `make_request` made. Its arrival is now: the queue time the metrics
@@ -291,7 +310,8 @@ class EngineCore:
         masks = StepMasks.of(row_requests, self.grammars.words)
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled row, as the host's would).
-        sampling = None if layout.prompt_rows else sample_inputs(row_requests, len(batch.logits_index))
+        host_logits = layout.prompt_rows or layout.pooled_logits
+        sampling = None if host_logits else sample_inputs(row_requests, len(batch.logits_index))
         # A hybrid's prefix caching: states restored from snapshots and snapshots taken this step.
         copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens) for s in scheduled.scheduled)
         try:
@@ -326,7 +346,7 @@ class EngineCore:
         stats = IterationStats(self.runner.last_step, num_preemptions=len(scheduled.preempted),
                                mask_seconds=None if masks is None else masks.seconds)
         failed = {} if masks is None else masks.failed
-        results: list[RequestOutput] = []
+        results = self._pool(layout, result, stats, now)
         mask_row = 0  # the request's first entry in row_requests (and the masks)
         for request, first, rows in layout.sample_rows:
             status = self._emit(request, result, first, rows, mask_row, masks, failed, stats, now)
@@ -347,6 +367,35 @@ class EngineCore:
         self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
         self._publish_kv_events()
         return results
+
+    def _pool(self, layout: LogitsLayout, result: StepResult, stats: IterationStats, now: float) -> list[RequestOutput]:
+        """Keep the pooling requests' hidden rows of this step; finish those whose prompt ended."""
+        for request, first, position, count in layout.hidden_rows:
+            assert request.pooled is not None and result.hidden is not None
+            request.pooled.put(position, result.hidden[first:first + count])
+        for request, row in layout.pooled_logits:
+            assert request.pooled is not None and result.logits is not None
+            request.pooled.logits = result.logits[row].copy()
+        outputs: list[RequestOutput] = []
+        for request in layout.pooled:
+            assert request.pooled is not None
+            pooled = request.pooled.result()
+            status = RequestStatus.FINISHED_STOPPED
+            values = [pooled.embedding] if pooled.logits is None else [pooled.embedding, pooled.logits]
+            if not all(np.all(np.isfinite(v)) for v in values):
+                self.totals.nonfinite_logits += 1
+                request.error = ("the model's hidden states hold NaN or Inf (a corrupt weight or an overflow); "
+                                 "`--check-tensors` scans the weights for NaN / Inf")
+                status = RequestStatus.FINISHED_ERROR
+            self.scheduler.finish(request, status)
+            stats.num_prompt_tokens += request.num_prompt_tokens
+            stats.finished.append(FinishedRequestStats(status.finish_reason or "", now - request.metrics.arrival_time,
+                                                       request.num_prompt_tokens, 0))
+            output = self.outputs.make_output(request)
+            assert output is not None
+            outputs.append(replace(output, pooling=pooled if status is RequestStatus.FINISHED_STOPPED else None))
+            self.outputs.remove(request.request_id)
+        return outputs
 
     def _emit(self, request: Request, result: StepResult, first: int, rows: int, mask_row: int,
               masks: StepMasks | None, failed: dict[int, str], stats: IterationStats,

@@ -101,8 +101,9 @@ class BlockManager:
 
     def max_cache_hit_blocks(self, request: Request) -> int:
         """How many leading blocks a prefix hit may cover (0 when the request must compute all)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need logits at every prompt position, so compute them all
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None or request.pooling:
+            # prompt logprobs need logits at every prompt position, and mean pooling hidden states, so compute them all
+            return 0
         # At least the last token must be computed: its logits give the next token.
         return (request.num_tokens - 1) // self.block_size
 

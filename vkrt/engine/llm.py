@@ -11,8 +11,10 @@ from typing import Any, cast
 
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.engine import EngineCore
+from vkrt.engine.pooling import PoolingParams, PoolingResult
 from vkrt.engine.prompts import Messages, Prompt, encode_prompt, is_single_prompt, render_chat
 from vkrt.engine.request import Request, RequestOutput, RequestOutputKind
+from vkrt.errors import VkrtError
 from vkrt.loader.config import ModelConfig
 from vkrt.models.base import CausalLM
 from vkrt.tokenizer import Tokenizer
@@ -75,6 +77,19 @@ class LLM:
         return self._run([render_chat(self.tokenizer, m, chat_template_kwargs=chat_template_kwargs)
                           for m in conversations], params)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None) -> list[PoolingResult]:
+        """Each prompt's pooled final-norm hidden state (not normalised; by default the last token's),
+        batched together; with `PoolingParams(logits=True)` also its last logits."""
+        batch = [cast(Prompt, prompts)] if is_single_prompt(prompts) else cast(Sequence[Prompt], prompts)
+        requests = [self.engine.make_pooling_request(str(next(self._ids)), encode_prompt(self.tokenizer, p)[1],
+                                                     params or PoolingParams()) for p in batch]
+        results = []
+        for output in self._run_requests(requests):
+            if output.pooling is None:
+                raise VkrtError(output.outputs[0].error or "the pooling request ended without a result")
+            results.append(output.pooling)
+        return results
+
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield an update per generated token, the last finished. Each is a delta: its text,
         token ids and logprobs are only what that step added (prompt logprobs come once, in
@@ -107,6 +122,10 @@ class LLM:
         # All made (validated) before any is queued: a bad prompt fails the call with nothing run.
         requests = [self._make(text, ids, p, RequestOutputKind.FINAL_ONLY)
                     for (text, ids), p in zip(prompts, per_prompt, strict=True)]
+        return self._run_requests(requests)
+
+    def _run_requests(self, requests: list[Request]) -> list[RequestOutput]:
+        """Queue the requests, step until all finish; their final outputs in order."""
         for request in requests:
             self.engine.add(request)
         order = [request.request_id for request in requests]

@@ -19,6 +19,7 @@ import numpy as np
 
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import GrammarCompiler
+from vkrt.engine.pooling import PooledRows, PoolingParams
 from vkrt.engine.request import Request, RequestOutputKind
 from vkrt.errors import RequestError
 
@@ -54,13 +55,25 @@ class RequestProcessor:
         request.guide = guide
         return request
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams) -> Request:
+        """A pooling Request (its prompt may fill the whole context: nothing is generated)."""
+        params.validate()
+        self.check_prompt(prompt_token_ids, room=0)
+        request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=1),
+                          eos_token_ids=self.eos_token_ids, output_kind=RequestOutputKind.FINAL_ONLY)
+        request.pooling = params
+        request.pooled = PooledRows(params, len(prompt_token_ids))
+        return request
+
+    def check_prompt(self, prompt_token_ids: list[int], room: int = 1) -> None:
+        """RequestError unless the prompt is non-empty, in the vocabulary, and leaves `room` tokens of context."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty; send at least one token", param="prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) + room > self.max_model_len:
+            leaves = ", leaving no room to generate" if room else ""
             raise RequestError(
                 f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens, but the "
-                f"prompt has {len(prompt_token_ids)}, leaving no room to generate; shorten the prompt",
+                f"prompt has {len(prompt_token_ids)}{leaves}; shorten the prompt",
                 param="prompt", code=CONTEXT_LENGTH_EXCEEDED, details=self._context(len(prompt_token_ids)))
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:

@@ -13,6 +13,7 @@ from vkrt.engine.config import SamplingParams
 
 if TYPE_CHECKING:
     from vkrt.engine.guided import Guide
+    from vkrt.engine.pooling import PooledRows, PoolingParams, PoolingResult
 
 
 class RequestOutputKind(enum.Enum):
@@ -137,6 +138,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_backoff = 0  # steps a request last waited after proposals that all failed (0: none failed)
         self.spec_wait = 0  # steps left before it proposes again
+        # A pooling request (vkrt/engine/pooling.py) returns hidden states after its prompt, never a token.
+        self.pooling: PoolingParams | None = None
+        self.pooled: PooledRows | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -192,6 +196,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    pooling: PoolingResult | None = None  # a finished pooling request's result
 
     @property
     def text(self) -> str:

@@ -37,6 +37,13 @@ class LogitsLayout:
     # (request, first row, first prompt position scored, count): row first + k gives the
     # logprob of prompt token (position + k).
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # Pooling requests: (request, first hidden row, first position, count): hidden row first + k
+    # is position + k's final-norm state.
+    hidden_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # (request, logits row) of the pooling requests whose prompt ends this step and that want its logits.
+    pooled_logits: list[tuple[Request, int]] = field(default_factory=list)
+    # Pooling requests whose prompt ends this step: they finish with it.
+    pooled: list[Request] = field(default_factory=list)
 
 
 def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[ForwardBatch, LogitsLayout]:
@@ -51,6 +58,7 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
     width = max((len(t) for group in tables for t in group), default=1)
     block_tables = np.zeros((len(groups), len(out.scheduled), width), dtype=np.int32)
     logits_index: list[int] = []
+    hidden_index: list[int] = []
     layout = LogitsLayout()
     offset = 0
     for j, s in enumerate(out.scheduled):
@@ -62,6 +70,18 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
         token_ids += request.all_token_ids[s.start:s.start + s.num_tokens - len(s.spec)] + s.spec
         positions.append(np.arange(s.start, s.start + s.num_tokens))
         seq_index.append(np.full(s.num_tokens, j))
+        if request.pooling is not None:
+            wanted = request.pooling.positions(s.start, s.num_tokens, request.num_prompt_tokens)
+            if wanted:
+                layout.hidden_rows.append((request, len(hidden_index), wanted.start, len(wanted)))
+                hidden_index += range(offset + wanted.start - s.start, offset + wanted.stop - s.start)
+            if s.samples:
+                layout.pooled.append(request)
+                if request.pooling.logits:
+                    layout.pooled_logits.append((request, len(logits_index)))
+                    logits_index.append(offset + s.num_tokens - 1)
+            offset += s.num_tokens
+            continue
         if request.prompt_logprobs is not None:
             # Row at position p predicts prompt token p + 1; skip positions already scored
             # (a preempted request recomputes its prompt).
@@ -89,16 +109,18 @@ def build_forward_batch(out: SchedulerOutput, blocks: KVCacheManager) -> tuple[F
         block_tables=block_tables,
         logits_index=np.asarray(logits_index, dtype=np.int32),
         state_slots=np.array([blocks.state_slot(s.request.request_id) for s in out.scheduled], np.int32),
+        hidden_index=np.asarray(hidden_index, dtype=np.int32) if hidden_index else None,
     )
     return batch, layout
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one forward brought back to the host: exactly one of the two is set."""
+    """What one forward brought back to the host: exactly one of logits and token_ids is set."""
 
     logits: np.ndarray | None = None  # float32 [rows, vocab], when the host samples
     token_ids: np.ndarray | None = None  # int32 [rows], each row's sample_top_k token drawn on the device
+    hidden: np.ndarray | None = None  # float32 [len(hidden_index), hidden]: pooling requests' final-norm states
 
 
 @dataclass
@@ -154,7 +176,8 @@ class ModelRunner:
 
         `copies` (a hybrid's prefix caching) are recurrent-state slot copies recorded around the
         forward, on the device: restores before it, snapshots after it. A step with any runs
-        eagerly (only prefill steps have them).
+        eagerly (only prefill steps have them). A step with `batch.hidden_index` (pooling requests)
+        runs eagerly too and also brings those rows' final-norm hidden states back.
         """
         counters = self.backend.counters
         before = counters.snapshot()
@@ -163,7 +186,7 @@ class ModelRunner:
         if sampling is not None and sampling.uniforms.shape != (rows,):
             raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
         try:
-            graph = None if copies else self._graph_for(batch)
+            graph = None if copies or batch.hidden_index is not None else self._graph_for(batch)
             if graph is not None:
                 result = graph.run(batch, sampling, masks)
             else:
@@ -187,14 +210,22 @@ class ModelRunner:
         host_masks = None if masks is None else masks()
         step = StepTensors.upload(self.backend, batch)
         self._copy_states(copies.restore)
-        logits = self.model.forward(step, self.kv)
+        normed = None
+        if batch.hidden_index is None:
+            logits = self.model.forward(step, self.kv)
+        else:
+            index = self.backend.upload(batch.hidden_index, "i32", purpose="inputs")
+            logits, normed = self.model.forward_pooled(step, self.kv, index)
         self._copy_states(copies.snapshot)
+        hidden = None if normed is None else np.asarray(self.backend.read(normed), dtype=np.float32).reshape(
+            normed.shape)
         if sampling is None:
-            return StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1))
+            return StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1),
+                              hidden=hidden)
         mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
         ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
                                self.backend.upload(sampling.uniforms, "f32"), mask)
-        return StepResult(token_ids=self.backend.read(ids).reshape(rows))
+        return StepResult(token_ids=self.backend.read(ids).reshape(rows), hidden=hidden)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slot src to dst in every recurrent layer's tensors, for each (src, dst)."""

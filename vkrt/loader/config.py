@@ -155,6 +155,12 @@ class ModelConfig:
     # gate) * (up + 1); limit 0 = the plain activation of hidden_act.
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # -- pooling (vkrt/loader/pooling.py) -----------------------------------------------------
+    num_labels: int = 0  # a sequence-classification head of this many labels is the LM head; 0 = a causal LM
+    classifier_labels: tuple[str, ...] = ()  # the head's label names, where the file gives them (GGUF rank)
+    pooling: str = ""  # the checkpoint's declared pooling: "last", "mean", "cls"; "" = none declared
+    pooling_normalize: bool = True  # L2-normalise embeddings (a sentence-transformers model without Normalize: no)
+    matryoshka: bool = False  # embeddings may be truncated to fewer dimensions (the `dimensions` field)
 
     def layer(self, i: int) -> LayerConfig:
         """Layer i's mixer, attention window and rope settings."""

@@ -6,6 +6,7 @@ import functools
 import logging
 import re
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.gguf_fields import gguf_fields, gguf_mtp_layers
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
 from vkrt.loader.normalize import model_config
+from vkrt.loader.pooling import GGUF_CLASSIFIER, gguf_pooling
 from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
@@ -171,7 +173,7 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
         if layer and int(layer.group(1)) in mtp:
             mtp_tensors += 1
             continue
-        name = _canonical_name(spec, tensor.name)
+        name = GGUF_CLASSIFIER if tensor.name == GGUF_CLASSIFIER else _canonical_name(spec, tensor.name)
         if name is None:
             raise UnsupportedModelError(
                 f"{path}: tensor {tensor.name!r} is not part of the {spec.name} architecture vkrt "
@@ -188,8 +190,11 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
                  path, mtp_tensors)
     if f"{arch}.block_count" in meta:  # checked before anything loops over the layers
         validate.layer_count(str(path), mtp.start if mtp else meta[f"{arch}.block_count"], weights)
+    labels = reader.fields.get(f"{arch}.classifier.output_labels")
+    pooling = gguf_pooling(path, meta.get(f"{arch}.pooling_type"), None if labels is None else field_value(labels),
+                           weights)
     fields = gguf_fields(path, spec, arch, meta, reader, weights, _vocab_size(path, reader, weights))
-    config = model_config(fields, spec, name=str(meta.get("general.name", path.stem)))
+    config = replace(model_config(fields, spec, name=str(meta.get("general.name", path.stem))), **pooling)
     validate.model_config(str(path), config, weights)
     if spec.gguf_qk_permuted:
         for i in range(config.num_layers):

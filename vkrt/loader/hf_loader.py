@@ -8,6 +8,7 @@ import math
 import re
 import struct
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from vkrt.loader.arch import arch_for_hf, supported_hf_archs
 from vkrt.loader.arch_spec import ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.normalize import hf_fields, model_config
+from vkrt.loader.pooling import SEQUENCE_CLASSIFICATION, hf_pooling, num_labels
 from vkrt.loader.weight_shapes import check_weights
 
 log = logging.getLogger(__name__)
@@ -185,7 +187,11 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
         )
     cfg = _read_json(config_path)
     archs = cfg.get("architectures") or []
-    spec = arch_for_hf(archs if isinstance(archs, list) else [])
+    archs = archs if isinstance(archs, list) else []
+    labels = num_labels(config_path, cfg, archs)
+    # A sequence classifier is its family's causal LM with the `score` head in the LM head's place.
+    spec = arch_for_hf([a.replace(SEQUENCE_CLASSIFICATION, "ForCausalLM") if isinstance(a, str) else a
+                        for a in archs])
     if spec is None:
         validate.hf_config(config_path, cfg)
         raise UnsupportedModelError(
@@ -204,6 +210,10 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             prefix = next((p for p in _LANGUAGE_MODEL if hf_name.startswith(p)), None) if multimodal else None
             if prefix is not None:
                 hf_name = _LANGUAGE_MODEL[prefix] + hf_name[len(prefix):]
+            if labels and hf_name == "score.weight":
+                hf_name = "lm_head.weight"
+            elif not hf_name.startswith(spec.hf_prefix) and _canonical_name(spec, f"{spec.hf_prefix}.{hf_name}"):
+                hf_name = f"{spec.hf_prefix}.{hf_name}"  # a base model saved alone (Qwen3-Embedding)
             layer = _LAYER_INDEX.match(hf_name[len(spec.hf_prefix) + 1:]) if hf_name.startswith(spec.hf_prefix) else None
             if layer and int(layer.group(1)) in mtp:
                 skipped["the multi-token-prediction layers"] += 1
@@ -235,6 +245,8 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     gen_path = model_dir / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
     config = model_config(fields, spec, str(cfg.get("_name_or_path") or model_dir.name), generation)
+    head: dict[str, Any] = {"num_labels": labels, "tie_word_embeddings": False} if labels else {}
+    config = replace(config, **hf_pooling(model_dir, cfg, spec.name), **head)
     if config.tie_word_embeddings:
         weights.pop("lm_head", None)  # some exports save the tied copy too; the embedding is the source of truth
     if not config.tie_word_embeddings and "lm_head" not in weights:

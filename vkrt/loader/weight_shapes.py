@@ -38,7 +38,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "final_norm": (hidden,),
     }
     if not config.tie_word_embeddings:
-        expected["lm_head"] = (config.vocab_size, hidden)
+        expected["lm_head"] = (config.num_labels or config.vocab_size, hidden)
     shapes = {
         "norm": (hidden,),
         "attn_norm": (hidden,),

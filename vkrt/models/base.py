@@ -70,6 +70,7 @@ class ForwardBatch:
     block_tables: np.ndarray  # i32 [S, max_blocks] or [G, S, max_blocks]
     logits_index: np.ndarray  # i32 [R]
     state_slots: np.ndarray | None = None  # i32 [S]: each sequence's recurrent-state slot (None: slot s)
+    hidden_index: np.ndarray | None = None  # i32 [H]: token rows whose final-norm hidden state comes back
 
     @property
     def seq_start(self) -> np.ndarray:
@@ -239,3 +240,8 @@ class CausalLM(ABC):
     @abstractmethod
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         """Logits [len(logits_index), vocab] f32 for one step; writes the step's K/V."""
+
+    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward`'s logits and the final-norm hidden states [len(hidden_index), hidden] of the
+        rows in `hidden_index` (pooling requests: embeddings, rerank scores)."""
+        raise UnsupportedModelError(f"{type(self).__name__} does not return hidden states; it cannot pool")

@@ -90,6 +90,15 @@ class DecoderModel(CausalLM):
 
     # -- forward ------------------------------------------------------------------
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
+        return self.head(self.hidden_states(step, kv), step.logits_index)
+
+    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.hidden_states(step, kv)
+        normed = ops.rms_norm(ops.gather_rows(h, hidden_index), self.weights.final_norm, self.config.rms_norm_eps)
+        return self.head(h, step.logits_index), normed
+
+    def hidden_states(self, step: StepTensors, kv: KVCache) -> Tensor:
+        """Every token's hidden state [T, hidden] after the last block, before the final norm."""
         c, w = self.config, self.weights
         h = ops.embedding(w.embed_tokens, step.token_ids)
         if c.embedding_scale != 1.0:
@@ -108,8 +117,13 @@ class DecoderModel(CausalLM):
                 h = self.attention_mamba2(layer, mixer, h, step, kv, i)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
-        # Only the rows that need logits go through the final norm and the LM head.
-        x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
+        return h
+
+    def head(self, h: Tensor, logits_index: Tensor) -> Tensor:
+        """Logits of the rows in `logits_index`: only they go through the final norm and the LM head
+        (a classification head's `score` in its place gives the labels' logits)."""
+        c, w = self.config, self.weights
+        x = ops.rms_norm(ops.gather_rows(h, logits_index), w.final_norm, c.rms_norm_eps)
         logits = ops.matmul(x, w.lm_head)
         if c.logit_scale != 1.0:
             logits = ops.scale(logits, c.logit_scale)

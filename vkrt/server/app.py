@@ -26,12 +26,14 @@ from vkrt.server import schemas
 from vkrt.server.chat import create_chat_completion
 from vkrt.server.completions import create_completion
 from vkrt.server.config import PUBLIC_PATHS, ServerConfig
+from vkrt.server.embeddings import add_embedding_routes
 from vkrt.server.engine_client import EngineClient, require_tokenizer
 from vkrt.server.errors import APIError, install_error_handlers, shown
 from vkrt.server.generation import ServerState
 from vkrt.server.infill import create_infill
 from vkrt.server.messages_api import add_messages_routes
 from vkrt.server.middleware import ServerMiddleware
+from vkrt.server.pooling import warm_up_pooling
 from vkrt.server.prompts import chat_prompt, check_prompt_chars, check_request_text, turn_flags
 from vkrt.server.protocol import (
     ChatCompletionRequest,
@@ -40,6 +42,7 @@ from vkrt.server.protocol import (
     InfillRequest,
     TokenizeRequest,
 )
+from vkrt.server.rerank import add_rerank_routes
 from vkrt.server.responses import check_model
 from vkrt.server.responses_api import add_responses_routes
 from vkrt.server.webui import UI_PATHS, add_ui_routes
@@ -173,6 +176,8 @@ def build_app(engine: EngineClient | None, config: ServerConfig, *, loader: Engi
 
     add_responses_routes(app, state, schemas.error_responses(*_POST, 429))
     add_messages_routes(app, state)  # the Anthropic Messages API
+    add_embedding_routes(app, state, schemas.error_responses(*_POST, 429))
+    add_rerank_routes(app, state, schemas.error_responses(*_POST, 429))
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses=schemas.error_responses(*_POST))
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
@@ -287,6 +292,9 @@ async def _warm_up(engine: EngineClient) -> None:
     """One greedy generation of 2 tokens from 1 prompt token (1 where max_model_len is 2): creates
     the pipelines and records the decode step, so the first client does not wait for them (GET
     /ready waits for this)."""
+    if engine.model_config.num_labels:  # a classifier does not generate
+        await warm_up_pooling(engine)
+        return
     params = SamplingParams(max_tokens=min(2, engine.max_model_len - 1), temperature=0.0, ignore_eos=True)
     async for _ in engine.generate([0], params, request_id="vkrt-warm-up"):
         pass

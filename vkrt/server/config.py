@@ -9,6 +9,7 @@ from pathlib import Path
 from vkrt import config as env
 from vkrt.engine.config import EngineConfig
 from vkrt.engine.kv_events import KVEventsConfig
+from vkrt.engine.pooling import POOLING_METHODS
 from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import VkrtError
 
@@ -19,6 +20,7 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/live", "/version"})
 # The syntaxes vkrt/server/tools.py parses (named here so the config does not import the server).
 TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "seed_oss", "llama3_json", "mistral", "harmony")
 REASONING_PARSERS = ("auto", "think", "seed_oss", "harmony", "none")
+RERANKERS = ("yes-no",)  # --reranker: how a causal LM scores (vkrt/server/pooling.py)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class ServerConfig:
     # Digits an integer (or a number's integer part) may have under a JSON-schema constraint
     # or a forced tool call when the schema sets no bounds (--json-max-digits; 0: unbounded).
     json_max_digits: int = 16
+    pooling: str | None = None  # --pooling: embeddings' pooling method; None: the model's own, else last token
+    reranker: str | None = None  # --reranker yes-no: score with a causal LM's yes/no logits (Qwen3-Reranker)
     cpu_workers: int = 2  # threads that tokenise and render templates off the event loop (niced)
     # Connection limits (uvicorn/h11 underneath).
     timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this
@@ -97,6 +101,10 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise VkrtError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                             f"got {self.reasoning_parser!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise VkrtError(f"--pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
+        if self.reranker is not None and self.reranker not in RERANKERS:
+            raise VkrtError(f"--reranker must be one of {', '.join(RERANKERS)}, got {self.reranker!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise VkrtError("the API key is empty; give a non-empty key or none")
         check_model_path(self.model)
