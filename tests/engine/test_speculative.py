@@ -47,7 +47,7 @@ def test_config_takes_vllms_keys() -> None:
     ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "exceeds"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown key"),
-    ('{"model": "draft.gguf", "num_speculative_tokens": 2}', "not supported yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported yet"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "not supported yet"),
     ('{"method": "suffix", "num_speculative_tokens": 1}', "must be"),
 ])
