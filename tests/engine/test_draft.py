@@ -109,6 +109,8 @@ def test_a_missing_draft_model_is_a_clear_error(make_llm: Callable[..., LLM], tm
     spec = SpeculativeConfig("draft_model", 2, model=str(tmp_path / "nowhere.gguf"))
     with pytest.raises(VkrtError, match="nowhere.gguf"):
         make_llm(speculative=spec)
+    with pytest.raises(VkrtError, match="--speculative-config \"model\" 'no-such-model' is neither"):
+        make_llm(speculative=SpeculativeConfig("draft_model", 2, model="no-such-model"))
 
 
 # ---- the acceptance maths --------------------------------------------------------------------

@@ -48,7 +48,7 @@ def load_draft(spec: str, target: CausalLM, check_tensors: bool | None) -> tuple
     from vkrt.loader.pull import resolve_model
     from vkrt.models import build_model
 
-    path, _ = resolve_model(spec)
+    path, _ = resolve_model(spec, flag='--speculative-config "model"')
     loaded = load_model(path, check_tensors=check_tensors)
     try:
         tokenizer: Tokenizer | None = Tokenizer.from_model(loaded)
