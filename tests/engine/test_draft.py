@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fakes import VOCAB, FakeLM, byte_tokenizer
+from engine_fakes import VOCAB, FakeLM, assert_follows_top4, byte_tokenizer
 
 import vkrt.engine.draft as draft_module
 from vkrt.engine import LLM
@@ -59,18 +59,6 @@ def test_config_names_the_draft_model() -> None:
     assert SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 5}) == draft(5)
     assert SpeculativeConfig.parse('{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2}') == \
         SpeculativeConfig("draft_model", 2, model="d.gguf")
-
-
-@pytest.mark.parametrize("text, says", [
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
-    ('{"model": "", "num_speculative_tokens": 2}', "needs \"model\""),
-    ('{"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', "belong to method \"ngram\""),
-    ('{"method": "ngram", "model": "d", "num_speculative_tokens": 2}', "takes none"),
-    ('{"model": "d"}', "num_speculative_tokens"),
-])
-def test_config_errors_say_what(text: str, says: str) -> None:
-    with pytest.raises(VkrtError, match=says):
-        SpeculativeConfig.parse(text)
 
 
 def _renamed(token_id: int, text: str) -> Tokenizer:
@@ -218,6 +206,19 @@ def test_concurrent_equals_sequential_with_preemption_and_abort(make_llm: Callab
     assert engine.drafter.blocks.num_free_blocks == engine.drafter.blocks.num_blocks
 
 
+def test_chunked_prefill_and_a_token_budget_that_cuts_proposals(make_llm: Callable[..., LLM],
+                                                                use_draft: Callable[..., None]) -> None:
+    """Prompts prefilled in chunks of 8 and a budget that leaves some requests fewer proposals
+    than the draft made: the ids stay plain decoding's, and the cut proposals count as not made."""
+    plain = _ids(make_llm(), PROMPTS, GREEDY)
+    use_draft(FakeLM())
+    llm = make_llm(speculative=draft(4), max_num_batched_tokens=8)
+    assert _ids(llm, PROMPTS, GREEDY) == plain
+    spec = llm.engine.totals.spec
+    assert spec.num_drafts > 0 and spec.acceptance_rate == 1.0, spec
+    assert spec.num_draft_tokens < 4 * spec.num_drafts  # the budget of 8 cut some to fewer than 4
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(make_llm: Callable[..., LLM],
                                                                use_draft: Callable[..., None]) -> None:
     use_draft(NoisyLM(0.3))
@@ -227,35 +228,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_llm: Callabl
     assert _ids(make_llm(speculative=draft()), PROMPTS, params) == first
 
 
-# chi-square with 3 degrees of freedom: P(X > 16.27) = 1e-3
-CHI2_3DF_1E3 = 16.27
-
-
 def test_sampled_tokens_keep_the_target_distribution(make_llm: Callable[..., LLM],
                                                      use_draft: Callable[..., None]) -> None:
     """Token 2 of many seeded requests whose first token was t: its distribution must be the
     target's top-4 at temperature 1 after t (chi-square, p > 1e-3), though the noisy draft's
-    proposals follow another distribution."""
+    proposals follow another distribution (close enough that always accepting, or resampling
+    from p rather than the residual, fails by far)."""
     prompt = list(b"dist")
     top_k = 4
-    use_draft(NoisyLM(1.0))
+    use_draft(NoisyLM(0.5))
     n = 800
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=s, ignore_eos=True) for s in range(n)]
     llm = make_llm(speculative=draft(1), max_num_seqs=64)
     outs = _ids(llm, [prompt] * n, params)
     first = max(set(o[0] for o in outs), key=[o[0] for o in outs].count)
-    probe = make_llm().generate([prompt + [first]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=top_k))
-    top = probe[0].outputs[0].logprobs
-    assert top is not None
-    support = [e.token_id for e in top[0].top]
-    target = np.exp([e.logprob for e in top[0].top])
-    target /= target.sum()
     seconds = [ids[1] for ids in outs if ids[0] == first]
     assert len(seconds) > 100
-    counts = np.array([seconds.count(t) for t in support])
-    assert counts.sum() == len(seconds)  # nothing outside the top-k
-    expected = target * len(seconds)
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_3DF_1E3, (counts, expected)
+    assert_follows_top4(make_llm(), prompt + [first], seconds)
     spec = llm.engine.totals.spec
     assert spec.num_drafts >= n and 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
