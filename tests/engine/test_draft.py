@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fakes import VOCAB, FakeLM, assert_follows_top4, byte_tokenizer
+from engine_fakes import VOCAB, FakeLM, FaultyLM, assert_follows_top4, byte_tokenizer
 
 import vkrt.engine.draft as draft_module
 from vkrt.engine import LLM
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.draft import check_same_vocabulary
 from vkrt.engine.speculative import SpeculativeConfig, rejection_sample
-from vkrt.errors import VkrtError
+from vkrt.errors import OutOfDeviceMemory, VkrtError
 from vkrt.tokenizer import Tokenizer
 
 PROMPTS = [list(b"the cat sat on the mat"), list(b"0123456789"), list(b"hello"), list(b"xyz")]
@@ -217,6 +217,19 @@ def test_chunked_prefill_and_a_token_budget_that_cuts_proposals(make_llm: Callab
     spec = llm.engine.totals.spec
     assert spec.num_drafts > 0 and spec.acceptance_rate == 1.0, spec
     assert spec.num_draft_tokens < 4 * spec.num_drafts  # the budget of 8 cut some to fewer than 4
+
+
+def test_a_draft_step_the_device_refuses_only_costs_its_proposals(make_llm: Callable[..., LLM],
+                                                                  use_draft: Callable[..., None]) -> None:
+    """The draft's 5th forward and every later one run out of memory: the requests go on
+    decoding plainly, with the same ids, and the draft holds no blocks."""
+    plain = _ids(make_llm(), PROMPTS, GREEDY)
+    use_draft(FaultyLM(OutOfDeviceMemory("refused"), nth=5, every=True))
+    llm = make_llm(speculative=draft())
+    assert _ids(llm, PROMPTS, GREEDY) == plain
+    drafter = llm.engine.drafter
+    assert drafter is not None and llm.engine.totals.spec.num_drafts > 0
+    assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(make_llm: Callable[..., LLM],
