@@ -128,8 +128,20 @@ def test_bad_speculative_config_is_a_usage_error() -> None:
     result = _run("generate", "hi", "--speculative-config", '{"method": "ngram"}')
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "num_speculative_tokens must be an integer" in result.stderr
-    result = _run("serve", "--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 2}')
+    result = _run("serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
     assert result.returncode == 2 and "not supported yet" in result.stderr
+    result = _run("serve", "--speculative-config", '{"model": "d.gguf", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
+    assert result.returncode == 2 and "belong to method" in result.stderr
+
+
+def test_a_draft_model_that_cannot_serve_is_a_clear_error(smollm2_path: Path) -> None:
+    """A draft that is not there, or has another vocabulary: one line naming it, no traceback."""
+    fixture = str(Path(__file__).parent / "fixtures" / "tiny_llama")
+    for draft, says in (("no/such/draft.gguf", "no/such/draft.gguf"), (fixture, "its vocabulary has 256 tokens")):
+        result = _run("generate", "hi", "--device", "reference", "--max-model-len", "64", "--speculative-config",
+                      json.dumps({"model": draft, "num_speculative_tokens": 2}))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert says in result.stderr, result.stderr
 
 
 def test_chat_shows_a_harmony_reply_by_channel(capsys: pytest.CaptureFixture[str]) -> None:

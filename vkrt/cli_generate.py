@@ -56,7 +56,8 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
                    help="run every decode step eagerly instead of replaying recorded steps")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-                        "(+ prompt_lookup_max / prompt_lookup_min, default 4 / 2); greedy output is unchanged")
+                        "(+ prompt_lookup_max / prompt_lookup_min, default 4 / 2), or a draft model with the same "
+                        'tokenizer: \'{"model": PATH_OR_NAME, "num_speculative_tokens": 3}\'; greedy output is unchanged')
     # default None, not False: without the flag VKRT_CHECK_TENSORS decides
     p.add_argument("--check-tensors", action="store_true", default=None,
                    help="scan every weight for NaN / Inf while loading and refuse the file naming the tensor "

@@ -330,6 +330,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
     @property
     def chat_template(self) -> str | None:
         return self._chat_template

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from vkrt.backend import get_backend
 from vkrt.core.tensor import Tensor
+from vkrt.engine import LLM
+from vkrt.engine.config import SamplingParams
 from vkrt.loader.config import LoadedModel, ModelConfig
 from vkrt.models.base import CausalLM, KVCache, StepTensors
 from vkrt.tokenizer import Tokenizer, _unicode_to_byte
@@ -121,3 +123,23 @@ class FaultyLM(FakeLM):
         if self.forwards == self.nth or (self.every and self.forwards > self.nth):
             raise self.error
         return super().forward(step, kv)
+
+
+# chi-square with 3 degrees of freedom: P(X > 16.27) = 1e-3
+CHI2_3DF_1E3 = 16.27
+
+
+def assert_follows_top4(llm: LLM, context: list[int], draws: list[int]) -> None:
+    """`draws` of the token after `context` at temperature 1 with top_k 4 follow `llm`'s top-4
+    distribution there: none outside it, and chi-square p > 1e-3 (a correct sampler fails once
+    in a thousand runs)."""
+    probe = llm.generate([context], SamplingParams(max_tokens=1, temperature=0.0, logprobs=4))
+    top = probe[0].outputs[0].logprobs
+    assert top is not None
+    support = [e.token_id for e in top[0].top]
+    target = np.exp([e.logprob for e in top[0].top])
+    counts = np.array([draws.count(t) for t in support])
+    assert counts.sum() == len(draws), (support, draws)  # nothing outside the top-k
+    expected = target / target.sum() * len(draws)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_3DF_1E3, (counts, expected)

@@ -1,10 +1,11 @@
 """`vkrt serve --speculative-config` over the real SmolLM2: vLLM's spec_decode counters move as
 proposals are verified, a request's `"speculative": false` opts it out, and its text equals
-the server's plain answer."""
+the server's plain answer; with SmolLM2 as its own draft model too."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -55,3 +56,33 @@ def test_spec_decode_metrics_move_and_opt_out(live: LiveModel) -> None:
     assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed
     per_pos = [after[f"vllm:spec_decode_num_accepted_tokens_per_pos[{i}]"] for i in range(3)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+@pytest.fixture(scope="module")
+def live_draft(smollm2_path: Path) -> Iterator[LiveModel]:
+    config = SpeculativeConfig.parse({"model": str(smollm2_path), "num_speculative_tokens": 3})
+    with live_model(smollm2_path, max_model_len=256, max_num_seqs=2, speculative_config=config) as server:
+        yield server
+
+
+def test_a_draft_model_serves_the_same_text_in_one_batch_with_an_opted_out_request(live_draft: LiveModel) -> None:
+    """SmolLM2 as its own draft: two concurrent requests, one opted out, answer as one alone does;
+    every proposal is accepted (the draft is the target) and the counters say so."""
+    body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=live_draft.url, timeout=600) as client:
+        alone = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        start = _counters(client)
+
+        def post(extra: dict) -> str:
+            with httpx.Client(base_url=live_draft.url, timeout=600) as c:
+                response = c.post("/v1/completions", json={**body, **extra})
+                assert response.status_code == 200, response.text
+                return str(response.json()["choices"][0]["text"])
+
+        with ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(post, [{}, {"speculative": False}]))
+        after = _counters(client)
+    assert texts == [alone, alone]
+    drafts, proposed, accepted = (after[name] - start[name] for name in NAMES)
+    assert drafts > 0 and accepted == proposed > 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vkrt.engine.config import ALL_LOGPROBS, EngineConfig, SamplingParams
+from vkrt.engine.draft import DraftProposer, verify_row
 from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_events import KVEvents, all_blocks_cleared, event_batch
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
@@ -162,6 +163,9 @@ class EngineCore:
         self.runner = ModelRunner(model, kv, min(step_tokens, max(config.max_num_batched_tokens, config.max_num_seqs)),
                                   self.max_model_len, replay=config.enable_replay,
                                   verify_width=1 + (spec.num_speculative_tokens if spec else 0))
+        # A draft model's own KV pool holds as many tokens as the target's first group.
+        self.drafter = (DraftProposer.load(spec, config, model, tokenizer, self.max_model_len, num_blocks[0])
+                        if spec is not None and spec.method == "draft_model" else None)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
@@ -310,8 +314,10 @@ class EngineCore:
         masks = StepMasks.of(row_requests, self.grammars.words)
         # When every row is plain greedy or sample_top_k's, the device samples and only ids
         # come back (the draws happen here, one per sampled row, as the host's would).
-        host_logits = layout.prompt_rows or layout.pooled_logits
-        sampling = None if host_logits else sample_inputs(row_requests, len(batch.logits_index))
+        # A sampling draft's proposals are verified against the target's whole distribution: host rows.
+        host_rows = (bool(layout.prompt_rows) or bool(layout.pooled_logits)
+                     or any(r.spec_draft_probs for r in row_requests))
+        sampling = None if host_rows else sample_inputs(row_requests, len(batch.logits_index))
         # A hybrid's prefix caching: states restored from snapshots and snapshots taken this step.
         copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens) for s in scheduled.scheduled)
         try:
@@ -363,7 +369,9 @@ class EngineCore:
                 self.outputs.remove(request.request_id)
         for s in scheduled.scheduled:
             self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
-        self._propose(request for request, _, _ in layout.sample_rows)
+        draft_cost = self._propose(request for request, _, _ in layout.sample_rows)
+        if draft_cost is not None:  # the draft model's steps are part of this step's cost
+            stats.step = stats.step.plus(draft_cost)
         self._record(stats, num_prefill=scheduled.num_tokens - scheduled.num_decode_tokens)
         self._publish_kv_events()
         return results
@@ -416,6 +424,9 @@ class EngineCore:
             row = first + i
             if result.token_ids is not None:  # sampled on the device
                 token_id, logprobs = int(result.token_ids[row]), None
+            elif i < len(drafts) and request.spec_draft_probs:  # a sampling draft's proposal
+                assert result.logits is not None
+                token_id, logprobs = verify_row(request, result.logits[row], drafts[i], request.spec_draft_probs[i])
             else:
                 assert result.logits is not None
                 mask = None if masks is None or masks.masks is None else masks.masks[mask_row + i:mask_row + i + 1]
@@ -446,24 +457,26 @@ class EngineCore:
             stats.spec.record(len(drafts), accepted)
             request.spec_backoff = request.spec_wait = backoff_after(request.spec_backoff, accepted)
             request.num_computed_tokens += accepted  # the accepted proposals' K/V stand
-            if result.token_ids is None and not request.params.greedy:
+            if result.token_ids is None and not request.params.greedy and not request.spec_draft_probs:
                 for _ in range(rows - emitted):  # the draws the device would have made for them
                     request.generator.random()
             if status is None:
                 self.block_manager.trim(request, request.num_tokens)  # blocks only rejected ones needed
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], []
         return status
 
-    def _propose(self, requests: Iterable[Request]) -> None:
+    def _propose(self, requests: Iterable[Request]) -> StepStats | None:
         """Proposals for each running request's next step (speculative decoding): up to k
-        tokens, no more than its max_tokens and max_model_len leave room for."""
+        tokens, no more than its max_tokens and max_model_len leave room for. What a draft
+        model's steps cost (None: no draft model ran)."""
         spec = self.config.speculative
         if spec is None:
-            return
+            return None
+        wanted: list[tuple[Request, int]] = []
         for request in requests:
             if request.is_finished or not request.params.speculative or request.guide is not None:
                 continue
-            if request.spec_wait:  # its last proposals all failed: plain steps for a while
+            if self.drafter is None and request.spec_wait:  # its last proposals all failed: plain steps for a while
                 request.spec_wait -= 1
                 continue
             room = self.max_model_len - request.num_tokens
@@ -471,8 +484,17 @@ class EngineCore:
                 room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
             k = min(spec.num_speculative_tokens, room)
             if k > 0:
+                wanted.append((request, k))
+        if self.drafter is None:
+            for request, k in wanted:
                 request.spec_token_ids = ngram_proposal(request.all_token_ids, k, spec.prompt_lookup_max,
                                                         spec.prompt_lookup_min)
+            return None
+        try:
+            return self.drafter.propose(wanted)
+        except (OutOfDeviceMemory, DeviceLostError) as exc:  # proposals are optional: the next step decodes plainly
+            log.error("the draft model's step failed (%s); no proposals this step", exc)
+            return None
 
     def _fail(self, requests: list[Request], exc: VkrtError) -> list[RequestOutput]:
         """End `requests` with finish_reason "error" and `exc` as the reason: their step failed

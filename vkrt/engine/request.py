@@ -136,6 +136,8 @@ class Request:
         self.guide: Guide | None = None  # the grammar's state under structured output
         # Tokens proposed to follow all_token_ids, verified in the next step (speculative decoding).
         self.spec_token_ids: list[int] = []
+        # A sampling draft model's distribution for each proposal (empty: verify by equality).
+        self.spec_draft_probs: list[np.ndarray] = []
         self.spec_backoff = 0  # steps a request last waited after proposals that all failed (0: none failed)
         self.spec_wait = 0  # steps left before it proposes again
         # A pooling request (vkrt/engine/pooling.py) returns hidden states after its prompt, never a token.

@@ -134,6 +134,14 @@ class StepStats:
     counters: dict[str, int] = field(default_factory=dict)
     replayed: bool = False
 
+    def plus(self, other: StepStats) -> StepStats:
+        """This step with `other`'s time and counters added (a draft model's steps)."""
+        counters = dict(self.counters)
+        for key, value in other.counters.items():
+            counters[key] = counters.get(key, 0) + value
+        return StepStats(self.num_seqs, self.num_tokens, self.num_logits_rows, self.seconds + other.seconds,
+                         counters, self.replayed)
+
 
 class ModelRunner:
     """Runs ForwardBatches through a CausalLM over its paged KV cache.

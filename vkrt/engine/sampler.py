@@ -166,6 +166,14 @@ def filter_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def sampling_distribution(row: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                          output_ids: Sequence[int], eos_token_ids: Sequence[int]) -> np.ndarray:
+    """The normalised distribution (float64) a request with temperature > 0 draws its next token
+    from, given its tokens so far: what a draft's proposal and the target's verify row compare."""
+    probs = filter_distribution(apply_penalties_and_bias(row, params, prompt_ids, output_ids, eos_token_ids), params)
+    return probs / probs.sum()
+
+
 class Sampler:
     """Batched host sampler: one row of logits per request that samples this step."""
 

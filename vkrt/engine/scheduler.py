@@ -152,7 +152,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1

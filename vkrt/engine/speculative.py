@@ -13,7 +13,11 @@ proposals are never read (attention is causal by position) and are overwritten w
 positions are computed again; the request's count of computed tokens is what rolls back.
 
 Methods (vLLM's `--speculative-config` keys): "ngram" (prompt lookup in the request's own
-tokens). Draft models and MTP heads are refused with a message saying so.
+tokens) and "draft_model" (`"model": PATH_OR_NAME`: a small model with the target's vocabulary
+proposes by decoding k tokens itself, vkrt/engine/draft.py). A draft that samples proposes
+from a distribution q rather than one token, so its rows are verified by the general rule
+instead: accept d with min(1, p(d) / q(d)), else resample from max(0, p - q) normalised
+(`rejection_sample`). MTP heads are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prom
 class SpeculativeConfig:
     """What `--speculative-config` asked for, validated."""
 
-    method: str  # "ngram"
+    method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
+    model: str | None = None  # "draft_model": the draft's path or pulled name
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -55,15 +60,19 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and "model" in value:
             method = "draft_model"
-        if method in ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator"):
+        if method in ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator"):
             raise VkrtError(f"--speculative-config: method {method!r} is not supported yet; "
-                            'use {"method": "ngram", ...} (prompt lookup, no second model)')
-        if method != "ngram":
-            raise VkrtError(f"--speculative-config: method must be \"ngram\", got {method!r}")
+                            'use {"method": "ngram", ...} (prompt lookup) or {"model": DRAFT, ...} (a draft model)')
+        if method not in ("ngram", "draft_model"):
+            raise VkrtError(f"--speculative-config: method must be \"ngram\" or \"draft_model\", got {method!r}")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise VkrtError(f"--speculative-config: num_speculative_tokens must be an integer in "
                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if method == "draft_model":
+            return cls._draft(value, k)
+        if "model" in value:
+            raise VkrtError('--speculative-config: "model" names a draft model; method "ngram" takes none')
         lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
         for name, n in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
@@ -77,7 +86,20 @@ class SpeculativeConfig:
                             f"prompt_lookup_max ({lookup_max})")
         return cls("ngram", k, lookup_max, lookup_min)
 
+    @classmethod
+    def _draft(cls, value: Mapping[str, Any], k: int) -> SpeculativeConfig:
+        model = value.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise VkrtError('--speculative-config: method "draft_model" needs "model": a GGUF file, a Hugging Face '
+                            f"model directory or a pulled model's name, got {model!r}")
+        lookup = sorted(key for key in value if key.startswith("prompt_lookup"))
+        if lookup:
+            raise VkrtError(f"--speculative-config: {', '.join(lookup)} belong to method \"ngram\", not to a draft model")
+        return cls("draft_model", k, model=model)
+
     def describe(self) -> str:
+        if self.method == "draft_model":
+            return f"draft model {self.model}, {self.num_speculative_tokens} tokens"
         return (f"ngram, {self.num_speculative_tokens} tokens, lookup "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}")
 
@@ -106,6 +128,24 @@ def ngram_proposal(token_ids: Sequence[int], k: int, lookup_max: int, lookup_min
                 proposal.append(proposal[len(proposal) - (length - follow)])
             return proposal
     return []
+
+
+def draw(weights: np.ndarray, generator: np.random.Generator) -> int:
+    """One token drawn from unnormalised `weights` (>= 0, some > 0) by inverse CDF, one draw."""
+    cdf = np.cumsum(weights, dtype=np.float64)
+    return int(min(np.searchsorted(cdf, generator.random() * cdf[-1], side="right"), cdf.shape[0] - 1))
+
+
+def rejection_sample(p: np.ndarray, q: np.ndarray, draft: int, generator: np.random.Generator) -> int:
+    """The token a verify row emits when the draft sampled `draft` from q and the target's
+    distribution is p (both normalised): `draft` with probability min(1, p(d) / q(d)), else a
+    draw from max(0, p - q) normalised, so the token is distributed as p."""
+    if generator.random() * q[draft] < p[draft]:
+        return draft
+    residual = np.maximum(p - q, 0.0)
+    if not residual.sum() > 0.0:  # p equals q up to rounding: a rejection had probability ~0
+        residual = p
+    return draw(residual, generator)
 
 
 # After a verify step that accepts nothing, a request waits 1, 2, 4, ... up to this many

@@ -322,8 +322,8 @@ def ensure_default_model(progress: bool = True) -> Path:
     return find_default_model() or pull(DEFAULT_MODEL, progress=progress)
 
 
-def resolve_model(spec: str, progress: bool = True) -> tuple[Path, str | None]:
-    """What `--model SPEC` means: (path, model name if SPEC named a pullable model).
+def resolve_model(spec: str, progress: bool = True, flag: str = "--model") -> tuple[Path, str | None]:
+    """What `--model SPEC` (or `flag` SPEC) means: (path, model name if SPEC named a pullable model).
 
     A path (one that exists, or one spelled like a path) is returned as it is. A name from `KNOWN_MODELS` resolves to its cached
     GGUF; the default model is pulled on first use, any other must be pulled first.
@@ -342,7 +342,7 @@ def resolve_model(spec: str, progress: bool = True) -> tuple[Path, str | None]:
     if os.sep in spec or "/" in spec or spec.endswith(_MODEL_FILE_SUFFIXES):
         return path, None  # a path that is not there: the loader says so, naming it
     raise VkrtError(
-        f"--model {spec!r} is neither a file, a directory nor a model vkrt can pull "
+        f"{flag} {spec!r} is neither a file, a directory nor a model vkrt can pull "
         f"({', '.join(KNOWN_MODELS)}); see `vkrt pull --list`"
     )
 
