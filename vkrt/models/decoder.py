@@ -7,8 +7,8 @@ summed, (post-norm), residual (x scale), norm, gated MLP (or relu2's ungated one
 experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama,
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
 Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
-Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and gpt-oss (attention sinks, biased experts,
-the clamped SwiGLU) differ only in ModelConfig
+Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss (attention sinks, biased experts,
+the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention) differ only in ModelConfig
 (vkrt/loader/normalize.py builds it): the traits are read from there, never from a family name.
 Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
@@ -31,6 +31,7 @@ from vkrt.models.weights import (
     AttentionMamba2,
     Experts,
     GatedDeltaNet,
+    LatentAttention,
     Layer,
     Linear,
     Mamba2,
@@ -64,6 +65,7 @@ class DecoderModel(CausalLM):
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
+        self._head_ids: dict[int, Tensor] = {}  # tokens -> MLA's per-head ids
         self.scale = c.query_scale or 1.0 / float(np.sqrt(c.head_dim))
 
     def upload_f32(self, values: np.ndarray) -> Tensor:
@@ -106,6 +108,8 @@ class DecoderModel(CausalLM):
                 h = self.mamba2(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, AttentionMamba2):
                 h = self.attention_mamba2(layer, mixer, h, step, kv, i)
+            elif isinstance(mixer, LatentAttention):
+                h = self.residual(self.latent_attention(mixer, self.pre_norm(h, layer.attn_norm), step, kv, i), h)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
         # Only the rows that need logits go through the final norm and the LM head.
@@ -148,6 +152,35 @@ class DecoderModel(CausalLM):
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
         return linear(a, attn.o)
+
+    def latent_attention(self, attn: LatentAttention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+        """MLA of the normed input x, absorbed (vkrt/models/mla.py): the row [rope(k_rope), norm(c_kv)]
+        cached as layer i's key and value, MQA of the absorbed queries over it, each head's latent
+        output up-projected, o_proj."""
+        c = self.config
+        t, heads, width = x.shape[0], c.num_heads, c.head_dim
+        cos_sin, pairs = self.cos_sin(i), c.rope_interleaved
+        q_in = x if attn.q_a is None else ops.rms_norm(linear(x, attn.q_a), attn.q_a_norm, c.rms_norm_eps)
+        q = ops.reshape(linear(q_in, attn.q), (t, heads, c.qk_nope_head_dim + c.qk_rope_head_dim))
+        latent, k_rope = linear_parts(x, attn.kv_a)
+        row = ops.concat_columns(ops.rope(k_rope, step.positions, cos_sin, c.qk_rope_head_dim, interleaved=pairs),
+                                 ops.rms_norm(latent, attn.kv_a_norm, c.rms_norm_eps))
+        cache = kv.keys[i]  # = kv.values[i]: the value is the key row
+        ops.kv_write(cache, cache, row, row, step.slots_of(kv.group_of(i)))
+        ids = self.head_ids(t)
+        query = ops.reshape(ops.moe_matmul(q, attn.q_absorb, ids), (t, heads * width))
+        query = ops.rope(query, step.positions, cos_sin, width, interleaved=pairs)
+        a = ops.paged_attention(query, cache, cache, step.block_tables_of(kv.group_of(i)), step.seq_index,
+                                step.positions, heads, 1, self.scale)
+        out = ops.moe_matmul(ops.reshape(a, (t, heads, width)), attn.v_up, ids)
+        return linear(ops.reshape(out, (t, heads * c.v_head_dim)), attn.o)
+
+    def head_ids(self, tokens: int) -> Tensor:
+        """i32 [tokens, H] of 0 .. H - 1: the per-head matmuls' "experts" (one upload per step size)."""
+        if tokens not in self._head_ids:
+            ids = np.tile(np.arange(self.config.num_heads, dtype=np.int32), (tokens, 1))
+            self._head_ids[tokens] = self.backend.upload(ids, "i32", purpose="weights")
+        return self._head_ids[tokens]
 
     def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """LFM2's gated convolution over each sequence, its state in layer i's slots."""
