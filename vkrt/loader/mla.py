@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from vkrt.errors import ModelFormatError
+from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.config import ModelConfig
 
 if TYPE_CHECKING:  # (normalize calls in here)
@@ -37,6 +37,9 @@ def latent_attention_config(src: ConfigFields, config: ModelConfig) -> ModelConf
     """`config` with its MLA fields, checked: one KV head of the cached row's width, RoPE on its
     first qk_rope_head_dim dims, and the softmax scale 1 / sqrt(qk_head_dim) times YaRN's
     mscale(factor, mscale_all_dim)^2, as transformers scales it."""
+    if src.get("attention_bias"):
+        raise UnsupportedModelError(f"{src.source}: {src.name('attention_bias')} is set; vkrt does not run biases on "
+                                    "the latent attention's projections")
     ranks = {}
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         value = src.get(key)

@@ -160,7 +160,9 @@ class DecoderModel(CausalLM):
         c = self.config
         t, heads, width = x.shape[0], c.num_heads, c.head_dim
         cos_sin, pairs = self.cos_sin(i), c.rope_interleaved
-        q_in = x if attn.q_a is None else ops.rms_norm(linear(x, attn.q_a), attn.q_a_norm, c.rms_norm_eps)
+        q_in = x  # the q LoRA: q_a_proj, its norm, then q_b_proj (attn.q)
+        if attn.q_a is not None and attn.q_a_norm is not None:
+            q_in = ops.rms_norm(linear(x, attn.q_a), attn.q_a_norm, c.rms_norm_eps)
         q = ops.reshape(linear(q_in, attn.q), (t, heads, c.qk_nope_head_dim + c.qk_rope_head_dim))
         latent, k_rope = linear_parts(x, attn.kv_a)
         row = ops.concat_columns(ops.rope(k_rope, step.positions, cos_sin, c.qk_rope_head_dim, interleaved=pairs),
