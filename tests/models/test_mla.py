@@ -100,7 +100,8 @@ def test_absorbed_attention_equals_the_expanded_one(name: str, ref: Backend) -> 
         batch = ForwardBatch(pos.copy(), pos, np.zeros_like(pos), pos.copy(), np.array([[0, 1]], np.int32),
                              np.arange(stop - start, dtype=np.int32))
         step = StepTensors.upload(ref, batch)
-        got.append(model.latent_attention(attn, ref.upload(x[start:stop], "f32"), step, kv, 1).numpy())
+        ids = model.head_ids(stop - start)
+        got.append(model.latent_attention(attn, ref.upload(x[start:stop], "f32"), step, kv, 1, ids).numpy())
     diff = np.abs(np.concatenate(got) - expected).max()
     assert diff <= 1e-5 * np.abs(expected).max(), diff
 
@@ -137,3 +138,15 @@ def test_mla_config_is_read_alike_from_both_formats() -> None:
     assert hf.query_scale == pytest.approx(24 ** -0.5 * mscale ** 2, rel=1e-12)
     assert gguf.query_scale == pytest.approx(hf.query_scale, rel=1e-6)
     assert [layer.moe for layer in hf.layers] == [layer.moe for layer in gguf.layers] == [False, True, True]
+
+
+def test_long_prompt_runs_alike_on_both_backends(ref: Backend, vk_default: Backend) -> None:
+    """A prompt longer than the steps whose per-head ids are kept (HEAD_IDS_KEPT) uploads its own,
+    on both backends alike; decode after it reuses the kept ones."""
+    from tests.models.conftest import Greedy
+    from vkrt.models.decoder import HEAD_IDS_KEPT
+
+    prompt = [(11 * i + 3) % 256 for i in range(HEAD_IDS_KEPT + 16)]
+    runs = [Greedy(DecoderModel(load_model(FIXTURES / "tiny_deepseek_v3"), b), max_len=112).generate(prompt, 8)
+            for b in (ref, vk_default)]
+    assert runs[0] == runs[1]

@@ -55,6 +55,10 @@ def linear_parts(x: Tensor, lin: Linear) -> list[Tensor]:
     return [ops.matmul(x, w) if b is None else ops.add(ops.matmul(x, w), b)
             for w, b in zip(lin.parts, lin.biases, strict=True)]
 
+# MLA's per-head ids are kept for steps of up to this many tokens: at most 64 x 65 / 2 x H x 4 bytes
+# (1 MiB for DeepSeek-V3's 128 heads) however many prompt lengths a server sees.
+HEAD_IDS_KEPT = 64
+
 
 class DecoderModel(CausalLM):
     def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
@@ -94,6 +98,7 @@ class DecoderModel(CausalLM):
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         c, w = self.config, self.weights
         h = ops.embedding(w.embed_tokens, step.token_ids)
+        heads = self.head_ids(step.token_ids.shape[0]) if c.kv_lora_rank else None  # MLA's per-head matmuls
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
         for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
@@ -109,7 +114,8 @@ class DecoderModel(CausalLM):
             elif isinstance(mixer, AttentionMamba2):
                 h = self.attention_mamba2(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, LatentAttention):
-                h = self.residual(self.latent_attention(mixer, self.pre_norm(h, layer.attn_norm), step, kv, i), h)
+                assert heads is not None
+                h = self.residual(self.latent_attention(mixer, self.pre_norm(h, layer.attn_norm), step, kv, i, heads), h)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
         # Only the rows that need logits go through the final norm and the LM head.
@@ -153,10 +159,11 @@ class DecoderModel(CausalLM):
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
         return linear(a, attn.o)
 
-    def latent_attention(self, attn: LatentAttention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
+    def latent_attention(self, attn: LatentAttention, x: Tensor, step: StepTensors, kv: KVCache, i: int,
+                         ids: Tensor) -> Tensor:
         """MLA of the normed input x, absorbed (vkrt/models/mla.py): the row [rope(k_rope), norm(c_kv)]
         cached as layer i's key and value, MQA of the absorbed queries over it, each head's latent
-        output up-projected, o_proj."""
+        output up-projected, o_proj; `ids` is head_ids of the step."""
         c = self.config
         t, heads, width = x.shape[0], c.num_heads, c.head_dim
         cos_sin, pairs = self.cos_sin(i), c.rope_interleaved
@@ -169,7 +176,6 @@ class DecoderModel(CausalLM):
                                  ops.rms_norm(latent, attn.kv_a_norm, c.rms_norm_eps))
         cache = kv.keys[i]  # = kv.values[i]: the value is the key row
         ops.kv_write(cache, cache, row, row, step.slots_of(kv.group_of(i)))
-        ids = self.head_ids(t)
         query = ops.reshape(ops.moe_matmul(q, attn.q_absorb, ids), (t, heads * width))
         query = ops.rope(query, step.positions, cos_sin, width, interleaved=pairs)
         a = ops.paged_attention(query, cache, cache, step.block_tables_of(kv.group_of(i)), step.seq_index,
@@ -178,11 +184,16 @@ class DecoderModel(CausalLM):
         return linear(ops.reshape(out, (t, heads * c.v_head_dim)), attn.o)
 
     def head_ids(self, tokens: int) -> Tensor:
-        """i32 [tokens, H] of 0 .. H - 1: the per-head matmuls' "experts" (one upload per step size)."""
-        if tokens not in self._head_ids:
-            ids = np.tile(np.arange(self.config.num_heads, dtype=np.int32), (tokens, 1))
-            self._head_ids[tokens] = self.backend.upload(ids, "i32", purpose="weights")
-        return self._head_ids[tokens]
+        """i32 [tokens, H] of 0 .. H - 1: the per-head matmuls' "experts". Steps of up to
+        HEAD_IDS_KEPT tokens (decode buckets, short prompts) keep theirs; longer ones upload their
+        own (a recorded step keeps what it binds alive)."""
+        ids = self._head_ids.get(tokens)
+        if ids is None:
+            ids = self.backend.upload(np.tile(np.arange(self.config.num_heads, dtype=np.int32), (tokens, 1)), "i32",
+                                      purpose="inputs")
+            if tokens <= HEAD_IDS_KEPT:
+                self._head_ids[tokens] = ids
+        return ids
 
     def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """LFM2's gated convolution over each sequence, its state in layer i's slots."""
