@@ -150,3 +150,39 @@ def test_long_prompt_runs_alike_on_both_backends(ref: Backend, vk_default: Backe
     runs = [Greedy(DecoderModel(load_model(FIXTURES / "tiny_deepseek_v3"), b), max_len=112).generate(prompt, 8)
             for b in (ref, vk_default)]
     assert runs[0] == runs[1]
+
+
+# A replayed decode step of one sequence (engine): embedding, 3 layers, final norm + head, sample.
+# An MLA layer's attention is 13 dispatches with the q LoRA (12 without): q_a (the layer's norm
+# folded), q_b (q_a's norm folded), the latent's and the rope key's rows of kv_a, the latent's norm,
+# the rope key's rope, their concat, the cache write, the query absorption, the query's rope,
+# attention, the value up-projection, o_proj with the residual. Its MLPs are GLM-4.5's (dense: 2;
+# sparse: 9 with the shared expert).
+DECODE_DISPATCHES = {"tiny_deepseek_v3": 63, "tiny_glm4_moe_lite": 60}
+
+
+@pytest.mark.parametrize("name", list(DECODE_DISPATCHES))
+def test_decode_step_dispatches(name: str, vk_default: Backend) -> None:
+    from collections import Counter
+
+    from tests.models.conftest import Greedy
+    from vkrt.engine import LLM, SamplingParams
+
+    prompt = json.loads((FIXTURES / name / "golden.json").read_text())["cases"][-1]["input_ids"]
+    driver = Greedy(DecoderModel(load_model(FIXTURES / name), vk_default), max_len=64)
+    driver.step(prompt, 0)
+    before = Counter(vk_default.selections)
+    driver.step([1], len(prompt))
+    ran: Counter[str] = Counter()
+    for (op, kernel), n in vk_default.selections.items():
+        ran[op] += n - before[(op, kernel)]
+    layers = 3
+    assert (ran["moe_matmul"], ran["kv_write"], ran["rope"], ran["paged_attention"]) == \
+        (2 * layers + 2, layers, 2 * layers, layers)  # (+ the two sparse layers' down projections)
+    llm = LLM(FIXTURES / name, device="vulkan", max_model_len=64, max_num_seqs=1)
+    llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    stats = llm.stats()
+    worst = stats["decode_counters_max"]
+    assert stats["decode_steps"] >= 5 and stats["last_step"]["replayed"]
+    assert (worst["dispatches"], worst["submits"], worst["fence_waits"], worst["drains"]) == \
+        (DECODE_DISPATCHES[name], 1, 1, 0)
