@@ -186,3 +186,23 @@ def test_decode_step_dispatches(name: str, vk_default: Backend) -> None:
     assert stats["decode_steps"] >= 5 and stats["last_step"]["replayed"]
     assert (worst["dispatches"], worst["submits"], worst["fence_waits"], worst["drains"]) == \
         (DECODE_DISPATCHES[name], 1, 1, 0)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_mtp_layers_are_skipped(tmp_path: Path, name: str) -> None:
+    """A checkpoint's multi-token-prediction layer after the main ones (num_nextn_predict_layers, as
+    DeepSeek-V3's and GLM-4.7-Flash's configs have it) is skipped: the model is the main layers."""
+    from safetensors.numpy import load_file, save_file
+
+    saved = load_model(FIXTURES / name)
+    d = _edited(tmp_path, name, num_nextn_predict_layers=1)
+    tensors = load_file(str(d / "model.safetensors"))
+    mtp = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)  # (one of the MTP layer's own)
+    save_file(tensors | mtp, str(d / "model.safetensors"))
+    loaded = load_model(d)
+    assert loaded.config == saved.config and loaded.weights.keys() == saved.weights.keys()
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 0}))
+    with pytest.raises(UnsupportedModelError, match="eh_proj"):  # uncounted, the extra layer is an error
+        load_model(d)
