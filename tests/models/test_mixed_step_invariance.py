@@ -7,9 +7,9 @@ sequence) walks every row's chunks in one workgroup: both must merge to the same
 
 Families with GQA ratio 2 (two query heads per tile of the GQA kernel): tiny_llama,
 tiny_mistral (sliding window 8 on every layer), tiny_gemma2 (attention softcap 5, sliding /
-full layers), tiny_deepseek_v3 (multi-head latent attention: 4 heads of 40 over its one cached
-row, whose per-head expert matmuls take one split in decode and the other beside a prefill, and
-grouped sigmoid MoE), f32 and f16 caches; and SmolLM2-135M (three heads per tile) with its default f16
+full layers); tiny_deepseek_v3 (multi-head latent attention: a tile of all 4 heads of 40 over its
+one cached row, per-head expert matmuls that take one split in decode and the other beside a
+prefill, grouped sigmoid MoE); f32 and f16 caches; and SmolLM2-135M (three heads per tile) with its default f16
 cache.
 """
 
