@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 from vkrt.errors import ModelFormatError, UnsupportedModelError
@@ -24,7 +25,7 @@ _GGUF_MLA = {"attention.kv_lora_rank": "kv_lora_rank", "attention.q_lora_rank": 
              "rope.dimension_count": "qk_rope_head_dim", "attention.value_length_mla": "v_head_dim"}
 
 
-def is_int(value: Any) -> bool:
+def _is_int(value: Any) -> bool:  # (normalize.is_int: that module imports this one)
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -43,11 +44,11 @@ def latent_attention_config(src: ConfigFields, config: ModelConfig) -> ModelConf
     ranks = {}
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         value = src.get(key)
-        if not is_int(value) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
         ranks[key] = value
     q_lora = src.get("q_lora_rank")
-    if q_lora is not None and (not is_int(q_lora) or q_lora < 0):
+    if q_lora is not None and (not _is_int(q_lora) or q_lora < 0):
         raise ModelFormatError(f"{src.source}: {src.name('q_lora_rank')} must be a count or null, got {q_lora!r}")
     rope = ranks["qk_rope_head_dim"]
     if rope % 2:
@@ -70,8 +71,8 @@ def gguf_latent_attention(arch: str, meta: dict[str, Any], values: dict[str, Any
         values[key] = meta.get(f"{arch}.{suffix}")
         spelled[key] = f"{arch}.{suffix}"
     qk = meta.get(f"{arch}.attention.key_length_mla", meta.get(f"{arch}.attention.key_length"))
-    values["qk_nope_head_dim"] = qk - values["qk_rope_head_dim"] if is_int(qk) and is_int(values["qk_rope_head_dim"]) \
-        else None
+    rope = values["qk_rope_head_dim"]
+    values["qk_nope_head_dim"] = qk - rope if _is_int(qk) and _is_int(rope) else None  # (checked as a count later)
     spelled["qk_nope_head_dim"] = f"{arch}.attention.key_length_mla"
     if values["v_head_dim"] is None:  # (older files: value_length)
         values["v_head_dim"] = meta.get(f"{arch}.attention.value_length")
@@ -84,7 +85,7 @@ def gguf_latent_attention(arch: str, meta: dict[str, Any], values: dict[str, Any
         values["rope_scaling"] = scaling | {"mscale": mscale, "mscale_all_dim": mscale}
 
 
-def mla_weight_shapes(config: ModelConfig, layer: str, stored: Any) -> dict[str, tuple[int, ...]]:
+def mla_weight_shapes(config: ModelConfig, layer: str, stored: Container[str]) -> dict[str, tuple[int, ...]]:
     """An MLA layer's attention weights and their shapes (layer: "layers.{i}."): q through the q
     LoRA or q_proj, kv_a_proj's latent and rope rows, the up-projection as one kv_b_proj (HF) or
     per head as k_b [H, kv_lora, nope] and v_b [H, v, kv_lora] (llama.cpp's converter), o_proj."""

@@ -55,6 +55,7 @@ def linear_parts(x: Tensor, lin: Linear) -> list[Tensor]:
     return [ops.matmul(x, w) if b is None else ops.add(ops.matmul(x, w), b)
             for w, b in zip(lin.parts, lin.biases, strict=True)]
 
+
 # MLA's per-head ids are kept for steps of up to this many tokens: at most 64 x 65 / 2 x H x 4 bytes
 # (1 MiB for DeepSeek-V3's 128 heads) however many prompt lengths a server sees.
 HEAD_IDS_KEPT = 64
@@ -98,7 +99,7 @@ class DecoderModel(CausalLM):
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         c, w = self.config, self.weights
         h = ops.embedding(w.embed_tokens, step.token_ids)
-        heads = self.head_ids(step.token_ids.shape[0]) if c.kv_lora_rank else None  # MLA's per-head matmuls
+        head_ids = self.head_ids(step.token_ids.shape[0]) if c.kv_lora_rank else None  # MLA's per-head matmuls
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
         for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
@@ -114,8 +115,9 @@ class DecoderModel(CausalLM):
             elif isinstance(mixer, AttentionMamba2):
                 h = self.attention_mamba2(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, LatentAttention):
-                assert heads is not None
-                h = self.residual(self.latent_attention(mixer, self.pre_norm(h, layer.attn_norm), step, kv, i, heads), h)
+                assert head_ids is not None
+                x = self.pre_norm(h, layer.attn_norm)
+                h = self.residual(self.latent_attention(mixer, x, step, kv, i, head_ids), h)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
         # Only the rows that need logits go through the final norm and the LM head.
