@@ -174,10 +174,9 @@ class DecoderModel(CausalLM):
             q_in = ops.rms_norm(linear(x, attn.q_a), attn.q_a_norm, c.rms_norm_eps)
         q = ops.reshape(linear(q_in, attn.q), (t, heads, c.qk_nope_head_dim + c.qk_rope_head_dim))
         latent, k_rope = linear_parts(x, attn.kv_a)
-        row = ops.concat_columns(ops.rope(k_rope, step.positions, cos_sin, c.qk_rope_head_dim, interleaved=pairs),
-                                 ops.rms_norm(latent, attn.kv_a_norm, c.rms_norm_eps))
         cache = kv.keys[i]  # = kv.values[i]: the value is the key row
-        ops.kv_write(cache, cache, row, row, step.slots_of(kv.group_of(i)))
+        ops.latent_kv_write(latent, k_rope, attn.kv_a_norm, step.positions, cos_sin, cache,
+                            step.slots_of(kv.group_of(i)), c.rms_norm_eps, interleaved=pairs)
         query = ops.reshape(ops.moe_matmul(q, attn.q_absorb, ids), (t, heads * width))
         query = ops.rope(query, step.positions, cos_sin, width, interleaved=pairs)
         a = ops.paged_attention(query, cache, cache, step.block_tables_of(kv.group_of(i)), step.seq_index,
