@@ -173,9 +173,8 @@ class DecoderModel(CausalLM):
         if attn.q_a is not None and attn.q_a_norm is not None:
             q_in = ops.rms_norm(linear(x, attn.q_a), attn.q_a_norm, c.rms_norm_eps)
         q = ops.reshape(linear(q_in, attn.q), (t, heads, c.qk_nope_head_dim + c.qk_rope_head_dim))
-        latent, k_rope = linear_parts(x, attn.kv_a)
         cache = kv.keys[i]  # = kv.values[i]: the value is the key row
-        ops.latent_kv_write(latent, k_rope, attn.kv_a_norm, step.positions, cos_sin, cache,
+        ops.latent_kv_write(linear(x, attn.kv_a), attn.kv_a_norm, step.positions, cos_sin, cache,
                             step.slots_of(kv.group_of(i)), c.rms_norm_eps, interleaved=pairs)
         query = ops.reshape(ops.moe_matmul(q, attn.q_absorb, ids), (t, heads * width))
         query = ops.rope(query, step.positions, cos_sin, width, interleaved=pairs)

@@ -106,8 +106,8 @@ class AttentionMamba2:
 @dataclass(frozen=True)
 class LatentAttention:
     """Multi-head latent attention with its up-projections absorbed (vkrt/models/mla.py): q (q_proj,
-    or q_b_proj after q_a_proj and its norm) [T, H * (nope + rope)], kv_a_proj's latent and rope
-    rows as two parts, the latent's norm, the per-head query absorption [H, rope + kv_lora, nope +
+    or q_b_proj after q_a_proj and its norm) [T, H * (nope + rope)], kv_a_proj (the latent's rows,
+    then the rope key's), the latent's norm, the per-head query absorption [H, rope + kv_lora, nope +
     rope] and value up-projection [H, v, rope + kv_lora] (f32, made at load), o_proj."""
 
     q: Linear
@@ -337,13 +337,12 @@ class _Builder:
         else:
             w_uk_t = self.vector(p + "k_b").reshape(heads, rank, nope)
             w_uv = self.vector(p + "v_b").reshape(heads, v, rank)
-        kv_a = self.raw(p + "kv_a_proj")
         lora = c.q_lora_rank > 0
         return LatentAttention(
             q=self.linear([p + ("q_b_proj" if lora else "q_proj")]),
             q_a=self.linear([p + "q_a_proj"]) if lora else None,
             q_a_norm=self.norm(p + "q_a_norm") if lora else None,
-            kv_a=self.linear([_rows(kv_a, 0, rank), _rows(kv_a, rank, kv_a.shape[0])], apart=True),
+            kv_a=self.linear([p + "kv_a_proj"]),
             kv_a_norm=self.norm(p + "kv_a_norm"),
             q_absorb=self.f32_stack(p + "q_absorb", absorbed_query(w_uk_t, c.qk_rope_head_dim)),
             v_up=self.f32_stack(p + "v_up", absorbed_value(w_uv, c.qk_rope_head_dim)),
