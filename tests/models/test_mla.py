@@ -207,3 +207,22 @@ def test_mtp_layers_are_skipped(tmp_path: Path, name: str) -> None:
     (d / "config.json").write_text(json.dumps(cfg | {"num_nextn_predict_layers": 0}))
     with pytest.raises(UnsupportedModelError, match="eh_proj"):  # uncounted, the extra layer is an error
         load_model(d)
+
+
+def test_absorbed_weights_keep_a_16_bit_source_format(tmp_path: Path, ref: Backend, vk_default: Backend) -> None:
+    """From an f16 checkpoint the absorbed query and value matrices are f16 (exact: zeros, ones and
+    the checkpoint's own values), half of f32's memory; both backends still decode alike."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.models.conftest import Greedy
+
+    d = tmp_path / "f16"
+    shutil.copytree(FIXTURES / "tiny_deepseek_v3", d)
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({k: v.astype(np.float16) for k, v in tensors.items()}, str(d / "model.safetensors"))
+    model = DecoderModel(load_model(d), ref)
+    attn = model.weights.layers[0].mixer
+    assert isinstance(attn, LatentAttention) and attn.q_absorb.dtype == attn.v_up.dtype == "f16"
+    prompt = json.loads((FIXTURES / "tiny_deepseek_v3" / "golden.json").read_text())["cases"][-1]["input_ids"]
+    runs = [Greedy(DecoderModel(load_model(d), b), max_len=64).generate(prompt, 8) for b in (ref, vk_default)]
+    assert runs[0] == runs[1]

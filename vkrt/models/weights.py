@@ -20,7 +20,7 @@ import numpy as np
 
 from vkrt.backend.base import Backend
 from vkrt.core.host_weight import HostWeight, RowBlock
-from vkrt.core.quant import dequantize
+from vkrt.core.quant import dequantize, f32_to_bf16
 from vkrt.core.tensor import Tensor
 from vkrt.errors import ModelFormatError, OutOfDeviceMemory, UnsupportedModelError
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
@@ -108,7 +108,8 @@ class LatentAttention:
     """Multi-head latent attention with its up-projections absorbed (vkrt/models/mla.py): q (q_proj,
     or q_b_proj after q_a_proj and its norm) [T, H * (nope + rope)], kv_a_proj (the latent's rows,
     then the rope key's), the latent's norm, the per-head query absorption [H, rope + kv_lora, nope +
-    rope] and value up-projection [H, v, rope + kv_lora] (f32, made at load), o_proj."""
+    rope] and value up-projection [H, v, rope + kv_lora] (made at load, in kv_b_proj's or k_b's / v_b's
+    float format; f32 from a block format), o_proj."""
 
     q: Linear
     q_a: Linear | None
@@ -328,15 +329,17 @@ class _Builder:
 
     def latent_attention(self, p: str) -> LatentAttention:
         """MLA's weights; the up-projection (one kv_b_proj, or llama.cpp's k_b and v_b per head)
-        becomes the absorbed query and value matrices, in f32."""
+        becomes the absorbed query and value matrices."""
         c = self.config
         heads, nope, v, rank = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
         if p + "kv_b_proj" in self.stored:  # per head: nope rows of W_uk, then v rows of W_uv
             kv_b = self.vector(p + "kv_b_proj").reshape(heads, nope + v, rank)
             w_uk_t, w_uv = kv_b[:, :nope].transpose(0, 2, 1), kv_b[:, nope:]
+            uk_fmt = uv_fmt = self.raw(p + "kv_b_proj").fmt
         else:
             w_uk_t = self.vector(p + "k_b").reshape(heads, rank, nope)
             w_uv = self.vector(p + "v_b").reshape(heads, v, rank)
+            uk_fmt, uv_fmt = self.raw(p + "k_b").fmt, self.raw(p + "v_b").fmt
         lora = c.q_lora_rank > 0
         return LatentAttention(
             q=self.linear([p + ("q_b_proj" if lora else "q_proj")]),
@@ -344,8 +347,8 @@ class _Builder:
             q_a_norm=self.norm(p + "q_a_norm") if lora else None,
             kv_a=self.linear([p + "kv_a_proj"]),
             kv_a_norm=self.norm(p + "kv_a_norm"),
-            q_absorb=self.f32_stack(p + "q_absorb", absorbed_query(w_uk_t, c.qk_rope_head_dim)),
-            v_up=self.f32_stack(p + "v_up", absorbed_value(w_uv, c.qk_rope_head_dim)),
+            q_absorb=self.float_stack(p + "q_absorb", absorbed_query(w_uk_t, c.qk_rope_head_dim), uk_fmt),
+            v_up=self.float_stack(p + "v_up", absorbed_value(w_uv, c.qk_rope_head_dim), uv_fmt),
             o=self.linear([p + "o_proj"]))
 
     def per_key_head(self, w: WeightData, sizes: tuple[int, ...]) -> list[WeightData]:
@@ -549,10 +552,18 @@ class _Builder:
             scale *= w.row_scale
         return WeightData(w.name, w.fmt, w.shape, w.data, w.row_order, scale)
 
-    def f32_stack(self, name: str, stack: np.ndarray) -> Tensor:
-        """A stacked [E, rows, in] f32 matrix made at load, uploaded as an expert weight."""
-        matrices = tuple((RowBlock(np.ascontiguousarray(m, dtype=np.float32)),) for m in stack)
-        return self.upload(HostWeight("f32", stack.shape, matrices), name, [])
+    def float_stack(self, name: str, stack: np.ndarray, source_fmt: str) -> Tensor:
+        """A stacked [E, rows, in] matrix made at load (f32 values), uploaded as an expert weight in
+        its source's float format when that is f16 or bf16 (which hold its values exactly: zeros,
+        ones and the source's own), else in f32 (an f32 or block-format source)."""
+        if source_fmt == "bf16":
+            stored, fmt = f32_to_bf16(stack), "bf16"
+        elif source_fmt == "f16":
+            stored, fmt = stack.astype(np.float16), "f16"
+        else:
+            stored, fmt = np.asarray(stack, np.float32), "f32"
+        matrices = tuple((RowBlock(np.ascontiguousarray(m)),) for m in stored)
+        return self.upload(HostWeight(fmt, stack.shape, matrices), name, [])
 
     def vector(self, name: str) -> np.ndarray:
         w = self.raw(name)
