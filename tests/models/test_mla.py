@@ -1,5 +1,7 @@
 """Multi-head latent attention (DeepSeek-V3, GLM-4 MoE Lite): the cache holds one latent row per
-token, the absorbed attention equals the expanded one, and the config is checked.
+token, the absorbed attention equals the expanded one, the config is checked and read alike from
+both formats, MTP layers are skipped, the absorbed weights keep a 16-bit source's format, and a
+decode step's dispatches are pinned.
 
 Greedy ids and logits against transformers are in test_families.py (tiny_deepseek_v3,
 tiny_glm4_moe_lite and their converted GGUFs).
@@ -18,6 +20,7 @@ from tests.conftest import FIXTURES
 from vkrt.backend.base import Backend
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import load_model
+from vkrt.loader.config import ModelConfig
 from vkrt.models import ForwardBatch, StepTensors
 from vkrt.models.decoder import DecoderModel
 from vkrt.models.rope import rope_table
@@ -46,7 +49,7 @@ def test_cache_holds_the_latent_and_rope_key_per_token(name: str, vk_default: Ba
     assert vk_default.memory_stats()["kv_bytes"] - before == kv.nbytes
 
 
-def _expanded_attention(loaded: dict, p: str, x: np.ndarray, config) -> np.ndarray:
+def _expanded_attention(loaded: dict, p: str, x: np.ndarray, config: ModelConfig) -> np.ndarray:
     """transformers' MLA of one sequence x [T, hidden] (already normed), unabsorbed: every head's
     key [W_uk c, k_rope] and value W_uv c expanded from the latent, in float64."""
     c = config
