@@ -3,7 +3,8 @@
 Each fixture is made by the family's own transformers class (Qwen2ForCausalLM,
 Qwen3ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
 Phi3ForCausalLM, SmolLM3, Granite, the mixtures of experts Qwen3MoeForCausalLM,
-MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM, and the hybrids), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
+MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM,
+DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, and the hybrids), saved as an HF directory under tests/fixtures/tiny_<family>/ with a
 golden.json in the tiny llamas' schema. Qwen2, Qwen3, Gemma 2 and 3 are also written as GGUF files
 with the `gguf` package's writer (llama.cpp tensor names and row order, Gemma norms
 stored as 1 + w as llama.cpp's converter does), and their goldens are what transformers
@@ -50,7 +51,8 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
                       "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
-                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2")
+                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2", "DeepseekV3",
+                      "Glm4MoeLite")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -60,6 +62,10 @@ CONVERT_CONFIG: dict[str, Any] = {
                                                            .get(t, t) for t in cfg["layer_types"]]},
     # MiniMax-M2's released configs name the router's sigmoid, which the converter writes as the gating function.
     "MiniMaxM2": lambda cfg: cfg | {"scoring_func": "sigmoid"},
+    # DeepSeek-V3's and GLM-4.7-Flash's released configs name the sigmoid too (the converter writes no gating
+    # function without it, and llama.cpp then routes a deepseek2 file by softmax), and GLM's its first dense layer.
+    "DeepseekV3": lambda cfg: cfg | {"scoring_func": "sigmoid"},
+    "Glm4MoeLite": lambda cfg: cfg | {"scoring_func": "sigmoid", "first_k_dense_replace": 1},
 }
 # Where a converted GGUF says otherwise than the HF config, llama.cpp runs what the GGUF says: its
 # golden is transformers' forward of the HF fixture (the same weights) with the config overrides
@@ -90,6 +96,13 @@ GEMMA3_SMALL = dict(  # 6 layers so that the default pattern (every 6th layer gl
     num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
     sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
 )
+
+
+# The MLA families' common shape (DeepSeek-V3, GLM-4 MoE Lite): a latent of 32 + a rope key of 8 per token.
+MLA = dict({k: v for k, v in BASE.items() if k != "head_dim"}, num_hidden_layers=3, num_key_value_heads=4,
+           tie_word_embeddings=False, eos_token_id=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16, rope_interleave=True, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
 def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
@@ -353,6 +366,23 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                             "MiniMax-M2: QK-norm over all of q and all of k, RoPE on the first 8 of each head's 16 "
                             "dims (rotary_dim, as the released configs spell it); every MLP 8 experts of 16, top-2 by "
                             "sigmoid score + the score-correction bias, renormalised"),
+        # Multi-head latent attention (MLA): the cache holds the kv latent and the rope key per token.
+        "tiny_deepseek_v3": ("DeepseekV3", dict(MLA, q_lora_rank=24, num_mtp_layers=0, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                 "factor": 4.0, "original_max_position_embeddings": 64,
+                                                                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                                                 "mscale_all_dim": 0.707}),
+                             "DeepSeek-V3: MLA with q LoRA 24, kv LoRA 32, heads of 16 nope + 8 interleaved rope "
+                             "dims and values of 16, YaRN (factor 4 over 64; mscale = mscale_all_dim = 0.707, as "
+                             "DeepSeek-V2-Lite's: cos and sin unscaled, the softmax scale x (0.0707 ln 4 + 1)^2); layer 0 dense, then 8 experts of 32, top-2 by sigmoid "
+                             "score + the score-correction bias within the best 1 of 2 groups, renormalised, x 2.5, "
+                             "plus a shared expert of 32"),
+        "tiny_glm4_moe_lite": ("Glm4MoeLite", dict(MLA, q_lora_rank=None, mlp_layer_types=["dense", "sparse", "sparse"],
+                                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                               "GLM-4 MoE Lite: MLA without q LoRA (q_proj), kv LoRA 32, heads of 16 nope + 8 "
+                               "interleaved rope dims and values of 16; layer 0 dense (mlp_layer_types), then 8 "
+                               "experts of 32, top-2 by sigmoid score + the score-correction bias, renormalised, "
+                               "x 2.5, plus a shared expert of 32"),
     }
 
 

@@ -7,7 +7,9 @@ sequence) walks every row's chunks in one workgroup: both must merge to the same
 
 Families with GQA ratio 2 (two query heads per tile of the GQA kernel): tiny_llama,
 tiny_mistral (sliding window 8 on every layer), tiny_gemma2 (attention softcap 5, sliding /
-full layers), f32 and f16 caches; and SmolLM2-135M (three heads per tile) with its default f16
+full layers); tiny_deepseek_v3 (multi-head latent attention: a tile of all 4 heads of 40 over its
+one cached row, per-head expert matmuls that take one split in decode and the other beside a
+prefill, grouped sigmoid MoE); f32 and f16 caches; and SmolLM2-135M (three heads per tile) with its default f16
 cache.
 """
 
@@ -108,7 +110,7 @@ def gqa_kernel(vk_default: Backend) -> Backend:
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_mistral", "tiny_gemma2"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_mistral", "tiny_gemma2", "tiny_deepseek_v3"])
 def test_decode_logits_do_not_depend_on_a_prefill_in_the_step(name: str, kv_dtype: str, gqa_kernel: Backend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     check_decode_rows(build_model(load_model(FIXTURES / name), gqa_kernel), kv_dtype, monkeypatch)

@@ -627,11 +627,41 @@ _MINIMAX_M2 = ArchSpec(
     norm_topk_prob=True,
 )
 
+# DeepSeek-V3: multi-head latent attention (q through a LoRA q_a -> norm -> q_b, or q_proj; k and v
+# from one latent per token that kv_a_proj_with_mqa makes beside a rope key every head shares, up-
+# projected by kv_b_proj, which llama.cpp's converter splits per head into attn_k_b and attn_v_b);
+# GLM-4.5's MLPs (the first first_k_dense_replace dense, then sigmoid-routed experts within the best
+# expert groups beside an ungated shared expert). GLM-4 MoE Lite is the same model (its dense layers
+# named by mlp_layer_types); llama.cpp writes both as deepseek2.
+_MLA_GGUF = {"attn_q_a.weight": "q_a_proj", "attn_q_a_norm.weight": "q_a_norm", "attn_q_b.weight": "q_b_proj",
+             "attn_kv_a_mqa.weight": "kv_a_proj", "attn_kv_a_norm.weight": "kv_a_norm",
+             "attn_kv_b.weight": "kv_b_proj", "attn_k_b.weight": "k_b", "attn_v_b.weight": "v_b"}
+_MLA_HF = {"self_attn.q_a_proj.weight": "q_a_proj", "self_attn.q_a_layernorm.weight": "q_a_norm",
+           "self_attn.q_b_proj.weight": "q_b_proj", "self_attn.kv_a_proj_with_mqa.weight": "kv_a_proj",
+           "self_attn.kv_a_layernorm.weight": "kv_a_norm", "self_attn.kv_b_proj.weight": "kv_b_proj"}
+_DEEPSEEK_V3 = replace(
+    _GLM4_MOE,
+    name="deepseek_v3",
+    gguf_archs=("deepseek2",),
+    hf_archs=("DeepseekV3ForCausalLM",),
+    gguf_layer={**GGUF_LAYER, **_MLA_GGUF, **_MOE_GGUF, "exp_probs_b.bias": "expert_bias",
+                "ffn_gate_shexp.weight": "shared_expert.gate_proj", "ffn_up_shexp.weight": "shared_expert.up_proj",
+                "ffn_down_shexp.weight": "shared_expert.down_proj"},
+    hf_layer={**HF_LAYER, **_MLA_HF, **{k: v for k, v in _GLM4_MOE.hf_layer.items() if "mlp." in k}},
+    layer_weights=("attn_norm", "o_proj", "ffn_norm", "gate_proj", "up_proj", "down_proj"),
+    qkv_bias=False,
+    qk_norm=False,
+    qk_norm_optional=False,
+    rope_interleaved=True,
+    default_mixer="mla",
+)
+_GLM4_MOE_LITE = replace(_DEEPSEEK_V3, name="glm4_moe_lite", gguf_archs=(), hf_archs=("Glm4MoeLiteForCausalLM",))
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
                                _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3,
-                               _MINIMAX_M2)
+                               _MINIMAX_M2, _DEEPSEEK_V3, _GLM4_MOE_LITE)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:

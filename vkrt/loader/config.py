@@ -26,6 +26,7 @@ class LayerConfig:
     # a fixed-size state per sequence: "short_conv" (LFM2's gated convolution),
     # "gated_delta_net" (Qwen3.5's linear attention), "mamba2" (Granite 4's selective scan);
     # "attention_mamba2": both side by side on the same input, their outputs summed (Falcon-H1);
+    # "mla": multi-head latent attention over a cache of one latent row per token (DeepSeek-V3);
     # or "none": the block is only its MLP (Nemotron-H).
     mixer: str = "attention"
     mlp: bool = True  # False: the block is only its mixer (Nemotron-H)
@@ -34,14 +35,14 @@ class LayerConfig:
     @property
     def attends(self) -> bool:
         """The layer attends over a KV cache (alone, or beside a recurrent mixer)."""
-        return self.mixer in ("attention", "attention_mamba2")
+        return self.mixer in ("attention", "attention_mamba2", "mla")
 
     @property
     def recurrent(self) -> str:
         """The layer's recurrent mixer, whose state lives in a slot per sequence ("" if none)."""
         if self.mixer == "attention_mamba2":
             return "mamba2"
-        return "" if self.mixer in ("attention", "none") else self.mixer
+        return "" if self.mixer in ("attention", "mla", "none") else self.mixer
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,15 @@ class ModelConfig:
     linear_beta_scale: float = 1.0  # 2: beta in [0, 2], the state's eigenvalues may go negative (OLMo-hybrid)
     linear_norm_eps: float = 0.0  # the delta net's gated output norm's eps (0: rms_norm_eps)
     attn_output_gate: bool = False  # attention output times sigmoid of a per-head gate from q_proj (Qwen3.5)
+    # -- multi-head latent attention (layers whose LayerConfig.mixer is "mla") ----------------
+    # The cache holds per token one row of head_dim = qk_rope_head_dim + kv_lora_rank: the roped
+    # key shared by every head, then the normed latent (rope first: the rope op rotates a head's
+    # first dims). Queries are [q_rope, W_uk^T q_nope] per head; q_lora_rank 0: q_proj, no q LoRA.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense
     num_experts_per_tok: int = 0  # k experts per token

@@ -30,6 +30,7 @@ from typing import Any, TypeGuard
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch_spec import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers
+from vkrt.loader.mla import latent_attention_config
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
 
@@ -278,6 +279,12 @@ def _sparse_layers(src: ConfigFields, num_layers: int) -> list[bool]:
     if not is_int(first) or first < 0:
         raise ModelFormatError(f"{src.source}: {src.name('num_dense_layers')} must be a count, got {first!r}")
     dense = [*(src.get("mlp_only_layers") or []), *range(min(first, num_layers))]
+    kinds = src.get("mlp_layer_types")  # GLM-4 MoE Lite's "dense" / "sparse" per layer
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
+            raise ModelFormatError(f"{src.source}: mlp_layer_types must list \"dense\" or \"sparse\" for each of the "
+                                   f"{num_layers} layers")
+        dense += [i for i, kind in enumerate(kinds) if kind == "dense"]
     if not is_int(step) or step < 1:
         raise ModelFormatError(f"{src.source}: decoder_sparse_step must be a positive integer, got {step!r}")
     if not isinstance(dense, list) or any(not is_int(i) for i in dense):
@@ -365,7 +372,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     for value in (src.get("eos_token_id"), (generation or {}).get("eos_token_id")):
         eos_ids += [i for i in _int_list(value) if i not in eos_ids]
     bos = src.get("bos_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=spec.name,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -421,6 +428,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         **_expert_groups(src, spec, moe),
         **_clamped_swiglu(src, spec),
     )
+    return latent_attention_config(src, config) if spec.default_mixer == "mla" else config
 
 
 def _clamped_swiglu(src: ConfigFields, spec: ArchSpec) -> dict[str, Any]:

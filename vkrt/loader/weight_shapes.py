@@ -8,6 +8,7 @@ import math
 from vkrt.errors import ModelFormatError
 from vkrt.loader.arch import arch_named
 from vkrt.loader.config import ModelConfig, WeightData
+from vkrt.loader.mla import mla_weight_shapes
 
 # The attention's own weights, which a layer without attention does not have; a recurrent
 # layer has its mixer's (MIXER_WEIGHTS, by LayerConfig.recurrent).
@@ -126,6 +127,8 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         for name in names:
             if not (layer.moe and name in DENSE_MLP_WEIGHTS):
                 expected[f"layers.{i}.{name}"] = shapes[name]
+        if layer.mixer == "mla":
+            expected.update(mla_weight_shapes(config, f"layers.{i}.", weights))
         if layer.moe:
             expected.update(_expert_shapes(source, config, i, weights))
     for name, shape in expected.items():

@@ -33,6 +33,11 @@ def kv_groups(config: ModelConfig) -> list[KVGroup]:
     return [KVGroup(w, tuple(by_window[w])) for w in sorted(by_window)]
 
 
+def kv_tensors_per_layer(config: ModelConfig) -> int:
+    """2 (a key and a value tensor), or 1 for MLA, whose value is its cached key row."""
+    return 1 if config.kv_lora_rank else 2
+
+
 def state_shapes(config: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
     """Each recurrent layer's state tensors, as the shape of one sequence's slot (f32)."""
     shapes: dict[int, tuple[tuple[int, ...], ...]] = {}
@@ -146,8 +151,10 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """K and V bytes (the recurrent states' are `state_nbytes`)."""
-        return sum(t.nbytes for t in self.keys.values()) + sum(t.nbytes for t in self.values.values())
+        """K and V bytes, each tensor once (an MLA layer's value is its key tensor; the recurrent
+        states' are `state_nbytes`)."""
+        tensors = {id(t): t for t in (*self.keys.values(), *self.values.values())}
+        return sum(t.nbytes for t in tensors.values())
 
     @property
     def state_nbytes(self) -> int:
@@ -189,7 +196,7 @@ class CausalLM(ABC):
         c = self.config
         self.check_kv_dtype(dtype)
         layer = storage_nbytes((block_size, c.num_kv_heads * c.head_dim), kv_format.tensor_dtype(dtype))
-        return [2 * len(g.layers) * layer for g in self.kv_groups()]
+        return [kv_tensors_per_layer(c) * len(g.layers) * layer for g in self.kv_groups()]
 
     def kv_positions(self, num_blocks: int | Sequence[int], block_size: int, max_len: int | None = None) -> int:
         """Positions a sequence can reach in a cache of these pools (the RoPE tables' length).
@@ -228,9 +235,12 @@ class CausalLM(ABC):
                 layer_group[i] = g
         shapes = {i: (counts[g], block_size, c.num_kv_heads * c.head_dim) for i, g in enumerate(layer_group) if g >= 0}
         tensor_dtype = kv_format.tensor_dtype(dtype)
-        self.backend.reserve("kv", 2 * sum(self.backend.tensor_nbytes(shape, tensor_dtype) for shape in shapes.values()))
+        per_layer = kv_tensors_per_layer(c)
+        self.backend.reserve("kv", per_layer * sum(self.backend.tensor_nbytes(shape, tensor_dtype)
+                                                   for shape in shapes.values()))
         keys = {i: self.backend.empty(shape, tensor_dtype, purpose="kv") for i, shape in shapes.items()}
-        values = {i: self.backend.empty(shape, tensor_dtype, purpose="kv") for i, shape in shapes.items()}
+        values = keys if per_layer == 1 else {i: self.backend.empty(shape, tensor_dtype, purpose="kv")
+                                              for i, shape in shapes.items()}
         states = {i: tuple(self.backend.upload(np.zeros((state_slots, *shape), np.float32), "f32", purpose="kv")
                            for shape in layer_shapes)
                   for i, layer_shapes in state_shapes(c).items()}

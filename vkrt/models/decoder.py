@@ -7,8 +7,8 @@ summed, (post-norm), residual (x scale), norm, gated MLP (or relu2's ungated one
 experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, softcap). Llama,
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
 Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
-Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and gpt-oss (attention sinks, biased experts,
-the clamped SwiGLU) differ only in ModelConfig
+Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss (attention sinks, biased experts,
+the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention) differ only in ModelConfig
 (vkrt/loader/normalize.py builds it): the traits are read from there, never from a family name.
 Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
@@ -31,6 +31,7 @@ from vkrt.models.weights import (
     AttentionMamba2,
     Experts,
     GatedDeltaNet,
+    LatentAttention,
     Layer,
     Linear,
     Mamba2,
@@ -55,6 +56,11 @@ def linear_parts(x: Tensor, lin: Linear) -> list[Tensor]:
             for w, b in zip(lin.parts, lin.biases, strict=True)]
 
 
+# MLA's per-head ids are kept for steps of up to this many tokens: at most 64 x 65 / 2 x H x 4 bytes
+# (1 MiB for DeepSeek-V3's 128 heads) however many prompt lengths a server sees.
+HEAD_IDS_KEPT = 64
+
+
 class DecoderModel(CausalLM):
     def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
         self.config = c = loaded.config
@@ -64,6 +70,7 @@ class DecoderModel(CausalLM):
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
+        self._head_ids: dict[int, Tensor] = {}  # tokens -> MLA's per-head ids
         self.scale = c.query_scale or 1.0 / float(np.sqrt(c.head_dim))
 
     def upload_f32(self, values: np.ndarray) -> Tensor:
@@ -101,6 +108,7 @@ class DecoderModel(CausalLM):
         """Every token's hidden state [T, hidden] after the last block, before the final norm."""
         c, w = self.config, self.weights
         h = ops.embedding(w.embed_tokens, step.token_ids)
+        head_ids = self.head_ids(step.token_ids.shape[0]) if c.kv_lora_rank else None  # MLA's per-head matmuls
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
         for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
@@ -115,6 +123,10 @@ class DecoderModel(CausalLM):
                 h = self.mamba2(layer, mixer, h, step, kv, i)
             elif isinstance(mixer, AttentionMamba2):
                 h = self.attention_mamba2(layer, mixer, h, step, kv, i)
+            elif isinstance(mixer, LatentAttention):
+                assert head_ids is not None
+                x = self.pre_norm(h, layer.attn_norm)
+                h = self.residual(self.latent_attention(mixer, x, step, kv, i, head_ids), h)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
         return h
@@ -162,6 +174,40 @@ class DecoderModel(CausalLM):
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
         return linear(a, attn.o)
+
+    def latent_attention(self, attn: LatentAttention, x: Tensor, step: StepTensors, kv: KVCache, i: int,
+                         ids: Tensor) -> Tensor:
+        """MLA of the normed input x, absorbed (vkrt/models/mla.py): the row [rope(k_rope), norm(c_kv)]
+        cached as layer i's key and value, MQA of the absorbed queries over it, each head's latent
+        output up-projected, o_proj; `ids` is head_ids of the step."""
+        c = self.config
+        t, heads, width = x.shape[0], c.num_heads, c.head_dim
+        cos_sin, pairs = self.cos_sin(i), c.rope_interleaved
+        q_in = x  # the q LoRA: q_a_proj, its norm, then q_b_proj (attn.q)
+        if attn.q_a is not None and attn.q_a_norm is not None:
+            q_in = ops.rms_norm(linear(x, attn.q_a), attn.q_a_norm, c.rms_norm_eps)
+        q = ops.reshape(linear(q_in, attn.q), (t, heads, c.qk_nope_head_dim + c.qk_rope_head_dim))
+        cache = kv.keys[i]  # = kv.values[i]: the value is the key row
+        ops.latent_kv_write(linear(x, attn.kv_a), attn.kv_a_norm, step.positions, cos_sin, cache,
+                            step.slots_of(kv.group_of(i)), c.rms_norm_eps, interleaved=pairs)
+        query = ops.reshape(ops.moe_matmul(q, attn.q_absorb, ids), (t, heads * width))
+        query = ops.rope(query, step.positions, cos_sin, width, interleaved=pairs)
+        a = ops.paged_attention(query, cache, cache, step.block_tables_of(kv.group_of(i)), step.seq_index,
+                                step.positions, heads, 1, self.scale)
+        out = ops.moe_matmul(ops.reshape(a, (t, heads, width)), attn.v_up, ids)
+        return linear(ops.reshape(out, (t, heads * c.v_head_dim)), attn.o)
+
+    def head_ids(self, tokens: int) -> Tensor:
+        """i32 [tokens, H] of 0 .. H - 1: the per-head matmuls' "experts". Steps of up to
+        HEAD_IDS_KEPT tokens (decode buckets, short prompts) keep theirs; longer ones upload their
+        own (a recorded step keeps what it binds alive)."""
+        ids = self._head_ids.get(tokens)
+        if ids is None:
+            ids = self.backend.upload(np.tile(np.arange(self.config.num_heads, dtype=np.int32), (tokens, 1)), "i32",
+                                      purpose="inputs")
+            if tokens <= HEAD_IDS_KEPT:
+                self._head_ids[tokens] = ids
+        return ids
 
     def short_conv(self, layer: Layer, conv: ShortConv, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """LFM2's gated convolution over each sequence, its state in layer i's slots."""

@@ -20,10 +20,11 @@ import numpy as np
 
 from vkrt.backend.base import Backend
 from vkrt.core.host_weight import HostWeight, RowBlock
-from vkrt.core.quant import dequantize
+from vkrt.core.quant import dequantize, f32_to_bf16
 from vkrt.core.tensor import Tensor
 from vkrt.errors import ModelFormatError, OutOfDeviceMemory, UnsupportedModelError
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+from vkrt.models.mla import absorbed_query, absorbed_value
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,25 @@ class AttentionMamba2:
     mamba: Mamba2
 
 
-Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2 | AttentionMamba2
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention with its up-projections absorbed (vkrt/models/mla.py): q (q_proj,
+    or q_b_proj after q_a_proj and its norm) [T, H * (nope + rope)], kv_a_proj (the latent's rows,
+    then the rope key's), the latent's norm, the per-head query absorption [H, rope + kv_lora, nope +
+    rope] and value up-projection [H, v, rope + kv_lora] (made at load, in kv_b_proj's or k_b's / v_b's
+    float format; f32 from a block format), o_proj."""
+
+    q: Linear
+    q_a: Linear | None
+    q_a_norm: Tensor | None
+    kv_a: Linear
+    kv_a_norm: Tensor
+    q_absorb: Tensor
+    v_up: Tensor
+    o: Linear
+
+
+Mixer = Attention | ShortConv | GatedDeltaNet | Mamba2 | AttentionMamba2 | LatentAttention
 
 
 @dataclass(frozen=True)
@@ -304,7 +323,33 @@ class _Builder:
             return self.mamba2(p)
         if kind == "attention_mamba2":
             return AttentionMamba2(self.attention(p), self.mamba2(p))
+        if kind == "mla":
+            return self.latent_attention(p)
         return self.attention(p)
+
+    def latent_attention(self, p: str) -> LatentAttention:
+        """MLA's weights; the up-projection (one kv_b_proj, or llama.cpp's k_b and v_b per head)
+        becomes the absorbed query and value matrices."""
+        c = self.config
+        heads, nope, v, rank = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+        if p + "kv_b_proj" in self.stored:  # per head: nope rows of W_uk, then v rows of W_uv
+            kv_b = self.vector(p + "kv_b_proj").reshape(heads, nope + v, rank)
+            w_uk_t, w_uv = kv_b[:, :nope].transpose(0, 2, 1), kv_b[:, nope:]
+            uk_fmt = uv_fmt = self.raw(p + "kv_b_proj").fmt
+        else:
+            w_uk_t = self.vector(p + "k_b").reshape(heads, rank, nope)
+            w_uv = self.vector(p + "v_b").reshape(heads, v, rank)
+            uk_fmt, uv_fmt = self.raw(p + "k_b").fmt, self.raw(p + "v_b").fmt
+        lora = c.q_lora_rank > 0
+        return LatentAttention(
+            q=self.linear([p + ("q_b_proj" if lora else "q_proj")]),
+            q_a=self.linear([p + "q_a_proj"]) if lora else None,
+            q_a_norm=self.norm(p + "q_a_norm") if lora else None,
+            kv_a=self.linear([p + "kv_a_proj"]),
+            kv_a_norm=self.norm(p + "kv_a_norm"),
+            q_absorb=self.float_stack(p + "q_absorb", absorbed_query(w_uk_t, c.qk_rope_head_dim), uk_fmt),
+            v_up=self.float_stack(p + "v_up", absorbed_value(w_uv, c.qk_rope_head_dim), uv_fmt),
+            o=self.linear([p + "o_proj"]))
 
     def per_key_head(self, w: WeightData, sizes: tuple[int, ...]) -> list[WeightData]:
         """Qwen3-Next's projections hold per key head consecutive pieces of `sizes` rows: piece j
@@ -506,6 +551,19 @@ class _Builder:
         if w.row_scale is not None:
             scale *= w.row_scale
         return WeightData(w.name, w.fmt, w.shape, w.data, w.row_order, scale)
+
+    def float_stack(self, name: str, stack: np.ndarray, source_fmt: str) -> Tensor:
+        """A stacked [E, rows, in] matrix made at load (f32 values), uploaded as an expert weight in
+        its source's float format when that is f16 or bf16 (which hold its values exactly: zeros,
+        ones and the source's own), else in f32 (an f32 or block-format source)."""
+        if source_fmt == "bf16":
+            stored, fmt = f32_to_bf16(stack), "bf16"
+        elif source_fmt == "f16":
+            stored, fmt = stack.astype(np.float16), "f16"
+        else:
+            stored, fmt = np.asarray(stack, np.float32), "f32"
+        matrices = tuple((RowBlock(np.ascontiguousarray(m)),) for m in stored)
+        return self.upload(HostWeight(fmt, stack.shape, matrices), name, [])
 
     def vector(self, name: str) -> np.ndarray:
         w = self.raw(name)

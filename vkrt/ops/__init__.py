@@ -114,6 +114,13 @@ def kv_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tens
     dispatch("kv_write", k_cache, v_cache, k, v, slots)
 
 
+def latent_kv_write(kv_a: Tensor, w: Tensor, positions: Tensor, cos_sin: Tensor, cache: Tensor, slots: Tensor,
+                    eps: float, interleaved: bool = False) -> None:
+    """MLA's cache row [rope(k_rope), rms_norm(latent) * w] of each token's kv_a [latent, k_rope] at its slot."""
+    dispatch("latent_kv_write", kv_a, w, positions, cos_sin, cache, slots, eps=float(eps),
+             interleaved=bool(interleaved))
+
+
 def qkv_rope_kv_write(qkv: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor,
                       v_cache: Tensor, slots: Tensor, num_heads: int, num_kv_heads: int,
                       head_dim: int, interleaved: bool = False) -> Tensor:

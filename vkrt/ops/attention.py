@@ -296,3 +296,35 @@ def rms_norm_qkv_rope_kv_write(x: np.ndarray, g: np.ndarray, w: np.ndarray, posi
     """qkv_rope_kv_write(rms_norm_matmul(x, g, w, eps), ...): a pre-norm attention block's input."""
     return qkv_rope_kv_write(rms_norm_matmul(x, g, w, eps), positions, cos_sin, k_cache, v_cache, slots,
                              num_heads, num_kv_heads, head_dim, interleaved)
+
+
+def _latent_kv_write_infer(kv_a: TensorSpec, w: TensorSpec, positions: TensorSpec, cos_sin: TensorSpec,
+                           cache: TensorSpec, slots: TensorSpec, eps: float,
+                           interleaved: bool = False) -> tuple[TensorSpec, ...]:
+    specs = (kv_a, w, positions, cos_sin, cache, slots)
+    name = "latent_kv_write"
+    require(kv_a.dtype == w.dtype == "f32" and len(kv_a.shape) == 2 and len(w.shape) == 1
+            and 0 < w.shape[0] < kv_a.shape[1], name, specs,
+            "kv_a must be f32 [T, rank + rope] and the latent's norm weight f32 [rank]")
+    rank, width = w.shape[0], kv_a.shape[1]
+    require(cache.dtype in KV_DTYPES and len(cache.shape) == 3 and cache.shape[2] == width, name, specs,
+            f"the cache must be [blocks, block_size, rank + rope = {width}] in {KV_DTYPES}")
+    _require_kv_format(cache, 1, width, name, specs)
+    k_rope = TensorSpec((kv_a.shape[0], width - rank), "f32")
+    _rope_infer(k_rope, positions, cos_sin, width - rank, interleaved)
+    require(cos_sin.shape[1] == width - rank, name, specs, f"cos_sin must rotate all {width - rank} rope dims")
+    require(slots.dtype == "i32" and slots.shape == (kv_a.shape[0],), name, specs, "slots must be i32 [T]")
+    return ()
+
+
+@register_op("latent_kv_write", _latent_kv_write_infer, inplace=(4,))
+def latent_kv_write(kv_a: np.ndarray, w: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray, cache: np.ndarray,
+                    slots: np.ndarray, eps: float, interleaved: bool = False) -> None:
+    """Multi-head latent attention's cache write: of each token's kv_a row [latent, k_rope] (as
+    kv_a_proj_with_mqa makes it), the row [rope(k_rope), rms_norm(latent) * w] at its slot (< 0:
+    padding), which is the layer's key and its value (vkrt/models/mla.py)."""
+    rank = w.shape[0]
+    row = np.concatenate([rope(kv_a[:, rank:], positions, cos_sin, kv_a.shape[1] - rank, interleaved),
+                          rms_norm(kv_a[:, :rank], w, eps)], axis=1)
+    stored = slots >= 0
+    kv_format.write_rows(cache, slots[stored], row[stored])
