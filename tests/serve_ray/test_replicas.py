@@ -1,0 +1,143 @@
+"""Two replicas of the tiny Llama on one local Ray instance, as `vkrt serve --data-parallel-backend ray`
+runs them: both serve (HF's greedy ids), a repeated long prompt stays on the replica that cached it,
+a killed replica's requests go elsewhere while Ray replaces it, and a stream it was sending ends
+with an error event. One Ray instance and one application for the whole module (starting them
+takes most of its time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import FIXTURES
+from tests.server import live_model
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'vkrt[ray]')")
+
+from vkrt.serve_ray.forward import REPLICA_HEADER  # noqa: E402
+from vkrt.serve_ray.ingress import READY_HEADER  # noqa: E402
+from vkrt.serve_ray.launch import start_on_ray  # noqa: E402
+from vkrt.server import ServerConfig  # noqa: E402
+
+MODEL = FIXTURES / "tiny_llama"
+GOLDEN = json.loads((MODEL / "golden.json").read_text())["cases"]
+REPLICAS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    from ray import serve
+
+    # Logical CPUs, not cores: the two replicas, and a replacement starting while the dead one's
+    # slot is freed.
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    config = ServerConfig(model=MODEL, device=live_model.test_device(), served_model_name="tiny", max_model_len=256,
+                          max_num_seqs=4, port=_free_port())
+    try:
+        url = start_on_ray(config, REPLICAS)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            yield http
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _complete(client: httpx.Client, prompt: list[int], max_tokens: int = 16) -> tuple[str, dict[str, Any]]:
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0, "ignore_eos": True, "logprobs": 0})
+    assert response.status_code == 200, response.text
+    return response.headers[REPLICA_HEADER], response.json()
+
+
+def _ids(body: dict[str, Any]) -> list[int]:
+    return [int(token.removeprefix("token_id:")) for token in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def _pid(replica: str) -> int:
+    return int(replica.rsplit("/", 1)[1])
+
+
+def _wait_ready(client: httpx.Client, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.get("/health").headers.get(READY_HEADER) == str(count):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"/health did not report {count} ready replicas within {timeout} s: {client.get('/health').text}")
+
+
+def test_both_replicas_serve_concurrent_requests_with_hf_greedy_ids(client: httpx.Client) -> None:
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["ready_replicas"] == REPLICAS
+    cases = [case for case in GOLDEN if len(case["input_ids"]) < 16] * 4  # no full block: routed by load
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: _complete(client, case["input_ids"]), cases))
+    for case, (_, body) in zip(cases, answers, strict=True):
+        assert _ids(body) == case["greedy_ids"]
+    replicas = {replica for replica, _ in answers}
+    assert len(replicas) == REPLICAS, f"one replica served all {len(cases)} requests: {replicas}"
+
+
+def test_a_repeated_long_prompt_goes_to_the_replica_that_cached_it(client: httpx.Client) -> None:
+    for prompt in (list(range(1, 70)), list(range(100, 169))):  # 4 full blocks of 16 each
+        first, body = _complete(client, prompt, max_tokens=2)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for _ in range(3):
+            replica, body = _complete(client, prompt, max_tokens=2)
+            assert replica == first
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+def test_a_stream_from_a_killed_replica_ends_with_an_error_event(client: httpx.Client) -> None:
+    request = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+               "stream": True}
+    events: list[str] = []
+    with client.stream("POST", "/v1/completions", json=request) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        events.append(next(line for line in lines if line.startswith("data: ")))
+        os.kill(_pid(stream.headers[REPLICA_HEADER]), signal.SIGKILL)
+        events += [line for line in lines if line.startswith("data: ")]
+    assert events[-1] != "data: [DONE]", "the stream finished before the replica was killed"
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "replica_lost" and "stopped" in error["message"]
+    _wait_ready(client, REPLICAS - 1, timeout=15)
+    _wait_ready(client, REPLICAS)  # Ray replaced it
+
+
+def test_a_replica_killed_while_idle_is_routed_around_and_replaced(client: httpx.Client) -> None:
+    victim, _ = _complete(client, [7], max_tokens=1)
+    os.kill(_pid(victim), signal.SIGKILL)
+    # Sent at once, before Ray has noticed: those routed to the dead replica are sent again.
+    with ThreadPoolExecutor(6) as pool:
+        answers = pool.map(lambda case: _complete(client, case["input_ids"]), GOLDEN * 2)
+        _wait_ready(client, REPLICAS - 1, timeout=15)
+        survivors = set()
+        for case, (replica, body) in zip(GOLDEN * 2, answers, strict=True):
+            assert replica != victim and _ids(body) == case["greedy_ids"]
+            survivors.add(replica)
+    _wait_ready(client, REPLICAS)
+    # The replacement serves once the ingress's router has heard of it (a moment after /health).
+    deadline = time.monotonic() + 20
+    with ThreadPoolExecutor(4) as pool:
+        while time.monotonic() < deadline:
+            replicas = {replica for replica, _ in pool.map(lambda _: _complete(client, [7], 8), range(4))}
+            assert victim not in replicas
+            if replicas - survivors:
+                return
+    pytest.fail(f"no request reached the replacement replica; only {survivors} answered")
