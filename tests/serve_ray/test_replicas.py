@@ -23,6 +23,7 @@ from tests.server import live_model
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'vkrt[ray]')")
 
+from vkrt.errors import VkrtError  # noqa: E402
 from vkrt.serve_ray.forward import REPLICA_HEADER  # noqa: E402
 from vkrt.serve_ray.ingress import READY_HEADER  # noqa: E402
 from vkrt.serve_ray.launch import start_on_ray  # noqa: E402
@@ -141,3 +142,23 @@ def test_a_replica_killed_while_idle_is_routed_around_and_replaced(client: httpx
             if replicas - survivors:
                 return
     pytest.fail(f"no request reached the replacement replica; only {survivors} answered")
+
+
+def test_app_builder_takes_serve_run_strings_and_config_file_mappings() -> None:
+    from vkrt.serve_ray import app_builder
+
+    app_builder({"model": str(MODEL), "num_replicas": "2", "max_model_len": "64", "enable_replay": "false"})
+    app_builder({"model": str(MODEL), "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}})
+    with pytest.raises(VkrtError, match="unknown argument.*max_model_length"):
+        app_builder({"model": str(MODEL), "max_model_length": 64})
+    with pytest.raises(VkrtError, match="max_num_seqs='many': expected int"):
+        app_builder({"model": str(MODEL), "max_num_seqs": "many"})
+    with pytest.raises(VkrtError, match="--data-parallel-size must be >= 1"):
+        app_builder({"model": str(MODEL), "num_replicas": 0})
+
+
+def test_data_parallel_flags_need_the_ray_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    from vkrt.cli import main
+
+    assert main(["serve", "--model", str(MODEL), "--data-parallel-size", "2"]) == 1
+    assert "need --data-parallel-backend ray" in capsys.readouterr().err

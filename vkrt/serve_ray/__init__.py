@@ -57,6 +57,7 @@ def build_application(config: ServerConfig, num_replicas: int = 1, devices: tupl
                                "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
         ray_actor_options={"num_cpus": replica_cpus},
         health_check_period_s=5.0,
+        max_constructor_retry_count=2,  # a model that fails to load fails the same way again
     )(EngineReplica)
     ingress = serve.deployment(name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=config.limit_concurrency)(Ingress)
@@ -99,5 +100,5 @@ def _coerce(name: str, value: Any, annotation: str) -> Any:
         if "float" in annotation:
             return float(value)
     except ValueError:
-        raise VkrtError(f"vkrt.serve_ray:app_builder: {name}={value!r} is not a {annotation}") from None
+        raise VkrtError(f"vkrt.serve_ray:app_builder: {name}={value!r}: expected {annotation}") from None
     return value

@@ -98,16 +98,22 @@ class Ingress:
 
 
 async def _stream(parts: DeploymentResponseGenerator, path: str) -> AsyncIterator[bytes]:
+    ended = False
     try:
         async for part in parts:
             yield part
+        ended = True
     except RayActorError as exc:
+        ended = True
         log.warning("the replica streaming %s died: %s", path, exc)
         message = "the replica serving this stream stopped; the answer is incomplete"
         if wants_anthropic_errors(path):
             yield b"event: error\ndata: " + _json(anthropic_error_body(503, message)) + b"\n\n"
         else:
             yield b"data: " + _json(error_body(503, message, code="replica_lost")) + b"\n\n"
+    finally:
+        if not ended:  # the client left: cancelling the call is the disconnect the replica's app sees
+            parts.cancel()
 
 
 def _replica_states() -> tuple[int, dict[str, int]]:

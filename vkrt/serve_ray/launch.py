@@ -11,6 +11,7 @@ from ray import serve
 
 from vkrt.errors import VkrtError
 from vkrt.serve_ray import build_application
+from vkrt.serve_ray.ingress import ENGINE_DEPLOYMENT
 from vkrt.server import ServerConfig
 
 log = logging.getLogger("vkrt.serve_ray")
@@ -34,8 +35,19 @@ def start_on_ray(config: ServerConfig, num_replicas: int, address: str | None = 
     try:
         serve.run(app, name=APP_NAME, route_prefix="/")
     except RuntimeError as exc:  # Ray Serve gave up on a replica (the model failed to load, ...)
-        raise VkrtError(f"the replicas did not start: {exc}") from exc
+        failure = _replica_failure()
+        serve.delete(APP_NAME)  # on a shared cluster, leave no failed application behind
+        raise VkrtError(f"the replicas did not start: {failure or exc}") from exc
     return f"http://{config.host}:{config.port}"
+
+
+def _replica_failure() -> str | None:
+    """The last line of the engine deployment's status message: the error a replica's constructor
+    raised (Ray Serve's own message names only the deployment)."""
+    application = serve.status().applications.get(APP_NAME)
+    deployment = application.deployments.get(ENGINE_DEPLOYMENT) if application is not None else None
+    lines = [line.strip() for line in (deployment.message if deployment is not None else "").splitlines()]
+    return next((line for line in reversed(lines) if line), None)
 
 
 def serve_on_ray(config: ServerConfig, num_replicas: int, address: str | None = None,
