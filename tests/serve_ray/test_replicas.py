@@ -85,6 +85,7 @@ def _wait_ready(client: httpx.Client, count: int, timeout: float = 60) -> None:
 def test_both_replicas_serve_concurrent_requests_with_hf_greedy_ids(client: httpx.Client) -> None:
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["ready_replicas"] == REPLICAS
+    assert client.get("/ready").headers[READY_HEADER] == str(REPLICAS) and client.get("/live").status_code == 200
     cases = [case for case in GOLDEN if len(case["input_ids"]) < 16] * 4  # no full block: routed by load
     with ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda case: _complete(client, case["input_ids"]), cases))

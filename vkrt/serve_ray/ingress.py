@@ -4,8 +4,8 @@ The ingress reads a request whole, keys it by its prompt's prefix blocks and sen
 engine deployment's handle (the PrefixAffinityRouter picks the replica). A replica that dies
 before it has begun to answer costs nothing: the request goes to another one. One that dies while
 answering ends a stream with an error event (in the route's own error shape) and a whole answer
-with a 503, never a hang. /health, /ready and /live are the application's: 200 while at least one
-replica is ready, with the count in `x-vkrt-ready-replicas` and the body.
+with a 503, never a hang. /health and /ready are the application's: 200 while at least one replica
+is ready, with the count in `x-vkrt-ready-replicas` and the body; /live is the ingress's own 200.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ log = logging.getLogger("vkrt.serve_ray")
 
 ENGINE_DEPLOYMENT = "vkrt-engine"
 INGRESS_DEPLOYMENT = "vkrt-ingress"
-HEALTH_PATHS = frozenset({"/health", "/ready", "/live"})
+HEALTH_PATHS = frozenset({"/health", "/ready"})  # ready: loaded and warmed, as a replica is once RUNNING
 READY_HEADER = "x-vkrt-ready-replicas"
 # A request a dead replica never began to answer is sent again, to another replica, this many times.
 _ATTEMPTS = 3
@@ -50,6 +50,8 @@ class Ingress:
         self.tokenizer = _tokenizer(config)
 
     async def __call__(self, request: Request) -> Response:
+        if request.url.path == "/live":
+            return Response(status_code=200)  # the ingress answers, whatever the replicas do
         if request.url.path in HEALTH_PATHS:
             return await self._health()
         body = bytearray()

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -44,12 +43,9 @@ class EngineReplica:
         if selector is not None:
             os.environ["VKRT_DEVICE"] = selector  # read when the engine opens its device, below
         self.name = f"{ray.util.get_node_ip_address()}/{os.getpid()}"
-        # Metrics and the page belong to each replica's own server; the ingress answers only the
-        # health routes for the application.
-        self.config = replace(config, disable_ui=True)
-        self.engine = await asyncio.to_thread(load_engine, self.config)
+        self.engine = await asyncio.to_thread(load_engine, config)
         await warm_up(self.engine)
-        self.app = build_app(self.engine, self.config)
+        self.app = build_app(self.engine, config)
         log.info("replica %s ready (rank %s, device %s)", self.name, context.rank.rank, selector or "default")
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
