@@ -163,3 +163,49 @@ def test_data_parallel_flags_need_the_ray_backend(capsys: pytest.CaptureFixture[
 
     assert main(["serve", "--model", str(MODEL), "--data-parallel-size", "2"]) == 1
     assert "need --data-parallel-backend ray" in capsys.readouterr().err
+
+
+def _router(imbalance: int = 4) -> Any:
+    """A PrefixAffinityRouter without Ray's routing machinery (only the policy's own state)."""
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    from vkrt.serve_ray.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    router.initialize_state(imbalance=imbalance)
+    return router
+
+
+def _pending(prompt: list[int]) -> Any:
+    from types import SimpleNamespace
+
+    from vkrt.serve_ray.forward import ForwardedRequest, block_hashes
+
+    request = ForwardedRequest("POST", "/v1/completions", b"", (), b"", block_hashes(prompt, 16))
+    return SimpleNamespace(args=[request], routing_context=SimpleNamespace(should_backoff=False))
+
+
+def test_the_router_prefers_the_replica_holding_the_longest_prefix_unless_it_is_much_busier() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    router = _router(imbalance=4)
+    first, second = (SimpleNamespace(replica_id=name, routing_stats={}) for name in ("first", "second"))
+    shared, other = list(range(1, 49)), list(range(200, 248))  # 3 full blocks each
+    router.on_request_routed(_pending(shared[:32]), "first", None)
+    router.on_request_routed(_pending(shared), "second", None)
+    router.on_request_routed(_pending(other), "first", None)
+
+    def choose(prompt: list[int]) -> list[list[str]]:
+        ranks = asyncio.run(router.choose_replicas([first, second], _pending(prompt)))
+        return [[r.replica_id for r in rank] for rank in ranks]
+
+    assert choose(shared + [7] * 16) == [["second"], ["first", "second"]]  # 3 blocks held beat 2
+    assert choose(other) == [["first"], ["first", "second"]]
+    assert choose(list(range(500, 548))) == [["first", "second"]]  # nobody holds it: by load alone
+    assert choose([1, 2, 3]) == [["first", "second"]]  # no full block
+    second.routing_stats = {"running": 4, "waiting": 1}  # 5 more than the idle first: over the imbalance
+    assert choose(shared) == [["first", "second"]]
+    second.routing_stats = {"running": 4, "waiting": 0}
+    assert choose(shared) == [["second"], ["first", "second"]]
