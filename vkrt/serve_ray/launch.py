@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -27,7 +28,11 @@ def start_on_ray(config: ServerConfig, num_replicas: int, address: str | None = 
     app = build_application(config, num_replicas=num_replicas, devices=devices)
     if not ray.is_initialized():
         try:
-            ray.init(address=address, logging_level=logging.WARNING)
+            # A local instance offers at least one CPU per replica (each reserves one): on a small
+            # machine whose engines run on GPUs, a replica beyond the core count would wait forever.
+            joining = address or os.environ.get("RAY_ADDRESS")  # (Ray reads RAY_ADDRESS itself)
+            local_cpus = None if joining else max(os.cpu_count() or 1, num_replicas)
+            ray.init(address=address, num_cpus=local_cpus, logging_level=logging.WARNING)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             where = f"the Ray cluster at {address}" if address else "a local Ray instance"
             raise VkrtError(f"cannot start or join {where}: {exc}") from exc
