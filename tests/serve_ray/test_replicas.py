@@ -101,7 +101,7 @@ def test_a_repeated_long_prompt_goes_to_the_replica_that_cached_it(client: httpx
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # At once: least-loaded routing alone would spread them over both replicas.
         with ThreadPoolExecutor(3) as pool:
-            for replica, body in pool.map(lambda _: _complete(client, prompt, max_tokens=16), range(3)):
+            for replica, body in pool.map(lambda same: _complete(client, same, max_tokens=16), [prompt] * 3):
                 assert replica == first
                 assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
 
