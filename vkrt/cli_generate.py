@@ -415,11 +415,27 @@ def _profile_text(phase: str, table: dict[str, Any], top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _server_for(args: argparse.Namespace) -> Callable[[Any], None]:
+    """What serves the config: one engine in this process, or --data-parallel-size replicas on Ray."""
+    from vkrt.errors import VkrtError
     from vkrt.server import serve
+
+    if args.data_parallel_backend is None and args.data_parallel_size == 1 and args.ray_address is None:
+        return serve
+    if args.data_parallel_backend != "ray":
+        raise VkrtError("--data-parallel-size and --ray-address need --data-parallel-backend ray (the only one)")
+    try:
+        from vkrt.serve_ray.launch import serve_on_ray
+    except ImportError as exc:
+        raise VkrtError(f"--data-parallel-backend ray needs Ray Serve: pip install 'vkrt[ray]' ({exc})") from exc
+    return lambda config: serve_on_ray(config, args.data_parallel_size, args.ray_address,
+                                       tuple(args.data_parallel_devices))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from vkrt.server.config import ServerConfig, resolve_api_key
 
-    serve(ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
+    _server_for(args)(ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
                        api_key=resolve_api_key(args.api_key, args.api_key_file), public_metrics=args.public_metrics,
                        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -538,5 +554,15 @@ def register(sub: Any) -> None:
                    help='publish prefix-cache events for KV-aware routers, vLLM\'s keys: '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
                         '"replay_endpoint": "tcp://*:5558"}\' (+ topic, buffer_steps, hwm, max_queue_size)')
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N replicas, one engine on one device each, behind these routes (with --data-parallel-backend)")
+    p.add_argument("--data-parallel-backend", choices=["ray"], default=None,
+                   help="run the replicas as a Ray Serve application (docs/USAGE.md, Replicas on Ray Serve)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join the Ray cluster at ADDR ('auto', 'ray://HOST:10001'); default: a local instance")
+    p.add_argument("--data-parallel-devices", type=lambda text: [d for d in text.split(",") if d], default=[],
+                   metavar="SEL[,SEL...]",
+                   help="VKRT_DEVICE selectors dealt to the replicas of each node by local rank (default: every "
+                        "replica takes its node's VKRT_DEVICE or best device)")
     p.set_defaults(func=cmd_serve)
 

@@ -277,7 +277,7 @@ async def _load(state: ServerState, loader: EngineLoader,
     if on_error is not None and add_fatal_listener is not None:
         add_fatal_listener(on_error)
     try:
-        await _warm_up(engine)
+        await warm_up(engine)
     except Exception as exc:
         state.load_error = f"the warm-up generation failed: {exc}"
         log.error("model failed to warm up: %s", exc)
@@ -288,7 +288,7 @@ async def _load(state: ServerState, loader: EngineLoader,
     log.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
 
 
-async def _warm_up(engine: EngineClient) -> None:
+async def warm_up(engine: EngineClient) -> None:
     """One greedy generation of 2 tokens from 1 prompt token (1 where max_model_len is 2): creates
     the pipelines and records the decode step, so the first client does not wait for them (GET
     /ready waits for this)."""

@@ -71,7 +71,9 @@ def uvicorn_config(app: Any, config: ServerConfig, *, host: str, port: int, log_
     """uvicorn settings for `app` under `config`'s connection limits."""
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
-        http=protocol_class(config.timeout_read), ws="none", lifespan="on",
+        # The asyncio loop always: uvicorn would take uvloop and httptools where they are installed
+        # (Ray Serve brings them), and the server's behaviour would depend on what else is installed.
+        loop="asyncio", http=protocol_class(config.timeout_read), ws="none", lifespan="on",
         timeout_keep_alive=config.timeout_keep_alive,  # type: ignore[arg-type]  # any float: it goes to call_later
         limit_concurrency=config.limit_concurrency,
         h11_max_incomplete_event_size=config.max_header_bytes,
