@@ -79,7 +79,9 @@ CONVERT_NOTES = {"tiny_falcon_h1": "; the converter folds the muP multipliers in
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
-TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe")
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe", "Gemma4")
+# Families whose HF norms scale by (1 + w), their weights starting at 0 (Gemma 4's scale by w).
+ONE_PLUS_W_NORMS = ("Gemma2", "Gemma3")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
@@ -89,6 +91,15 @@ GEMMA3_SMALL = dict(  # 6 layers so that the default pattern (every 6th layer gl
     BASE, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
     num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
     sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+)
+
+GEMMA4_SMALL = dict(  # the last two layers (one sliding, one full) share the K/V of layers 3 and 2
+    BASE, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, global_head_dim=32, rms_norm_eps=1e-6, sliding_window=WINDOW,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, final_logit_softcapping=30.0,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "sliding_attention", "full_attention"],
+    num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
 )
 
 
@@ -353,6 +364,11 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                             "MiniMax-M2: QK-norm over all of q and all of k, RoPE on the first 8 of each head's 16 "
                             "dims (rotary_dim, as the released configs spell it); every MLP 8 experts of 16, top-2 by "
                             "sigmoid score + the score-correction bias, renormalised"),
+        "tiny_gemma4": ("Gemma4", GEMMA4_SMALL,
+                        "Gemma 4 (E2B-style): per-layer embeddings (8 per layer), sliding (8) and full layers, the "
+                        "full ones with heads of 32 (per_layer_config) and proportional RoPE on a quarter of their "
+                        "pairs; the last 2 layers reuse layers 3's and 2's K/V and run a double-wide MLP; q/k/v "
+                        "norms, unscaled scores, layer_scalar, final softcap 30"),
     }
 
 
@@ -385,6 +401,8 @@ def _randomise(model, gemma: bool) -> None:
         for name, b in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # start at 0: large enough to change choices
                 b.copy_(0.3 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # Gemma 4's, saved as a buffer of 1
+                b.copy_(0.5 + torch.rand_like(b))
 
 
 def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
@@ -495,7 +513,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         cfg = config_cls(**kwargs)
         cfg._attn_implementation = "eager"  # as the reloaded model runs: the reload check compares like with like
         model = model_cls(cfg).to(torch.float32).eval()
-        _randomise(model, gemma=family.startswith("Gemma"))
+        _randomise(model, gemma=family in ONE_PLUS_W_NORMS)
         for name, p in model.named_parameters():  # expert tensors start torch.empty until initialised
             values = p.detach()
             if not bool(torch.isfinite(values).all()) or float(values.std()) == 0.0 and values.numel() > 1:

@@ -153,6 +153,22 @@ def test_concat_columns_is_bit_exact(vk, rng, rows: int, widths: tuple[int, ...]
     np.testing.assert_array_equal(got, np.concatenate(parts, axis=1))
 
 
+@pytest.mark.parametrize(("width", "start", "columns"), [(1, 0, 1), (48, 16, 8), (48, 40, 8), (35, 3, 29)], ids=str)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_slice_columns_is_bit_exact(vk, rng, rows: int, width: int, start: int, columns: int) -> None:
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    got = _no_drain(vk, ops.slice_columns, vk.upload(x), start, columns)
+    np.testing.assert_array_equal(got, x[:, start:start + columns])
+
+
+def test_slice_columns_rejects_a_window_past_the_columns(vk) -> None:
+    x = vk.upload(np.zeros((2, 8), np.float32))
+    with pytest.raises(VkrtError, match="within the 8"):
+        ops.slice_columns(x, 4, 5)
+    with pytest.raises(VkrtError, match="within the 8"):
+        ops.slice_columns(x, 0, 0)
+
+
 def test_concat_columns_rejects_bad_input(vk) -> None:
     a, b = vk.upload(np.zeros((2, 3), np.float32)), vk.upload(np.zeros((3, 3), np.float32))
     with pytest.raises(VkrtError, match="same rows"):

@@ -627,11 +627,39 @@ _MINIMAX_M2 = ArchSpec(
     norm_topk_prob=True,
 )
 
+# Gemma 4 (text): Gemma 3's four norms and QK-norm with plain-w norms, values normed too, queries
+# unscaled; per-layer embeddings feeding a gated residual branch at the end of every layer, times
+# its layer_scalar; its full-attention layers' own head shapes and the last layers' shared K/V are
+# read by vkrt/loader/layer_shapes.py. Its checkpoints are Gemma4ForConditionalGeneration.
+_PER_LAYER_INPUTS_HF = {"model.embed_tokens_per_layer.weight": "per_layer.embed",
+                        "model.per_layer_model_projection.weight": "per_layer.model_proj",
+                        "model.per_layer_projection_norm.weight": "per_layer.model_norm"}
+_GEMMA4 = ArchSpec(
+    name="gemma4",
+    gguf_archs=(),
+    hf_archs=("Gemma4ForCausalLM",),
+    hf_multimodal_archs=("Gemma4ForConditionalGeneration",),
+    hf_skipped={"model.vision_tower.": "the vision tower", "model.audio_tower.": "the audio tower",
+                "model.embed_vision.": "the vision embedder", "model.embed_audio.": "the audio embedder"},
+    hf_global={**HF_GLOBAL, **_PER_LAYER_INPUTS_HF},
+    hf_layer={**HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF, "layer_scalar": "layer_scalar",
+              "per_layer_input_gate.weight": "per_layer.gate", "per_layer_projection.weight": "per_layer.proj",
+              "post_per_layer_input_norm.weight": "per_layer.norm"},
+    layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "layer_scalar"),
+    activation="gelu_tanh",
+    qk_norm=True,
+    v_norm=True,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    default_sliding=_gemma3_sliding,
+    hf_defaults={"query_pre_attn_scalar": 1},  # transformers scales Gemma 4's scores by 1 (the norms set their size)
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
                                _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3,
-                               _MINIMAX_M2)
+                               _MINIMAX_M2, _GEMMA4)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:

@@ -35,6 +35,8 @@ from vkrt.models.weights import (
     Linear,
     Mamba2,
     Mlp,
+    PerLayerEmbedding,
+    PerLayerInput,
     ShortConv,
     build_weights,
 )
@@ -64,7 +66,6 @@ class DecoderModel(CausalLM):
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
-        self.scale = c.query_scale or 1.0 / float(np.sqrt(c.head_dim))
 
     def upload_f32(self, values: np.ndarray) -> Tensor:
         return self.backend.upload(np.ascontiguousarray(values, dtype=np.float32), "f32", purpose="weights")
@@ -94,6 +95,7 @@ class DecoderModel(CausalLM):
         h = ops.embedding(w.embed_tokens, step.token_ids)
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
+        per_layer = None if w.per_layer is None else self.per_layer_inputs(w.per_layer, h, step)
         for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
             mixer = layer.mixer
             if isinstance(mixer, Attention):
@@ -108,12 +110,32 @@ class DecoderModel(CausalLM):
                 h = self.attention_mamba2(layer, mixer, h, step, kv, i)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
+            if layer.per_layer is not None and per_layer is not None:
+                h = self.per_layer_branch(layer.per_layer, h, per_layer, i)
+            if layer.scalar != 1.0:
+                h = ops.scale(h, layer.scalar)
         # Only the rows that need logits go through the final norm and the LM head.
         x = ops.rms_norm(ops.gather_rows(h, step.logits_index), w.final_norm, c.rms_norm_eps)
         logits = ops.matmul(x, w.lm_head)
         if c.logit_scale != 1.0:
             logits = ops.scale(logits, c.logit_scale)
         return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
+
+    def per_layer_inputs(self, ple: PerLayerEmbedding, x: Tensor, step: StepTensors) -> Tensor:
+        """Gemma 4's [T, layers * width]: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(width)) / sqrt(2),
+        normed per layer's slice; layer i takes columns i * width .. (i + 1) * width - 1."""
+        c = self.config
+        t, width = x.shape[0], c.per_layer_input_size
+        table = ops.scale(ops.embedding(ple.table, step.token_ids), float(np.sqrt(width)))
+        proj = ops.scale(linear(x, ple.model_proj), c.hidden_size ** -0.5)
+        normed = ops.rms_norm(ops.reshape(proj, (t * c.num_layers, width)), ple.model_norm, c.rms_norm_eps)
+        return ops.scale(ops.add(ops.reshape(normed, (t, c.num_layers * width)), table), 0.5 ** 0.5)
+
+    def per_layer_branch(self, branch: PerLayerInput, h: Tensor, inputs: Tensor, i: int) -> Tensor:
+        """h + norm(proj(act(gate(h)) * layer i's per-layer input)) (Gemma 4)."""
+        width = self.config.per_layer_input_size
+        gated = self.activation(ops.concat_columns(linear(h, branch.gate), ops.slice_columns(inputs, i * width, width)))
+        return ops.add(ops.rms_norm(linear(gated, branch.proj), branch.norm, self.config.rms_norm_eps), h)
 
     def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         c = self.config
@@ -137,13 +159,14 @@ class DecoderModel(CausalLM):
         if self._query_temperature is not None:  # after RoPE, as transformers scales them
             q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
+        cached = c.kv_layer_of(i)  # i, or the earlier layer whose K/V it shares (Gemma 4)
+        scale, kv_heads = c.query_scale or 1.0 / float(np.sqrt(c.head_dim_of(i))), c.kv_heads_of(i)
         if attn.sinks is None:
-            a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
-                                    c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
-                                    softcap=c.attn_softcap)
+            a = ops.paged_attention(q, kv.keys[cached], kv.values[cached], tables, step.seq_index, step.positions,
+                                    c.num_heads, kv_heads, scale, window=c.layer(i).window, softcap=c.attn_softcap)
         else:  # gpt-oss: a learned logit per head in every softmax's denominator
-            a = ops.paged_attention_sinks(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
-                                          attn.sinks, c.num_heads, c.num_kv_heads, self.scale,
+            a = ops.paged_attention_sinks(q, kv.keys[cached], kv.values[cached], tables, step.seq_index,
+                                          step.positions, attn.sinks, c.num_heads, kv_heads, scale,
                                           window=c.layer(i).window, softcap=c.attn_softcap)
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
@@ -259,6 +282,8 @@ class DecoderModel(CausalLM):
     def query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """rope(q) of the normed input; rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
+        if attn.v_norm is not None or c.kv_layer_of(i) != i:
+            return self.normed_query_and_cache_write(attn, x, step, kv, i)
         cos_sin = self.cos_sin(i)
         slots = step.slots_of(kv.group_of(i))
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
@@ -279,6 +304,30 @@ class DecoderModel(CausalLM):
                                      interleaved=pairs)
 
 
+    def normed_query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache,
+                                     i: int) -> Tensor:
+        """Gemma 4: q, k and v each normed per head (v without a weight), q and k roped, k and v
+        cached; a layer reading an earlier layer's cache computes its query alone; K = V layers
+        take v from k's projection."""
+        c = self.config
+        head_dim, cos_sin = c.head_dim_of(i), self.cos_sin(i)
+        parts = linear_parts(x, attn.qkv)
+        assert attn.q_norm is not None
+        q = ops.rope(self.head_norm(parts[0], attn.q_norm, head_dim), step.positions, cos_sin, head_dim)
+        if c.kv_layer_of(i) == i:
+            assert attn.k_norm is not None and attn.v_norm is not None
+            k = ops.rope(self.head_norm(parts[1], attn.k_norm, head_dim), step.positions, cos_sin, head_dim)
+            v = self.head_norm(parts[-1], attn.v_norm, head_dim)  # parts [q, k]: K = V
+            ops.kv_write(kv.keys[i], kv.values[i], k, v, step.slots_of(kv.group_of(i)))
+        return q
+
+    def head_norm(self, x: Tensor, weight: Tensor, head_dim: int) -> Tensor:
+        """RMSNorm of each head of x [T, heads * head_dim] (a view of its rows as heads)."""
+        t, width = x.shape
+        return ops.reshape(ops.rms_norm(ops.reshape(x, (t * width // head_dim, head_dim)), weight,
+                                        self.config.rms_norm_eps), (t, width))
+
+
 def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | None,
                 upload: Callable[[np.ndarray], Tensor]) -> dict[int, Tensor]:
     """One cos|sin table per distinct (rope base, scaling) among the layers, keyed by layer.
@@ -286,12 +335,12 @@ def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | 
     The one place a table is sized: `positions` is what the KV cache can hold; its width is
     the rotated dims (`rotary_dim`: partial rotary rotates only the first ones of each head).
     """
-    rotated = config.rotary_dim or config.head_dim
     by_params: dict[str, Tensor] = {}
     tables: dict[int, Tensor] = {}
     for i in range(config.num_layers):
         layer = config.layer(i)
-        key = repr((layer.rope, layer.rope_theta, sorted((layer.rope_scaling or {}).items())))
+        rotated = config.rotary_dim or config.head_dim_of(i)
+        key = repr((layer.rope, layer.rope_theta, sorted((layer.rope_scaling or {}).items()), rotated))
         if key not in by_params:
             if layer.rope:
                 table = rope_table(positions, rotated, layer.rope_theta, layer.rope_scaling, freq_factors)

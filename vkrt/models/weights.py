@@ -46,6 +46,7 @@ class Attention:
     k_norm: Tensor | None
     gate: Linear | None = None  # the output gate's projection, [H * head_dim] (Qwen3.5)
     sinks: Tensor | None = None  # a softmax-denominator logit per head [H] (gpt-oss)
+    v_norm: Tensor | None = None  # ones [head_dim]: each value head RMS-normed without a weight (Gemma 4)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,25 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class PerLayerInput:
+    """Gemma 4's branch at the end of a layer: h + norm(proj(gelu(gate(h)) * the layer's per-layer input))."""
+
+    gate: Linear
+    proj: Linear
+    norm: Tensor
+
+
+@dataclass(frozen=True)
+class PerLayerEmbedding:
+    """Gemma 4's per-layer inputs: a table [vocab, layers * width], a projection of the scaled
+    embeddings to the same width, and the norm over each layer's slice of it [width]."""
+
+    table: Tensor
+    model_proj: Linear
+    model_norm: Tensor
+
+
+@dataclass(frozen=True)
 class Layer:
     """One block's weights: the norms (post-norms with sandwich norms), its token mixer (attention
     or a recurrent mixer), MLP or experts. A block of one sublayer (Nemotron-H) has None for the
@@ -142,6 +162,8 @@ class Layer:
     mlp: Mlp | Experts | None
     post_attn_norm: Tensor | None = None
     post_ffn_norm: Tensor | None = None
+    per_layer: PerLayerInput | None = None
+    scalar: float = 1.0  # the block's output times this (Gemma 4's layer_scalar)
 
 
 @dataclass(frozen=True)
@@ -153,6 +175,7 @@ class Weights:
     final_norm: Tensor
     lm_head: Tensor
     rope_freqs: np.ndarray | None  # host f32 [head_dim / 2]: llama3 scaling baked per frequency (GGUF)
+    per_layer: PerLayerEmbedding | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +271,9 @@ class _Builder:
             final_norm=self.norm("final_norm"),
             lm_head=embed if c.tie_word_embeddings else self.matrix([self.raw("lm_head")]),
             rope_freqs=None if freqs is None else dequantize(freqs.data, freqs.fmt).reshape(-1),
+            per_layer=PerLayerEmbedding(self.matrix([self.raw("per_layer.embed")]),
+                                        self.linear(["per_layer.model_proj"]), self.norm("per_layer.model_norm"))
+            if c.per_layer_input_size else None,
         )
 
     def layer(self, i: int) -> Layer:
@@ -272,10 +298,15 @@ class _Builder:
             mlp=self.experts(p) if kind.moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
             post_ffn_norm=self.norm(p + "post_ffn_norm") if sandwich else None,
+            per_layer=PerLayerInput(self.linear([p + "per_layer.gate"]), self.linear([p + "per_layer.proj"]),
+                                    self.norm(p + "per_layer.norm")) if c.per_layer_input_size else None,
+            scalar=float(self.vector(p + "layer_scalar")[0]) if p + "layer_scalar" in self.stored else 1.0,
         )
 
     def attention(self, p: str) -> Attention:
         c = self.config
+        if c.v_norm:
+            return self.normed_attention(p)
         gate: WeightData | None = None  # Qwen3.5's output gate, from the rows q_proj holds beside q
         if p + "qkv_proj" in self.stored:  # a fused checkpoint (Phi-3): stacked as stored
             qkv = self.linear([p + "qkv_proj"])
@@ -294,6 +325,19 @@ class _Builder:
         return Attention(qkv, self.linear([self.scaled(p + "o_proj", c.multipliers.attention_out)], biases=o_bias),
                          q_norm, k_norm, gate=self.linear([gate]) if gate is not None else None,
                          sinks=self.f32(self.vector(p + "sinks")) if p + "sinks" in self.stored else None)
+
+    def normed_attention(self, p: str) -> Attention:
+        """Gemma 4: q, k and v apart (each is normed per head), k and v absent where the layer reads
+        an earlier layer's cache, v absent where it is k's projection."""
+        c = self.config
+        i = int(p.split(".")[1])
+        own = c.kv_layer_of(i) == i
+        parts = [p + "q_proj"]
+        if own:
+            parts += [p + "k_proj"] if c.layer(i).k_eq_v else [p + "k_proj", p + "v_proj"]
+        return Attention(self.linear(parts, apart=True), self.linear([p + "o_proj"]), self.norm(p + "q_norm"),
+                         self.norm(p + "k_norm") if own else None,
+                         v_norm=self.f32(np.ones(c.head_dim_of(i), np.float32)) if own else None)
 
     def mixer(self, p: str, kind: str) -> Mixer:
         if kind == "short_conv":

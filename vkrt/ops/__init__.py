@@ -166,6 +166,11 @@ def clamped_swiglu(x: Tensor, alpha: float, limit: float) -> Tensor:
     return dispatch("clamped_swiglu", x, alpha=float(alpha), limit=float(limit))
 
 
+def slice_columns(x: Tensor, start: int, width: int) -> Tensor:
+    """Columns start .. start + width - 1 of x [T, N], as a new [T, width] tensor."""
+    return dispatch("slice_columns", x, start=int(start), width=int(width))
+
+
 def concat_columns(*parts: Tensor) -> Tensor:
     """[T, a] + [T, b] (+ [T, c]) -> [T, a + b + c]."""
     return dispatch("concat_columns", *parts)
@@ -285,6 +290,6 @@ __all__ = [
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_add_bias", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
+    "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "slice_columns", "ssm_scan", "silu_and_mul",
     "softcap",
 ]

@@ -129,6 +129,19 @@ def concat_columns(*parts: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
+def _slice_infer(x: TensorSpec, start: int, width: int) -> tuple[TensorSpec, ...]:
+    require(x.dtype == "f32" and len(x.shape) == 2, "slice_columns", (x,), "x must be f32 [T, N]")
+    require(0 <= start and 0 < width and start + width <= x.shape[1], "slice_columns", (x,),
+            f"columns {start} .. {start + width - 1} must lie within the {x.shape[1]} of x")
+    return (TensorSpec((x.shape[0], width), "f32"),)
+
+
+@register_op("slice_columns", _slice_infer)
+def slice_columns(x: np.ndarray, start: int, width: int) -> np.ndarray:
+    """x[:, start:start + width], copied: one layer's slice of Gemma 4's per-layer inputs."""
+    return np.ascontiguousarray(x[:, start:start + width], dtype=np.float32)
+
+
 def _cast_infer(x: TensorSpec, dtype: str) -> tuple[TensorSpec, ...]:
     require(x.dtype in CAST_DTYPES, "cast", (x,), f"input dtype must be one of {CAST_DTYPES}")
     require(dtype in CAST_DTYPES, "cast", (x,), f"target dtype must be one of {CAST_DTYPES}, not {dtype!r}")
