@@ -369,6 +369,16 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                         "full ones with heads of 32 (per_layer_config) and proportional RoPE on a quarter of their "
                         "pairs; the last 2 layers reuse layers 3's and 2's K/V and run a double-wide MLP; q/k/v "
                         "norms, unscaled scores, layer_scalar, final softcap 30"),
+        "tiny_gemma4_moe": ("Gemma4", dict(GEMMA4_SMALL, num_hidden_layers=4, num_key_value_heads=2,
+                                           layer_types=["sliding_attention", "full_attention"] * 2,
+                                           num_kv_shared_layers=0, use_double_wide_mlp=False,
+                                           hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                                           num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+                                           top_k_experts=2, moe_intermediate_size=16),
+                            "Gemma 4 MoE (26B-A4B-style): in every layer the dense MLP (64) beside 4 experts of 16 "
+                            "(top-2, softmax renormalised, per-expert scales; the router's own scaled norm), each "
+                            "with its norms; full layers with K = V, one KV head of 32, proportional RoPE; sliding "
+                            "(8) layers with two KV heads of 16; no per-layer embeddings"),
     }
 
 
@@ -391,13 +401,16 @@ def _randomise(model, gemma: bool) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight")):  # (norm_f: Nemotron-H's final norm)
+            # (norm_f: Nemotron-H's final norm; layernorm_1 / _2: Gemma 4's MoE block's)
+            if name.endswith(("norm.weight", "norm_f.weight", "layernorm_1.weight", "layernorm_2.weight")):
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith((".bias", ".dt_bias", ".D", "gate_up_proj_bias", "down_proj_bias")):  # (gpt-oss's experts)
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith(".sinks"):  # gpt-oss: logits of the size of the scores, so that they matter
                 p.copy_(torch.randn_like(p))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's, which start at 1
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # start at 0: large enough to change choices
                 b.copy_(0.3 * torch.randn_like(b))

@@ -634,6 +634,14 @@ _MINIMAX_M2 = ArchSpec(
 _PER_LAYER_INPUTS_HF = {"model.embed_tokens_per_layer.weight": "per_layer.embed",
                         "model.per_layer_model_projection.weight": "per_layer.model_proj",
                         "model.per_layer_projection_norm.weight": "per_layer.model_norm"}
+# The MoE variant (26B-A4B) runs the dense MLP and the experts side by side, each with its own norms;
+# its router norms the residual stream without a weight, times `scale` / sqrt(hidden), and its chosen
+# weights are scaled per expert.
+_GEMMA4_MOE_HF = {"router.proj.weight": "router", "router.scale": "router.scale",
+                  "router.per_expert_scale": "router.expert_scale", "experts.gate_up_proj": "experts.gate_up_proj",
+                  "experts.down_proj": "experts.down_proj", "pre_feedforward_layernorm_2.weight": "ffn_norm_2",
+                  "post_feedforward_layernorm_1.weight": "post_ffn_norm_1",
+                  "post_feedforward_layernorm_2.weight": "post_ffn_norm_2"}
 _GEMMA4 = ArchSpec(
     name="gemma4",
     gguf_archs=(),
@@ -642,7 +650,7 @@ _GEMMA4 = ArchSpec(
     hf_skipped={"model.vision_tower.": "the vision tower", "model.audio_tower.": "the audio tower",
                 "model.embed_vision.": "the vision embedder", "model.embed_audio.": "the audio embedder"},
     hf_global={**HF_GLOBAL, **_PER_LAYER_INPUTS_HF},
-    hf_layer={**HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF, "layer_scalar": "layer_scalar",
+    hf_layer={**HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF, **_GEMMA4_MOE_HF, "layer_scalar": "layer_scalar",
               "per_layer_input_gate.weight": "per_layer.gate", "per_layer_projection.weight": "per_layer.proj",
               "post_per_layer_input_norm.weight": "per_layer.norm"},
     layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "layer_scalar"),
@@ -653,6 +661,10 @@ _GEMMA4 = ArchSpec(
     scale_embeddings=True,
     default_sliding=_gemma3_sliding,
     hf_defaults={"query_pre_attn_scalar": 1},  # transformers scales Gemma 4's scores by 1 (the norms set their size)
+    hf_renames={"top_k_experts": "num_experts_per_tok"},
+    moe_flag="enable_moe_block",
+    moe_beside_mlp=True,
+    norm_topk_prob=True,
 )
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,

@@ -156,6 +156,8 @@ class ArchSpec:
     # sigmoid(x @ shared_expert_gate) (Qwen2-MoE), or not (Granite 4: the layer's own MLP).
     shared_expert: bool = False
     shared_expert_gated: bool = True
+    moe_flag: str = ""  # a config.json flag without which the expert fields are ignored (Gemma 4's enable_moe_block)
+    moe_beside_mlp: bool = False  # ModelConfig.moe_beside_mlp
     moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
     router_norm_eps: float = 1e-6  # ModelConfig.router_norm_eps (the sigmoid router's)
     # A bias on the router and on every expert's projections (gpt-oss).

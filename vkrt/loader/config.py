@@ -153,6 +153,9 @@ class ModelConfig:
     # (Qwen2-MoE's shared_expert and shared_expert_gate); 0 = none.
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # False: the shared expert is added as it is (Granite 4)
+    # Gemma 4's MoE: the dense MLP (normed input and output) plus the experts (their own input and
+    # output norms; the router reads the unnormed residual through a norm of its own), their sum normed.
+    moe_beside_mlp: bool = False
     # "softmax" (the k largest logits, softmax weights) or "sigmoid" (LFM2-MoE: sigmoid scores,
     # chosen with a per-expert bias when expert_bias, weights times routed_scaling_factor).
     moe_router: str = "softmax"

@@ -343,7 +343,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     rope = _rope_by_layer_type(src, spec, max_positions)
     window = src.get("sliding_window")
     window = int(window) if is_int(window) and window > 0 else 0
-    moe = _moe_fields(src)
+    moe = _moe_fields(src) if not spec.moe_flag or src.get(spec.moe_flag) else (0, 0, 0)
     for flag in spec.hf_refused_flags:
         if src.get(flag):
             raise UnsupportedModelError(f"{src.source}: {src.name(flag)} is set; vkrt does not run the weights it "
@@ -427,6 +427,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
         shared_expert_gated=spec.shared_expert_gated,
+        moe_beside_mlp=bool(moe[0]) and spec.moe_beside_mlp,
         moe_router=spec.moe_router,
         expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
         routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,

@@ -118,7 +118,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         if not layer.mlp:  # a block of one mixer (Nemotron-H)
             names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
         for name in names:
-            if not (layer.moe and name in DENSE_MLP_WEIGHTS):
+            if not (layer.moe and name in DENSE_MLP_WEIGHTS and not config.moe_beside_mlp):
                 expected[f"layers.{i}.{name}"] = shapes[name]
         if layer.moe:
             expected.update(_expert_shapes(source, config, i, weights))
@@ -187,6 +187,9 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     if ungated:
         del proj["gate_proj"]
+    if config.moe_beside_mlp:  # Gemma 4: the router's own scales, the experts' norms beside the dense MLP's
+        out |= {p + "router.scale": (hidden,), p + "router.expert_scale": (experts,), p + "ffn_norm_2": (hidden,),
+                p + "post_ffn_norm_1": (hidden,), p + "post_ffn_norm_2": (hidden,)}
     if p + "experts.gate_up_proj" in weights:  # Granite 4: gate|up stacked per expert [E, 2F, H]
         return out | {p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
     if p + "experts.down_proj" in weights:  # stacked (GGUF)

@@ -35,6 +35,7 @@ from vkrt.models.weights import (
     Linear,
     Mamba2,
     Mlp,
+    MlpAndExperts,
     PerLayerEmbedding,
     PerLayerInput,
     ShortConv,
@@ -224,10 +225,13 @@ class DecoderModel(CausalLM):
         """The sublayer's input norm; None: it has none (OLMo 2's attention layers norm outputs only)."""
         return h if weight is None else ops.rms_norm(h, weight, self.config.rms_norm_eps)
 
-    def feed_forward(self, layer: Layer, mlp: Mlp | Experts, h: Tensor) -> Tensor:
+    def feed_forward(self, layer: Layer, mlp: Mlp | Experts | MlpAndExperts, h: Tensor) -> Tensor:
         c = self.config
         x = self.pre_norm(h, layer.ffn_norm)
-        out = self.sparse_mlp(mlp, x) if isinstance(mlp, Experts) else self.mlp(mlp, x)
+        if isinstance(mlp, MlpAndExperts):
+            out = self.mlp_and_experts(mlp, x, h)
+        else:
+            out = self.sparse_mlp(mlp, x) if isinstance(mlp, Experts) else self.mlp(mlp, x)
         if layer.post_ffn_norm is not None:
             out = ops.rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps)
         return self.residual(out, h)
@@ -237,11 +241,20 @@ class DecoderModel(CausalLM):
         (relu2), down(act(up(x)))."""
         return linear(self.activation(linear(x, mlp.gate_up)), mlp.down)
 
-    def sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:
+    def mlp_and_experts(self, block: MlpAndExperts, x: Tensor, h: Tensor) -> Tensor:
+        """Gemma 4: norm(mlp(x)) + norm(experts(norm(h))), the router reading its own norm of h."""
+        eps = self.config.rms_norm_eps
+        dense = ops.rms_norm(self.mlp(block.mlp, x), block.mlp_out_norm, eps)
+        routed = self.sparse_mlp(block.experts, ops.rms_norm(h, block.experts_in_norm, eps),
+                                 router_input=ops.rms_norm(h, block.router_norm, eps))
+        return ops.add(dense, ops.rms_norm(routed, block.experts_out_norm, eps))
+
+    def sparse_mlp(self, experts: Experts, x: Tensor, router_input: Tensor | None = None) -> Tensor:
         """Mixture of experts: each token through the MLPs (gated, or relu2's ungated) of its k routed experts,
-        summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
+        summed with the router's weights (routing stays on the device: vkrt.ops.moe); the router reads
+        x unless given its own input."""
         c = self.config
-        logits = linear(x, experts.router)
+        logits = linear(x if router_input is None else router_input, experts.router)
         if experts.bias is not None:  # LFM2-MoE, Nemotron-H: sigmoid scores, chosen with the expert bias
             ids, weights = ops.moe_router_sigmoid(logits, experts.bias, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor, c.router_norm_eps, c.moe_groups,

@@ -132,6 +132,21 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class MlpAndExperts:
+    """Gemma 4's MoE block: the dense MLP (its output normed) beside the experts, whose input and
+    output have norms of their own and whose router reads the block's input through a norm of
+    its own (weightless in the checkpoint: here router.scale / sqrt(hidden)); the per-expert scale
+    of the chosen weights is folded into each expert's down rows."""
+
+    mlp: Mlp
+    mlp_out_norm: Tensor
+    experts: Experts
+    experts_in_norm: Tensor
+    experts_out_norm: Tensor
+    router_norm: Tensor
+
+
+@dataclass(frozen=True)
 class PerLayerInput:
     """Gemma 4's branch at the end of a layer: h + norm(proj(gelu(gate(h)) * the layer's per-layer input))."""
 
@@ -159,7 +174,7 @@ class Layer:
     attn_norm: Tensor | None
     mixer: Mixer | None
     ffn_norm: Tensor | None
-    mlp: Mlp | Experts | None
+    mlp: Mlp | Experts | MlpAndExperts | None
     post_attn_norm: Tensor | None = None
     post_ffn_norm: Tensor | None = None
     per_layer: PerLayerInput | None = None
@@ -295,7 +310,7 @@ class _Builder:
             attn_norm=self.norm(p + "attn_norm"),
             mixer=self.mixer(p, kind.mixer),
             ffn_norm=self.norm(p + "ffn_norm"),
-            mlp=self.experts(p) if kind.moe else self.mlp(p),
+            mlp=(self.mlp_and_experts(p) if c.moe_beside_mlp else self.experts(p)) if kind.moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
             post_ffn_norm=self.norm(p + "post_ffn_norm") if sandwich else None,
             per_layer=PerLayerInput(self.linear([p + "per_layer.gate"]), self.linear([p + "per_layer.proj"]),
@@ -444,8 +459,10 @@ class _Builder:
                    and p + "shared_expert.up_proj" not in self.stored)
             shared = self.mlp(p) if own else self.mlp(p + "shared_expert.")
             shared_gate = self.linear([p + "shared_expert_gate"]) if c.shared_expert_gated else None
-        if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4)
+        if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4, Gemma 4)
             down = self.expert_stack(p, "down_proj")
+            if c.moe_beside_mlp:  # Gemma 4's per-expert scale of the chosen weights, folded into down's rows
+                down = self.scaled_experts(down, self.vector(p + "router.expert_scale"))
             return Experts(router=self.linear([p + "router"]),
                            gate_up=(self.experts_weight(p + "experts.gate_up_proj", self.expert_stack(p, "gate_up_proj")),),
                            down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate)
@@ -500,6 +517,21 @@ class _Builder:
         shape = (sum(w.shape[0] for w in parts), *first.shape[1:])
         return self.upload(HostWeight(first.fmt, shape, (tuple(w.block() for w in parts),)),
                            "+".join(w.name for w in parts), parts)
+
+    def mlp_and_experts(self, p: str) -> MlpAndExperts:
+        c = self.config
+        router_scale = self.vector(p + "router.scale") * np.float32(c.hidden_size ** -0.5)
+        return MlpAndExperts(self.mlp(p), self.norm(p + "post_ffn_norm_1"), self.experts(p), self.norm(p + "ffn_norm_2"),
+                             self.norm(p + "post_ffn_norm_2"), self.f32(router_scale))
+
+    def scaled_experts(self, stack: _ExpertStack, factors: np.ndarray) -> _ExpertStack:
+        """Every row of expert e times factors[e] as it is uploaded (float formats only)."""
+        if stack.fmt not in ("f32", "f16", "bf16"):
+            raise UnsupportedModelError(f"{self.path}: experts stored as {stack.fmt}; per-expert scales fold into "
+                                        "float weights only")
+        blocks = [[RowBlock(b.data, b.order, np.full(b.num_rows, f, np.float32) * (1.0 if b.scale is None else b.scale))
+                   for b in expert] for expert, f in zip(stack.blocks, factors, strict=True)]
+        return _ExpertStack(stack.fmt, blocks, stack.shape, stack.stored)
 
     def expert_stack(self, p: str, projection: str) -> _ExpertStack:
         """One projection of layer p's experts: from llama.cpp's stacked [E, out, in] tensor or
