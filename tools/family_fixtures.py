@@ -388,7 +388,10 @@ QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, o
                    patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4)
 PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
                       image_size=16, patch_size=4)
+GEMMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
 MULTIMODAL = {"tiny_qwen3_5": ("tiny_qwen3_5_vl", "Qwen3_5", QWEN_VISION),
+              "tiny_gemma4": ("tiny_gemma4_vl", "Gemma4", GEMMA4_VISION),
               "tiny_qwen3_5_moe": ("tiny_qwen3_5_moe_vl", "Qwen3_5Moe", QWEN_VISION),
               "tiny_ministral3": ("tiny_ministral3_vl", "Mistral3", PIXTRAL_VISION)}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
