@@ -1,4 +1,5 @@
-"""Per-layer attention and MLP shapes, and K/V shared across layers (Gemma 4), from config.json.
+"""Per-layer attention and MLP shapes, K/V shared across layers and per-layer embeddings (Gemma 4),
+from config.json.
 
 Gemma 4's full-attention layers have heads of `global_head_dim` (and with `attention_k_eq_v`
 their own `num_global_key_value_heads`), spelled by transformers 5.24 as `per_layer_config`
@@ -10,19 +11,22 @@ layers attend over the K/V of the last earlier layer of their own type and compu
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vkrt.errors import ModelFormatError
 from vkrt.loader.config import LayerConfig
 
+if TYPE_CHECKING:
+    from vkrt.loader.normalize import ConfigFields
 
-def _count(src: Any, key: str, value: Any) -> int:
+
+def _count(src: ConfigFields, key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
     return value
 
 
-def _overrides(src: Any, layers: tuple[LayerConfig, ...]) -> dict[int, dict[str, Any]]:
+def _overrides(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[int, dict[str, Any]]:
     """{layer: {"head_dim": d, "num_key_value_heads": n}} from per_layer_config, or from
     global_head_dim / num_global_key_value_heads on the full-attention layers."""
     per_layer = src.get("per_layer_config")
@@ -42,7 +46,7 @@ def _overrides(src: Any, layers: tuple[LayerConfig, ...]) -> dict[int, dict[str,
     return {i: shape for i, layer in enumerate(layers) if layer.attends and not layer.window} if shape else {}
 
 
-def layer_shapes(src: Any, layers: tuple[LayerConfig, ...], num_heads: int) -> tuple[LayerConfig, ...]:
+def layer_shapes(src: ConfigFields, layers: tuple[LayerConfig, ...], num_heads: int) -> tuple[LayerConfig, ...]:
     """`layers` with their own head dims, KV heads, MLP widths, K = V and KV sources where the file says."""
     out = list(layers)
     for i, shape in _overrides(src, layers).items():
@@ -64,3 +68,15 @@ def layer_shapes(src: Any, layers: tuple[LayerConfig, ...], num_heads: int) -> t
                                        f"(num_kv_shared_layers {shared}), but none of the first {first} layers is one")
             out[i] = replace(out[i], kv_layer=source, intermediate_size=width)
     return tuple(out)
+
+
+def per_layer_inputs(src: ConfigFields) -> dict[str, Any]:
+    """The per-layer embeddings' width per layer and their table's vocabulary (ModelConfig's
+    per_layer_input_size, per_layer_vocab_size), checked; {} without them."""
+    width = src.get("hidden_size_per_layer_input")
+    if not width:
+        return {}
+    vocab = src.get("vocab_size_per_layer_input", src.get("vocab_size"))
+    for key, value in (("hidden_size_per_layer_input", width), ("vocab_size_per_layer_input", vocab)):
+        _count(src, key, value)
+    return {"per_layer_input_size": width, "per_layer_vocab_size": vocab}

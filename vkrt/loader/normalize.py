@@ -30,7 +30,7 @@ from typing import Any, TypeGuard
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch_spec import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers
-from vkrt.loader.layer_shapes import layer_shapes
+from vkrt.loader.layer_shapes import layer_shapes, per_layer_inputs
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
 
@@ -401,7 +401,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         conv_bias=bool(conv_kernel and src.get("conv_bias", src.get("mamba_conv_bias", False))),
         attn_output_gate=spec.attn_output_gate,
         v_norm=spec.v_norm,
-        **_per_layer_inputs(src, num_layers),
+        **per_layer_inputs(src),
         **_delta_net(src, layers),
         **_mamba(src, layers),
         **_multipliers(src, spec),
@@ -435,18 +435,6 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         **_expert_groups(src, spec, moe),
         **_clamped_swiglu(src, spec),
     )
-
-
-def _per_layer_inputs(src: ConfigFields, num_layers: int) -> dict[str, Any]:
-    """Gemma 4's per-layer embeddings: their width per layer and their table's vocabulary, checked."""
-    width = src.get("hidden_size_per_layer_input")
-    if not width:
-        return {}
-    vocab = src.get("vocab_size_per_layer_input", src.get("vocab_size"))
-    for key, value in (("hidden_size_per_layer_input", width), ("vocab_size_per_layer_input", vocab)):
-        if not is_int(value) or value < 1:
-            raise ModelFormatError(f"{src.source}: {src.name(key)} must be a positive integer, got {value!r}")
-    return {"per_layer_input_size": width, "per_layer_vocab_size": vocab}
 
 
 def _clamped_swiglu(src: ConfigFields, spec: ArchSpec) -> dict[str, Any]:
