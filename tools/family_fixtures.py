@@ -50,7 +50,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 # families whose GGUFs the `gguf` package's writer above does not make.
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
                       "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
-                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2")
+                      "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2", "Gemma4")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -70,6 +70,9 @@ CONVERT_AS_RUN: dict[str, Any] = {
     "tiny_mixtral": lambda cfg: {"sliding_window": None},
     "tiny_phi3": lambda cfg: {"rope_parameters": cfg["rope_parameters"] | {"attention_factor": 1.0}},
 }
+# Families whose converter reads the vocabulary's size from tokenizer.json (Gemma 4's trims its
+# embedding to it): converted from a copy holding a word-level tokenizer.json of that many tokens.
+CONVERT_VOCAB = ("Gemma4",)
 # Converted families' fixtures that are not converted (one GGUF of the family is enough).
 NOT_CONVERTED = ("tiny_falcon_h1_nonorm",)
 # What a conversion changes, by fixture, said in its golden's description.
@@ -561,7 +564,8 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
                                                    **CONVERT_AS_RUN[fixture](saved)).eval()
                 gold = golden_for(as_run, f"{fixture}_gguf", "float32", gold["meta"], prompts)
             _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
-                          CONVERT_NOTES.get(fixture, " (an exact conversion)"))
+                          CONVERT_NOTES.get(fixture, " (an exact conversion)"),
+                          cfg.vocab_size if family in CONVERT_VOCAB else 0)
         if family == "GptOss":  # its converted file again, the experts in MXFP4
             from mxfp4_fixture import make_mxfp4_gguf
 
@@ -737,7 +741,7 @@ convert_hf_to_gguf.main()
 
 
 def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None,
-                  note: str = "") -> None:
+                  note: str = "", vocab: int = 0) -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
     (f32 in, f32 out; the q/k rows it permutes for llama-type families the loader puts back) but
     for what `note` says, so the golden is the HF one (`hf_golden`)."""
@@ -753,11 +757,15 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, e
     out_dir.mkdir(parents=True)
     gguf_path = out_dir / "model.gguf"
     source = fixtures / fixture
-    if edit is not None:  # a copy whose config.json says what the converter expects (CONVERT_CONFIG)
+    if edit is not None or vocab:  # a copy with what the converter expects (CONVERT_CONFIG, CONVERT_VOCAB)
         import tempfile
         source = Path(tempfile.mkdtemp()) / fixture
         shutil.copytree(fixtures / fixture, source)
-        (source / "config.json").write_text(json.dumps(edit(json.loads((source / "config.json").read_text()))))
+        if edit is not None:
+            (source / "config.json").write_text(json.dumps(edit(json.loads((source / "config.json").read_text()))))
+        if vocab:
+            words = {"model": {"vocab": {f"t{i}": i for i in range(vocab)}}, "added_tokens": []}
+            (source / "tokenizer.json").write_text(json.dumps(words))
     subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(source), "--outfile",
                     str(gguf_path), "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])], check=True, capture_output=True)
     gold = json.loads(json.dumps(hf_golden))

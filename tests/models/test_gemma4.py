@@ -59,6 +59,21 @@ def test_moe_layers_run_mlp_beside_experts_and_full_layers_k_eq_v() -> None:
     assert "layers.1.v_proj" not in weights and "layers.0.v_proj" in weights
 
 
+@pytest.mark.parametrize("name", ["tiny_gemma4", "tiny_gemma4_moe"])
+def test_gguf_from_llama_cpp_reads_as_its_hf_config(name: str) -> None:
+    """llama.cpp's converter writes the full layers' head dim as key_length (the sliding ones' as
+    key_length_swa), per-layer KV heads and FFN widths, shared_kv_layers, and proportional RoPE as
+    rope_freqs (1 for the rotating pairs, 1e30 after): read back, the same layers and traits."""
+    hf = load_model(FIXTURES / name).config
+    gguf = load_model(FIXTURES / f"{name}_gguf" / "model.gguf")
+    c = gguf.config
+    assert c.layers == hf.layers and "rope_freqs" not in gguf.weights
+    assert (c.head_dim, c.num_kv_heads, c.intermediate_size, c.query_scale, c.v_norm) == (
+        hf.head_dim, hf.num_kv_heads, hf.intermediate_size, 1.0, True)
+    assert (c.per_layer_input_size, c.per_layer_vocab_size, c.num_experts, c.moe_beside_mlp) == (
+        hf.per_layer_input_size, hf.per_layer_vocab_size, hf.num_experts, hf.moe_beside_mlp)
+
+
 def test_moe_flag_off_reads_a_dense_model(tmp_path: Path) -> None:
     """The expert fields without enable_moe_block describe no experts (transformers builds none)."""
     loaded = load_model(_edited(tmp_path, "tiny_gemma4", enable_moe_block=False, num_experts=4, top_k_experts=2))

@@ -642,9 +642,22 @@ _GEMMA4_MOE_HF = {"router.proj.weight": "router", "router.scale": "router.scale"
                   "experts.down_proj": "experts.down_proj", "pre_feedforward_layernorm_2.weight": "ffn_norm_2",
                   "post_feedforward_layernorm_1.weight": "post_ffn_norm_1",
                   "post_feedforward_layernorm_2.weight": "post_ffn_norm_2"}
+_PER_LAYER_INPUTS_GGUF = {"per_layer_token_embd.weight": "per_layer.embed",
+                          "per_layer_model_proj.weight": "per_layer.model_proj",
+                          "per_layer_proj_norm.weight": "per_layer.model_norm"}
 _GEMMA4 = ArchSpec(
     name="gemma4",
-    gguf_archs=(),
+    gguf_archs=("gemma4",),
+    # llama.cpp's converter writes proportional RoPE as rope_freqs (1 for the pairs that rotate, 1e30
+    # for the rest), read back into rope parameters (gguf_fields)
+    gguf_global={**GGUF_GLOBAL, **_PER_LAYER_INPUTS_GGUF, "rope_freqs.weight": "rope_freqs"},
+    gguf_layer={**GGUF_LAYER, **_GEMMA_GGUF, **_QK_NORM_GGUF, "layer_output_scale.weight": "layer_scalar",
+                "inp_gate.weight": "per_layer.gate", "proj.weight": "per_layer.proj",
+                "post_norm.weight": "per_layer.norm", "ffn_gate_inp.weight": "router", "ffn_gate_inp.scale": "router.scale",
+                "ffn_down_exps.scale": "router.expert_scale", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+                "ffn_down_exps.weight": "experts.down_proj", "pre_ffw_norm_2.weight": "ffn_norm_2",
+                "post_ffw_norm_1.weight": "post_ffn_norm_1", "post_ffw_norm_2.weight": "post_ffn_norm_2"},
+    gguf_per_layer_shapes=True,
     hf_archs=("Gemma4ForCausalLM",),
     hf_multimodal_archs=("Gemma4ForConditionalGeneration",),
     hf_skipped={"model.vision_tower.": "the vision tower", "model.embed_vision.": "the vision tower",

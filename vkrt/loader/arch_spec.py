@@ -146,6 +146,9 @@ class ArchSpec:
     hf_multipliers: bool = False
     # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
     attn_output_gate: bool = False
+    # The file's per-layer head dims, KV heads, FFN widths, shared K/V, per-layer embeddings and
+    # proportional RoPE are read as config.json spells them (Gemma 4: vkrt/loader/gguf_fields.py).
+    gguf_per_layer_shapes: bool = False
     v_norm: bool = False  # each value head is RMS-normed without a weight before it is cached (Gemma 4)
     # llama.cpp's converter reorders this family's delta-net value heads tiled over key heads (Qwen3.5).
     gguf_v_heads_tiled: bool = False
