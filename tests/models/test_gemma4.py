@@ -103,12 +103,12 @@ def test_bad_config_is_one_line(tmp_path: Path, changes: dict, needle: str) -> N
     assert "\n" not in str(exc.value) and needle in str(exc.value), str(exc.value)
 
 
-@pytest.mark.parametrize(("name", "dispatches"), [("tiny_gemma4", 131), ("tiny_gemma4_moe", 99)])
+@pytest.mark.parametrize(("name", "dispatches"), [("tiny_gemma4", 119), ("tiny_gemma4_moe", 99)])
 def test_decode_step_dispatches(name: str, dispatches: int, vk_default: Backend) -> None:
-    """tiny_gemma4 (6 layers): 22 per layer that stores K/V (q, k, v each through its normed matmul
+    """tiny_gemma4 (6 layers): 20 per layer that stores K/V (q, k, v each through its normed matmul
     and its per-head norm, 2 ropes, kv_write, attention, o_proj, 2 normed residual adds, the MLP's
-    2 matmuls, the per-layer branch's gate, slice, concat, GeGLU, projection and normed add, the
-    layer_scalar), 16 per layer reading another's cache (no k or v), 11 outside the layers (the
+    2 matmuls, the per-layer branch's gate, GeGLU on its slice, projection and normed add, the
+    layer_scalar), 14 per layer reading another's cache (no k or v), 11 outside the layers (the
     two embeddings, their scales, the per-layer projection and its norm, add and scale, the head's
     gather, normed matmul and softcap). tiny_gemma4_moe (4 layers): 24 per sliding layer, 23 per
     K = V layer (no v matmul), 5 outside them."""

@@ -134,9 +134,8 @@ class DecoderModel(CausalLM):
         return ops.scale(ops.add(ops.reshape(normed, (t, c.num_layers * width)), table), 0.5 ** 0.5)
 
     def per_layer_branch(self, branch: PerLayerInput, h: Tensor, inputs: Tensor, i: int) -> Tensor:
-        """h + norm(proj(act(gate(h)) * layer i's per-layer input)) (Gemma 4)."""
-        width = self.config.per_layer_input_size
-        gated = self.activation(ops.concat_columns(linear(h, branch.gate), ops.slice_columns(inputs, i * width, width)))
+        """h + norm(proj(gelu(gate(h)) * layer i's per-layer input)) (Gemma 4)."""
+        gated = ops.gelu_tanh_mul_slice(linear(h, branch.gate), inputs, i * self.config.per_layer_input_size)
         return ops.add(ops.rms_norm(linear(gated, branch.proj), branch.norm, self.config.rms_norm_eps), h)
 
     def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:

@@ -105,6 +105,11 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return dispatch("gelu_tanh_and_mul", x)
 
 
+def gelu_tanh_mul_slice(gate: Tensor, x: Tensor, start: int) -> Tensor:
+    """gelu_tanh(gate) * x[:, start:start + F] for gate [T, F], in one dispatch."""
+    return dispatch("gelu_tanh_mul_slice", gate, x, start=int(start))
+
+
 def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, head_dim: int,
          interleaved: bool = False) -> Tensor:
     return dispatch("rope", x, positions, cos_sin, head_dim=int(head_dim), interleaved=bool(interleaved))
@@ -164,11 +169,6 @@ def paged_attention_sinks(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
 def clamped_swiglu(x: Tensor, alpha: float, limit: float) -> Tensor:
     """gpt-oss's clamped SwiGLU of [..., gate | up] halves -> [..., F] (vkrt.ops.elementwise)."""
     return dispatch("clamped_swiglu", x, alpha=float(alpha), limit=float(limit))
-
-
-def slice_columns(x: Tensor, start: int, width: int) -> Tensor:
-    """Columns start .. start + width - 1 of x [T, N], as a new [T, width] tensor."""
-    return dispatch("slice_columns", x, start=int(start), width=int(width))
 
 
 def concat_columns(*parts: Tensor) -> Tensor:
@@ -286,10 +286,10 @@ def op_names() -> list[str]:
 
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "clamped_swiglu", "concat_columns", "copy", "copy_state_slots",
-    "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
+    "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "gelu_tanh_mul_slice", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_add_bias", "moe_combine", "moe_combine_shared",
     "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
-    "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "slice_columns", "ssm_scan", "silu_and_mul",
+    "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",
 ]
