@@ -295,7 +295,7 @@ class DecoderModel(CausalLM):
     def query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """rope(q) of the normed input; rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
-        if attn.v_norm is not None or c.kv_layer_of(i) != i:
+        if c.v_norm or c.kv_layer_of(i) != i:
             return self.normed_query_and_cache_write(attn, x, step, kv, i)
         cos_sin = self.cos_sin(i)
         slots = step.slots_of(kv.group_of(i))
@@ -320,18 +320,22 @@ class DecoderModel(CausalLM):
     def normed_query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache,
                                      i: int) -> Tensor:
         """Gemma 4: q, k and v each normed per head (v without a weight), q and k roped, k and v
-        cached; a layer reading an earlier layer's cache computes its query alone; K = V layers
-        take v from k's projection."""
+        cached, in one dispatch after the qkv matmul; a layer reading an earlier layer's cache
+        computes its query alone; a K = V layer takes v from k's projection."""
         c = self.config
-        head_dim, cos_sin = c.head_dim_of(i), self.cos_sin(i)
-        parts = linear_parts(x, attn.qkv)
+        head_dim, cos_sin, slots = c.head_dim_of(i), self.cos_sin(i), step.slots_of(kv.group_of(i))
         assert attn.q_norm is not None
+        if c.kv_layer_of(i) == i and not c.layer(i).k_eq_v:
+            assert attn.k_norm is not None
+            return ops.qkv_norm_rope_kv_write(linear(x, attn.qkv), attn.q_norm, attn.k_norm, step.positions, cos_sin,
+                                              kv.keys[i], kv.values[i], slots, c.rms_norm_eps, c.num_heads,
+                                              c.kv_heads_of(i), head_dim, v_norm=True)
+        parts = linear_parts(x, attn.qkv)
         q = ops.rope(self.head_norm(parts[0], attn.q_norm, head_dim), step.positions, cos_sin, head_dim)
-        if c.kv_layer_of(i) == i:
+        if c.kv_layer_of(i) == i:  # K = V: parts [q, k]
             assert attn.k_norm is not None and attn.v_norm is not None
             k = ops.rope(self.head_norm(parts[1], attn.k_norm, head_dim), step.positions, cos_sin, head_dim)
-            v = self.head_norm(parts[-1], attn.v_norm, head_dim)  # parts [q, k]: K = V
-            ops.kv_write(kv.keys[i], kv.values[i], k, v, step.slots_of(kv.group_of(i)))
+            ops.kv_write(kv.keys[i], kv.values[i], k, self.head_norm(parts[1], attn.v_norm, head_dim), slots)
         return q
 
     def head_norm(self, x: Tensor, weight: Tensor, head_dim: int) -> Tensor:

@@ -46,7 +46,7 @@ class Attention:
     k_norm: Tensor | None
     gate: Linear | None = None  # the output gate's projection, [H * head_dim] (Qwen3.5)
     sinks: Tensor | None = None  # a softmax-denominator logit per head [H] (gpt-oss)
-    v_norm: Tensor | None = None  # ones [head_dim]: each value head RMS-normed without a weight (Gemma 4)
+    v_norm: Tensor | None = None  # ones [head_dim]: Gemma 4's weightless norm of v where v is k's projection
 
 
 @dataclass(frozen=True)
@@ -342,17 +342,18 @@ class _Builder:
                          sinks=self.f32(self.vector(p + "sinks")) if p + "sinks" in self.stored else None)
 
     def normed_attention(self, p: str) -> Attention:
-        """Gemma 4: q, k and v apart (each is normed per head), k and v absent where the layer reads
-        an earlier layer's cache, v absent where it is k's projection."""
+        """Gemma 4 (q, k and v each normed per head): q|k|v stacked; k and v absent where the layer
+        reads an earlier layer's cache; q and k apart where v is k's projection (K = V), whose norm
+        without a weight is a vector of ones."""
         c = self.config
         i = int(p.split(".")[1])
-        own = c.kv_layer_of(i) == i
+        own, k_eq_v = c.kv_layer_of(i) == i, c.layer(i).k_eq_v
         parts = [p + "q_proj"]
         if own:
-            parts += [p + "k_proj"] if c.layer(i).k_eq_v else [p + "k_proj", p + "v_proj"]
-        return Attention(self.linear(parts, apart=True), self.linear([p + "o_proj"]), self.norm(p + "q_norm"),
+            parts += [p + "k_proj"] if k_eq_v else [p + "k_proj", p + "v_proj"]
+        return Attention(self.linear(parts, apart=k_eq_v), self.linear([p + "o_proj"]), self.norm(p + "q_norm"),
                          self.norm(p + "k_norm") if own else None,
-                         v_norm=self.f32(np.ones(c.head_dim_of(i), np.float32)) if own else None)
+                         v_norm=self.f32(np.ones(c.head_dim_of(i), np.float32)) if own and k_eq_v else None)
 
     def mixer(self, p: str, kind: str) -> Mixer:
         if kind == "short_conv":

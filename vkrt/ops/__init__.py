@@ -139,11 +139,12 @@ def rms_norm_qkv_rope_kv_write(x: Tensor, g: Tensor, w: Tensor, positions: Tenso
 
 def qkv_norm_rope_kv_write(qkv: Tensor, q_norm: Tensor, k_norm: Tensor, positions: Tensor, cos_sin: Tensor,
                            k_cache: Tensor, v_cache: Tensor, slots: Tensor, eps: float, num_heads: int,
-                           num_kv_heads: int, head_dim: int, interleaved: bool = False) -> Tensor:
-    """qkv_rope_kv_write after a per-head RMSNorm of q (weights q_norm [head_dim]) and k (k_norm)."""
+                           num_kv_heads: int, head_dim: int, interleaved: bool = False, v_norm: bool = False) -> Tensor:
+    """qkv_rope_kv_write after a per-head RMSNorm of q (weights q_norm [head_dim]) and k (k_norm),
+    and with `v_norm` of v (no weight)."""
     return dispatch("qkv_norm_rope_kv_write", qkv, q_norm, k_norm, positions, cos_sin, k_cache, v_cache,
                     slots, eps=float(eps), num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-                    head_dim=int(head_dim), interleaved=bool(interleaved))
+                    head_dim=int(head_dim), interleaved=bool(interleaved), v_norm=bool(v_norm))
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
