@@ -316,7 +316,6 @@ class DecoderModel(CausalLM):
         return ops.qkv_rope_kv_write(qkv, step.positions, cos_sin, kv.keys[i], kv.values[i], slots, *heads,
                                      interleaved=pairs)
 
-
     def normed_query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache,
                                      i: int) -> Tensor:
         """Gemma 4: q, k and v each normed per head (v without a weight), q and k roped, k and v
