@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import FIXTURES
 from tests.models.conftest import Greedy
 from vkrt.backend.base import Backend
+from vkrt.engine import LLM, SamplingParams
 from vkrt.errors import ModelFormatError
 from vkrt.loader import load_model
 from vkrt.models.decoder import DecoderModel
@@ -122,3 +123,23 @@ def test_decode_step_dispatches(name: str, dispatches: int, vk_default: Backend)
     assert driver.generate(case["input_ids"], 4) == case["greedy_ids"][:4]
     assert {c["dispatches"] for c in driver.step_counters[1:]} == {dispatches}
     assert {c["drains"] for c in driver.step_counters} == {0}
+
+
+def test_prefix_cache_hit_serves_the_sharing_layers() -> None:
+    """Through the engine with prefix caching: a second request that hits the first one's blocks
+    (the sharing layers read them through their source layers' caches, in those layers' groups)
+    decodes the ids and logprobs a run without the cache does."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = json.loads((FIXTURES / "tiny_gemma4" / "golden.json").read_text())["cases"][-1]["input_ids"]
+    cached = LLM(FIXTURES / "tiny_gemma4", device="vulkan", max_model_len=64, max_num_seqs=2, kv_dtype="f32")
+    plain = LLM(FIXTURES / "tiny_gemma4", device="vulkan", max_model_len=64, max_num_seqs=2, kv_dtype="f32",
+                enable_prefix_caching=False)
+
+    def run(llm: LLM) -> tuple[list[int], list[float], int]:
+        [out] = llm.generate([prompt], greedy)
+        return out.token_ids, [lp.token.logprob for lp in out.outputs[0].logprobs], out.num_cached_tokens
+
+    first, expected = run(cached), run(plain)
+    again = run(cached)
+    assert first[2] == 0 and again[2] > 0
+    assert first[:2] == again[:2] == expected[:2]
