@@ -13,7 +13,7 @@ from tests.conftest import FIXTURES
 from tests.models.conftest import Greedy
 from vkrt.backend.base import Backend
 from vkrt.engine import LLM, SamplingParams
-from vkrt.errors import ModelFormatError
+from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import load_model
 from vkrt.models.decoder import DecoderModel
 from vkrt.models.weights import MlpAndExperts
@@ -104,6 +104,14 @@ def test_bad_config_is_one_line(tmp_path: Path, changes: dict, needle: str) -> N
     with pytest.raises(ModelFormatError) as exc:
         load_model(_edited(tmp_path, "tiny_gemma4", **changes))
     assert "\n" not in str(exc.value) and needle in str(exc.value), str(exc.value)
+
+
+def test_bidirectional_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError) as exc:
+        load_model(_edited(tmp_path, "tiny_gemma4", use_bidirectional_attention="all"))
+    assert "\n" not in str(exc.value) and "use_bidirectional_attention is 'all'" in str(exc.value)
+    vision = load_model(_edited(tmp_path / "vision", "tiny_gemma4", use_bidirectional_attention="vision"))
+    assert vision.config.layers == load_model(FIXTURES / "tiny_gemma4").config.layers  # text stays causal
 
 
 @pytest.mark.parametrize(("name", "dispatches"), [("tiny_gemma4", 91), ("tiny_gemma4_moe", 85)])

@@ -344,6 +344,9 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     window = src.get("sliding_window")
     window = int(window) if is_int(window) and window > 0 else 0
     moe = _moe_fields(src) if not spec.moe_flag or src.get(spec.moe_flag) else (0, 0, 0)
+    if src.get("use_bidirectional_attention") == "all":  # (an encoder: "vision" leaves text causal)
+        raise UnsupportedModelError(f"{src.source}: use_bidirectional_attention is 'all': every token attends to "
+                                    "every other, which a causal decoder does not run")
     for flag in spec.hf_refused_flags:
         if src.get(flag):
             raise UnsupportedModelError(f"{src.source}: {src.name(flag)} is set; vkrt does not run the weights it "
