@@ -77,6 +77,17 @@ def test_gguf_from_llama_cpp_reads_as_its_hf_config(name: str) -> None:
         hf.per_layer_input_size, hf.per_layer_vocab_size, hf.num_experts, hf.moe_beside_mlp)
 
 
+@pytest.mark.parametrize(("name", "changes"), [
+    ("tiny_gemma4", {"global_head_dim": 32}),
+    ("tiny_gemma4_moe", {"global_head_dim": 32, "num_global_key_value_heads": 1}),
+])
+def test_global_head_dim_spelling_reads_as_per_layer_config(tmp_path: Path, name: str, changes: dict) -> None:
+    """The released checkpoints' config.json spells the full layers' shape as global_head_dim (and
+    num_global_key_value_heads with K = V), which transformers 5.24 saves as per_layer_config."""
+    edited = load_model(_edited(tmp_path, name, per_layer_config=None, **changes)).config
+    assert edited.layers == load_model(FIXTURES / name).config.layers
+
+
 def test_moe_flag_off_reads_a_dense_model(tmp_path: Path) -> None:
     """The expert fields without enable_moe_block describe no experts (transformers builds none)."""
     loaded = load_model(_edited(tmp_path, "tiny_gemma4", enable_moe_block=False, num_experts=4, top_k_experts=2))

@@ -26,32 +26,34 @@ def _count(src: ConfigFields, key: str, value: Any) -> int:
     return value
 
 
-def _overrides(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[int, dict[str, Any]]:
-    """{layer: {"head_dim": d, "num_key_value_heads": n}} from per_layer_config, or from
-    global_head_dim / num_global_key_value_heads on the full-attention layers."""
+def _optional(src: ConfigFields, key: str, value: Any) -> int:
+    return 0 if value is None else _count(src, key, value)
+
+
+def _overrides(src: ConfigFields, layers: tuple[LayerConfig, ...]) -> dict[int, tuple[int, int]]:
+    """{layer: (head_dim, KV heads)} (0: the model's) from per_layer_config, or from
+    global_head_dim / num_global_key_value_heads (with attention_k_eq_v) on the full-attention layers."""
     per_layer = src.get("per_layer_config")
     if isinstance(per_layer, dict):
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, tuple[int, int]] = {}
         for key, value in per_layer.items():
             if not str(key).isdigit() or int(key) >= len(layers) or not isinstance(value, dict):
                 raise ModelFormatError(f"{src.source}: per_layer_config must map layer indices below "
                                        f"{len(layers)} to objects, got {key!r}: {value!r}")
-            out[int(key)] = value
+            out[int(key)] = (_optional(src, f"per_layer_config.{key}.head_dim", value.get("head_dim")),
+                              _optional(src, f"per_layer_config.{key}.num_key_value_heads",
+                                        value.get("num_key_value_heads")))
         return out
-    shape: dict[str, Any] = {}
-    if src.get("global_head_dim") is not None:
-        shape["head_dim"] = src.get("global_head_dim")
-    if src.get("attention_k_eq_v") and src.get("num_global_key_value_heads") is not None:
-        shape["num_key_value_heads"] = src.get("num_global_key_value_heads")
-    return {i: shape for i, layer in enumerate(layers) if layer.attends and not layer.window} if shape else {}
+    kv_heads = src.get("num_global_key_value_heads") if src.get("attention_k_eq_v") else None
+    shape = (_optional(src, "global_head_dim", src.get("global_head_dim")),
+             _optional(src, "num_global_key_value_heads", kv_heads))
+    return {i: shape for i, layer in enumerate(layers) if layer.attends and not layer.window} if any(shape) else {}
 
 
 def layer_shapes(src: ConfigFields, layers: tuple[LayerConfig, ...], num_heads: int) -> tuple[LayerConfig, ...]:
     """`layers` with their own head dims, KV heads, MLP widths, K = V and KV sources where the file says."""
     out = list(layers)
-    for i, shape in _overrides(src, layers).items():
-        head_dim, kv_heads = (0 if shape.get(key) is None else _count(src, f"per_layer_config.{i}.{key}", shape[key])
-                              for key in ("head_dim", "num_key_value_heads"))
+    for i, (head_dim, kv_heads) in _overrides(src, layers).items():
         if kv_heads and num_heads % kv_heads:
             raise ModelFormatError(f"{src.source}: layer {i}'s {kv_heads} KV heads do not divide its {num_heads} heads")
         out[i] = replace(out[i], head_dim=head_dim, num_kv_heads=kv_heads)
