@@ -261,6 +261,9 @@ class DecoderModel(CausalLM):
                                                   c.moe_top_groups)
         else:
             ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        if experts.expert_scale is not None:  # Gemma 4: each chosen weight times its expert's scale
+            t, k = weights.shape
+            weights = ops.reshape(ops.moe_scale(ops.reshape(weights, (t, k, 1)), experts.expert_scale, ids), (t, k))
         gate_up = self.expert_gate_up(experts, x, ids)  # [T, k, 2F]
         if experts.gate_up_bias is not None:  # gpt-oss: each chosen expert's biases
             gate_up = ops.moe_add_bias(gate_up, experts.gate_up_bias, ids)

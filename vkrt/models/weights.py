@@ -129,14 +129,14 @@ class Experts:
     bias: Tensor | None = None  # a sigmoid router's per-expert bias [E] (zeros when the file has none)
     gate_up_bias: Tensor | None = None  # each expert's bias on gate|up [E, 2F] and on down [E, hidden] (gpt-oss)
     down_bias: Tensor | None = None
+    expert_scale: Tensor | None = None  # [E, 1]: each chosen weight times its expert's scale (Gemma 4)
 
 
 @dataclass(frozen=True)
 class MlpAndExperts:
     """Gemma 4's MoE block: the dense MLP (its output normed) beside the experts, whose input and
     output have norms of their own and whose router reads the block's input through a norm of
-    its own (weightless in the checkpoint: here router.scale / sqrt(hidden)); the per-expert scale
-    of the chosen weights is folded into each expert's down rows."""
+    its own (weightless in the checkpoint: here router.scale / sqrt(hidden))."""
 
     mlp: Mlp
     mlp_out_norm: Tensor
@@ -462,11 +462,11 @@ class _Builder:
             shared_gate = self.linear([p + "shared_expert_gate"]) if c.shared_expert_gated else None
         if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4, Gemma 4)
             down = self.expert_stack(p, "down_proj")
-            if c.moe_beside_mlp:  # Gemma 4's per-expert scale of the chosen weights, folded into down's rows
-                down = self.scaled_experts(down, self.vector(p + "router.expert_scale"))
+            scale = self.vector(p + "router.expert_scale").reshape(-1, 1) if c.moe_beside_mlp else None
             return Experts(router=self.linear([p + "router"]),
                            gate_up=(self.experts_weight(p + "experts.gate_up_proj", self.expert_stack(p, "gate_up_proj")),),
-                           down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate)
+                           down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate,
+                           expert_scale=None if scale is None else self.f32(scale))
         bias = None
         if self.config.moe_router == "sigmoid":
             values = self.vector(p + "expert_bias") if self.config.expert_bias else None
@@ -524,15 +524,6 @@ class _Builder:
         router_scale = self.vector(p + "router.scale") * np.float32(c.hidden_size ** -0.5)
         return MlpAndExperts(self.mlp(p), self.norm(p + "post_ffn_norm_1"), self.experts(p), self.norm(p + "ffn_norm_2"),
                              self.norm(p + "post_ffn_norm_2"), self.f32(router_scale))
-
-    def scaled_experts(self, stack: _ExpertStack, factors: np.ndarray) -> _ExpertStack:
-        """Every row of expert e times factors[e] as it is uploaded (float formats only)."""
-        if stack.fmt not in ("f32", "f16", "bf16"):
-            raise UnsupportedModelError(f"{self.path}: experts stored as {stack.fmt}; per-expert scales fold into "
-                                        "float weights only")
-        blocks = [[RowBlock(b.data, b.order, np.full(b.num_rows, f, np.float32) * (1.0 if b.scale is None else b.scale))
-                   for b in expert] for expert, f in zip(stack.blocks, factors, strict=True)]
-        return _ExpertStack(stack.fmt, blocks, stack.shape, stack.stored)
 
     def expert_stack(self, p: str, projection: str) -> _ExpertStack:
         """One projection of layer p's experts: from llama.cpp's stacked [E, out, in] tensor or

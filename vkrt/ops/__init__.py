@@ -226,6 +226,11 @@ def moe_add_bias(y: Tensor, bias: Tensor, ids: Tensor) -> Tensor:
     return dispatch("moe_add_bias", y, bias, ids)
 
 
+def moe_scale(y: Tensor, scale: Tensor, ids: Tensor) -> Tensor:
+    """[T, k, N]: y times the scale [E, N] of the expert each row went through (ids [T, k])."""
+    return dispatch("moe_scale", y, scale, ids)
+
+
 def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
     """[T, N]: the k expert outputs y [T, k, N] summed with their router weights [T, k]."""
     return dispatch("moe_combine", y, weights)
@@ -289,7 +294,7 @@ __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "clamped_swiglu", "concat_columns", "copy", "copy_state_slots",
     "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "gelu_tanh_mul_slice", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_add_bias", "moe_combine", "moe_combine_shared",
-    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
+    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "moe_scale", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
     "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",
