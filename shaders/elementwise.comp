@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,clamped_swiglu,gather,scale,softcap,relu2 ACCESS=texel,ssbo
+//! variants: OP=add,sigmoid_mul,silu_mul,gelu_mul,clamped_swiglu,gather,scale,softcap,relu2,gelu_mul_slice ACCESS=texel,ssbo
 // add: y[i] = a[i] + b[i % b_len]  (b_len = n for same shape, D for a row broadcast)
 // sigmoid_mul: y[i] = a[i] * sigmoid(b[i % b_len]) (an output gate)
 // gather: y[r, d] = a[b[r], d] (b holds i32 row indices, b_len = D).
@@ -9,12 +9,14 @@
 // y = g * sigmoid(alpha * g) * (u + 1).
 // scale: y = x * param (one rounded f32 product). softcap: y = param * tanh(x / param).
 // relu2: y = max(x, 0)^2 (one rounded f32 product).
+// gelu_mul_slice: y [T, b_len] = gelu_mul of a [T, b_len] and columns start .. start + b_len - 1
+// of b [T, b_width] (Gemma 4's per-layer gate; the same gelu_tanh_mul as gelu_mul).
 #include "access.glsl"
 #include "softcap.glsl"
 #include "gelu.glsl"
 DECLARE_LOCAL_SIZE;
 
-#if defined(OP_ADD) || defined(OP_SIGMOID_MUL)
+#if defined(OP_ADD) || defined(OP_SIGMOID_MUL) || defined(OP_GELU_MUL_SLICE)
 IN_F32(0, a);
 IN_F32(1, b);
 OUT_F32(2, y);
@@ -29,6 +31,8 @@ OUT_F32(1, y);
 
 #ifdef OP_CLAMPED_SWIGLU
 layout(push_constant) uniform Push { uint n; uint b_len; float param; float alpha; } pc;
+#elif defined(OP_GELU_MUL_SLICE)
+layout(push_constant) uniform Push { uint n; uint b_len; uint start; uint b_width; } pc;
 #else
 layout(push_constant) uniform Push { uint n; uint b_len; float param; } pc;
 #endif
@@ -49,6 +53,8 @@ void main() {
 #elif defined(OP_RELU2)
     float r = max(LD_F32(x, i), 0.0);
     y[i] = r * r;
+#elif defined(OP_GELU_MUL_SLICE)
+    y[i] = gelu_tanh_mul(LD_F32(a, i), LD_F32(b, (i / pc.b_len) * pc.b_width + pc.start + i % pc.b_len));
 #else
     uint row = i / pc.b_len, col = i % pc.b_len;
     float g = LD_F32(x, row * 2u * pc.b_len + col);

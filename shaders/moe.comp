@@ -1,6 +1,6 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-//! variants: OP=router,router_sigmoid,combine,combine_shared,bias ACCESS=texel,ssbo
+//! variants: OP=router,router_sigmoid,combine,combine_shared,bias,scale ACCESS=texel,ssbo
 // Mixture-of-experts routing and combine (vkrt/ops/moe.py has the references).
 // OP_ROUTER: one invocation per token of logits [T, E]. The k picks are made in order, each
 // the largest logit ranked after the previous pick in the order (logit descending, expert
@@ -18,7 +18,9 @@
 // OP_COMBINE_SHARED: the same, then + sigmoid(shared_logit[t]) * shared[t, n] (a shared
 // expert, Qwen2-MoE's).
 // OP_BIAS: one invocation per element of y [T, k, N]: y[t, j, n] + bias[ids[t, j], n], each
-// chosen expert's own bias (gpt-oss), one rounded f32 add.
+// chosen expert's own bias (gpt-oss), one rounded f32 add. OP_SCALE: the same with
+// y[t, j, n] * scale[ids[t, j], n], one rounded f32 product (Gemma 4's per-expert scale of the
+// chosen weights: N = 1).
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 
@@ -171,9 +173,9 @@ void main() {
 }
 #endif
 
-#ifdef OP_BIAS
+#if defined(OP_BIAS) || defined(OP_SCALE)
 IN_F32(0, y);     // [T, k, N]
-IN_F32(1, bias);  // [E, N]
+IN_F32(1, bias);  // [E, N]: the experts' biases, or their scales
 IN_I32(2, ids);   // [T, k]
 OUT_F32(3, biased);
 layout(push_constant) uniform Push { uint rows; uint N; } pc;  // rows = T * k
@@ -182,6 +184,11 @@ void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     if (i >= pc.rows * pc.N) return;
     uint row = i / pc.N, n = i % pc.N;
-    biased[i] = LD_F32(y, i) + LD_F32(bias, uint(LD_I32(ids, row)) * pc.N + n);
+    float own = LD_F32(bias, uint(LD_I32(ids, row)) * pc.N + n);
+#ifdef OP_SCALE
+    biased[i] = LD_F32(y, i) * own;
+#else
+    biased[i] = LD_F32(y, i) + own;
+#endif
 }
 #endif

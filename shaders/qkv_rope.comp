@@ -16,7 +16,8 @@
 // ROW_LANES lanes per (token, head of the H + 2 KVH): the head's sum of squares is reduced
 // exactly as norm.comp reduces a row of head_dim, and x * inv * w is norm.comp's expression,
 // so the result is bit-identical to rms_norm over [T * heads, head_dim] views followed by
-// this shader's NORM_NONE variant.
+// this shader's NORM_NONE variant. Specialisation constant 1 (V_NORM, Gemma 4) norms each v
+// head too, without a weight (x * inv * 1.0: rms_norm's bits with a weight of ones).
 #include "access.glsl"
 #include "cast.glsl"
 #ifdef NORM_QK
@@ -68,12 +69,15 @@ layout(push_constant) uniform Push {
 } pc;
 
 #ifdef NORM_QK
+layout(constant_id = 1) const bool V_NORM = false;
 float head_inv;    // 1 / rms of the workgroup's head
 bool head_is_q;    // which norm weights it takes
 // Element i of the qkv buffer (dim d of its head), normalised as norm.comp normalises it.
 float source(uint i, uint d) {
     return LD_F32(qkv, i) * head_inv * (head_is_q ? LD_F32(q_norm, d) : LD_F32(k_norm, d));
 }
+// Element i of a v head as it is cached: normalised (V_NORM) or as projected.
+float value(uint i) { return V_NORM ? LD_F32(qkv, i) * head_inv * 1.0 : LD_F32(qkv, i); }
 #else
 float source(uint i, uint d) { return LD_F32(qkv, i); }
 #endif
@@ -99,7 +103,7 @@ void main() {
     uint row0 = t * (pc.q_width + 2u * pc.kv_dim) + col0;
     head_is_q = head < q_heads;
     bool is_v = head >= q_heads + kv_heads;
-    if (!is_v) {  // uniform per workgroup, so the reduction's barriers are reached by all lanes
+    if (!is_v || V_NORM) {  // uniform per workgroup, so the reduction's barriers are reached by all lanes
         float sq = 0.0;
         for (uint j = lane; j < pc.head_dim; j += ROW_LANES) {
             float v = LD_F32(qkv, row0 + j);
@@ -120,16 +124,16 @@ void main() {
         uint col = col0 + w * KV_ELEMS;
 #if defined(KV_Q8_0)
         float x[32];
-        for (uint j = 0u; j < 32u; ++j) x[j] = is_v ? LD_F32(qkv, row0 + 32u * w + j) : roped(t, col + j, p);
+        for (uint j = 0u; j < 32u; ++j) x[j] = is_v ? value(row0 + 32u * w + j) : roped(t, col + j, p);
         if (is_v) STORE_Q8_0(v_cache, 32u * (dst0 + w), x)
         else STORE_Q8_0(k_cache, 32u * (dst0 + w), x)
 #elif defined(KV_F16)
-        if (is_v) v_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, row0 + 2u * w)))
-                                   | (f32_bits_to_f16_bits(floatBitsToUint(LD_F32(qkv, row0 + 2u * w + 1u))) << 16);
+        if (is_v) v_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(value(row0 + 2u * w)))
+                                   | (f32_bits_to_f16_bits(floatBitsToUint(value(row0 + 2u * w + 1u))) << 16);
         else k_cache[dst0 + w] = f32_bits_to_f16_bits(floatBitsToUint(roped(t, col, p)))
                                | (f32_bits_to_f16_bits(floatBitsToUint(roped(t, col + 1u, p))) << 16);
 #else
-        if (is_v) v_cache[dst0 + w] = LD_F32(qkv, row0 + w);
+        if (is_v) v_cache[dst0 + w] = value(row0 + w);
         else k_cache[dst0 + w] = roped(t, col, p);
 #endif
     }

@@ -52,7 +52,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
                       "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
                       "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2", "DeepseekV3",
-                      "Glm4MoeLite")
+                      "Glm4MoeLite", "Gemma4")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -76,6 +76,9 @@ CONVERT_AS_RUN: dict[str, Any] = {
     "tiny_mixtral": lambda cfg: {"sliding_window": None},
     "tiny_phi3": lambda cfg: {"rope_parameters": cfg["rope_parameters"] | {"attention_factor": 1.0}},
 }
+# Families whose converter reads the vocabulary's size from tokenizer.json (Gemma 4's trims its
+# embedding to it): converted from a copy holding a word-level tokenizer.json of that many tokens.
+CONVERT_VOCAB = ("Gemma4",)
 # Converted families' fixtures that are not converted (one GGUF of the family is enough).
 NOT_CONVERTED = ("tiny_falcon_h1_nonorm",)
 # What a conversion changes, by fixture, said in its golden's description.
@@ -85,7 +88,9 @@ CONVERT_NOTES = {"tiny_falcon_h1": "; the converter folds the muP multipliers in
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
-TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe")
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe", "Gemma4")
+# Families whose HF norms scale by (1 + w), their weights starting at 0 (Gemma 4's scale by w).
+ONE_PLUS_W_NORMS = ("Gemma2", "Gemma3")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
@@ -95,6 +100,15 @@ GEMMA3_SMALL = dict(  # 6 layers so that the default pattern (every 6th layer gl
     BASE, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
     num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
     sliding_window=WINDOW, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+)
+
+GEMMA4_SMALL = dict(  # the last two layers (one sliding, one full) share the K/V of layers 3 and 2
+    BASE, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, global_head_dim=32, rms_norm_eps=1e-6, sliding_window=WINDOW,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, final_logit_softcapping=30.0,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "sliding_attention", "full_attention"],
+    num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
 )
 
 
@@ -383,6 +397,21 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                "interleaved rope dims and values of 16; layer 0 dense (mlp_layer_types), then 8 "
                                "experts of 32, top-2 by sigmoid score + the score-correction bias, renormalised, "
                                "x 2.5, plus a shared expert of 32"),
+        "tiny_gemma4": ("Gemma4", GEMMA4_SMALL,
+                        "Gemma 4 (E2B-style): per-layer embeddings (8 per layer), sliding (8) and full layers, the "
+                        "full ones with heads of 32 (per_layer_config) and proportional RoPE on a quarter of their "
+                        "pairs; the last 2 layers reuse layers 3's and 2's K/V and run a double-wide MLP; q/k/v "
+                        "norms, unscaled scores, layer_scalar, final softcap 30"),
+        "tiny_gemma4_moe": ("Gemma4", dict(GEMMA4_SMALL, num_hidden_layers=4, num_key_value_heads=2,
+                                           layer_types=["sliding_attention", "full_attention"] * 2,
+                                           num_kv_shared_layers=0, use_double_wide_mlp=False,
+                                           hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                                           num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+                                           top_k_experts=2, moe_intermediate_size=16),
+                            "Gemma 4 MoE (26B-A4B-style): in every layer the dense MLP (64) beside 4 experts of 16 "
+                            "(top-2, softmax renormalised, per-expert scales; the router's own scaled norm), each "
+                            "with its norms; full layers with K = V, one KV head of 32, proportional RoPE; sliding "
+                            "(8) layers with two KV heads of 16; no per-layer embeddings"),
     }
 
 
@@ -392,7 +421,10 @@ QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, o
                    patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=4)
 PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
                       image_size=16, patch_size=4)
+GEMMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
 MULTIMODAL = {"tiny_qwen3_5": ("tiny_qwen3_5_vl", "Qwen3_5", QWEN_VISION),
+              "tiny_gemma4": ("tiny_gemma4_vl", "Gemma4", GEMMA4_VISION),
               "tiny_qwen3_5_moe": ("tiny_qwen3_5_moe_vl", "Qwen3_5Moe", QWEN_VISION),
               "tiny_ministral3": ("tiny_ministral3_vl", "Mistral3", PIXTRAL_VISION)}
 MOE_FIXTURES = ("tiny_qwen3_moe", "tiny_mixtral", "tiny_olmoe", "tiny_qwen2_moe")
@@ -405,16 +437,21 @@ def _randomise(model, gemma: bool) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight")):  # (norm_f: Nemotron-H's final norm)
+            # (norm_f: Nemotron-H's final norm; layernorm_1 / _2: Gemma 4's MoE block's)
+            if name.endswith(("norm.weight", "norm_f.weight", "layernorm_1.weight", "layernorm_2.weight")):
                 # Gemma norms scale by (1 + w) and start at w = 0.
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith((".bias", ".dt_bias", ".D", "gate_up_proj_bias", "down_proj_bias")):  # (gpt-oss's experts)
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith(".sinks"):  # gpt-oss: logits of the size of the scores, so that they matter
                 p.copy_(torch.randn_like(p))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's, which start at 1
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("expert_bias", "e_score_correction_bias")):  # start at 0: large enough to change choices
                 b.copy_(0.3 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # Gemma 4's, saved as a buffer of 1
+                b.copy_(0.5 + torch.rand_like(b))
 
 
 def _gguf_tensors(arch: str, sd: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
@@ -525,7 +562,7 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
         cfg = config_cls(**kwargs)
         cfg._attn_implementation = "eager"  # as the reloaded model runs: the reload check compares like with like
         model = model_cls(cfg).to(torch.float32).eval()
-        _randomise(model, gemma=family.startswith("Gemma"))
+        _randomise(model, gemma=family in ONE_PLUS_W_NORMS)
         for name, p in model.named_parameters():  # expert tensors start torch.empty until initialised
             values = p.detach()
             if not bool(torch.isfinite(values).all()) or float(values.std()) == 0.0 and values.numel() > 1:
@@ -557,7 +594,8 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
                                                    **CONVERT_AS_RUN[fixture](saved)).eval()
                 gold = golden_for(as_run, f"{fixture}_gguf", "float32", gold["meta"], prompts)
             _convert_gguf(fixtures, fixture, gold, family in MTP_FAMILIES, CONVERT_CONFIG.get(family),
-                          CONVERT_NOTES.get(fixture, " (an exact conversion)"))
+                          CONVERT_NOTES.get(fixture, " (an exact conversion)"),
+                          cfg.vocab_size if family in CONVERT_VOCAB else 0)
         if family == "GptOss":  # its converted file again, the experts in MXFP4
             from mxfp4_fixture import make_mxfp4_gguf
 
@@ -733,7 +771,7 @@ convert_hf_to_gguf.main()
 
 
 def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, edit: Any = None,
-                  note: str = "") -> None:
+                  note: str = "", vocab: int = 0) -> None:
     """The HF fixture through llama.cpp's converter as f32 `model.gguf`. The conversion is exact
     (f32 in, f32 out; the q/k rows it permutes for llama-type families the loader puts back) but
     for what `note` says, so the golden is the HF one (`hf_golden`)."""
@@ -749,11 +787,15 @@ def _convert_gguf(fixtures: Path, fixture: str, hf_golden: dict, no_mtp: bool, e
     out_dir.mkdir(parents=True)
     gguf_path = out_dir / "model.gguf"
     source = fixtures / fixture
-    if edit is not None:  # a copy whose config.json says what the converter expects (CONVERT_CONFIG)
+    if edit is not None or vocab:  # a copy with what the converter expects (CONVERT_CONFIG, CONVERT_VOCAB)
         import tempfile
         source = Path(tempfile.mkdtemp()) / fixture
         shutil.copytree(fixtures / fixture, source)
-        (source / "config.json").write_text(json.dumps(edit(json.loads((source / "config.json").read_text()))))
+        if edit is not None:
+            (source / "config.json").write_text(json.dumps(edit(json.loads((source / "config.json").read_text()))))
+        if vocab:
+            words = {"model": {"vocab": {f"t{i}": i for i in range(vocab)}}, "added_tokens": []}
+            (source / "tokenizer.json").write_text(json.dumps(words))
     subprocess.run([sys.executable, "-c", _CONVERT, str(llamacpp), str(source), "--outfile",
                     str(gguf_path), "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])], check=True, capture_output=True)
     gold = json.loads(json.dumps(hf_golden))

@@ -210,6 +210,13 @@ CHAT_CASES: list[tuple[str, str, str | None, str, list, bool, dict]] = [
     ("seed_oss_budget", "seed_oss", None, "<seed:eos>", [USER], True, {"thinking_budget": 512}),
     ("seed_oss_tools", "seed_oss", None, "<seed:eos>", TOOL_TURN, True, {"tools": TOOLS}),
     ("seed_oss_tool_args_typed", "seed_oss", None, "<seed:eos>", SEED_OSS_TYPED_ARGS, True, {"tools": TOOLS}),
+    # Gemma 4: <|turn>role ... <turn|>, a system turn of its own, thinking switched on by the caller.
+    ("gemma4_user", "gemma4", "<bos>", "<eos>", [USER], True, {}),
+    ("gemma4_system_multi", "gemma4", "<bos>", "<eos>", [SYSTEM, *MULTI], True, {}),
+    ("gemma4_thinking_on", "gemma4", "<bos>", "<eos>", [SYSTEM, USER], True, {"enable_thinking": True}),
+    ("gemma4_past_reasoning", "gemma4", "<bos>", "<eos>",
+     [USER, {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy."}, MULTI[2]], True, {}),
+    ("gemma4_tools", "gemma4", "<bos>", "<eos>", [SYSTEM, *TOOL_TURN], True, {"tools": TOOLS}),
 ]
 # Conversations a template must refuse (raise_exception), recorded with transformers' message.
 CHAT_ERRORS: list[tuple[str, str, list]] = [

@@ -13,6 +13,7 @@ import pytest
 import vkrt.ops as ops
 from tests.conftest import nmse
 from vkrt.errors import VkrtError
+from vkrt.ops import elementwise
 
 GATED_NMSE = 1e-10
 SHAPES = [(1, 1), (3, 7), (5, 576), (2, 1000)]
@@ -151,6 +152,28 @@ def test_concat_columns_is_bit_exact(vk, rng, rows: int, widths: tuple[int, ...]
     parts = [rng.standard_normal((rows, w)).astype(np.float32) for w in widths]
     got = _no_drain(vk, ops.concat_columns, *(vk.upload(p) for p in parts))
     np.testing.assert_array_equal(got, np.concatenate(parts, axis=1))
+
+
+@pytest.mark.parametrize(("width", "start", "columns"), [(1, 0, 1), (48, 16, 8), (48, 40, 8), (35, 3, 29)], ids=str)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gelu_tanh_mul_slice_equals_the_gated_op_on_the_slice(vk, rng, rows: int, width: int, start: int,
+                                                               columns: int) -> None:
+    """Bit for bit what the gated kernel gives [gate | the slice]; within the gated ops' bound of
+    the numpy reference."""
+    gate = rng.standard_normal((rows, columns)).astype(np.float32)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    stacked = np.concatenate([gate, x[:, start:start + columns]], axis=1)
+    got = _no_drain(vk, ops.gelu_tanh_mul_slice, vk.upload(gate), vk.upload(x), start)
+    np.testing.assert_array_equal(got, _no_drain(vk, ops.gelu_tanh_and_mul, vk.upload(stacked)))
+    assert nmse(got, elementwise.gelu_tanh_and_mul(stacked)) <= GATED_NMSE
+
+
+def test_gelu_tanh_mul_slice_rejects_a_window_past_the_columns(vk) -> None:
+    gate, x = vk.upload(np.zeros((2, 5), np.float32)), vk.upload(np.zeros((2, 8), np.float32))
+    with pytest.raises(VkrtError, match="within the 8"):
+        ops.gelu_tanh_mul_slice(gate, x, 4)
+    with pytest.raises(VkrtError, match="gate and x"):
+        ops.gelu_tanh_mul_slice(gate, vk.upload(np.zeros((3, 8), np.float32)), 0)
 
 
 def test_concat_columns_rejects_bad_input(vk) -> None:

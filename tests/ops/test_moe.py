@@ -171,6 +171,23 @@ def test_moe_add_bias_is_each_experts_bias(backend: str, rng: np.random.Generato
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["ref", "vk_default"])
+@pytest.mark.parametrize("width", [1, 7])
+def test_moe_scale_is_each_experts_scale(backend: str, width: int, rng: np.random.Generator,
+                                         request: pytest.FixtureRequest) -> None:
+    """y[t, j] * scale[ids[t, j]] (Gemma 4's per-expert scale of the chosen weights, width 1):
+    one f32 product per element, so both backends are bit-exact."""
+    be: Backend = request.getfixturevalue(backend)
+    y = rng.standard_normal((5, 3, width)).astype(np.float32)
+    scale = rng.standard_normal((4, width)).astype(np.float32)
+    ids = rng.integers(0, 4, size=(5, 3)).astype(np.int32)
+    drains = be.counters.drains if backend == "vk_default" else 0
+    got = ops.moe_scale(be.upload(y), be.upload(scale), be.upload(ids)).numpy()
+    want = np.stack([np.stack([y[t, j] * scale[ids[t, j]] for j in range(3)]) for t in range(5)])
+    np.testing.assert_array_equal(got, want)
+    assert backend == "ref" or be.counters.drains == drains
+
+
 def test_moe_combine_shared(ref: Backend) -> None:
     """The routed mix plus sigmoid(g) times the shared expert's row (g = 0: half of it)."""
     y = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)

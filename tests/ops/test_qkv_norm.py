@@ -120,6 +120,44 @@ def test_native_matches_reference_and_composition(vk: Backend, rng: np.random.Ge
     assert got_v.tobytes() == v2.numpy().tobytes()
 
 
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("case", [(1, 2, 1, 16, 16), (7, 8, 2, 128, 128), (5, 8, 1, 256, 256)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_v_norm_matches_reference_and_composition(vk: Backend, rng: np.random.Generator, case: tuple[int, ...],
+                                                  kv_dtype: str) -> None:
+    """Gemma 4's v_norm: each v head RMS-normed without a weight before it is cached; within the
+    bound of the numpy spec, and bit for bit the v heads through rms_norm (weight ones) first."""
+    tokens, num_heads, num_kv_heads, head_dim, _ = case
+    c = _case(rng, *case, kv_dtype)
+    params = _params(case, False) | {"v_norm": True}
+    up = {name: vk.upload(a, kv_dtype if "cache" in name else None) for name, a in c.items()}
+    before = vk.counters.snapshot()
+    q = ops.qkv_norm_rope_kv_write(up["qkv"], up["q_norm"], up["k_norm"], up["positions"], up["cos_sin"],
+                                   up["k_cache"], up["v_cache"], up["slots"], **params).numpy()
+    assert vk.counters.since(before)["drains"] == 0
+    want_k, want_v = c["k_cache"].copy(), c["v_cache"].copy()
+    want_q = reference.qkv_norm_rope_kv_write(c["qkv"], c["q_norm"], c["k_norm"], c["positions"], c["cos_sin"],
+                                              want_k, want_v, c["slots"], **params)
+    kv_bound = QKV_NORM_NMSE if kv_dtype == "f32" else 1e-6
+    assert nmse(q, want_q) <= QKV_NORM_NMSE
+    assert nmse(up["v_cache"].numpy().astype(np.float32), want_v.astype(np.float32)) <= kv_bound
+    plain_k, plain_v = c["k_cache"].copy(), c["v_cache"].copy()  # without v_norm: v cached as projected
+    reference.qkv_norm_rope_kv_write(c["qkv"], c["q_norm"], c["k_norm"], c["positions"], c["cos_sin"], plain_k, plain_v,
+                                     c["slots"], **_params(case, False))
+    assert np.array_equal(plain_k, want_k) and not np.allclose(plain_v, want_v)
+
+    q_width, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    v = ops.reshape(vk.upload(np.ascontiguousarray(c["qkv"][:, q_width + kv_dim:])), (-1, head_dim))
+    normed_v = ops.reshape(ops.rms_norm(v, vk.upload(np.ones(head_dim, np.float32)), EPS), (tokens, -1)).numpy()
+    k2, v2 = vk.upload(c["k_cache"], kv_dtype), vk.upload(c["v_cache"], kv_dtype)
+    q2 = ops.qkv_norm_rope_kv_write(vk.upload(np.concatenate([c["qkv"][:, :q_width + kv_dim], normed_v], axis=1)),
+                                    up["q_norm"], up["k_norm"], up["positions"], up["cos_sin"], k2, v2, up["slots"],
+                                    **_params(case, False)).numpy()
+    assert q.tobytes() == q2.tobytes()
+    assert up["k_cache"].numpy().tobytes() == k2.numpy().tobytes()
+    assert up["v_cache"].numpy().tobytes() == v2.numpy().tobytes()
+
+
 def test_native_is_batch_invariant(vk: Backend, rng: np.random.Generator) -> None:
     case = (9, 8, 1, 256, 256)
     c = _case(rng, *case, "f32")

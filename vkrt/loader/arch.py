@@ -656,12 +656,64 @@ _DEEPSEEK_V3 = replace(
     default_mixer="mla",
 )
 _GLM4_MOE_LITE = replace(_DEEPSEEK_V3, name="glm4_moe_lite", gguf_archs=(), hf_archs=("Glm4MoeLiteForCausalLM",))
+# Gemma 4 (text): Gemma 3's four norms and QK-norm with plain-w norms, values normed too, queries
+# unscaled; per-layer embeddings feeding a gated residual branch at the end of every layer, times
+# its layer_scalar; its full-attention layers' own head shapes and the last layers' shared K/V are
+# read by vkrt/loader/layer_shapes.py. Its checkpoints are Gemma4ForConditionalGeneration.
+_PER_LAYER_INPUTS_HF = {"model.embed_tokens_per_layer.weight": "per_layer.embed",
+                        "model.per_layer_model_projection.weight": "per_layer.model_proj",
+                        "model.per_layer_projection_norm.weight": "per_layer.model_norm"}
+# The MoE variant (26B-A4B) runs the dense MLP and the experts side by side, each with its own norms;
+# its router norms the residual stream without a weight, times `scale` / sqrt(hidden), and its chosen
+# weights are scaled per expert.
+_GEMMA4_MOE_HF = {"router.proj.weight": "router", "router.scale": "router.scale",
+                  "router.per_expert_scale": "router.expert_scale", "experts.gate_up_proj": "experts.gate_up_proj",
+                  "experts.down_proj": "experts.down_proj", "pre_feedforward_layernorm_2.weight": "ffn_norm_2",
+                  "post_feedforward_layernorm_1.weight": "post_ffn_norm_1",
+                  "post_feedforward_layernorm_2.weight": "post_ffn_norm_2"}
+_PER_LAYER_INPUTS_GGUF = {"per_layer_token_embd.weight": "per_layer.embed",
+                          "per_layer_model_proj.weight": "per_layer.model_proj",
+                          "per_layer_proj_norm.weight": "per_layer.model_norm"}
+_GEMMA4 = ArchSpec(
+    name="gemma4",
+    gguf_archs=("gemma4",),
+    # llama.cpp's converter writes proportional RoPE as rope_freqs (1 for the pairs that rotate, 1e30
+    # for the rest), read back into rope parameters (gguf_fields)
+    gguf_global={**GGUF_GLOBAL, **_PER_LAYER_INPUTS_GGUF, "rope_freqs.weight": "rope_freqs"},
+    gguf_layer={**GGUF_LAYER, **_GEMMA_GGUF, **_QK_NORM_GGUF, "layer_output_scale.weight": "layer_scalar",
+                "inp_gate.weight": "per_layer.gate", "proj.weight": "per_layer.proj",
+                "post_norm.weight": "per_layer.norm", "ffn_gate_inp.weight": "router", "ffn_gate_inp.scale": "router.scale",
+                "ffn_down_exps.scale": "router.expert_scale", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+                "ffn_down_exps.weight": "experts.down_proj", "pre_ffw_norm_2.weight": "ffn_norm_2",
+                "post_ffw_norm_1.weight": "post_ffn_norm_1", "post_ffw_norm_2.weight": "post_ffn_norm_2"},
+    gguf_per_layer_shapes=True,
+    hf_archs=("Gemma4ForCausalLM",),
+    hf_multimodal_archs=("Gemma4ForConditionalGeneration",),
+    hf_skipped={"model.vision_tower.": "the vision tower", "model.embed_vision.": "the vision tower",
+                "model.audio_tower.": "the audio tower", "model.embed_audio.": "the audio tower"},
+    hf_global={**HF_GLOBAL, **_PER_LAYER_INPUTS_HF},
+    hf_layer={**HF_LAYER, **_GEMMA_HF, **_QK_NORM_HF, **_GEMMA4_MOE_HF, "layer_scalar": "layer_scalar",
+              "per_layer_input_gate.weight": "per_layer.gate", "per_layer_projection.weight": "per_layer.proj",
+              "post_per_layer_input_norm.weight": "per_layer.norm"},
+    layer_weights=(*LAYER_WEIGHTS, "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "layer_scalar"),
+    activation="gelu_tanh",
+    qk_norm=True,
+    v_norm=True,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    default_sliding=_gemma3_sliding,
+    hf_defaults={"query_pre_attn_scalar": 1},  # transformers scales Gemma 4's scores by 1 (the norms set their size)
+    hf_renames={"top_k_experts": "num_experts_per_tok"},
+    moe_flag="enable_moe_block",
+    moe_beside_mlp=True,
+    norm_topk_prob=True,
+)
 
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
                                _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3,
-                               _MINIMAX_M2, _DEEPSEEK_V3, _GLM4_MOE_LITE)
+                               _MINIMAX_M2, _DEEPSEEK_V3, _GLM4_MOE_LITE, _GEMMA4)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:

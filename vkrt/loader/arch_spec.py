@@ -146,6 +146,10 @@ class ArchSpec:
     hf_multipliers: bool = False
     # The attention's q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3.5).
     attn_output_gate: bool = False
+    # The file's per-layer head dims, KV heads, FFN widths, shared K/V, per-layer embeddings and
+    # proportional RoPE are read as config.json spells them (Gemma 4: vkrt/loader/gguf_fields.py).
+    gguf_per_layer_shapes: bool = False
+    v_norm: bool = False  # each value head is RMS-normed without a weight before it is cached (Gemma 4)
     # llama.cpp's converter reorders this family's delta-net value heads tiled over key heads (Qwen3.5).
     gguf_v_heads_tiled: bool = False
     # Mixture of experts: whether the k router weights are renormalised when the file does
@@ -155,6 +159,8 @@ class ArchSpec:
     # sigmoid(x @ shared_expert_gate) (Qwen2-MoE), or not (Granite 4: the layer's own MLP).
     shared_expert: bool = False
     shared_expert_gated: bool = True
+    moe_flag: str = ""  # a config.json flag without which the expert fields are ignored (Gemma 4's enable_moe_block)
+    moe_beside_mlp: bool = False  # ModelConfig.moe_beside_mlp
     moe_router: str = "softmax"  # ModelConfig.moe_router: how the router's logits pick experts
     router_norm_eps: float = 1e-6  # ModelConfig.router_norm_eps (the sigmoid router's)
     # A bias on the router and on every expert's projections (gpt-oss).

@@ -31,6 +31,14 @@ class LayerConfig:
     mixer: str = "attention"
     mlp: bool = True  # False: the block is only its mixer (Nemotron-H)
     post_norms: bool = False  # OLMo 2's order: no norm before attention or MLP, one after each
+    # Gemma 4's per-layer shapes (0: the model's head_dim / num_kv_heads / intermediate_size): its
+    # full-attention layers have wider heads (and, with K = V, their own KV head count), the layers
+    # that reuse another's K/V a double-wide MLP.
+    head_dim: int = 0
+    num_kv_heads: int = 0
+    intermediate_size: int = 0
+    kv_layer: int = -1  # the earlier layer whose K/V cache this layer reads and never writes; -1: its own
+    k_eq_v: bool = False  # the values are the keys' projection (no v_proj), normed without RoPE
 
     @property
     def attends(self) -> bool:
@@ -141,6 +149,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    v_norm: bool = False  # each value head RMS-normed (no weight) before it is cached (Gemma 4)
+    # Gemma 4's per-layer embeddings: a second table [per_layer_vocab_size, layers * this] whose
+    # slice, with a projection of the embeddings, gates a residual branch at the end of every layer.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     # -- mixture of experts (layers whose LayerConfig.moe is set) -------------------------
     num_experts: int = 0  # E; 0 = every MLP is dense
     num_experts_per_tok: int = 0  # k experts per token
@@ -150,6 +163,9 @@ class ModelConfig:
     # (Qwen2-MoE's shared_expert and shared_expert_gate); 0 = none.
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # False: the shared expert is added as it is (Granite 4)
+    # Gemma 4's MoE: the dense MLP (normed input and output) plus the experts (their own input and
+    # output norms; the router reads the unnormed residual through a norm of its own), their sum normed.
+    moe_beside_mlp: bool = False
     # "softmax" (the k largest logits, softmax weights) or "sigmoid" (LFM2-MoE: sigmoid scores,
     # chosen with a per-expert bias when expert_bias, weights times routed_scaling_factor).
     moe_router: str = "softmax"
@@ -177,6 +193,20 @@ class ModelConfig:
         if self.layers:
             return self.layers[i]
         return LayerConfig(0, self.rope_theta, self.rope_scaling)
+
+    def head_dim_of(self, i: int) -> int:
+        return self.layer(i).head_dim or self.head_dim
+
+    def kv_heads_of(self, i: int) -> int:
+        return self.layer(i).num_kv_heads or self.num_kv_heads
+
+    def ffn_width_of(self, i: int) -> int:
+        return self.layer(i).intermediate_size or self.intermediate_size
+
+    def kv_layer_of(self, i: int) -> int:
+        """The layer whose K/V cache layer i attends over (itself unless it shares an earlier one's)."""
+        source = self.layer(i).kv_layer
+        return i if source < 0 else source
 
 
 @dataclass

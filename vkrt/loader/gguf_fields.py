@@ -86,7 +86,8 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         if f is not None and f.types[0] == GGUFValueType.ARRAY:
             # llama.cpp marks a hybrid's recurrent layers by 0 KV heads, and (Nemotron-H) its layers
             # without an MLP by a 0 FFN width; other per-layer counts are not read
-            readable = {"attention.head_count_kv": bool(spec.mixer_types), "feed_forward_length": spec.one_sublayer}
+            readable = {"attention.head_count_kv": bool(spec.mixer_types) or spec.gguf_per_layer_shapes,
+                        "feed_forward_length": spec.one_sublayer or spec.gguf_per_layer_shapes}
             if not readable.get(suffix) or not isinstance(f.value, list):
                 raise UnsupportedModelError(f"{path}: per-layer '{arch}.{suffix}' is not supported")
             if suffix == "feed_forward_length":
@@ -103,9 +104,9 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     if meta.get(f"{arch}.attention.layer_norm_epsilon") is not None:  # Nemotron-H writes its RMSNorm's so
         values.setdefault("rms_norm_eps", meta[f"{arch}.attention.layer_norm_epsilon"])
     values.setdefault("rms_norm_eps", 1e-5)  # llama.cpp's default, where transformers' is 1e-6
-    if kv_heads_per_layer is not None:
+    if kv_heads_per_layer is not None and spec.mixer_types:
         _gguf_recurrent_layers(path, arch, spec, meta, weights, values, spelled, kv_heads_per_layer)
-    if ffn_per_layer is not None:
+    if ffn_per_layer is not None and spec.one_sublayer:
         _gguf_one_sublayer_blocks(path, arch, spec, values, ffn_per_layer)
     if spec.default_mixer == "attention_mamba2":  # Falcon-H1: Mamba2 beside attention in every layer
         _gguf_ssm(arch, meta, values, spelled, ("mamba_d_conv", "mamba_d_state", "mamba_n_groups", "mamba_n_heads",
@@ -135,6 +136,8 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     pattern = _gguf_sliding_pattern(reader, arch, values["num_hidden_layers"])
     if pattern is not None:
         values["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    if spec.gguf_per_layer_shapes:
+        gguf_layer_shapes(path, arch, meta, weights, values, kv_heads_per_layer, ffn_per_layer)
     if spec.gguf_wide_query_layers:  # llama.cpp's query scale for Gemma (GGUF has no query_pre_attn_scalar)
         wide = values["num_hidden_layers"] == spec.gguf_wide_query_layers
         values["query_pre_attn_scalar"] = values["hidden_size"] / values["num_attention_heads"] if wide else head_dim
@@ -160,6 +163,49 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
     values["eos_token_id"] = eos
     values["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     return ConfigFields(str(path), values, spelled, norm_offset_stored=True)
+
+
+def gguf_layer_shapes(path: Path, arch: str, meta: dict[str, Any], weights: dict[str, WeightData],
+                      values: dict[str, Any], kv_heads: list[int] | None, ffn: list[int] | None) -> None:
+    """Gemma 4's per-layer shapes as config.json spells them (vkrt/loader/layer_shapes.py reads
+    them): key_length is the full layers' head dim and key_length_swa the sliding ones'; per-layer
+    KV heads (a full layer without attn_v: K = V) and FFN widths (twice as wide in the sharing
+    layers: use_double_wide_mlp); shared_kv_layers; the per-layer embeddings' width; and rope_freqs
+    (1 for each full-layer pair that rotates, 1e30 for the others) as proportional RoPE; experts
+    (enable_moe_block) where it has an expert count. Pops rope_freqs from `weights`; queries are
+    unscaled, as llama.cpp and transformers run Gemma 4."""
+    types = values.get("layer_types") or []
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    swa_dim = meta.get(f"{arch}.attention.key_length_swa")
+    if is_int(swa_dim):
+        values["global_head_dim"], values["head_dim"] = values.get("head_dim"), swa_dim
+    shared = meta.get(f"{arch}.attention.shared_kv_layers") or 0
+    values["num_kv_shared_layers"] = shared
+    first_shared = values["num_hidden_layers"] - shared if is_int(shared) else 0
+    if kv_heads is not None and full and sliding:
+        values["num_key_value_heads"], values["num_global_key_value_heads"] = kv_heads[sliding[0]], kv_heads[full[0]]
+    values["attention_k_eq_v"] = any(f"layers.{i}.v_proj" not in weights for i in full if i < first_shared)
+    if ffn is not None:
+        values["intermediate_size"] = ffn[0]
+        values["use_double_wide_mlp"] = any(width == 2 * ffn[0] for width in ffn[first_shared:])
+    per_layer = meta.get(f"{arch}.embedding_length_per_layer_input")
+    if per_layer and "per_layer.embed" in weights:
+        values["hidden_size_per_layer_input"] = per_layer
+        values["vocab_size_per_layer_input"] = weights["per_layer.embed"].shape[0]
+    values.pop("partial_rotary_factor", None)  # rope.dimension_count is the full layers' whole head
+    values["query_pre_attn_scalar"] = 1
+    values["enable_moe_block"] = bool(values.get("num_experts"))
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": values.pop("rope_local_base_freq", 10000.0)},
+            "full_attention": {"rope_type": "default", "rope_theta": values.pop("rope_theta", 1e6)}}
+    if "rope_freqs" in weights:
+        factors = _factors(path, weights, "rope_freqs")
+        rotating = sum(1 for f in factors if f == 1.0)
+        if any(f != 1.0 for f in factors[:rotating]) or any(f < 1e29 for f in factors[rotating:]):
+            raise UnsupportedModelError(f"{path}: rope_freqs of a {arch} file must be 1 for the pairs that rotate, "
+                                        "then 1e30; other frequency factors are not supported")
+        rope["full_attention"] |= {"rope_type": "proportional", "partial_rotary_factor": rotating / len(factors)}
+    values["rope_parameters"] = rope
 
 
 def _gguf_recurrent_layers(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any], weights: dict[str, WeightData],

@@ -30,6 +30,7 @@ from typing import Any, TypeGuard
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch_spec import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers
+from vkrt.loader.layer_shapes import layer_shapes, per_layer_inputs
 from vkrt.loader.mla import latent_attention_config
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
@@ -37,12 +38,13 @@ from vkrt.ops.recurrent import MAX_CONV_KERNEL
 log = logging.getLogger(__name__)
 
 # The rope scaling types vkrt computes (vkrt/models/rope.py), checked here once for both formats.
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 # Numbers each type needs, and numbers that must be positive where given (transformers' names).
 _ROPE_NEEDS: dict[str, tuple[str, ...]] = {"default": (), "linear": ("factor",),
                                            "llama3": ("factor", "original_max_position_embeddings"),
                                            "longrope": ("short_factor", "long_factor"),
-                                           "yarn": ("factor", "original_max_position_embeddings")}
+                                           "yarn": ("factor", "original_max_position_embeddings"),
+                                           "proportional": ()}
 _ROPE_POSITIVE = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                   "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # config.json's MLP activation -> ModelConfig.hidden_act (relu2: ungated, max(x, 0)^2 of up alone)
@@ -102,6 +104,12 @@ def _rope_scaling(src: ConfigFields, fieldname: str, params: dict[str, Any] | No
     if kind == "default":
         return None
     scaling["rope_type"] = kind
+    if kind == "proportional":  # Gemma 4: the fraction of each head's frequency pairs that rotate
+        fraction = params.get("partial_rotary_factor", 1.0)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ModelFormatError(f"{src.source}: {src.name(f'{fieldname}.partial_rotary_factor')} is "
+                                   f"{fraction!r}, but it must be a number in (0, 1]")
+        scaling["partial_rotary_factor"] = float(fraction)
     if kind in ("longrope", "yarn"):
         _context_extension(src, fieldname, kind, scaling, max_positions)
     for key in _ROPE_NEEDS[kind]:
@@ -191,7 +199,9 @@ def _rotary_dim(src: ConfigFields, head_dim: int) -> int:
     key, factor = "partial_rotary_factor", src.get("partial_rotary_factor")
     if factor is None and isinstance(params, dict):
         inner = params.get("full_attention", params)
-        factor = inner.get("partial_rotary_factor") if isinstance(inner, dict) else None
+        # (proportional RoPE spans the whole head: its partial factor zeroes frequencies instead)
+        if isinstance(inner, dict) and inner.get("rope_type") != "proportional":
+            factor = inner.get("partial_rotary_factor")
     if factor is None and src.get("rotary_dim") is not None:
         key, dims = "rotary_dim", src.get("rotary_dim")
         factor = dims / head_dim if is_int(dims) and head_dim > 0 else dims
@@ -340,7 +350,10 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
     rope = _rope_by_layer_type(src, spec, max_positions)
     window = src.get("sliding_window")
     window = int(window) if is_int(window) and window > 0 else 0
-    moe = _moe_fields(src)
+    moe = _moe_fields(src) if not spec.moe_flag or src.get(spec.moe_flag) else (0, 0, 0)
+    if src.get("use_bidirectional_attention") == "all":  # (an encoder: "vision" leaves text causal)
+        raise UnsupportedModelError(f"{src.source}: use_bidirectional_attention is 'all': every token attends to "
+                                    "every other, which a causal decoder does not run")
     for flag in spec.hf_refused_flags:
         if src.get(flag):
             raise UnsupportedModelError(f"{src.source}: {src.name(flag)} is set; vkrt does not run the weights it "
@@ -359,6 +372,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
                                post_norms=spec.attention_post_norms and mixer == "attention")
                    for (mixer, sliding), rotated, is_moe in zip(_layer_kinds(src, spec, num_layers),
                                                                 _rotated_layers(src, num_layers), sparse, strict=True))
+    layers = layer_shapes(src, layers, heads)
     conv_kernel = _conv_kernel(src, layers)
     scalar = src.get("query_pre_attn_scalar")
     query_scale = float(scalar) ** -0.5 if isinstance(scalar, (int, float)) and scalar > 0 else 0.0
@@ -396,6 +410,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         conv_kernel=conv_kernel,
         conv_bias=bool(conv_kernel and src.get("conv_bias", src.get("mamba_conv_bias", False))),
         attn_output_gate=spec.attn_output_gate,
+        v_norm=spec.v_norm,
+        **per_layer_inputs(src),
         **_delta_net(src, layers),
         **_mamba(src, layers),
         **_multipliers(src, spec),
@@ -421,6 +437,7 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         moe_intermediate_size=moe[2],
         shared_expert_intermediate_size=_shared_expert_width(src, spec, moe[0]),
         shared_expert_gated=spec.shared_expert_gated,
+        moe_beside_mlp=bool(moe[0]) and spec.moe_beside_mlp,
         moe_router=spec.moe_router,
         expert_bias=bool(moe[0] and spec.moe_router == "sigmoid" and src.get("use_expert_bias", False)),
         routed_scaling_factor=(_positive(src, "routed_scaling_factor") or 1.0) if spec.moe_router == "sigmoid" else 1.0,

@@ -26,10 +26,7 @@ DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightData]) -> None:
     """Raise ModelFormatError unless every canonical weight is present with its logical shape."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
-    gated_q_rows = 2 * q_rows if config.attn_output_gate else q_rows  # q and a gate per head
+    hidden = config.hidden_size
     v_heads, key_dim = config.linear_num_value_heads, config.linear_num_key_heads * config.linear_key_head_dim
     value_dim = v_heads * config.linear_value_head_dim
     mamba_inner = config.mamba_num_heads * config.mamba_head_dim
@@ -40,27 +37,13 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
     }
     if not config.tie_word_embeddings:
         expected["lm_head"] = (config.num_labels or config.vocab_size, hidden)
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "norm": (hidden,),
         "attn_norm": (hidden,),
-        "q_proj": (gated_q_rows, hidden),
-        "k_proj": (kv_rows, hidden),
-        "v_proj": (kv_rows, hidden),
-        "qkv_proj": (q_rows + 2 * kv_rows, hidden),
-        "q_bias": (q_rows,),
-        "k_bias": (kv_rows,),
-        "v_bias": (kv_rows,),
-        "q_norm": (config.head_dim,) if config.qk_norm_per_head else (q_rows,),
-        "k_norm": (config.head_dim,) if config.qk_norm_per_head else (kv_rows,),
-        "o_proj": (hidden, q_rows),
         "o_bias": (hidden,),
         "sinks": (config.num_heads,),
         "post_attn_norm": (hidden,),
         "ffn_norm": (hidden,),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "gate_up_proj": (2 * inter, hidden),
-        "down_proj": (hidden, inter),
         "post_ffn_norm": (hidden,),
         "conv.in_proj": (3 * hidden, hidden),
         "conv.weight": (hidden, config.conv_kernel),
@@ -94,9 +77,20 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         "mamba.norm": (mamba_inner,),
         "mamba.out_proj": (hidden, mamba_inner),
     }
+    if config.per_layer_input_size:  # Gemma 4's per-layer embeddings
+        width = config.num_layers * config.per_layer_input_size
+        expected |= {"per_layer.embed": (config.per_layer_vocab_size, width), "per_layer.model_proj": (width, hidden),
+                     "per_layer.model_norm": (config.per_layer_input_size,)}
     for i in range(config.num_layers):
         layer = config.layer(i)
         names = list(arch_named(config.architecture).layer_weights)
+        shapes |= _layer_shapes(config, i)
+        if config.kv_layer_of(i) != i:  # it attends over an earlier layer's K/V and computes none
+            names = [n for n in names if n not in ("k_proj", "v_proj", "k_norm", "k_bias", "v_bias")]
+        elif layer.k_eq_v:  # its values are its keys' projection
+            names = [n for n in names if n not in ("v_proj", "v_bias")]
+        if config.per_layer_input_size:
+            names += ["per_layer.gate", "per_layer.proj", "per_layer.norm"]
         if not layer.attends:
             names = [n for n in names if n not in _ATTENTION_ONLY]
         if not config.qk_norm:  # (a family whose QK-norm is optional: ArchSpec.qk_norm_optional)
@@ -125,7 +119,7 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
         if not layer.mlp:  # a block of one mixer (Nemotron-H)
             names = [n for n in names if n not in DENSE_MLP_WEIGHTS and n != "ffn_norm"]
         for name in names:
-            if not (layer.moe and name in DENSE_MLP_WEIGHTS):
+            if not (layer.moe and name in DENSE_MLP_WEIGHTS and not config.moe_beside_mlp):
                 expected[f"layers.{i}.{name}"] = shapes[name]
         if layer.mixer == "mla":
             expected.update(mla_weight_shapes(config, f"layers.{i}.", weights))
@@ -147,6 +141,26 @@ def check_weights(source: str, config: ModelConfig, weights: dict[str, WeightDat
                 f"{source}: weight {name!r} has shape {weight.shape}, but the config implies "
                 f"{shape}; the checkpoint and its config disagree"
             )
+
+
+def _layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of layer i's weights that follow its own head dim, KV heads and MLP width
+    (Gemma 4's differ between layers; every other family's are the model's); q_proj holds a gate
+    per head beside q with an output gate (Qwen3.5)."""
+    hidden, head_dim, inter = config.hidden_size, config.head_dim_of(i), config.ffn_width_of(i)
+    q_rows, kv_rows = config.num_heads * head_dim, config.kv_heads_of(i) * head_dim
+    out: dict[str, tuple[int, ...]] = {
+        "q_proj": (2 * q_rows if config.attn_output_gate else q_rows, hidden), "k_proj": (kv_rows, hidden),
+        "v_proj": (kv_rows, hidden), "qkv_proj": (q_rows + 2 * kv_rows, hidden), "q_bias": (q_rows,),
+        "k_bias": (kv_rows,), "v_bias": (kv_rows,), "o_proj": (hidden, q_rows),
+        "q_norm": (head_dim,) if config.qk_norm_per_head else (q_rows,),
+        "k_norm": (head_dim,) if config.qk_norm_per_head else (kv_rows,),
+        "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "gate_up_proj": (2 * inter, hidden),
+        "down_proj": (hidden, inter), "layer_scalar": (1,)}
+    if config.per_layer_input_size:
+        width = config.per_layer_input_size
+        out |= {"per_layer.gate": (width, hidden), "per_layer.proj": (hidden, width), "per_layer.norm": (hidden,)}
+    return out
 
 
 def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, WeightData]
@@ -176,6 +190,9 @@ def _expert_shapes(source: str, config: ModelConfig, i: int, weights: dict[str, 
     proj = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     if ungated:
         del proj["gate_proj"]
+    if config.moe_beside_mlp:  # Gemma 4: the router's own scales, the experts' norms beside the dense MLP's
+        out |= {p + "router.scale": (hidden,), p + "router.expert_scale": (experts,), p + "ffn_norm_2": (hidden,),
+                p + "post_ffn_norm_1": (hidden,), p + "post_ffn_norm_2": (hidden,)}
     if p + "experts.gate_up_proj" in weights:  # Granite 4: gate|up stacked per expert [E, 2F, H]
         return out | {p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter)}
     if p + "experts.down_proj" in weights:  # stacked (GGUF)

@@ -138,7 +138,7 @@ class StepTensors:
 class KVCache:
     """Per-layer key and value caches: [num_blocks of the layer's group, block_size, kv_heads * head_dim]."""
 
-    keys: dict[int, Tensor]  # by attention layer
+    keys: dict[int, Tensor]  # by attention layer that stores K/V (ModelConfig.kv_layer_of)
     values: dict[int, Tensor]
     num_blocks: list[int]  # per KV group
     block_size: int
@@ -187,16 +187,23 @@ class CausalLM(ABC):
 
     def check_kv_dtype(self, dtype: str) -> None:
         """UnsupportedModelError if this model's heads cannot use the KV cache format `dtype`."""
-        why = kv_format.unsupported(dtype, self.config.num_kv_heads, self.config.head_dim)
-        if why is not None:
-            raise UnsupportedModelError(f"--kv-cache-dtype {dtype} does not fit this model: {why}; use f16 or f32")
+        c = self.config
+        for kv_heads, head_dim in sorted({(c.kv_heads_of(i), c.head_dim_of(i)) for i in range(c.num_layers)}):
+            why = kv_format.unsupported(dtype, kv_heads, head_dim)
+            if why is not None:
+                raise UnsupportedModelError(f"--kv-cache-dtype {dtype} does not fit this model: {why}; use f16 or f32")
+
+    def cached_layers(self, group: KVGroup) -> list[int]:
+        """The group's layers that store K/V (a layer reading an earlier layer's cache stores none)."""
+        return [i for i in group.layers if self.config.kv_layer_of(i) == i]
 
     def kv_group_bytes_per_block(self, block_size: int, dtype: str = "f32") -> list[int]:
-        """K and V bytes of one block of each KV group (its layers only)."""
+        """K and V bytes of one block of each KV group (its layers that store K/V only)."""
         c = self.config
         self.check_kv_dtype(dtype)
-        layer = storage_nbytes((block_size, c.num_kv_heads * c.head_dim), kv_format.tensor_dtype(dtype))
-        return [kv_tensors_per_layer(c) * len(g.layers) * layer for g in self.kv_groups()]
+        fmt, per_layer = kv_format.tensor_dtype(dtype), kv_tensors_per_layer(c)
+        return [sum(per_layer * storage_nbytes((block_size, c.kv_heads_of(i) * c.head_dim_of(i)), fmt)
+                    for i in self.cached_layers(g)) for g in self.kv_groups()]
 
     def kv_positions(self, num_blocks: int | Sequence[int], block_size: int, max_len: int | None = None) -> int:
         """Positions a sequence can reach in a cache of these pools (the RoPE tables' length).
@@ -222,9 +229,9 @@ class CausalLM(ABC):
 
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
                           max_len: int | None = None, state_slots: int = 1) -> KVCache:
-        """K and V tensors of every attention layer, `num_blocks` per KV group (one int: the same
-        for all), `dtype` a --kv-cache-dtype (vkrt.core.kv_format); and every recurrent layer's
-        state in `state_slots` slots (one per sequence that can run at once)."""
+        """K and V tensors of every attention layer that stores its own, `num_blocks` per KV group
+        (one int: the same for all), `dtype` a --kv-cache-dtype (vkrt.core.kv_format); and every
+        recurrent layer's state in `state_slots` slots (one per sequence that can run at once)."""
         c = self.config
         self.check_kv_dtype(dtype)
         groups = self.kv_groups()
@@ -233,7 +240,8 @@ class CausalLM(ABC):
         for g, group in enumerate(groups):
             for i in group.layers:
                 layer_group[i] = g
-        shapes = {i: (counts[g], block_size, c.num_kv_heads * c.head_dim) for i, g in enumerate(layer_group) if g >= 0}
+        shapes = {i: (counts[g], block_size, c.kv_heads_of(i) * c.head_dim_of(i))
+                  for i, g in enumerate(layer_group) if g >= 0 and c.kv_layer_of(i) == i}
         tensor_dtype = kv_format.tensor_dtype(dtype)
         per_layer = kv_tensors_per_layer(c)
         self.backend.reserve("kv", per_layer * sum(self.backend.tensor_nbytes(shape, tensor_dtype)

@@ -8,7 +8,9 @@ experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, sof
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
 Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
 Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss (attention sinks, biased experts,
-the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention) differ only in ModelConfig
+the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention) and Gemma 4
+(per-layer embeddings, per-layer head shapes, K/V shared across layers, the dense MLP beside the
+experts) differ only in ModelConfig
 (vkrt/loader/normalize.py builds it): the traits are read from there, never from a family name.
 Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
@@ -36,6 +38,9 @@ from vkrt.models.weights import (
     Linear,
     Mamba2,
     Mlp,
+    MlpAndExperts,
+    PerLayerEmbedding,
+    PerLayerInput,
     ShortConv,
     build_weights,
 )
@@ -71,7 +76,6 @@ class DecoderModel(CausalLM):
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
         self._head_ids: dict[int, Tensor] = {}  # tokens -> MLA's per-head ids
-        self.scale = c.query_scale or 1.0 / float(np.sqrt(c.head_dim))
 
     def upload_f32(self, values: np.ndarray) -> Tensor:
         return self.backend.upload(np.ascontiguousarray(values, dtype=np.float32), "f32", purpose="weights")
@@ -111,6 +115,7 @@ class DecoderModel(CausalLM):
         head_ids = self.head_ids(step.token_ids.shape[0]) if c.kv_lora_rank else None  # MLA's per-head matmuls
         if c.embedding_scale != 1.0:
             h = ops.scale(h, c.embedding_scale)
+        per_layer = None if w.per_layer is None else self.per_layer_inputs(w.per_layer, h, step)
         for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
             mixer = layer.mixer
             if isinstance(mixer, Attention):
@@ -129,6 +134,10 @@ class DecoderModel(CausalLM):
                 h = self.residual(self.latent_attention(mixer, x, step, kv, i, head_ids), h)
             if layer.mlp is not None:
                 h = self.feed_forward(layer, layer.mlp, h)
+            if layer.per_layer is not None and per_layer is not None:
+                h = self.per_layer_branch(layer.per_layer, h, per_layer, i)
+            if layer.scalar != 1.0:
+                h = ops.scale(h, layer.scalar)
         return h
 
     def head(self, h: Tensor, logits_index: Tensor) -> Tensor:
@@ -140,6 +149,21 @@ class DecoderModel(CausalLM):
         if c.logit_scale != 1.0:
             logits = ops.scale(logits, c.logit_scale)
         return ops.softcap(logits, c.final_softcap) if c.final_softcap else logits
+
+    def per_layer_inputs(self, ple: PerLayerEmbedding, x: Tensor, step: StepTensors) -> Tensor:
+        """Gemma 4's [T, layers * width]: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(width)) / sqrt(2),
+        normed per layer's slice; layer i takes columns i * width .. (i + 1) * width - 1."""
+        c = self.config
+        t, width = x.shape[0], c.per_layer_input_size
+        table = ops.scale(ops.embedding(ple.table, step.token_ids), float(np.sqrt(width)))
+        proj = ops.scale(linear(x, ple.model_proj), c.hidden_size ** -0.5)
+        normed = ops.rms_norm(ops.reshape(proj, (t * c.num_layers, width)), ple.model_norm, c.rms_norm_eps)
+        return ops.scale(ops.add(ops.reshape(normed, (t, c.num_layers * width)), table), 0.5 ** 0.5)
+
+    def per_layer_branch(self, branch: PerLayerInput, h: Tensor, inputs: Tensor, i: int) -> Tensor:
+        """h + norm(proj(gelu(gate(h)) * layer i's per-layer input)) (Gemma 4)."""
+        gated = ops.gelu_tanh_mul_slice(linear(h, branch.gate), inputs, i * self.config.per_layer_input_size)
+        return ops.add(ops.rms_norm(linear(gated, branch.proj), branch.norm, self.config.rms_norm_eps), h)
 
     def attention(self, layer: Layer, attn: Attention, h: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         c = self.config
@@ -163,13 +187,14 @@ class DecoderModel(CausalLM):
         if self._query_temperature is not None:  # after RoPE, as transformers scales them
             q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
+        cached = c.kv_layer_of(i)  # i, or the earlier layer whose K/V it shares (Gemma 4)
+        scale, kv_heads = c.query_scale or 1.0 / float(np.sqrt(c.head_dim_of(i))), c.kv_heads_of(i)
         if attn.sinks is None:
-            a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
-                                    c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
-                                    softcap=c.attn_softcap)
+            a = ops.paged_attention(q, kv.keys[cached], kv.values[cached], tables, step.seq_index, step.positions,
+                                    c.num_heads, kv_heads, scale, window=c.layer(i).window, softcap=c.attn_softcap)
         else:  # gpt-oss: a learned logit per head in every softmax's denominator
-            a = ops.paged_attention_sinks(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
-                                          attn.sinks, c.num_heads, c.num_kv_heads, self.scale,
+            a = ops.paged_attention_sinks(q, kv.keys[cached], kv.values[cached], tables, step.seq_index,
+                                          step.positions, attn.sinks, c.num_heads, kv_heads, scale,
                                           window=c.layer(i).window, softcap=c.attn_softcap)
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
@@ -193,7 +218,7 @@ class DecoderModel(CausalLM):
         query = ops.reshape(ops.moe_matmul(q, attn.q_absorb, ids), (t, heads * width))
         query = ops.rope(query, step.positions, cos_sin, width, interleaved=pairs)
         a = ops.paged_attention(query, cache, cache, step.block_tables_of(kv.group_of(i)), step.seq_index,
-                                step.positions, heads, 1, self.scale)
+                                step.positions, heads, 1, c.query_scale)
         out = ops.moe_matmul(ops.reshape(a, (t, heads, width)), attn.v_up, ids)
         return linear(ops.reshape(out, (t, heads * c.v_head_dim)), attn.o)
 
@@ -261,10 +286,13 @@ class DecoderModel(CausalLM):
         """The sublayer's input norm; None: it has none (OLMo 2's attention layers norm outputs only)."""
         return h if weight is None else ops.rms_norm(h, weight, self.config.rms_norm_eps)
 
-    def feed_forward(self, layer: Layer, mlp: Mlp | Experts, h: Tensor) -> Tensor:
+    def feed_forward(self, layer: Layer, mlp: Mlp | Experts | MlpAndExperts, h: Tensor) -> Tensor:
         c = self.config
         x = self.pre_norm(h, layer.ffn_norm)
-        out = self.sparse_mlp(mlp, x) if isinstance(mlp, Experts) else self.mlp(mlp, x)
+        if isinstance(mlp, MlpAndExperts):
+            out = self.mlp_and_experts(mlp, x, h)
+        else:
+            out = self.sparse_mlp(mlp, x) if isinstance(mlp, Experts) else self.mlp(mlp, x)
         if layer.post_ffn_norm is not None:
             out = ops.rms_norm(out, layer.post_ffn_norm, c.rms_norm_eps)
         return self.residual(out, h)
@@ -274,17 +302,29 @@ class DecoderModel(CausalLM):
         (relu2), down(act(up(x)))."""
         return linear(self.activation(linear(x, mlp.gate_up)), mlp.down)
 
-    def sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:
+    def mlp_and_experts(self, block: MlpAndExperts, x: Tensor, h: Tensor) -> Tensor:
+        """Gemma 4: norm(mlp(x)) + norm(experts(norm(h))), the router reading its own norm of h."""
+        eps = self.config.rms_norm_eps
+        dense = ops.rms_norm(self.mlp(block.mlp, x), block.mlp_out_norm, eps)
+        routed = self.sparse_mlp(block.experts, ops.rms_norm(h, block.experts_in_norm, eps),
+                                 router_input=ops.rms_norm(h, block.router_norm, eps))
+        return ops.add(dense, ops.rms_norm(routed, block.experts_out_norm, eps))
+
+    def sparse_mlp(self, experts: Experts, x: Tensor, router_input: Tensor | None = None) -> Tensor:
         """Mixture of experts: each token through the MLPs (gated, or relu2's ungated) of its k routed experts,
-        summed with the router's weights (routing stays on the device: vkrt.ops.moe)."""
+        summed with the router's weights (routing stays on the device: vkrt.ops.moe); the router reads
+        x unless given its own input."""
         c = self.config
-        logits = linear(x, experts.router)
+        logits = linear(x if router_input is None else router_input, experts.router)
         if experts.bias is not None:  # LFM2-MoE, Nemotron-H: sigmoid scores, chosen with the expert bias
             ids, weights = ops.moe_router_sigmoid(logits, experts.bias, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor, c.router_norm_eps, c.moe_groups,
                                                   c.moe_top_groups)
         else:
             ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        if experts.expert_scale is not None:  # Gemma 4: each chosen weight times its expert's scale
+            t, k = weights.shape
+            weights = ops.reshape(ops.moe_scale(ops.reshape(weights, (t, k, 1)), experts.expert_scale, ids), (t, k))
         gate_up = self.expert_gate_up(experts, x, ids)  # [T, k, 2F]
         if experts.gate_up_bias is not None:  # gpt-oss: each chosen expert's biases
             gate_up = ops.moe_add_bias(gate_up, experts.gate_up_bias, ids)
@@ -319,6 +359,8 @@ class DecoderModel(CausalLM):
     def query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """rope(q) of the normed input; rope(k) and v stored in layer i's cache at the step's slots."""
         c = self.config
+        if c.v_norm or c.kv_layer_of(i) != i:
+            return self.normed_query_and_cache_write(attn, x, step, kv, i)
         cos_sin = self.cos_sin(i)
         slots = step.slots_of(kv.group_of(i))
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
@@ -338,6 +380,33 @@ class DecoderModel(CausalLM):
         return ops.qkv_rope_kv_write(qkv, step.positions, cos_sin, kv.keys[i], kv.values[i], slots, *heads,
                                      interleaved=pairs)
 
+    def normed_query_and_cache_write(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache,
+                                     i: int) -> Tensor:
+        """Gemma 4: q, k and v each normed per head (v without a weight), q and k roped, k and v
+        cached, in one dispatch after the qkv matmul; a layer reading an earlier layer's cache
+        computes its query alone; a K = V layer takes v from k's projection."""
+        c = self.config
+        head_dim, cos_sin, slots = c.head_dim_of(i), self.cos_sin(i), step.slots_of(kv.group_of(i))
+        assert attn.q_norm is not None
+        if c.kv_layer_of(i) == i and not c.layer(i).k_eq_v:
+            assert attn.k_norm is not None
+            return ops.qkv_norm_rope_kv_write(linear(x, attn.qkv), attn.q_norm, attn.k_norm, step.positions, cos_sin,
+                                              kv.keys[i], kv.values[i], slots, c.rms_norm_eps, c.num_heads,
+                                              c.kv_heads_of(i), head_dim, v_norm=True)
+        parts = linear_parts(x, attn.qkv)
+        q = ops.rope(self.head_norm(parts[0], attn.q_norm, head_dim), step.positions, cos_sin, head_dim)
+        if c.kv_layer_of(i) == i:  # K = V: parts [q, k]
+            assert attn.k_norm is not None and attn.v_norm is not None
+            k = ops.rope(self.head_norm(parts[1], attn.k_norm, head_dim), step.positions, cos_sin, head_dim)
+            ops.kv_write(kv.keys[i], kv.values[i], k, self.head_norm(parts[1], attn.v_norm, head_dim), slots)
+        return q
+
+    def head_norm(self, x: Tensor, weight: Tensor, head_dim: int) -> Tensor:
+        """RMSNorm of each head of x [T, heads * head_dim] (a view of its rows as heads)."""
+        t, width = x.shape
+        return ops.reshape(ops.rms_norm(ops.reshape(x, (t * width // head_dim, head_dim)), weight,
+                                        self.config.rms_norm_eps), (t, width))
+
 
 def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | None,
                 upload: Callable[[np.ndarray], Tensor]) -> dict[int, Tensor]:
@@ -346,12 +415,12 @@ def rope_tables(config: ModelConfig, positions: int, freq_factors: np.ndarray | 
     The one place a table is sized: `positions` is what the KV cache can hold; its width is
     the rotated dims (`rotary_dim`: partial rotary rotates only the first ones of each head).
     """
-    rotated = config.rotary_dim or config.head_dim
     by_params: dict[str, Tensor] = {}
     tables: dict[int, Tensor] = {}
     for i in range(config.num_layers):
         layer = config.layer(i)
-        key = repr((layer.rope, layer.rope_theta, sorted((layer.rope_scaling or {}).items())))
+        rotated = config.rotary_dim or config.head_dim_of(i)
+        key = repr((layer.rope, layer.rope_theta, sorted((layer.rope_scaling or {}).items()), rotated))
         if key not in by_params:
             if layer.rope:
                 table = rope_table(positions, rotated, layer.rope_theta, layer.rope_scaling, freq_factors)

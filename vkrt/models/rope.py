@@ -50,8 +50,12 @@ def inv_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
     if kind == "yarn":
         assert scaling is not None
         return _yarn(inv, rot_dim, theta, scaling)
+    if kind == "proportional":  # Gemma 4: the first pairs rotate at the whole head's frequencies, the rest not at all
+        assert scaling is not None
+        rotating = int(float(scaling.get("partial_rotary_factor", 1.0)) * rot_dim // 2)
+        return np.where(np.arange(inv.size) < rotating, inv, 0.0) / float(scaling.get("factor", 1.0))
     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported yet "
-                                "(supported: default, linear, llama3, longrope, yarn)")
+                                "(supported: default, linear, llama3, longrope, yarn, proportional)")
 
 
 def _yarn(inv: np.ndarray, rot_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:

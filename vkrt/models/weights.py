@@ -47,6 +47,7 @@ class Attention:
     k_norm: Tensor | None
     gate: Linear | None = None  # the output gate's projection, [H * head_dim] (Qwen3.5)
     sinks: Tensor | None = None  # a softmax-denominator logit per head [H] (gpt-oss)
+    v_norm: Tensor | None = None  # ones [head_dim]: Gemma 4's weightless norm of v where v is k's projection
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,40 @@ class Experts:
     bias: Tensor | None = None  # a sigmoid router's per-expert bias [E] (zeros when the file has none)
     gate_up_bias: Tensor | None = None  # each expert's bias on gate|up [E, 2F] and on down [E, hidden] (gpt-oss)
     down_bias: Tensor | None = None
+    expert_scale: Tensor | None = None  # [E, 1]: each chosen weight times its expert's scale (Gemma 4)
+
+
+@dataclass(frozen=True)
+class MlpAndExperts:
+    """Gemma 4's MoE block: the dense MLP (its output normed) beside the experts, whose input and
+    output have norms of their own and whose router reads the block's input through a norm of
+    its own (weightless in the checkpoint: here router.scale / sqrt(hidden))."""
+
+    mlp: Mlp
+    mlp_out_norm: Tensor
+    experts: Experts
+    experts_in_norm: Tensor
+    experts_out_norm: Tensor
+    router_norm: Tensor
+
+
+@dataclass(frozen=True)
+class PerLayerInput:
+    """Gemma 4's branch at the end of a layer: h + norm(proj(gelu(gate(h)) * the layer's per-layer input))."""
+
+    gate: Linear
+    proj: Linear
+    norm: Tensor
+
+
+@dataclass(frozen=True)
+class PerLayerEmbedding:
+    """Gemma 4's per-layer inputs: a table [vocab, layers * width], a projection of the scaled
+    embeddings to the same width, and the norm over each layer's slice of it [width]."""
+
+    table: Tensor
+    model_proj: Linear
+    model_norm: Tensor
 
 
 @dataclass(frozen=True)
@@ -158,9 +193,11 @@ class Layer:
     attn_norm: Tensor | None
     mixer: Mixer | None
     ffn_norm: Tensor | None
-    mlp: Mlp | Experts | None
+    mlp: Mlp | Experts | MlpAndExperts | None
     post_attn_norm: Tensor | None = None
     post_ffn_norm: Tensor | None = None
+    per_layer: PerLayerInput | None = None
+    scalar: float = 1.0  # the block's output times this (Gemma 4's layer_scalar)
 
 
 @dataclass(frozen=True)
@@ -172,6 +209,7 @@ class Weights:
     final_norm: Tensor
     lm_head: Tensor
     rope_freqs: np.ndarray | None  # host f32 [head_dim / 2]: llama3 scaling baked per frequency (GGUF)
+    per_layer: PerLayerEmbedding | None = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +305,9 @@ class _Builder:
             final_norm=self.norm("final_norm"),
             lm_head=embed if c.tie_word_embeddings else self.matrix([self.raw("lm_head")]),
             rope_freqs=None if freqs is None else dequantize(freqs.data, freqs.fmt).reshape(-1),
+            per_layer=PerLayerEmbedding(self.matrix([self.raw("per_layer.embed")]),
+                                        self.linear(["per_layer.model_proj"]), self.norm("per_layer.model_norm"))
+            if c.per_layer_input_size else None,
         )
 
     def layer(self, i: int) -> Layer:
@@ -288,13 +329,18 @@ class _Builder:
             attn_norm=self.norm(p + "attn_norm"),
             mixer=self.mixer(p, kind.mixer),
             ffn_norm=self.norm(p + "ffn_norm"),
-            mlp=self.experts(p) if kind.moe else self.mlp(p),
+            mlp=(self.mlp_and_experts(p) if c.moe_beside_mlp else self.experts(p)) if kind.moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,
             post_ffn_norm=self.norm(p + "post_ffn_norm") if sandwich else None,
+            per_layer=PerLayerInput(self.linear([p + "per_layer.gate"]), self.linear([p + "per_layer.proj"]),
+                                    self.norm(p + "per_layer.norm")) if c.per_layer_input_size else None,
+            scalar=float(self.vector(p + "layer_scalar")[0]) if p + "layer_scalar" in self.stored else 1.0,
         )
 
     def attention(self, p: str) -> Attention:
         c = self.config
+        if c.v_norm:
+            return self.normed_attention(p)
         gate: WeightData | None = None  # Qwen3.5's output gate, from the rows q_proj holds beside q
         if p + "qkv_proj" in self.stored:  # a fused checkpoint (Phi-3): stacked as stored
             qkv = self.linear([p + "qkv_proj"])
@@ -313,6 +359,20 @@ class _Builder:
         return Attention(qkv, self.linear([self.scaled(p + "o_proj", c.multipliers.attention_out)], biases=o_bias),
                          q_norm, k_norm, gate=self.linear([gate]) if gate is not None else None,
                          sinks=self.f32(self.vector(p + "sinks")) if p + "sinks" in self.stored else None)
+
+    def normed_attention(self, p: str) -> Attention:
+        """Gemma 4 (q, k and v each normed per head): q|k|v stacked; k and v absent where the layer
+        reads an earlier layer's cache; q and k apart where v is k's projection (K = V), whose norm
+        without a weight is a vector of ones."""
+        c = self.config
+        i = int(p.split(".")[1])
+        own, k_eq_v = c.kv_layer_of(i) == i, c.layer(i).k_eq_v
+        parts = [p + "q_proj"]
+        if own:
+            parts += [p + "k_proj"] if k_eq_v else [p + "k_proj", p + "v_proj"]
+        return Attention(self.linear(parts, apart=k_eq_v), self.linear([p + "o_proj"]), self.norm(p + "q_norm"),
+                         self.norm(p + "k_norm") if own else None,
+                         v_norm=self.f32(np.ones(c.head_dim_of(i), np.float32)) if own and k_eq_v else None)
 
     def mixer(self, p: str, kind: str) -> Mixer:
         if kind == "short_conv":
@@ -445,11 +505,13 @@ class _Builder:
                    and p + "shared_expert.up_proj" not in self.stored)
             shared = self.mlp(p) if own else self.mlp(p + "shared_expert.")
             shared_gate = self.linear([p + "shared_expert_gate"]) if c.shared_expert_gated else None
-        if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4)
+        if p + "experts.gate_up_proj" in self.stored:  # stored as one [E, 2F, K] stack (Granite 4, Gemma 4)
             down = self.expert_stack(p, "down_proj")
+            scale = self.vector(p + "router.expert_scale").reshape(-1, 1) if c.moe_beside_mlp else None
             return Experts(router=self.linear([p + "router"]),
                            gate_up=(self.experts_weight(p + "experts.gate_up_proj", self.expert_stack(p, "gate_up_proj")),),
-                           down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate)
+                           down=self.experts_weight(p + "experts.down_proj", down), shared=shared, shared_gate=shared_gate,
+                           expert_scale=None if scale is None else self.f32(scale))
         bias = None
         if self.config.moe_router == "sigmoid":
             values = self.vector(p + "expert_bias") if self.config.expert_bias else None
@@ -501,6 +563,12 @@ class _Builder:
         shape = (sum(w.shape[0] for w in parts), *first.shape[1:])
         return self.upload(HostWeight(first.fmt, shape, (tuple(w.block() for w in parts),)),
                            "+".join(w.name for w in parts), parts)
+
+    def mlp_and_experts(self, p: str) -> MlpAndExperts:
+        c = self.config
+        router_scale = self.vector(p + "router.scale") * np.float32(c.hidden_size ** -0.5)
+        return MlpAndExperts(self.mlp(p), self.norm(p + "post_ffn_norm_1"), self.experts(p), self.norm(p + "ffn_norm_2"),
+                             self.norm(p + "post_ffn_norm_2"), self.f32(router_scale))
 
     def expert_stack(self, p: str, projection: str) -> _ExpertStack:
         """One projection of layer p's experts: from llama.cpp's stacked [E, out, in] tensor or

@@ -105,6 +105,11 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return dispatch("gelu_tanh_and_mul", x)
 
 
+def gelu_tanh_mul_slice(gate: Tensor, x: Tensor, start: int) -> Tensor:
+    """gelu_tanh(gate) * x[:, start:start + F] for gate [T, F], in one dispatch."""
+    return dispatch("gelu_tanh_mul_slice", gate, x, start=int(start))
+
+
 def rope(x: Tensor, positions: Tensor, cos_sin: Tensor, head_dim: int,
          interleaved: bool = False) -> Tensor:
     return dispatch("rope", x, positions, cos_sin, head_dim=int(head_dim), interleaved=bool(interleaved))
@@ -141,11 +146,12 @@ def rms_norm_qkv_rope_kv_write(x: Tensor, g: Tensor, w: Tensor, positions: Tenso
 
 def qkv_norm_rope_kv_write(qkv: Tensor, q_norm: Tensor, k_norm: Tensor, positions: Tensor, cos_sin: Tensor,
                            k_cache: Tensor, v_cache: Tensor, slots: Tensor, eps: float, num_heads: int,
-                           num_kv_heads: int, head_dim: int, interleaved: bool = False) -> Tensor:
-    """qkv_rope_kv_write after a per-head RMSNorm of q (weights q_norm [head_dim]) and k (k_norm)."""
+                           num_kv_heads: int, head_dim: int, interleaved: bool = False, v_norm: bool = False) -> Tensor:
+    """qkv_rope_kv_write after a per-head RMSNorm of q (weights q_norm [head_dim]) and k (k_norm),
+    and with `v_norm` of v (no weight)."""
     return dispatch("qkv_norm_rope_kv_write", qkv, q_norm, k_norm, positions, cos_sin, k_cache, v_cache,
                     slots, eps=float(eps), num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-                    head_dim=int(head_dim), interleaved=bool(interleaved))
+                    head_dim=int(head_dim), interleaved=bool(interleaved), v_norm=bool(v_norm))
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
@@ -227,6 +233,11 @@ def moe_add_bias(y: Tensor, bias: Tensor, ids: Tensor) -> Tensor:
     return dispatch("moe_add_bias", y, bias, ids)
 
 
+def moe_scale(y: Tensor, scale: Tensor, ids: Tensor) -> Tensor:
+    """[T, k, N]: y times the scale [E, N] of the expert each row went through (ids [T, k])."""
+    return dispatch("moe_scale", y, scale, ids)
+
+
 def moe_combine(y: Tensor, weights: Tensor) -> Tensor:
     """[T, N]: the k expert outputs y [T, k, N] summed with their router weights [T, k]."""
     return dispatch("moe_combine", y, weights)
@@ -288,9 +299,9 @@ def op_names() -> list[str]:
 
 __all__ = [
     "OPS", "OpDef", "OpError", "Tensor", "TensorSpec", "add", "cast", "causal_conv1d", "clamped_swiglu", "concat_columns", "copy", "copy_state_slots",
-    "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "kv_write", "layer_norm", "matmul",
+    "dispatch", "embedding", "gated_delta_net", "gated_rms_norm", "gather_rows", "gelu_tanh_and_mul", "gelu_tanh_mul_slice", "kv_write", "layer_norm", "matmul",
     "matmul_add", "matmul_gelu_tanh_and_mul", "matmul_silu_and_mul", "moe_add_bias", "moe_combine", "moe_combine_shared",
-    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
+    "moe_matmul", "moe_matmul_gated", "moe_router", "moe_router_sigmoid", "moe_scale", "op_names", "paged_attention", "paged_attention_sinks", "qkv_norm_rope_kv_write",
     "qkv_rope_kv_write", "reshape", "rms_norm", "rms_norm_add", "rms_norm_matmul", "rms_norm_matmul_add",
     "relu_squared", "rms_norm_qkv_rope_kv_write", "rope", "rope_cos_sin", "sample_top_k", "scale", "short_conv", "sigmoid_mul", "ssm_scan", "silu_and_mul",
     "softcap",

@@ -254,8 +254,8 @@ def qkv_rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos_sin: np.ndarra
 def _qkv_norm_rope_kv_write_infer(qkv: TensorSpec, q_norm: TensorSpec, k_norm: TensorSpec,
                                   positions: TensorSpec, cos_sin: TensorSpec, k_cache: TensorSpec,
                                   v_cache: TensorSpec, slots: TensorSpec, eps: float, num_heads: int,
-                                  num_kv_heads: int, head_dim: int,
-                                  interleaved: bool = False) -> tuple[TensorSpec, ...]:
+                                  num_kv_heads: int, head_dim: int, interleaved: bool = False,
+                                  v_norm: bool = False) -> tuple[TensorSpec, ...]:
     out = _qkv_rope_kv_write_infer(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads,
                                    num_kv_heads, head_dim, interleaved)
     specs = (qkv, q_norm, k_norm)
@@ -268,13 +268,17 @@ def _qkv_norm_rope_kv_write_infer(qkv: TensorSpec, q_norm: TensorSpec, k_norm: T
 def qkv_norm_rope_kv_write(qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, positions: np.ndarray,
                            cos_sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
                            eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                           interleaved: bool = False) -> np.ndarray:
-    """qkv_rope_kv_write after a per-head RMSNorm of q and k (QK-norm: Qwen3, Gemma 3)."""
+                           interleaved: bool = False, v_norm: bool = False) -> np.ndarray:
+    """qkv_rope_kv_write after a per-head RMSNorm of q and k (QK-norm: Qwen3, Gemma 3); with
+    `v_norm`, of each v head too, without a weight (Gemma 4)."""
     t = qkv.shape[0]
     q_width, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     q = rms_norm(qkv[:, :q_width].reshape(-1, head_dim), q_norm, eps).reshape(t, q_width)
     k = rms_norm(qkv[:, q_width : q_width + kv_dim].reshape(-1, head_dim), k_norm, eps).reshape(t, kv_dim)
-    normed = np.concatenate([q, k, qkv[:, q_width + kv_dim :]], axis=1)
+    v = qkv[:, q_width + kv_dim :]
+    if v_norm:
+        v = rms_norm(v.reshape(-1, head_dim), np.ones(head_dim, np.float32), eps).reshape(t, kv_dim)
+    normed = np.concatenate([q, k, v], axis=1)
     return qkv_rope_kv_write(normed, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads,
                              head_dim, interleaved)
 

@@ -129,6 +129,22 @@ def concat_columns(*parts: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
+def _gelu_slice_infer(gate: TensorSpec, x: TensorSpec, start: int) -> tuple[TensorSpec, ...]:
+    specs = (gate, x)
+    require(gate.dtype == x.dtype == "f32" and len(gate.shape) == len(x.shape) == 2 and gate.shape[0] == x.shape[0],
+            "gelu_tanh_mul_slice", specs, "gate and x must be f32 [T, F] and [T, N]")
+    require(0 <= start and start + gate.shape[1] <= x.shape[1], "gelu_tanh_mul_slice", specs,
+            f"columns {start} .. {start + gate.shape[1] - 1} must lie within the {x.shape[1]} of x")
+    return (gate,)
+
+
+@register_op("gelu_tanh_mul_slice", _gelu_slice_infer)
+def gelu_tanh_mul_slice(gate: np.ndarray, x: np.ndarray, start: int) -> np.ndarray:
+    """gelu_tanh_and_mul([gate | x[:, start:start + F]]): Gemma 4's per-layer gate, which multiplies
+    by the layer's slice of the per-layer inputs without copying it out."""
+    return gelu_tanh_and_mul(np.concatenate([gate, x[:, start:start + gate.shape[1]]], axis=1))
+
+
 def _cast_infer(x: TensorSpec, dtype: str) -> tuple[TensorSpec, ...]:
     require(x.dtype in CAST_DTYPES, "cast", (x,), f"input dtype must be one of {CAST_DTYPES}")
     require(dtype in CAST_DTYPES, "cast", (x,), f"target dtype must be one of {CAST_DTYPES}, not {dtype!r}")

@@ -167,19 +167,29 @@ def moe_matmul_gated(x: np.ndarray, w: np.ndarray, ids: np.ndarray, activation: 
     return GATED_ACTIVATIONS[activation](moe_matmul(x, w, ids))
 
 
-def _bias_infer(y: TensorSpec, bias: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
-    specs = (y, bias, ids)
-    require(y.dtype == "f32" and len(y.shape) == 3, "moe_add_bias", specs, "y must be f32 [T, k, N]")
-    require(ids.dtype == "i32" and ids.shape == y.shape[:2], "moe_add_bias", specs, f"ids must be i32 {list(y.shape[:2])}")
-    require(bias.dtype == "f32" and len(bias.shape) == 2 and bias.shape[1] == y.shape[2], "moe_add_bias", specs,
-            f"the expert biases must be f32 [E, {y.shape[2]}]")
-    return (y,)
+def _per_expert_infer(name: str):
+    def infer(y: TensorSpec, bias: TensorSpec, ids: TensorSpec) -> tuple[TensorSpec, ...]:
+        specs = (y, bias, ids)
+        require(y.dtype == "f32" and len(y.shape) == 3, name, specs, "y must be f32 [T, k, N]")
+        require(ids.dtype == "i32" and ids.shape == y.shape[:2], name, specs, f"ids must be i32 {list(y.shape[:2])}")
+        require(bias.dtype == "f32" and len(bias.shape) == 2 and bias.shape[1] == y.shape[2], name, specs,
+                f"the experts' values must be f32 [E, {y.shape[2]}]")
+        return (y,)
+
+    return infer
 
 
-@register_op("moe_add_bias", _bias_infer)
+
+@register_op("moe_add_bias", _per_expert_infer("moe_add_bias"))
 def moe_add_bias(y: np.ndarray, bias: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """y[t, j] + bias[ids[t, j]]: each chosen expert's own bias on its output row (gpt-oss)."""
     return (y + bias[ids]).astype(np.float32)
+
+
+@register_op("moe_scale", _per_expert_infer("moe_scale"))
+def moe_scale(y: np.ndarray, scale: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """y[t, j] * scale[ids[t, j]]: Gemma 4's per-expert scale of the chosen weights (y [T, k, 1])."""
+    return (y * scale[ids]).astype(np.float32)
 
 
 def _combine_infer(y: TensorSpec, weights: TensorSpec) -> tuple[TensorSpec, ...]:

@@ -1,5 +1,5 @@
 """add, sigmoid_mul, scale, softcap, relu_squared, silu_and_mul, gelu_tanh_and_mul, clamped_swiglu,
-gather_rows: shaders/elementwise.comp."""
+gather_rows, gelu_tanh_mul_slice: shaders/elementwise.comp."""
 
 from __future__ import annotations
 
@@ -78,8 +78,19 @@ def _gather(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str
     return (y,)
 
 
+def _gelu_mul_slice(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+                    out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    gate, x = inputs
+    y = backend.empty(out[0].shape, "f32")
+    backend.run_shader(module(backend, "elementwise", "gelu_mul_slice"),
+                       [(gate, "f32", False), (x, "f32", False), (y, "f32", True)], grid_1d(y.numel),
+                       ("<IIII", (y.numel, gate.shape[1], params["start"], x.shape[1])), local_size())
+    return (y,)
+
+
 def register(backend: KernelBackend) -> None:
     backend.register_kernel(Kernel("gather_rows", "elementwise.gather", _gather))
+    backend.register_kernel(Kernel("gelu_tanh_mul_slice", "elementwise.gelu_mul_slice", _gelu_mul_slice))
     backend.register_kernel(Kernel("add", "elementwise.add", _binary("add")))
     backend.register_kernel(Kernel("sigmoid_mul", "elementwise.sigmoid_mul", _binary("sigmoid_mul")))
     backend.register_kernel(Kernel("scale", "elementwise.scale", _unary("scale", "factor")))

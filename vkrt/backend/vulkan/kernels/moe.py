@@ -1,4 +1,4 @@
-"""Mixture-of-experts kernels: moe_router, moe_router_sigmoid, moe_combine and moe_add_bias (shaders/moe.comp), moe_matmul and
+"""Mixture-of-experts kernels: moe_router, moe_router_sigmoid, moe_combine, moe_add_bias and moe_scale (shaders/moe.comp), moe_matmul and
 moe_matmul_gated (shaders/matmul_id.comp, the id-indexed expert matmul; gated: spec constant
 GATES = 2, each expert's gate and up rows reduced together and act(g) * u written, as
 matmul_vec's gated mode does for a dense MLP).
@@ -181,16 +181,20 @@ def _run_combine(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dic
     return (mixed,)
 
 
-def _run_bias(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
-              out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    y, bias, ids = inputs
-    tokens, top_k, n = y.shape
-    biased = backend.empty(out[0].shape, "f32")
-    if biased.numel:
-        backend.run_shader(module(backend, "moe", "bias"),
-                           [(y, "f32", False), (bias, "f32", False), (ids, "i32", False), (biased, "f32", True)],
-                           grid_1d(biased.numel), ("<2I", (tokens * top_k, n)), local_size())
-    return (biased,)
+def _per_expert(variant: str):
+    """moe_add_bias (variant bias) or moe_scale (scale): y [T, k, N] with each row's expert's own [N]."""
+    def run(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
+            out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+        y, bias, ids = inputs
+        tokens, top_k, n = y.shape
+        biased = backend.empty(out[0].shape, "f32")
+        if biased.numel:
+            backend.run_shader(module(backend, "moe", variant),
+                               [(y, "f32", False), (bias, "f32", False), (ids, "i32", False), (biased, "f32", True)],
+                               grid_1d(biased.numel), ("<2I", (tokens * top_k, n)), local_size())
+        return (biased,)
+
+    return run
 
 
 def register(backend: KernelBackend) -> None:
@@ -201,4 +205,5 @@ def register(backend: KernelBackend) -> None:
                                    supports=_matmul_supports))
     backend.register_kernel(Kernel("moe_combine", "moe.combine", _run_combine))
     backend.register_kernel(Kernel("moe_combine_shared", "moe.combine_shared", _run_combine))
-    backend.register_kernel(Kernel("moe_add_bias", "moe.bias", _run_bias))
+    backend.register_kernel(Kernel("moe_add_bias", "moe.bias", _per_expert("bias")))
+    backend.register_kernel(Kernel("moe_scale", "moe.scale", _per_expert("scale")))

@@ -5,7 +5,8 @@ f16: a u32 word, two halves of each; q8_0: a 32-value block of each). Even head_
 words; other shapes run the reference (rope + kv_write composition).
 
 qkv_norm_rope_kv_write (QK-norm) is the same shader's NORM=qk variant: one workgroup per
-(token, head) whose lanes first reduce the head's sum of squares as norm.comp reduces a row.
+(token, head) whose lanes first reduce the head's sum of squares as norm.comp reduces a row
+(v heads too with `v_norm`: specialisation constant 1).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _qkv_norm_rope_kv_write(backend: KernelBackend, inputs: tuple[Tensor, ...], 
                        [(qkv, "f32", False), (positions, "i32", False), (cos_sin, "f32", False),
                         (k_cache, kind, True), (v_cache, kind, True), (slots, "i32", False),
                         (q, "f32", True), (q_norm, "f32", False), (k_norm, "f32", False)],
-                       grid_1d(tokens * heads, 1), ("<8If", push), {0: row_workgroup(backend.caps)})
+                       grid_1d(tokens * heads, 1), ("<8If", push),
+                       {0: row_workgroup(backend.caps), 1: int(params.get("v_norm", False))})
     return (q,)
 
 
