@@ -28,7 +28,7 @@ from vkrt.models import build_model
 from vkrt.models.base import CausalLM
 
 # bit-exact across splits of a prompt into steps: the recurrent delta-net kernel (conftest.py)
-pytestmark = pytest.mark.usefixtures("recurrent_delta_net")
+pytestmark = pytest.mark.usefixtures("recurrent_prefill")
 
 MAX_LEN = 64
 BLOCK = 16
