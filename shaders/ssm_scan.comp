@@ -7,7 +7,8 @@
 // walks the step's tokens: dt = clamp(softplus(dt + dt_bias), dt_min, dt_max), the row decays by
 // exp(dt * A) and takes dt * x[p] * B, and y[t, h, p] = row . C + D * x[p]; then it stores the
 // row back into the sequence's slot (zeros at position 0). Every N loop is unrolled, so only the
-// token loop counts against gallivm's loop budget.
+// token loop counts against gallivm's loop budget. Sequences of at least `chunked_from` tokens are
+// the chunked kernels' (ssm_scan_prep.comp, ssm_scan_chunk.comp) and are skipped (0: none is).
 #include "access.glsl"
 DECLARE_LOCAL_SIZE;
 layout(constant_id = 1) const uint N = 128;  // state size, at most 256
@@ -24,7 +25,9 @@ IN_I32(8, state_slots);  // [S]
 OUT_F32(9, y);           // [T, H * P]
 IN_F32(10, state_in);    // the state again, read through the fast read path (texel on CPU devices)
 
-layout(push_constant) uniform Push { uint seqs; uint heads; uint head_dim; uint groups; float dt_min; float dt_max; } pc;
+layout(push_constant) uniform Push {
+    uint seqs; uint heads; uint head_dim; uint groups; float dt_min; float dt_max; uint chunked_from;
+} pc;
 
 void main() {
     uint i = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -32,7 +35,7 @@ void main() {
     if (i >= pc.seqs * per_seq) return;
     uint s = i / per_seq, h = (i % per_seq) / pc.head_dim, p = i % pc.head_dim;
     int t0 = LD_I32(seq_start, s), t1 = LD_I32(seq_start, s + 1u);
-    if (t1 <= t0) return;
+    if (t1 <= t0 || (pc.chunked_from != 0u && uint(t1 - t0) >= pc.chunked_from)) return;
     uint inner = pc.heads * pc.head_dim;
     uint width = inner + 2u * pc.groups * N;
     uint g = h / (pc.heads / pc.groups);

@@ -1,4 +1,4 @@
-"""Write a synthetic hybrid / dense benchmark pair as Hugging Face directories (random f16 weights).
+"""Write synthetic hybrid / dense benchmark models as Hugging Face directories (random f16 weights).
 
     python tools/make_hybrid_bench.py --out build/hybrid_bench [--layers 12] [--hidden 1024]
 
@@ -6,9 +6,12 @@ hybrid/ is a Qwen3.5 (`Qwen3_5ForCausalLM`): gated delta nets in three of every 
 heads of 128, 16 value heads of 128, conv kernel 4), gated attention with partial rotary in the
 fourth (8 query heads of 128, 2 KV heads), a SwiGLU MLP of 3 x hidden. dense/ is a Qwen3
 (`Qwen3ForCausalLM`) of the same hidden size and attention shape in every layer, its MLP widened
-so that both hold the same weight bytes (printed). The weights are random (normal, std 0.02; norms
-at 1), so the text is noise; the pair exists to time a hybrid's decode step and prefill against
-a dense model's with `vkrt bench --model DIR`. No tokenizer: vkrt's bench feeds token ids.
+so that both hold the same weight bytes (printed). mamba2/ is a Granite 4 hybrid
+(`GraniteMoeHybridForCausalLM`, no experts): Mamba2 in three of every four layers (2 x hidden
+inner channels in heads of 64, one group, state size 128, conv kernel 4, as Granite 4.0-H's),
+attention of the same shape in the fourth, a SwiGLU MLP of 3 x hidden. The weights are random (normal, std 0.02; norms
+at 1), so the text is noise; they exist to time a hybrid's decode step and prefill against a
+dense model's, and each recurrent mixer's prefill kernels, with `vkrt bench --model DIR`. No tokenizer: vkrt's bench feeds token ids.
 Needs only numpy and safetensors (the runtime's own dependencies).
 """
 
@@ -23,6 +26,7 @@ from safetensors.numpy import save_file
 
 VOCAB, HEADS, KV_HEADS, HEAD_DIM = 8192, 8, 2, 128
 K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 8, 16, 128, 128, 4
+MAMBA_HEAD_DIM, MAMBA_STATE = 64, 128
 
 
 def _common(hidden: int, layers: int, ffn: int) -> dict:
@@ -52,6 +56,23 @@ def _delta_net(rng: np.random.Generator, p: str, hidden: int) -> dict[str, np.nd
             p + "linear_attn.dt_bias": np.ones(V_HEADS, np.float16),
             p + "linear_attn.norm.weight": np.ones(V_DIM, np.float16),
             p + "linear_attn.out_proj.weight": _w(rng, hidden, V_HEADS * V_DIM)}
+
+
+def _mamba2(rng: np.random.Generator, p: str, hidden: int) -> dict[str, np.ndarray]:
+    inner = 2 * hidden
+    heads, channels = inner // MAMBA_HEAD_DIM, inner + 2 * MAMBA_STATE
+    return {p + "mamba.in_proj.weight": _w(rng, inner + channels + heads, hidden),
+            p + "mamba.conv1d.weight": _w(rng, channels, 1, CONV), p + "mamba.conv1d.bias": np.zeros(channels, np.float16),
+            p + "mamba.A_log": np.log(rng.uniform(1, 16, heads)).astype(np.float16),
+            p + "mamba.D": np.ones(heads, np.float16), p + "mamba.dt_bias": np.ones(heads, np.float16),
+            p + "mamba.norm.weight": np.ones(inner, np.float16),
+            p + "mamba.out_proj.weight": _w(rng, hidden, inner)}
+
+
+def _granite_mlp(rng: np.random.Generator, p: str, hidden: int, ffn: int) -> dict[str, np.ndarray]:
+    return {p + "shared_mlp.input_linear.weight": _w(rng, 2 * ffn, hidden),
+            p + "shared_mlp.output_linear.weight": _w(rng, hidden, ffn),
+            p + "input_layernorm.weight": _norm(hidden, False), p + "post_attention_layernorm.weight": _norm(hidden, False)}
 
 
 def _mlp(rng: np.random.Generator, p: str, hidden: int, ffn: int, offset: bool) -> dict[str, np.ndarray]:
@@ -107,9 +128,28 @@ def main() -> None:
     dense_config = {**_common(hidden, layers, dense_ffn), "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                     "hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     dense_bytes = _write(args.out / "dense", dense_config, dense)
+    mamba = {"model.embed_tokens.weight": _w(rng, VOCAB, hidden), "model.norm.weight": _norm(hidden, False)}
+    for i, kind in enumerate(kinds):
+        p = f"model.layers.{i}."
+        if kind == "full_attention":  # Granite's attention has no q / k norms
+            mamba |= {k: w for k, w in _attention(rng, p, hidden, False).items() if not k.endswith("_norm.weight")}
+        else:
+            mamba |= _mamba2(rng, p, hidden)
+        mamba |= _granite_mlp(rng, p, hidden, ffn)
+    mamba_config = {**_common(hidden, layers, ffn), "architectures": ["GraniteMoeHybridForCausalLM"],
+                    "model_type": "granitemoehybrid", "layer_types": kinds, "hidden_act": "silu",
+                    "shared_intermediate_size": ffn, "num_local_experts": 0, "num_experts_per_tok": 0,
+                    "mamba_n_heads": 2 * hidden // MAMBA_HEAD_DIM, "mamba_d_head": MAMBA_HEAD_DIM,
+                    "mamba_n_groups": 1, "mamba_d_state": MAMBA_STATE, "mamba_d_conv": CONV, "mamba_expand": 2,
+                    "mamba_conv_bias": True, "mamba_proj_bias": False, "position_embedding_type": "rope",
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}, "embedding_multiplier": 1.0,
+                    "attention_multiplier": HEAD_DIM ** -0.5, "residual_multiplier": 1.0, "logits_scaling": 1.0}
+    mamba_bytes = _write(args.out / "mamba2", mamba_config, mamba)
     print(f"{args.out / 'hybrid'}: {hybrid_bytes / 2**20:.1f} MiB of weights ({layers} layers, "
           f"{kinds.count('linear_attention')} delta nets)")
     print(f"{args.out / 'dense'}: {dense_bytes / 2**20:.1f} MiB of weights (FFN {dense_ffn})")
+    print(f"{args.out / 'mamba2'}: {mamba_bytes / 2**20:.1f} MiB of weights ({layers} layers, "
+          f"{kinds.count('linear_attention')} Mamba2)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,12 @@ def delta_net_form() -> str | None:
     return value.lower() if value else None
 
 
+def mamba2_form() -> str | None:
+    """VKRT_MAMBA2: force Mamba2's scan kernel for prefill ('chunked' or 'recurrent')."""
+    value = _env("VKRT_MAMBA2")
+    return value.lower() if value else None
+
+
 def force_staging() -> bool:
     """VKRT_FORCE_STAGING=1: use device-local memory with staging copies even on unified memory."""
     return _env("VKRT_FORCE_STAGING") == "1"

@@ -26,12 +26,14 @@ def make_llm() -> Callable[..., LLM]:
 
 
 @pytest.fixture(scope="module")
-def recurrent_delta_net() -> Iterator[None]:
-    """The recurrent gated delta rule for prefill too, for a whole test module. Tests that demand
-    the same bits however a prompt is split into steps need it: the recurrent kernel does the
-    same arithmetic per token whatever the split, while the chunked form (VKRT_DELTA_NET=chunked) for
-    prefill regroups the sums by chunk (tests/ops/test_gdn_chunked.py; its engine check is
-    tests/engine/test_hybrid.py's test_chunked_delta_net_prefill_matches_recurrent)."""
+def recurrent_prefill() -> Iterator[None]:
+    """The recurrent gated delta rule and Mamba2 scan for prefill too, for a whole test module.
+    Tests that demand the same bits however a prompt is split into steps need it: the recurrent
+    kernels do the same arithmetic per token whatever the split, while the chunked forms
+    (VKRT_DELTA_NET=chunked, VKRT_MAMBA2=chunked) regroup the sums by chunk
+    (tests/ops/test_gdn_chunked.py, tests/ops/test_ssm_chunked.py; their engine check is
+    tests/engine/test_hybrid.py's test_chunked_prefill_matches_recurrent)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VKRT_DELTA_NET", "recurrent")
+        patch.setenv("VKRT_MAMBA2", "recurrent")
         yield

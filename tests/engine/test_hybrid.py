@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import FIXTURES
 from vkrt.engine import LLM, SamplingParams
 
-# bit-exact across splits of a prompt into steps: the recurrent delta-net kernel (conftest.py)
-pytestmark = pytest.mark.usefixtures("recurrent_delta_net")
+# bit-exact across splits of a prompt into steps: the recurrent delta-net and Mamba2 kernels (conftest.py)
+pytestmark = pytest.mark.usefixtures("recurrent_prefill")
 
 MAX_LEN = 64
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -78,19 +78,24 @@ def test_chunked_prefill_equals_one_prefill(fixture: str, alone: list[tuple[list
     assert_pool_full(llm)
 
 
-DELTA_NET_FIXTURES = ("tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_qwen3_next", "tiny_olmo_hybrid")
+# the environment variable that forces each chunked prefill form, and the fixtures that have its mixer
+CHUNKED_FORMS = {"VKRT_DELTA_NET": ("tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_qwen3_next", "tiny_olmo_hybrid"),
+                 "VKRT_MAMBA2": ("tiny_granite4", "tiny_nemotron_h", "tiny_granite4_moe", "tiny_nemotron_h_moe",
+                                 "tiny_falcon_h1")}
 CHUNKED_LOGPROB_TOLERANCE = 1e-4
 
 
-def test_chunked_delta_net_prefill_matches_recurrent(fixture: str, alone: list[tuple[list[int], list[float]]],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunked delta-rule prefill a GPU selects (forced here) gives the recurrent run's greedy
-    ids, and logprobs within a tolerance (the same sums regrouped by chunk, so not the same bits)."""
-    if fixture not in DELTA_NET_FIXTURES:
-        pytest.skip("no gated delta net")
-    monkeypatch.setenv("VKRT_DELTA_NET", "chunked")
+def test_chunked_prefill_matches_recurrent(fixture: str, alone: list[tuple[list[int], list[float]]],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked prefill form of the fixture's mixer (the delta rule's or Mamba2's, forced here)
+    gives transformers' greedy ids, and the recurrent run's logprobs within a tolerance (the same
+    sums regrouped by chunk, so not the same bits)."""
+    forms = [name for name, fixtures in CHUNKED_FORMS.items() if fixture in fixtures]
+    if not forms:
+        pytest.skip("no mixer with a chunked prefill form (gated delta net, Mamba2)")
+    monkeypatch.setenv(forms[0], "chunked")
     got = ids_and_logprobs(make_llm(fixture, max_num_seqs=1).generate(prompts(fixture), GREEDY))
-    assert [ids for ids, _ in got] == [ids for ids, _ in alone]
+    assert [ids for ids, _ in got] == [c["greedy_ids"] for c in cases(fixture)]
     diffs = [abs(a - b) for (_, lps), (_, want) in zip(got, alone, strict=True) for a, b in zip(lps, want, strict=True)]
     assert 0 < max(diffs) <= CHUNKED_LOGPROB_TOLERANCE  # 0 would mean the chunked kernels never ran
 

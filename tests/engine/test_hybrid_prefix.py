@@ -27,8 +27,8 @@ from vkrt.loader import load_model
 from vkrt.models import build_model
 from vkrt.models.base import CausalLM
 
-# bit-exact across splits of a prompt into steps: the recurrent delta-net kernel (conftest.py)
-pytestmark = pytest.mark.usefixtures("recurrent_delta_net")
+# bit-exact across splits of a prompt into steps: the recurrent delta-net and Mamba2 kernels (conftest.py)
+pytestmark = pytest.mark.usefixtures("recurrent_prefill")
 
 MAX_LEN = 64
 BLOCK = 16

@@ -23,7 +23,6 @@ Not verified here: the kernels on a GPU (none was available), nor their speed th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +31,7 @@ import pytest
 
 import vkrt.ops as ops
 from tests.conftest import nmse
+from tests.ops.conftest import Shaders
 from tests.ops.test_recurrent import GDN_CASES, GDN_NMSE, gdn_inputs, run_gdn, step_inputs
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels import recurrent as native
@@ -79,32 +79,9 @@ def test_chunked_reference_equals_recurrent(rng: np.random.Generator, heads: tup
     np.testing.assert_array_equal(got_state[3], state[3])  # the padding sequence's slot
 
 
-class Shaders:
-    """The shader families dispatched since the last clear(), with their spec constants."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[int, int]]] = []
-
-    def families(self) -> list[str]:
-        return [name.rsplit(".", 1)[0] for name, _ in self.seen]
-
-
-@pytest.fixture
-def shaders(vk: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[Shaders]:
-    seen = Shaders()
-    run_shader = vk.run_shader  # type: ignore[attr-defined]
-
-    def spy(name: str, bindings: Any, groups: Any, push: Any = None, spec: Any = None) -> Any:
-        seen.seen.append((name, dict(spec or {})))
-        return run_shader(name, bindings, groups, push, spec)
-
-    monkeypatch.setattr(vk, "run_shader", spy)
-    yield seen
-
-
 def force(monkeypatch: pytest.MonkeyPatch, form: str, chunk: int = 16) -> None:
     monkeypatch.setenv("VKRT_DELTA_NET", form)
-    monkeypatch.setattr(native, "delta_net_chunk", lambda caps: chunk)
+    monkeypatch.setattr(native, "prefill_chunk", lambda caps: chunk)
 
 
 @pytest.mark.parametrize("chunk", [16, 64])

@@ -1,7 +1,8 @@
 """The recurrent mixers' kernels: causal_conv1d and short_conv (shaders/causal_conv1d.comp, an
 invocation per (sequence, channel)), gated_delta_net (shaders/gated_delta_net.comp, an invocation
-per (sequence, value head, state column), and its chunked form for prefill, opt-in), ssm_scan (shaders/ssm_scan.comp, an invocation per
-(sequence, head, state row)); copy_state_slots, one buffer copy of a region per slot (no shader)."""
+per (sequence, value head, state column)), ssm_scan (shaders/ssm_scan.comp, an invocation per
+(sequence, head, state row)), each with a chunked form for prefill, opt-in; copy_state_slots, one
+buffer copy of a region per slot (no shader)."""
 
 from __future__ import annotations
 
@@ -39,33 +40,45 @@ MAX_KEY_DIM = 256  # the delta net's state column in registers (gated_delta_net.
 # went from ~9 ms to ~5 ms on llvmpipe).
 
 
-# The chunked form (gated_delta_net_{norm,prep,chunk}.comp; vkrt/ops/recurrent.py has its math)
-# takes the sequences of a step with at least CHUNKED_FROM tokens: on a GPU the recurrent walk is
-# one dependent step per token with a few thousand invocations per sequence, which leaves most of
-# the device idle. Shorter sequences, decode rows among them, stay on the recurrent kernel in the
-# same step, so a sequence's result depends on its own tokens only, never on its neighbours
-# (batch invariance), and a decode step is exactly what it was.
+# The chunked forms (gated_delta_net_{norm,prep,chunk}.comp, ssm_scan_{prep,chunk}.comp;
+# vkrt/ops/recurrent.py has their math) take the sequences of a step with at least CHUNKED_FROM
+# tokens: on a GPU the recurrent walk is one dependent step per token with a few thousand
+# invocations per sequence, which leaves most of the device idle. Shorter sequences, decode rows
+# among them, stay on the recurrent kernel in the same step, so a sequence's result depends on its
+# own tokens only, never on its neighbours (batch invariance), and a decode step is exactly what
+# it was.
 CHUNKED_FROM = 16
-MAX_CHUNK = 64  # the scan's per-column array of a chunk's solved values (gated_delta_net_chunk.comp)
+MAX_CHUNK = 64  # the per-row arrays of a chunk's values (gated_delta_net_chunk.comp, ssm_scan_chunk.comp)
 
 
-def delta_net_form(caps: DeviceCaps) -> str:
-    """'chunked' or 'recurrent' for prefill on this device: recurrent unless VKRT_DELTA_NET says
-    chunked. The recurrent walk measured ~1.3x faster on llvmpipe (docs/BENCHMARKS.md, "Hybrid vs
-    dense"), and it keeps a prompt's bits the same however its prefill is split into steps; the
-    chunked form is opt-in until it is measured faster on a GPU (`caps` is where that choice
-    will read the device)."""
-    override = config.delta_net_form()
+def _prefill_form(variable: str, override: str | None) -> str:
+    """'chunked' or 'recurrent': recurrent unless the environment variable says chunked. The
+    recurrent walk measured faster on llvmpipe (docs/BENCHMARKS.md), and it keeps a prompt's bits
+    the same however its prefill is split into steps; the chunked forms are opt-in until they are
+    measured faster on a GPU."""
     if override is not None:
         if override not in ("chunked", "recurrent"):
-            raise VkrtError(f"VKRT_DELTA_NET must be 'chunked' or 'recurrent', not {override!r}")
+            raise VkrtError(f"{variable} must be 'chunked' or 'recurrent', not {override!r}")
         return override
     return "recurrent"
 
 
-def delta_net_chunk(caps: DeviceCaps) -> int:
+def delta_net_form(caps: DeviceCaps) -> str:
+    """The gated delta rule's prefill kernel on this device (VKRT_DELTA_NET; `caps` is where a
+    device's default will be read)."""
+    return _prefill_form("VKRT_DELTA_NET", config.delta_net_form())
+
+
+def mamba2_form(caps: DeviceCaps) -> str:
+    """Mamba2's prefill scan on this device (VKRT_MAMBA2; `caps` is where a device's default will
+    be read)."""
+    return _prefill_form("VKRT_MAMBA2", config.mamba2_form())
+
+
+def prefill_chunk(caps: DeviceCaps) -> int:
     """Tokens per chunk: 64 on GPUs (transformers' and fla's size), 16 on CPU devices, where the
-    scan's per-token intra-chunk sums (2 x chunk) are memory traffic against 3 x dk loads."""
+    chunk pass's per-token intra-chunk sums (2 x chunk for the delta rule) are memory traffic
+    against a few state-row loads."""
     return 16 if caps.device_type == "cpu" else MAX_CHUNK
 
 
@@ -106,7 +119,7 @@ def _chunked_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], param
     seqs, tokens = state_slots.shape[0], qkv.shape[0]
     k_heads, v_heads, dk, dv = (params[n] for n in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim"))
     tiled = int(params.get("tiled_heads", False))
-    chunk = delta_net_chunk(backend.caps)
+    chunk = prefill_chunk(backend.caps)
     spec = local_size() | {1: dk, 2: chunk}
     qk = backend.empty((tokens, 2 * k_heads, dk), "f32")
     backend.run_shader(module(backend, "gated_delta_net_norm"), [(qkv, "f32", False), (qk, "f32", True)],
@@ -132,18 +145,57 @@ MAX_STATE_SIZE = 256  # a row of Mamba2's state in registers (ssm_scan.comp)
 
 def _ssm_scan(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    seqs, tokens = inputs[8].shape[0], inputs[0].shape[0]  # state_slots [S], xbc [T, ...]
+    y = backend.empty(out[0].shape, "f32")
+    # a sequence may reach CHUNKED_FROM tokens only if the others leave it that many
+    chunked = mamba2_form(backend.caps) == "chunked" and tokens - (seqs - 1) >= CHUNKED_FROM
+    if chunked:
+        _chunked_ssm_scan(backend, inputs, params, y)
+    if not chunked or seqs > 1:  # a lone sequence of CHUNKED_FROM tokens or more is the chunked kernels'
+        _recurrent_ssm_scan(backend, inputs, params, y, CHUNKED_FROM if chunked else 0)
+    return (y,)
+
+
+def _time_step_limits(params: dict[str, Any]) -> tuple[float, float]:
+    """dt_min and dt_max as f32 push constants: an infinite dt_max as the largest float."""
+    return params.get("dt_min", 0.0), min(params.get("dt_max", float("inf")), 3.4e38)
+
+
+def _recurrent_ssm_scan(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any], y: Tensor,
+                        chunked_from: int) -> None:
+    """ssm_scan.comp over the sequences of fewer than `chunked_from` tokens (0: all)."""
     xbc, dt, a_rate, skip, dt_bias, state, seq_start, positions, state_slots = inputs
     seqs, heads, head_dim = state_slots.shape[0], params["num_heads"], params["head_dim"]
-    y = backend.empty(out[0].shape, "f32")
-    push = (seqs, heads, head_dim, params["n_groups"], params.get("dt_min", 0.0),
-            min(params.get("dt_max", float("inf")), 3.4e38))  # an f32 push constant: inf as the largest float
+    push = (seqs, heads, head_dim, params["n_groups"], *_time_step_limits(params), chunked_from)
     backend.run_shader(module(backend, "ssm_scan"),
                        [(xbc, "f32", False), (dt, "f32", False), (a_rate, "f32", False), (skip, "f32", False),
                         (dt_bias, "f32", False), (state, "f32", True), (seq_start, "i32", False),
                         (positions, "i32", False), (state_slots, "i32", False), (y, "f32", True),
                         (state, "f32", False)],
-                       grid_1d(seqs * heads * head_dim), ("<4I2f", push), local_size() | {1: params["state_size"]})
-    return (y,)
+                       grid_1d(seqs * heads * head_dim), ("<4I2fI", push), local_size() | {1: params["state_size"]})
+
+
+def _chunked_ssm_scan(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any], y: Tensor) -> None:
+    """The chunked (SSD) form over the sequences of at least CHUNKED_FROM tokens, in two passes:
+    each token's row of the chunk's decayed C . B weights; the walk over chunks carrying the state."""
+    xbc, dt, a_rate, skip, dt_bias, state, seq_start, positions, state_slots = inputs
+    seqs, tokens = state_slots.shape[0], xbc.shape[0]
+    heads, head_dim, groups = params["num_heads"], params["head_dim"], params["n_groups"]
+    chunk = prefill_chunk(backend.caps)
+    spec = local_size() | {1: params["state_size"], 2: chunk}
+    weights = backend.empty((tokens, heads, chunk), "f32")
+    lcum, steps = (backend.empty((tokens, heads), "f32") for _ in range(2))
+    push = (tokens, seqs, heads, head_dim, groups, *_time_step_limits(params), CHUNKED_FROM)
+    backend.run_shader(module(backend, "ssm_scan_prep"),
+                       [(xbc, "f32", False), (dt, "f32", False), (a_rate, "f32", False), (dt_bias, "f32", False),
+                        (seq_start, "i32", False), (weights, "f32", True), (lcum, "f32", True), (steps, "f32", True)],
+                       grid_1d(tokens * heads), ("<5I2fI", push), spec)
+    backend.run_shader(module(backend, "ssm_scan_chunk"),
+                       [(xbc, "f32", False), (skip, "f32", False), (weights, "f32", False), (lcum, "f32", False),
+                        (steps, "f32", False), (state, "f32", True), (seq_start, "i32", False),
+                        (positions, "i32", False), (state_slots, "i32", False), (y, "f32", True),
+                        (state, "f32", False)],
+                       grid_1d(seqs * heads * head_dim), ("<5I", (seqs, heads, head_dim, groups, CHUNKED_FROM)), spec)
 
 
 def _copy_state_slots(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
