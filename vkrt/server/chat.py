@@ -30,7 +30,7 @@ from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.markers import keep_markers, special_ids
 from vkrt.server.middleware import request_id_of
-from vkrt.server.prompts import chat_prompt, check_request_text
+from vkrt.server.prompts import chat_prompt, check_request_text, is_small
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.reasoning import (
     TAGS_BY_PARSER,
@@ -140,7 +140,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     if body.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, body.add_generation_prompt,
-                                             body.continue_final_message, template_kwargs, state.config, tools)
+                                             body.continue_final_message, template_kwargs, state.config, tools,
+                                             inline=is_small(body))
     params = sampling_params(body, state.config.max_digits())
     params = harmony.sampling_params(params, engine.tokenizer) if speaks_harmony else keep_markers(params, special)
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
