@@ -120,6 +120,7 @@ async def http_round(url: str, model: str, probe: Probe, i: int, max_tokens: int
     row = {"http_ttft_ms": 1e3 * (received[0] - sent), "http_itl_ms": 1e3 * float(np.median(np.diff(received))),
            "http_engine_step_ms": probe.decode_step_ms(), "http_prefill_ms": probe.prefill_ms(),
            "handoff_to_client_ms": 1e3 * float(np.median(np.subtract(received, handoffs)))}
+    row["http_ttft_over_prefill_ms"] = row["http_ttft_ms"] - row["http_prefill_ms"]
     first = probe.first_metrics
     if first is not None and first.first_scheduled_time is not None and first.first_token_time is not None:
         # TTFT in parts: HTTP, validation and tokenising up to the engine's queue; the wait for
