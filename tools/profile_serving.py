@@ -64,7 +64,7 @@ class Probe:
     def __init__(self, llm: AsyncLLM) -> None:
         self.handoffs: list[float] = []
         self.first_metrics: RequestMetrics | None = None  # the engine's timestamps, from its first output
-        self.steps: list[tuple[bool, float]] = []  # (had prefill tokens, runner seconds)
+        self.steps: list[tuple[bool, float, float, int]] = []  # (had prefill tokens, runner s, device wait s, submits)
         original = async_llm._Stream.put
 
         def put(stream: async_llm._Stream, item: Any) -> None:
@@ -77,7 +77,9 @@ class Probe:
         llm.add_stats_listener(self._on_step)
 
     def _on_step(self, stats: IterationStats) -> None:
-        self.steps.append((stats.num_prompt_tokens > 0, stats.step.seconds))
+        counters = stats.step.counters
+        self.steps.append((stats.num_prompt_tokens > 0, stats.step.seconds, counters.get("wait_us", 0) / 1e6,
+                           counters.get("submits", 0)))
 
     def reset(self) -> None:
         self.handoffs.clear()
@@ -85,10 +87,17 @@ class Probe:
         self.first_metrics = None
 
     def decode_step_ms(self) -> float:
-        return 1e3 * statistics.median(s for prefill, s in self.steps if not prefill)
+        return 1e3 * statistics.median(s for prefill, s, _, _ in self.steps if not prefill)
 
     def prefill_ms(self) -> float:
-        return 1e3 * sum(s for prefill, s in self.steps if prefill)
+        return 1e3 * sum(s for prefill, s, _, _ in self.steps if prefill)
+
+    def prefill_host_ms(self) -> float:
+        """The prefill step's time not spent waiting for the device: recording it on the host."""
+        return 1e3 * sum(s - wait for prefill, s, wait, _ in self.steps if prefill)
+
+    def prefill_submits(self) -> int:
+        return sum(submits for prefill, _, _, submits in self.steps if prefill)
 
 
 async def engine_round(llm: AsyncLLM, probe: Probe, i: int, max_tokens: int) -> dict[str, float]:
@@ -100,7 +109,8 @@ async def engine_round(llm: AsyncLLM, probe: Probe, i: int, max_tokens: int) -> 
         if output.outputs[0].token_ids:
             times.append(time.monotonic())
     return {"engine_step_ms": probe.decode_step_ms(), "facade_itl_ms": 1e3 * float(np.median(np.diff(times))),
-            "facade_ttft_ms": 1e3 * (times[0] - start), "facade_prefill_ms": probe.prefill_ms()}
+            "facade_ttft_ms": 1e3 * (times[0] - start), "facade_prefill_ms": probe.prefill_ms(),
+            "facade_prefill_host_ms": probe.prefill_host_ms(), "facade_prefill_submits": probe.prefill_submits()}
 
 
 async def http_round(url: str, model: str, probe: Probe, i: int, max_tokens: int) -> dict[str, float]:
