@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from vkrt.backend.base import Backend
+from vkrt.backend.vulkan.activation_pool import ActivationPool
 from vkrt.backend.vulkan.batch import VK_ERROR_DEVICE_LOST, VK_ERROR_OUT_OF_DEVICE_MEMORY
 
 __all__ = ["VK_ERROR_DEVICE_LOST", "VK_ERROR_OUT_OF_DEVICE_MEMORY", "FailingLib", "inject", "refuse_allocation"]
@@ -58,6 +59,8 @@ def refuse_allocation(monkeypatch: pytest.MonkeyPatch, backend: Backend, nth: in
     sizes asked for so far."""
     memory = backend.memory  # type: ignore[attr-defined]
     alloc, asked = memory.alloc, []
+    # Pooled tensors never ask the allocator: with the pool off, every activation does.
+    monkeypatch.setattr(backend, "activations", ActivationPool(0))
 
     def refusing(size: int, purpose: str) -> Any:
         if purpose == "activations":

@@ -5,9 +5,11 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 from vkrt import ops
 from vkrt.backend.base import Backend
+from vkrt.backend.vulkan.activation_pool import ActivationPool
 
 
 def _settled(vk: Backend) -> dict[str, int]:
@@ -111,8 +113,23 @@ def test_host_uploads_never_land_in_memory_a_pending_dispatch_reads(
     del clobber
 
 
+@pytest.fixture
+def unpooled(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """The backend with its activation pool off: released memory goes back to the allocator."""
+    monkeypatch.setattr(vk_default, "activations", ActivationPool(0))
+    return vk_default
+
+
+@pytest.fixture
+def empty_pool(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """The backend with nothing pooled yet (earlier tests' tensors would be taken first)."""
+    monkeypatch.setattr(vk_default, "activations", ActivationPool())
+    return vk_default
+
+
 def test_device_written_memory_is_recycled_inside_a_batch_behind_a_barrier(
-        vk_default: Backend, rng: np.random.Generator) -> None:
+        unpooled: Backend, rng: np.random.Generator) -> None:
+    vk_default = unpooled
     n = 4096
     a = rng.standard_normal(n).astype(np.float32)
     x, w = vk_default.upload(a), vk_default.upload(a)
@@ -133,7 +150,49 @@ def test_device_written_memory_is_recycled_inside_a_batch_behind_a_barrier(
     assert vk_default.counters.since(before)["submits"] == 1
 
 
-def test_deferred_frees_return_to_the_accounting(vk_default: Backend) -> None:
+def test_a_pooled_tensor_is_taken_again_inside_a_batch_behind_a_barrier(
+        empty_pool: Backend, rng: np.random.Generator) -> None:
+    vk_default = empty_pool
+    n = 4096
+    a = rng.standard_normal(n).astype(np.float32)
+    x, w = vk_default.upload(a), vk_default.upload(a)
+    _settled(vk_default)
+    before = vk_default.counters.snapshot()
+    t = ops.add(x, w)
+    y = ops.add(t, w)
+    kept = t.handle
+    del t
+    gc.collect()
+    assert not kept.freed  # kept whole, views and descriptor sets with it...
+    z = ops.add(w, w)  # ...for the next tensor of its size, written after y's read of t
+    assert z.handle is kept
+    delta_barriers = vk_default.counters.since(before)["barriers"]
+    np.testing.assert_array_equal(y.numpy(), (a + a) + a)
+    np.testing.assert_array_equal(z.numpy(), a + a)
+    assert delta_barriers == 2  # t -> y's add (read after write), then z's write after y's read
+    assert vk_default.counters.since(before)["submits"] == 1
+
+
+def test_a_pooled_input_taken_again_waits_for_the_dispatch_that_reads_it(empty_pool: Backend) -> None:
+    vk_default = empty_pool
+    before = _settled(vk_default)
+    in_use = vk_default.memory_stats()["inputs_bytes"]
+    x = vk_default.upload(np.ones(1000, np.float32), purpose="inputs")
+    kept = x.handle
+    y = ops.add(x, x)
+    del x
+    gc.collect()
+    assert vk_default.memory_stats()["inputs_bytes"] == in_use  # pooled, not held by a tensor
+    assert vk_default.memory_stats()["inputs_pooled_bytes"] >= 4000
+    again = vk_default.upload(np.full(1000, 5, np.float32), purpose="inputs")
+    assert again.handle is kept
+    assert vk_default.counters.since(before)["submits"] == 1  # the add read the old bytes first
+    np.testing.assert_array_equal(y.numpy(), np.full(1000, 2, np.float32))
+    np.testing.assert_array_equal(again.numpy(), np.full(1000, 5, np.float32))
+
+
+def test_deferred_frees_return_to_the_accounting(unpooled: Backend) -> None:
+    vk_default = unpooled
     before = _settled(vk_default)
     in_use = vk_default.memory_stats()["inputs_bytes"]
     x = vk_default.upload(np.ones(1000, np.float32), purpose="inputs")  # host-written memory

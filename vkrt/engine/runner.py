@@ -217,6 +217,12 @@ class ModelRunner:
         rows = int(batch.logits_index.shape[0])
         host_masks = None if masks is None else masks()
         step = StepTensors.upload(self.backend, batch)
+        # Every input is written before the forward is recorded: an upload after it could have
+        # to submit the forward first, when its memory is one the forward still reads.
+        if sampling is not None:
+            params = self.backend.upload(sampling.params, "f32", purpose="inputs")
+            uniforms = self.backend.upload(sampling.uniforms, "f32", purpose="inputs")
+            mask = None if host_masks is None else self.backend.upload(host_masks, "u32", purpose="inputs")
         self._copy_states(copies.restore)
         normed = None
         if batch.hidden_index is None:
@@ -230,9 +236,7 @@ class ModelRunner:
         if sampling is None:
             return StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1),
                               hidden=hidden)
-        mask = None if host_masks is None else self.backend.upload(host_masks, "u32")
-        ids = ops.sample_top_k(logits, self.backend.upload(sampling.params, "f32"),
-                               self.backend.upload(sampling.uniforms, "f32"), mask)
+        ids = ops.sample_top_k(logits, params, uniforms, mask)
         return StepResult(token_ids=self.backend.read(ids).reshape(rows), hidden=hidden)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:

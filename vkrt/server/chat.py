@@ -30,7 +30,7 @@ from vkrt.server.generation import Result, ServerState, Update
 from vkrt.server.logprobs import chat_logprobs, prompt_logprobs_json
 from vkrt.server.markers import keep_markers, special_ids
 from vkrt.server.middleware import request_id_of
-from vkrt.server.prompts import chat_prompt, check_request_text, truncated, turn_flags
+from vkrt.server.prompts import chat_prompt, check_request_text, is_small, truncated, turn_flags
 from vkrt.server.protocol import ChatCompletionRequest
 from vkrt.server.reasoning import (
     TAGS_BY_PARSER,
@@ -141,7 +141,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     add_generation_prompt, continue_final = turn_flags(body)
     prompt, prompt_ids = await state.run_cpu(chat_prompt, engine, body.messages, add_generation_prompt,
-                                             continue_final, template_kwargs, state.config, tools)
+                                             continue_final, template_kwargs, state.config, tools,
+                                             inline=is_small(body))
     prompt_ids = truncated(prompt_ids, body, engine.max_model_len)
     params = sampling_params(body, state.config.max_digits())
     params = harmony.sampling_params(params, engine.tokenizer) if speaks_harmony else keep_markers(params, special)

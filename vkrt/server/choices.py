@@ -25,6 +25,7 @@ from vkrt.server.generation import (
     Update,
     consume_watching,
 )
+from vkrt.server.prompts import INLINE_PROMPT_SIZE
 
 _SEED_MODULUS = 2**63
 
@@ -68,7 +69,10 @@ async def open_candidates(state: ServerState, response_id: str, prompts: list[tu
             groups.append(group)
         return groups
 
-    return await state.run_cpu(make)
+    # A grammar may take long to compile; without one, making a few short requests is cheap.
+    small = (all(p.guided_decoding is None for p in params)
+             and per_prompt * sum(len(ids) for ids, _ in prompts) <= INLINE_PROMPT_SIZE)
+    return await state.run_cpu(make, inline=small)
 
 
 def start_candidates(state: ServerState, response_id: str, opened: list[list[Candidate]],

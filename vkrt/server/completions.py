@@ -30,7 +30,7 @@ from vkrt.server.logprobs import (
     prompt_logprobs_json,
 )
 from vkrt.server.middleware import request_id_of
-from vkrt.server.prompts import check_request_text, completion_prompts
+from vkrt.server.prompts import check_request_text, completion_prompts, is_small
 from vkrt.server.protocol import CompletionRequest
 from vkrt.server.responses import (
     check_model,
@@ -51,7 +51,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     engine = state.require_engine()
     check_unsupported(body)
     check_request_text(body, state.config.max_prompt_chars)
-    prompts = await state.run_cpu(completion_prompts, engine, body, state.config.max_prompt_chars)
+    prompts = await state.run_cpu(completion_prompts, engine, body, state.config.max_prompt_chars,
+                                  inline=is_small(body))
     params = _candidate_params(body, state.config.max_digits())
     response_id = new_response_id("cmpl")
     per_prompt = body.best_of or body.n

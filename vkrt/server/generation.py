@@ -51,9 +51,12 @@ class ServerState:
         self.metrics = ServerMetrics(self.read_stats, self.model_name)
         self._cpu_pool: ThreadPoolExecutor | None = None
 
-    async def run_cpu(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def run_cpu(self, fn: Callable[..., T], *args: Any, inline: bool = False, **kwargs: Any) -> T:
         """Run tokenisation or template rendering on the worker pool, off the event loop, so
-        one big prompt never stalls /health or other clients' streams."""
+        one big prompt never stalls /health or other clients' streams; `inline` (work the
+        caller knows is small) runs it here, sparing a short request the hop."""
+        if inline:
+            return fn(*args, **kwargs)
         if self._cpu_pool is None:
             self._cpu_pool = ThreadPoolExecutor(self.config.cpu_workers, thread_name_prefix="vkrt-cpu",
                                                 initializer=_lower_thread_priority)

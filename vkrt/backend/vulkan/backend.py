@@ -15,6 +15,7 @@ import numpy as np
 from vkrt import config
 from vkrt.backend.base import Backend, as_storage_array, infer_dtype
 from vkrt.backend.vulkan import device as vkdevice
+from vkrt.backend.vulkan.activation_pool import POOLED_PURPOSES, ActivationPool
 from vkrt.backend.vulkan.batch import CommandBatch, RecordedCommands
 from vkrt.backend.vulkan.descriptors import DescriptorCache
 from vkrt.backend.vulkan.memory import Allocation, MemoryManager, format_bytes
@@ -92,6 +93,7 @@ class VulkanBackend(Backend):
         self.memory = MemoryManager(vk, self.device, physical, self.caps, config.force_staging())
         self.pipelines = PipelineCache(vk, self.device, self.caps)
         self.descriptors = DescriptorCache(vk, self.device)
+        self.activations = ActivationPool()
         self.queue_family = family
         self.batch = CommandBatch(vk, self.device, self.queue, family, self.counters, self._release_now,
                                   self._release_views,
@@ -109,7 +111,10 @@ class VulkanBackend(Backend):
 
     # -- tensors ---------------------------------------------------------------------
     def _new_tensor(self, shape: tuple[int, ...], dtype: str, purpose: str, nbytes: int | None = None) -> Tensor:
-        alloc = self.memory.alloc(nbytes if nbytes is not None else storage_nbytes(shape, dtype), purpose)
+        size = nbytes if nbytes is not None else storage_nbytes(shape, dtype)
+        alloc = self.activations.take(purpose, self.memory.footprint(size)) if purpose in POOLED_PURPOSES else None
+        if alloc is None:
+            alloc = self.memory.alloc(size, purpose)
         tensor = Tensor(shape, dtype, self, alloc)
         weakref.finalize(tensor, self._release, alloc)
         return tensor
@@ -118,6 +123,16 @@ class VulkanBackend(Backend):
         if self._closed:
             return
         self._weight_sources.pop(alloc.id, None)
+        # Kept whole for the next tensor of its size, descriptor sets and all. Its hazards
+        # within the open batch are tracked by its id, as any tensor's; a step graph being
+        # captured keeps what it binds, so nothing it needs can be pooled.
+        if alloc.purpose in POOLED_PURPOSES and not alloc.block.dedicated and not self.batch.capturing:
+            for evicted in self.activations.put(alloc):
+                self._release_memory(evicted)
+            return
+        self._release_memory(alloc)
+
+    def _release_memory(self, alloc: Allocation) -> None:
         # Device-written memory is recycled at once inside an open batch (behind a barrier),
         # so a long prefill does not hold every intermediate until its single submit. Host-
         # written memory and dedicated blocks wait for the batch to complete.
@@ -408,7 +423,12 @@ class VulkanBackend(Backend):
         ]
 
     def memory_stats(self) -> dict[str, int]:
-        return self.memory.stats()
+        """Bytes per purpose held by live tensors; `<purpose>_pooled_bytes` those released and kept for reuse."""
+        stats = self.memory.stats()
+        for purpose, nbytes in self.activations.nbytes_by_purpose.items():
+            stats[f"{purpose}_bytes"] -= nbytes
+            stats[f"{purpose}_pooled_bytes"] = nbytes
+        return stats
 
     def release_pipelines(self) -> int:
         """Wait for the device, then destroy every pipeline (they are re-created on next use),
