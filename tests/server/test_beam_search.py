@@ -86,6 +86,7 @@ def test_a_kept_stop_token_is_not_counted_in_the_length() -> None:
     ({"logprobs": True}, "logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"stop": ["x"]}, "stop"),
+    ({"length_penalty": 1e308}, "length_penalty"),
 ])
 def test_chat_refuses_what_beam_search_cannot_honour(fake: Live, body: dict[str, Any], param: str) -> None:
     request = {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "max_tokens": 3, **body}

@@ -32,6 +32,8 @@ from vkrt.server.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 
 # Each step asks for 2 * width alternatives per beam (so `width` survive even if half are EOS).
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# len ** length_penalty must stay a float for any context length (1e7 ** 40 overflows).
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,9 @@ def check_beam_request(body: SamplingFields) -> None:
             what = ("streaming: the best beams are known only at the end" if param == "stream"
                     else f"{param}: beam search ranks the model's own log-probabilities and does not apply it")
             raise APIError(400, f"use_beam_search cannot be combined with {what}", param=param, code="invalid_value")
-    if not math.isfinite(body.length_penalty):
-        raise APIError(400, f"length_penalty must be a finite number, got {body.length_penalty}",
-                       param="length_penalty", code="invalid_value")
+    if not (math.isfinite(body.length_penalty) and abs(body.length_penalty) <= MAX_LENGTH_PENALTY):
+        raise APIError(400, f"length_penalty of use_beam_search must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                       f"got {body.length_penalty}", param="length_penalty", code="invalid_value")
 
 
 def _asks_logprobs(body: SamplingFields) -> bool:
