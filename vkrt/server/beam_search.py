@@ -147,9 +147,8 @@ def _eos_token_ids(engine: EngineClient) -> Sequence[int]:
     return tokenizer.eos_token_ids if tokenizer is not None else engine.model_config.eos_token_ids
 
 
-async def beam_results(state: ServerState, response_id: str, prompt_ids: list[int], prompt_text: str | None,
-                       body: SamplingFields, sampling: SamplingParams, arrival: float,
-                       raw: Request | None) -> list[Result]:
+async def beam_results(state: ServerState, response_id: str, prompt_ids: list[int], body: SamplingFields,
+                       sampling: SamplingParams, arrival: float, raw: Request | None) -> list[Result]:
     """Run beam search for one prompt; the returned beams as Results, best first."""
     engine = state.require_engine()
     sampling.validate(engine.model_config.vocab_size)  # the steps' own params are not the client's

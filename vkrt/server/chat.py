@@ -214,7 +214,7 @@ async def _beam_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     chat = await render_chat(state, body)
     log_request(state, base["id"], request_id_of(raw.state), chat.prompt, chat.prompt_ids, chat.params)
     try:
-        results = await beam_results(state, base["id"], chat.prompt_ids, chat.prompt, body, chat.params, arrival, raw)
+        results = await beam_results(state, base["id"], chat.prompt_ids, body, chat.params, arrival, raw)
     except RequestError as exc:
         raise field_error(exc, body, "messages") from exc
     choices = [chat_choice(chat.engine.tokenizer, body, index, result, chat.reading)

@@ -91,7 +91,7 @@ async def _beam_completion(state: ServerState, body: CompletionRequest, raw: Req
     for ids, text in prompts:
         log_request(state, base["id"], request_id_of(raw.state), text, ids, params)
         try:
-            groups.append(await beam_results(state, base["id"], ids, text, body, params, arrival, raw))
+            groups.append(await beam_results(state, base["id"], ids, body, params, arrival, raw))
         except RequestError as exc:
             raise field_error(exc, body, "prompt") from exc
     tokenizer = state.require_engine().tokenizer
