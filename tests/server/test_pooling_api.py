@@ -117,6 +117,10 @@ def test_yes_no_reranker_scores_equal_transformers(embed_url: str) -> None:
         assert result["relevance_score"] == pytest.approx(expected[result["index"]], abs=TOL)
         assert result["document"] == {"text": rerank["documents"][result["index"]]}
     assert reply["usage"]["total_tokens"] > 0
+    for alias in ("/rerank", "/v2/rerank"):  # vLLM's other paths (Cohere's v2 client calls the latter)
+        again = httpx.post(f"{embed_url}{alias}", json={"query": rerank["query"], "documents": rerank["documents"],
+                                                        "top_n": 2}, timeout=60).json()
+        assert again["results"] == reply["results"]
     scored = httpx.post(f"{embed_url}/score", json={"text_1": rerank["query"], "text_2": rerank["documents"]},
                         timeout=60).json()
     assert [d["index"] for d in scored["data"]] == [0, 1, 2]

@@ -15,8 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vkrt.engine.config import SamplingParams
 from vkrt.errors import RequestError
 from vkrt.server import harmony
+from vkrt.server.beam_search import beam_results, check_beam_request
 from vkrt.server.choices import (
     CandidateSet,
     merged_updates,
@@ -114,9 +116,32 @@ def _reads_harmony(config: ServerConfig, template: str | None) -> bool:
             and harmony.template_speaks_harmony(template))
 
 
+@dataclass
+class RenderedChat:
+    """A chat request checked and rendered, not yet started."""
+
+    engine: EngineClient
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    reading: OutputReading
+
+
 async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Request, response_id: str,
                      arrival: float) -> StartedChat:
     """Check, render and start `body`; shared by /v1/chat/completions and /v1/responses."""
+    chat = await render_chat(state, body)
+    try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
+        opened = await open_candidates(state, response_id, [(chat.prompt_ids, chat.prompt)], [chat.params], body.n)
+    except RequestError as exc:
+        raise field_error(exc, body, "messages") from exc
+    candidates = start_candidates(state, response_id, opened, arrival)
+    log_request(state, response_id, request_id_of(raw.state), chat.prompt, chat.prompt_ids, chat.params)
+    return StartedChat(chat.engine, candidates, chat.reading)
+
+
+async def render_chat(state: ServerState, body: ChatCompletionRequest) -> RenderedChat:
+    """Check `body`, render its prompt with the chat template, map its sampling fields."""
     check_model(state, body.model)
     engine = state.require_engine()
     check_unsupported(body)
@@ -146,19 +171,13 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw: Reque
     prompt_ids = truncated(prompt_ids, body, engine.max_model_len)
     params = sampling_params(body, state.config.max_digits())
     params = harmony.sampling_params(params, engine.tokenizer) if speaks_harmony else keep_markers(params, special)
-    try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
-        opened = await open_candidates(state, response_id, [(prompt_ids, prompt)], [params], body.n)
-    except RequestError as exc:
-        raise field_error(exc, body, "messages") from exc
-    candidates = start_candidates(state, response_id, opened, arrival)
-    log_request(state, response_id, request_id_of(raw.state), prompt, prompt_ids, params)
     if speaks_harmony:
         inside = None if mode == "none" else False  # the analysis channel is the thought
         reading = OutputReading(parser, parallel, inside, True, harmony.open_header(prompt))
     else:
         inside = starts_inside(prompt, tags) if tags is not None else None
         reading = OutputReading(parser, parallel, inside, tags=tags or THINK)
-    return StartedChat(engine, candidates, reading)
+    return RenderedChat(engine, prompt, prompt_ids, params, reading)
 
 
 def _markers(tags: ThinkTags | None, parser: str | None) -> list[str]:
@@ -169,9 +188,11 @@ def _markers(tags: ThinkTags | None, parser: str | None) -> list[str]:
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     response_id = new_response_id("chatcmpl")
+    base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
+    if body.use_beam_search:
+        return await _beam_chat(state, body, raw, base, arrival)
     started = await start_chat(state, body, raw, response_id, arrival)
     engine, candidates, reading = started.engine, started.candidates, started.reading
-    base: dict[str, Any] = {"id": response_id, "created": now_s(), "model": state.model_name}
 
     if body.stream:
         return event_stream(_stream(state, candidates, body, base, reading), candidates)
@@ -184,6 +205,25 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         response["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, results[0].prompt_logprobs)
     if body.return_token_ids:  # vLLM's: the prompt's top-level, each choice's in it
         response["prompt_token_ids"] = results[0].prompt_token_ids
+    return JSONResponse(response)
+
+
+async def _beam_chat(state: ServerState, body: ChatCompletionRequest, raw: Request, base: dict[str, Any],
+                     arrival: float) -> Response:
+    """The n best beams as the choices (vkrt/server/beam_search.py)."""
+    check_beam_request(body)
+    chat = await render_chat(state, body)
+    log_request(state, base["id"], request_id_of(raw.state), chat.prompt, chat.prompt_ids, chat.params)
+    try:
+        results = await beam_results(state, base["id"], chat.prompt_ids, body, chat.params, arrival, raw)
+    except RequestError as exc:
+        raise field_error(exc, body, "messages") from exc
+    choices = [chat_choice(chat.engine.tokenizer, body, index, result, chat.reading)
+               for index, result in enumerate(results)]
+    response: dict[str, Any] = {**base, "object": "chat.completion", "choices": choices,
+                                "usage": combined_usage([results]), "system_fingerprint": None}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = chat.prompt_ids
     return JSONResponse(response)
 
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from vkrt.engine.config import ALL_LOGPROBS, SamplingParams
 from vkrt.errors import RequestError
+from vkrt.server.beam_search import beam_results, check_beam_request
 from vkrt.server.choices import (
     CandidateSet,
     best_by_logprob,
@@ -55,6 +56,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                                   inline=is_small(body))
     params = _candidate_params(body, state.config.max_digits())
     response_id = new_response_id("cmpl")
+    base: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": now_s(),
+                            "model": state.model_name}
+    if body.use_beam_search:
+        return await _beam_completion(state, body, raw, prompts, params, base, arrival)
     per_prompt = body.best_of or body.n
     try:  # off the loop: a constrained request compiles its grammar here (a big schema takes long)
         opened = await open_candidates(state, response_id, prompts, [params] * len(prompts), per_prompt)
@@ -64,8 +69,6 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     candidates = start_candidates(state, response_id, opened, arrival)
     for ids, text in prompts:
         log_request(state, response_id, request_id_of(raw.state), text, ids, params)
-    base: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": now_s(),
-                            "model": state.model_name}
 
     if body.stream:
         return event_stream(_stream(state, candidates, body, base, echo_texts), candidates)
@@ -77,6 +80,24 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         chosen = best_by_logprob(results, body.n) if per_prompt > body.n else results
         for k, result in enumerate(chosen):
             choices.append(_choice(tokenizer, body, p * body.n + k, result, echo_texts[p]))
+    return JSONResponse({**base, "choices": choices, "usage": combined_usage(groups), "system_fingerprint": None})
+
+
+async def _beam_completion(state: ServerState, body: CompletionRequest, raw: Request,
+                           prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+                           base: dict[str, Any], arrival: float) -> Response:
+    """Each prompt's n best beams, as choices p * n + k (vkrt/server/beam_search.py)."""
+    check_beam_request(body)
+    groups = []
+    for ids, text in prompts:
+        log_request(state, base["id"], request_id_of(raw.state), text, ids, params)
+        try:
+            groups.append(await beam_results(state, base["id"], ids, body, params, arrival, raw))
+        except RequestError as exc:
+            raise field_error(exc, body, "prompt") from exc
+    tokenizer = state.require_engine().tokenizer
+    choices = [_choice(tokenizer, body, p * body.n + k, result, "")
+               for p, results in enumerate(groups) for k, result in enumerate(results)]
     return JSONResponse({**base, "choices": choices, "usage": combined_usage(groups), "system_fingerprint": None})
 
 

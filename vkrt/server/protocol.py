@@ -85,6 +85,9 @@ class SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len)
     truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts (default left)
+    use_beam_search: bool = False  # n (best_of on completions) is the beam width (vkrt/server/beam_search.py)
+    length_penalty: float = 1.0  # a beam's score: cumulative logprob / len ** length_penalty
+    early_stopping: bool = False  # stop once `width` beams have finished
     # llama.cpp extensions
     json_schema: dict[str, Any] | bool | None = None
     grammar: str | None = None

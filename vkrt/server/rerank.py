@@ -18,9 +18,12 @@ from vkrt.server.responses import check_model
 
 
 def add_rerank_routes(app: FastAPI, state: ServerState, responses: dict[int | str, dict[str, Any]]) -> None:
-    """Register /v1/rerank, /score and /v1/score on `app` (called once by build_app)."""
+    """Register /v1/rerank (also /rerank and /v2/rerank, as vLLM: Cohere's v2 client calls the
+    latter), /score and /v1/score on `app` (called once by build_app)."""
 
     @app.post("/v1/rerank", response_model=RerankResponse, responses=responses)
+    @app.post("/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
     async def rerank(body: RerankRequest) -> JSONResponse:
         return JSONResponse(await create_rerank(state, body))
 
