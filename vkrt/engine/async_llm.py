@@ -285,13 +285,15 @@ class AsyncLLM:
                 for output in outputs:
                     if output.finished:
                         self._streams.pop(output.request_id, None)
-            for stream, output in streams:
-                if stream is not None:
-                    stream.put(output)
+            # A lost device is made known before the requests' error outputs go out, so a client
+            # that reads its stream's end finds /health already failing.
             if engine.device_lost is not None and self.device_error is None:
                 self.device_error = engine.device_lost
                 for listener in self._fatal_listeners:
                     listener(engine.device_lost)
+            for stream, output in streams:
+                if stream is not None:
+                    stream.put(output)
         self._fail_all(VkrtError("the engine was shut down"))
         engine.close()
         # Drop the engine (and with it the model's weights and KV cache) now rather than when
