@@ -147,6 +147,19 @@ def test_paged_attention_long_context_wide_heads(vk: Backend, rng: np.random.Gen
     assert nmse(got, want) <= ATTENTION_NMSE
 
 
+def test_paged_attention_widest_heads(vk: Backend, rng: np.random.Generator) -> None:
+    """head_dim 576 (MLA's cached row, one KV head under all query heads; the kernel cap): decode
+    rows and a prefill-shaped step across blocks, against the reference. One pipeline only: one this
+    wide takes llvmpipe about a minute to compile, so Gemma 4's 512 (the same code at a smaller
+    specialisation) is not compiled separately here."""
+    case = _paged_case(rng, [1, 19, 40], 4, 1, 576, "f16")
+    before = vk.counters.snapshot()
+    got = _run_paged(vk, case, "f16", 4, 1, 576 ** -0.5)
+    want = reference.paged_attention(**case, num_heads=4, num_kv_heads=1, scale=576 ** -0.5)
+    assert nmse(got, want) <= ATTENTION_NMSE
+    _native(vk, "paged_attention", before, 1)
+
+
 @pytest.mark.parametrize("head_dim", [12, 64])
 def test_paged_attention_f16_texel_width(vk: Backend, rng: np.random.Generator, paged_variant: str,
                                          monkeypatch: pytest.MonkeyPatch, head_dim: int) -> None:

@@ -17,7 +17,7 @@ tokens) and "draft_model" (`"model": PATH_OR_NAME`: a small model with the targe
 proposes by decoding k tokens itself, vkrt/engine/draft.py). A draft that samples proposes
 from a distribution q rather than one token, so its rows are verified by the general rule
 instead: accept d with min(1, p(d) / q(d)), else resample from max(0, p - q) normalised
-(`rejection_sample`). MTP heads are refused with a message saying so.
+(`rejection_sample`). MTP is refused with a message saying why (its layers are not loaded yet).
 """
 
 from __future__ import annotations
@@ -60,7 +60,12 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and "model" in value:
             method = "draft_model"
-        if method in ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator"):
+        if method == "mtp":
+            raise VkrtError("--speculative-config: method \"mtp\" is not supported yet: the multi-token-prediction "
+                            "layers of GLM-4.5 checkpoints are skipped at load, and the MTP heads of Qwen3.5 and "
+                            "Qwen3-Next sit on hybrid models, which refuse any speculation (their recurrent state "
+                            'cannot take rejected tokens back); use {"method": "ngram", ...} or {"model": DRAFT, ...}')
+        if method in ("eagle", "eagle3", "medusa", "mlp_speculator"):
             raise VkrtError(f"--speculative-config: method {method!r} is not supported yet; "
                             'use {"method": "ngram", ...} (prompt lookup) or {"model": DRAFT, ...} (a draft model)')
         if method not in ("ngram", "draft_model"):

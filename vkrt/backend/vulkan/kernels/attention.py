@@ -35,7 +35,11 @@ from vkrt.core.tensor import KV_Q8_0, Tensor, TensorSpec
 # Invocations per workgroup for attention: llvmpipe's SIMD width (subgroup size 8), so a
 # decode step of a few heads still spreads over more than one workgroup (and CPU thread).
 ATTENTION_WORKGROUP = 8
-MAX_HEAD_DIM = 256
+# The widest head the register arrays are sized for: MLA's cached row (DeepSeek-V3: 64 rope + 512
+# latent) and Gemma 4's full-attention heads (512). The arrays are specialisation-sized, so a
+# model pays for its own width only; a pipeline that wide takes llvmpipe about a minute to compile
+# (once per process; Mesa's shader cache keeps it).
+MAX_HEAD_DIM = 576
 
 
 NVIDIA = 0x10DE
