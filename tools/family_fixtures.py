@@ -85,7 +85,7 @@ CONVERT_NOTES = {"tiny_falcon_h1": "; the converter folds the muP multipliers in
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
-TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe")
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe", "Llama4")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
 
 PHI3_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]
@@ -383,6 +383,17 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                                "interleaved rope dims and values of 16; layer 0 dense (mlp_layer_types), then 8 "
                                "experts of 32, top-2 by sigmoid score + the score-correction bias, renormalised, "
                                "x 2.5, plus a shared expert of 32"),
+        "tiny_llama4": ("Llama4", dict(BASE, num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=128,
+                                       eos_token_id=None, num_local_experts=4, num_experts_per_tok=1,
+                                       interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=8,
+                                       use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64}),
+                        "Llama 4 text: layers 0-2 RoPE (llama3 scaling, interleaved pairs) with chunked attention "
+                        "(chunks of 8) and the unweighted QK-norm, layer 3 NoPE over the whole context with queries "
+                        "times 1 + 0.5 ln(1 + floor((p + 1) / 4)); layers 1 and 3 MoE (4 experts of 32, top-1 by "
+                        "sigmoid score scaling the expert's input, plus a shared expert of 32), 0 and 2 dense (128)"),
     }
 
 

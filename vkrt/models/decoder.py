@@ -86,7 +86,8 @@ class DecoderModel(CausalLM):
             c = self.config
             if c.query_temperature_beta:
                 self._query_temperature = self.upload_f32(query_temperature_table(
-                    positions, c.head_dim, c.query_temperature_beta, c.query_temperature_length))
+                    positions, c.head_dim, c.query_temperature_beta, c.query_temperature_length,
+                    c.query_temperature_shift))
             self._rope_positions = positions
         return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len, state_slots)
 
@@ -159,18 +160,19 @@ class DecoderModel(CausalLM):
     def attend(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """Attention of the normed input x over layer i's cache (its K/V written first), through o_proj."""
         c = self.config
+        layer = c.layer(i)
         q = self.query_and_cache_write(attn, x, step, kv, i)
-        if self._query_temperature is not None:  # after RoPE, as transformers scales them
-            q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)
+        if self._query_temperature is not None and not (c.query_temperature_nope_only and layer.rope):
+            q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)  # after RoPE, as transformers
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         if attn.sinks is None:
             a = ops.paged_attention(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
-                                    c.num_heads, c.num_kv_heads, self.scale, window=c.layer(i).window,
-                                    softcap=c.attn_softcap)
+                                    c.num_heads, c.num_kv_heads, self.scale, window=layer.window,
+                                    softcap=c.attn_softcap, chunked=layer.chunked)
         else:  # gpt-oss: a learned logit per head in every softmax's denominator
             a = ops.paged_attention_sinks(q, kv.keys[i], kv.values[i], tables, step.seq_index, step.positions,
                                           attn.sinks, c.num_heads, c.num_kv_heads, self.scale,
-                                          window=c.layer(i).window, softcap=c.attn_softcap)
+                                          window=layer.window, softcap=c.attn_softcap, chunked=layer.chunked)
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
         return linear(a, attn.o)
@@ -285,6 +287,8 @@ class DecoderModel(CausalLM):
                                                   c.moe_top_groups)
         else:
             ids, weights = ops.moe_router(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        if c.moe_input_scaled:  # Llama 4: the one expert's input times its score, its output as it is
+            return self.input_scaled_experts(experts, x, ids, weights)
         gate_up = self.expert_gate_up(experts, x, ids)  # [T, k, 2F]
         if experts.gate_up_bias is not None:  # gpt-oss: each chosen expert's biases
             gate_up = ops.moe_add_bias(gate_up, experts.gate_up_bias, ids)
@@ -301,6 +305,15 @@ class DecoderModel(CausalLM):
             return ops.add(ops.moe_combine(y, weights), self.mlp(experts.shared, x))
         # Qwen2-MoE: + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
         return ops.moe_combine_shared(y, weights, self.mlp(experts.shared, x), linear(x, experts.shared_gate))
+
+    def input_scaled_experts(self, experts: Experts, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """shared(x) + expert(x * w) of each token's one expert (k = 1, the loader's check): the
+        combine over one slot is the scaling of x, and the output [T, 1, H] is a row per token."""
+        assert experts.shared is not None
+        t, hidden = x.shape
+        scaled = ops.moe_combine(ops.reshape(x, (t, 1, hidden)), weights)
+        y = ops.moe_matmul(self.activation(self.expert_gate_up(experts, scaled, ids)), experts.down, ids)
+        return ops.add(ops.reshape(y, (t, hidden)), self.mlp(experts.shared, x))
 
     def expert_gate_up(self, experts: Experts, x: Tensor, ids: Tensor) -> Tensor:
         """[T, k, 2F]: gate over up of each token's k experts (two expert matmuls side by side
