@@ -52,7 +52,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
                       "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
                       "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2", "DeepseekV3",
-                      "Glm4MoeLite")
+                      "Glm4MoeLite", "Llama4")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -75,13 +75,17 @@ CONVERT_CONFIG: dict[str, Any] = {
 CONVERT_AS_RUN: dict[str, Any] = {
     "tiny_mixtral": lambda cfg: {"sliding_window": None},
     "tiny_phi3": lambda cfg: {"rope_parameters": cfg["rope_parameters"] | {"attention_factor": 1.0}},
+    # llama.cpp runs every llama4 file with chunks of 8192 and the temperature's floor 8192, scale 0.1.
+    "tiny_llama4": lambda cfg: {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1},
 }
 # Converted families' fixtures that are not converted (one GGUF of the family is enough).
 NOT_CONVERTED = ("tiny_falcon_h1_nonorm",)
 # What a conversion changes, by fixture, said in its golden's description.
 CONVERT_NOTES = {"tiny_falcon_h1": "; the converter folds the muP multipliers into the weights, which rounds them",
                  "tiny_mixtral": " with no sliding window (CONVERT_AS_RUN), as llama.cpp runs the file",
-                 "tiny_phi3": " with longrope's attention factor 1 (CONVERT_AS_RUN), as the converter wrote it"}
+                 "tiny_phi3": " with longrope's attention factor 1 (CONVERT_AS_RUN), as the converter wrote it",
+                 "tiny_llama4": " with chunks of 8192 and the temperature's floor 8192 and scale 0.1 (CONVERT_AS_RUN), "
+                                "as llama.cpp runs a llama4 file"}
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.

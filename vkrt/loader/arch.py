@@ -669,6 +669,7 @@ _LLAMA4 = ArchSpec(
     name="llama4",
     gguf_archs=("llama4",),
     hf_archs=("Llama4ForCausalLM",),
+    gguf_global=_LLAMA.gguf_global,  # llama3-scaled RoPE: per-frequency factors
     hf_multimodal_archs=("Llama4ForConditionalGeneration",),
     hf_skipped={"vision_model.": "the vision tower", "multi_modal_projector.": "the multimodal projector",
                 "model.vision_model.": "the vision tower", "model.multi_modal_projector.": "the multimodal projector"},

@@ -76,3 +76,23 @@ def _count(src: ConfigFields, key: str, default: int) -> int:
     if not is_int(value) or value < 1:
         raise ModelFormatError(f"{src.source}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def gguf_llama4(meta: dict[str, Any], arch: str, values: dict[str, Any]) -> None:
+    """A llama4 GGUF's traits under config.json's names, as llama.cpp runs the file: the widths of
+    the dense MLPs (feed_forward_length) and of the experts; the layers with a router sparse; chunks
+    of 8192 on 3 of every 4 layers, the temperature's floor 8192 and scale 0.1 (the converter writes
+    none of them), or, with attention.sliding_window 0, RoPE everywhere and no chunks; the QK-norm
+    on all but the 128-expert model."""
+    values["intermediate_size_mlp"] = values.get("intermediate_size")
+    values["intermediate_size"] = values.get("moe_intermediate_size", values.get("intermediate_size"))
+    values["interleave_moe_layer_step"] = meta.get(f"{arch}.interleave_moe_layer_step", 1)
+    if values.get("num_experts"):
+        dense = values.get("mlp_only_layers") or []
+        values["moe_layers"] = [i for i in range(values["num_hidden_layers"]) if i not in dense]
+    if values.pop("sliding_window", None) == 0:
+        values |= {"attention_chunk_size": None, "no_rope_layers": [1] * values["num_hidden_layers"],
+                   "attn_temperature_tuning": False}
+    else:
+        values |= {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "floor_scale": 8192, "attn_scale": 0.1}
+    values["use_qk_norm"] = values.get("num_experts") != 128
