@@ -8,7 +8,8 @@ experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, sof
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
 Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
 Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss (attention sinks, biased experts,
-the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention) differ only in ModelConfig
+the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention), Llama 4 (chunked attention,
+input-scaled experts) differ only in ModelConfig
 (vkrt/loader/normalize.py builds it): the traits are read from there, never from a family name.
 Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
