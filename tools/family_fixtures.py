@@ -52,7 +52,7 @@ GGUF_FAMILIES = ("Qwen2", "Qwen3", "Gemma2", "Gemma3", "Qwen3Moe")
 CONVERTED_FAMILIES = ("Lfm2", "Qwen3_5", "Qwen3Next", "Qwen3_5Moe", "Lfm2Moe", "GraniteMoeHybrid", "NemotronH",
                       "FalconH1", "Mixtral", "Olmoe", "SmolLM3", "Granite", "Ernie4_5", "Phi3", "Olmo2", "Olmo3",
                       "Exaone4", "SeedOss", "Ministral3", "Glm4Moe", "GptOss", "MiniMaxM2", "DeepseekV3",
-                      "Glm4MoeLite", "Gemma4")
+                      "Glm4MoeLite", "Gemma4", "Llama4")
 
 
 # config.json as the converter expects it where transformers 5 saves it otherwise: llama.cpp reads
@@ -75,6 +75,8 @@ CONVERT_CONFIG: dict[str, Any] = {
 CONVERT_AS_RUN: dict[str, Any] = {
     "tiny_mixtral": lambda cfg: {"sliding_window": None},
     "tiny_phi3": lambda cfg: {"rope_parameters": cfg["rope_parameters"] | {"attention_factor": 1.0}},
+    # llama.cpp runs every llama4 file with chunks of 8192 and the temperature's floor 8192, scale 0.1.
+    "tiny_llama4": lambda cfg: {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1},
 }
 # Families whose converter reads the vocabulary's size from tokenizer.json (Gemma 4's trims its
 # embedding to it): converted from a copy holding a word-level tokenizer.json of that many tokens.
@@ -84,11 +86,13 @@ NOT_CONVERTED = ("tiny_falcon_h1_nonorm",)
 # What a conversion changes, by fixture, said in its golden's description.
 CONVERT_NOTES = {"tiny_falcon_h1": "; the converter folds the muP multipliers into the weights, which rounds them",
                  "tiny_mixtral": " with no sliding window (CONVERT_AS_RUN), as llama.cpp runs the file",
-                 "tiny_phi3": " with longrope's attention factor 1 (CONVERT_AS_RUN), as the converter wrote it"}
+                 "tiny_phi3": " with longrope's attention factor 1 (CONVERT_AS_RUN), as the converter wrote it",
+                 "tiny_llama4": " with chunks of 8192 and the temperature's floor 8192 and scale 0.1 (CONVERT_AS_RUN), "
+                                "as llama.cpp runs a llama4 file"}
 # Families whose checkpoints may hold an MTP head: converted with --no-mtp (others refuse the flag).
 MTP_FAMILIES = ("Qwen3_5", "Qwen3Next", "Qwen3_5Moe")
 # Families whose text model has its own config class beside the multimodal one.
-TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe", "Gemma4")
+TEXT_CONFIGS = ("Gemma3", "Qwen3_5", "Qwen3_5Moe", "Gemma4", "Llama4")
 # Families whose HF norms scale by (1 + w), their weights starting at 0 (Gemma 4's scale by w).
 ONE_PLUS_W_NORMS = ("Gemma2", "Gemma3")
 LLAMACPP_DEFAULT = Path(__file__).resolve().parents[1] / "build" / "llamacpp"
@@ -412,6 +416,17 @@ def _families() -> dict[str, tuple[str, dict[str, Any], str]]:
                             "(top-2, softmax renormalised, per-expert scales; the router's own scaled norm), each "
                             "with its norms; full layers with K = V, one KV head of 32, proportional RoPE; sliding "
                             "(8) layers with two KV heads of 16; no per-layer embeddings"),
+        "tiny_llama4": ("Llama4", dict(BASE, num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=128,
+                                       eos_token_id=None, num_local_experts=4, num_experts_per_tok=1,
+                                       interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=8,
+                                       use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64}),
+                        "Llama 4 text: layers 0-2 RoPE (llama3 scaling, interleaved pairs) with chunked attention "
+                        "(chunks of 8) and the unweighted QK-norm, layer 3 NoPE over the whole context with queries "
+                        "times 1 + 0.5 ln(1 + floor((p + 1) / 4)); layers 1 and 3 MoE (4 experts of 32, top-1 by "
+                        "sigmoid score scaling the expert's input, plus a shared expert of 32), 0 and 2 dense (128)"),
     }
 
 

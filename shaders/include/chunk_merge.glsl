@@ -9,9 +9,16 @@ const float LOG2E = 1.4426950408889634;
 // A row's window and chunks, which the attention kernels and the merge pass must agree on: the
 // end n of the context of a token at `position`, never past the block table's
 // table_positions whatever the position says; the first position a sliding window (0: none)
-// lets it see; the chunks of `chunk` positions (0: one chunk) that window touches.
+// lets it see; the chunks of `chunk` positions (0: one chunk) that window touches. A window with
+// the CHUNKED_WINDOW bit set is chunk-aligned (Llama 4's chunked attention): its W = the other bits
+// and it starts at the multiple of W the row ends in, floor((n - 1) / W) * W.
+const uint CHUNKED_WINDOW = 0x80000000u;
 uint row_end(int position, uint table_positions) { return min(uint(position) + 1u, table_positions); }
-uint row_first(uint n, uint window) { return window > 0u && n > window ? n - window : 0u; }
+uint row_first(uint n, uint window) {
+    uint w = window & ~CHUNKED_WINDOW;
+    if (w != window) return n > 0u ? (n - 1u) / w * w : 0u;
+    return window > 0u && n > window ? n - window : 0u;
+}
 uvec2 row_chunks(uint first, uint n, uint chunk) { return chunk > 0u ? uvec2(first / chunk, (n - 1u) / chunk) : uvec2(0u); }
 
 // The weights that bring a merged state of maximum m_merged and the next chunk's state of

@@ -33,7 +33,9 @@ FAMILIES = ["tiny_qwen2", "tiny_qwen2_gguf", "tiny_qwen3", "tiny_qwen3_gguf", "t
             "tiny_ministral3_vl", "tiny_minimax_m2", "tiny_minimax_m2_gguf",
             # multi-head latent attention (tests/models/test_mla.py: its cache and absorption)
             "tiny_deepseek_v3", "tiny_deepseek_v3_gguf", "tiny_glm4_moe_lite", "tiny_glm4_moe_lite_gguf",
-            "tiny_gemma4", "tiny_gemma4_moe", "tiny_gemma4_vl", "tiny_gemma4_gguf", "tiny_gemma4_moe_gguf"]
+            "tiny_gemma4", "tiny_gemma4_moe", "tiny_gemma4_vl", "tiny_gemma4_gguf", "tiny_gemma4_moe_gguf",
+            # Llama 4: chunked attention, NoPE layers with the query temperature, input-scaled experts
+            "tiny_llama4", "tiny_llama4_gguf"]
 LLAMAS = ["tiny_llama", "tiny_llama_tied", "tiny_llama_bf16"]
 # Stated bound: max |logit difference| against transformers' float32 forward. Measured
 # 2.3e-5 at most on both backends (tiny_smollm3; most of it the goldens' 6-digit rounding),

@@ -709,11 +709,37 @@ _GEMMA4 = ArchSpec(
     norm_topk_prob=True,
 )
 
+# Llama 4 (text): Llama's names under feed_forward., interleaved RoPE pairs (complex rotation), the
+# rest in vkrt/loader/llama4.py; Llama4ForConditionalGeneration's language model with its towers skipped.
+_LLAMA4_FFN = {"feed_forward.gate_proj.weight": "gate_proj", "feed_forward.up_proj.weight": "up_proj",
+               "feed_forward.down_proj.weight": "down_proj", "feed_forward.router.weight": "router",
+               "feed_forward.experts.gate_up_proj": "experts.gate_up_proj",
+               "feed_forward.experts.down_proj": "experts.down_proj",
+               **{f"feed_forward.shared_expert.{n}.weight": f"shared_expert.{n}"
+                  for n in ("gate_proj", "up_proj", "down_proj")}}
+_LLAMA4 = ArchSpec(
+    name="llama4",
+    gguf_archs=("llama4",),
+    hf_archs=("Llama4ForCausalLM",),
+    gguf_global=_LLAMA.gguf_global,  # llama3-scaled RoPE: per-frequency factors
+    hf_multimodal_archs=("Llama4ForConditionalGeneration",),
+    hf_skipped={"vision_model.": "the vision tower", "multi_modal_projector.": "the multimodal projector",
+                "model.vision_model.": "the vision tower", "model.multi_modal_projector.": "the multimodal projector"},
+    gguf_layer={**GGUF_LAYER, **_MOE_GGUF, "ffn_gate_shexp.weight": "shared_expert.gate_proj",
+                "ffn_up_shexp.weight": "shared_expert.up_proj", "ffn_down_shexp.weight": "shared_expert.down_proj"},
+    hf_layer={**{k: v for k, v in HF_LAYER.items() if not k.startswith("mlp.")}, **_LLAMA4_FFN},
+    rope_interleaved=True,
+    mixer_types={"chunked_attention": "attention"},
+    moe_router="sigmoid",
+    hf_stacked_experts=True,
+    chunked_attention=True,
+)
+
 ARCHS: tuple[ArchSpec, ...] = (_LLAMA, _MISTRAL, _QWEN2, _QWEN3, _GEMMA2, _GEMMA3, _PHI3, _SMOLLM3, _GRANITE,
                                _QWEN3_MOE, _QWEN2_MOE, _MIXTRAL, _OLMOE, _ERNIE4_5, _LFM2, _QWEN3_5, _QWEN3_5_MOE,
                                _GRANITE4, _QWEN3_NEXT, _NEMOTRON_H, _LFM2_MOE, _OLMO_HYBRID, _FALCON_H1,
                                _GLM4_MOE, _GPT_OSS, _OLMO2, _OLMO3, _EXAONE4, _SEED_OSS, _MINISTRAL3,
-                               _MINIMAX_M2, _DEEPSEEK_V3, _GLM4_MOE_LITE, _GEMMA4)
+                               _MINIMAX_M2, _DEEPSEEK_V3, _GLM4_MOE_LITE, _GEMMA4, _LLAMA4)
 
 
 def arch_for_gguf(gguf_arch: str, experts: bool = False) -> ArchSpec | None:

@@ -172,6 +172,11 @@ class ArchSpec:
     # HF's expert stacks are [E, in, out] with gate and up columns interleaved (gpt-oss): the
     # loader turns them into llama.cpp's gate, up and down stacks.
     hf_interleaved_experts: bool = False
+    # HF's expert stacks are [E, in, out] with the gate columns, then the up columns (Llama 4).
+    hf_stacked_experts: bool = False
+    # Llama 4's layer traits (vkrt/loader/llama4.py): chunked attention on RoPE layers, NoPE ones
+    # with the query temperature, input-scaled experts every interleave_moe_layer_step-th layer.
+    chunked_attention: bool = False
     # -- config.json in this family's own words --
     hf_prefix: str = "model"  # per-layer tensors are "<hf_prefix>.layers.{i}.<suffix>"
     hf_renames: dict[str, str] = field(default_factory=dict)  # its field -> the name normalize reads

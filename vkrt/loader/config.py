@@ -39,6 +39,7 @@ class LayerConfig:
     intermediate_size: int = 0
     kv_layer: int = -1  # the earlier layer whose K/V cache this layer reads and never writes; -1: its own
     k_eq_v: bool = False  # the values are the keys' projection (no v_proj), normed without RoPE
+    chunked: bool = False  # the window is chunk-aligned: floor(p / W) * W <= j <= p (Llama 4's chunked attention)
 
     @property
     def attends(self) -> bool:
@@ -114,6 +115,10 @@ class ModelConfig:
     # length its original context); beta 0 = none.
     query_temperature_beta: float = 0.0
     query_temperature_length: int = 0
+    # Llama 4's attention temperature tuning: positions counted from 1 (p + 1 for p), unrotated layers only.
+    query_temperature_shift: int = 0
+    query_temperature_nope_only: bool = False
+    qk_l2_norm: bool = False  # an RMS norm of each q and k head with no weight, on rotated layers (Llama 4)
     # -- recurrent mixers (layers whose LayerConfig.recurrent is set) -------------------------
     conv_kernel: int = 0  # taps K of the depthwise causal convolution (LFM2's conv_L_cache)
     conv_bias: bool = False  # the convolution adds a bias per channel
@@ -169,6 +174,7 @@ class ModelConfig:
     # "softmax" (the k largest logits, softmax weights) or "sigmoid" (LFM2-MoE: sigmoid scores,
     # chosen with a per-expert bias when expert_bias, weights times routed_scaling_factor).
     moe_router: str = "softmax"
+    moe_input_scaled: bool = False  # the router weight scales the expert's input, not its output (Llama 4)
     expert_bias: bool = False
     routed_scaling_factor: float = 1.0
     # The sigmoid router: the eps added to the chosen weights' sum when renormalising (LFM2-MoE

@@ -16,6 +16,7 @@ from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch_spec import ArchSpec
 from vkrt.loader.config import WeightData
 from vkrt.loader.gguf_file import GGUFFile
+from vkrt.loader.llama4 import gguf_llama4
 from vkrt.loader.mla import gguf_latent_attention
 from vkrt.loader.normalize import ConfigFields, is_int
 
@@ -154,6 +155,8 @@ def gguf_fields(path: Path, spec: ArchSpec, arch: str, meta: dict[str, Any], rea
         if gating is not None and _GGUF_GATING.get(gating) != spec.moe_router:
             raise UnsupportedModelError(f"{path}: '{arch}.expert_gating_func' {gating!r} is not this family's "
                                         f"{spec.moe_router} routing; vkrt does not run it")
+    if spec.chunked_attention:
+        gguf_llama4(meta, arch, values)
     if spec.default_mixer == "mla":
         gguf_latent_attention(arch, meta, values, spelled)
     eos: list[int] = []

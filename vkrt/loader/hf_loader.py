@@ -150,20 +150,22 @@ def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range
     return range(layers, layers + count)
 
 
-def _split_interleaved_experts(model_dir: Path, weights: dict[str, WeightData]) -> None:
-    """gpt-oss's expert stacks as llama.cpp's converter writes them: HF's gate_up_proj [E, H, 2F]
-    (gate and up columns interleaved) and down_proj [E, F, H] become gate_proj, up_proj [E, F, H]
-    and down_proj [E, H, F], and the [E, 2F] bias gate_bias and up_bias. The transposes are
-    copies (float formats: HF stores nothing else), made once at load."""
+def _split_fused_experts(model_dir: Path, weights: dict[str, WeightData], interleaved: bool) -> None:
+    """Expert stacks as llama.cpp's converter writes them: HF's gate_up_proj [E, H, 2F] (gate and
+    up columns interleaved, gpt-oss's, or gate's then up's, Llama 4's) and down_proj [E, F, H]
+    become gate_proj, up_proj [E, F, H] and down_proj [E, H, F], and the [E, 2F] bias gate_bias
+    and up_bias. The transposes are copies (float formats: HF stores nothing else), made once at load."""
     for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
         p = name[: -len("gate_up_proj")]
         fused, down = weights.pop(name), weights.get(p + "down_proj")
         if down is None or len(fused.shape) != 3 or len(down.shape) != 3 or fused.shape[2] % 2:
             raise ModelFormatError(f"{model_dir}: {name} must be [experts, hidden, 2 x intermediate] beside a "
                                    f"[experts, intermediate, hidden] down_proj, got {list(fused.shape)}; the "
-                                   "checkpoint is not a gpt-oss one transformers wrote")
+                                   "checkpoint is not one transformers wrote")
+        half = fused.shape[2] // 2
         for i, part in enumerate(("gate_proj", "up_proj")):
-            data = np.ascontiguousarray(fused.data[:, :, i::2].transpose(0, 2, 1))
+            columns = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
+            data = np.ascontiguousarray(fused.data[:, :, columns].transpose(0, 2, 1))
             weights[p + part] = WeightData(p + part, fused.fmt, data.shape, data)
         data = np.ascontiguousarray(down.data.transpose(0, 2, 1))
         weights[p + "down_proj"] = WeightData(p + "down_proj", down.fmt, data.shape, data)
@@ -234,8 +236,8 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
-    if spec.hf_interleaved_experts:
-        _split_interleaved_experts(model_dir, weights)
+    if spec.hf_interleaved_experts or spec.hf_stacked_experts:
+        _split_fused_experts(model_dir, weights, spec.hf_interleaved_experts)
     for what, count in skipped.items():
         log.info("%s: skipped %s (%d tensor%s): vkrt runs the language model only", model_dir,
                  what, count, "" if count == 1 else "s")

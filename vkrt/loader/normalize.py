@@ -31,6 +31,7 @@ from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader.arch_spec import ArchSpec
 from vkrt.loader.config import LayerConfig, ModelConfig, Multipliers
 from vkrt.loader.layer_shapes import layer_shapes, per_layer_inputs
+from vkrt.loader.llama4 import llama4_config
 from vkrt.loader.mla import latent_attention_config
 from vkrt.ops.moe import MAX_ROUTER_GROUPS
 from vkrt.ops.recurrent import MAX_CONV_KERNEL
@@ -445,6 +446,8 @@ def model_config(src: ConfigFields, spec: ArchSpec, name: str, generation: dict[
         **_expert_groups(src, spec, moe),
         **_clamped_swiglu(src, spec),
     )
+    if spec.chunked_attention:
+        return llama4_config(src, config)
     return latent_attention_config(src, config) if spec.default_mixer == "mla" else config
 
 

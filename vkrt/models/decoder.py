@@ -8,9 +8,9 @@ experts, (post-norm), residual (x scale)] -> final norm -> LM head (x scale, sof
 Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, ERNIE 4.5, LFM2, Qwen3.5, Qwen3-Next,
 Granite 4, Nemotron-H (a block is only its mixer or only its MLP), Falcon-H1, OLMo 2 / 3, EXAONE 4,
 Seed-OSS, Ministral 3, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss (attention sinks, biased experts,
-the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention) and Gemma 4
-(per-layer embeddings, per-layer head shapes, K/V shared across layers, the dense MLP beside the
-experts) differ only in ModelConfig
+the clamped SwiGLU), DeepSeek-V3 and GLM-4 MoE Lite (multi-head latent attention), Llama 4 (chunked
+attention, input-scaled experts) and Gemma 4 (per-layer embeddings, per-layer head shapes, K/V
+shared across layers, the dense MLP beside the experts) differ only in ModelConfig
 (vkrt/loader/normalize.py builds it): the traits are read from there, never from a family name.
 Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 """
@@ -90,7 +90,8 @@ class DecoderModel(CausalLM):
             c = self.config
             if c.query_temperature_beta:
                 self._query_temperature = self.upload_f32(query_temperature_table(
-                    positions, c.head_dim, c.query_temperature_beta, c.query_temperature_length))
+                    positions, c.head_dim, c.query_temperature_beta, c.query_temperature_length,
+                    c.query_temperature_shift))
             self._rope_positions = positions
         return super().allocate_kv_cache(num_blocks, block_size, dtype, max_len, state_slots)
 
@@ -183,19 +184,22 @@ class DecoderModel(CausalLM):
     def attend(self, attn: Attention, x: Tensor, step: StepTensors, kv: KVCache, i: int) -> Tensor:
         """Attention of the normed input x over layer i's cache (its K/V written first), through o_proj."""
         c = self.config
+        layer = c.layer(i)
         q = self.query_and_cache_write(attn, x, step, kv, i)
-        if self._query_temperature is not None:  # after RoPE, as transformers scales them
-            q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)
+        if self._query_temperature is not None and not (c.query_temperature_nope_only and layer.rope):
+            q = ops.rope(q, step.positions, self._query_temperature, c.head_dim)  # after RoPE, as transformers
         tables = step.block_tables_of(kv.group_of(i))  # the block tables of layer i's KV group
         cached = c.kv_layer_of(i)  # i, or the earlier layer whose K/V it shares (Gemma 4)
         scale, kv_heads = c.query_scale or 1.0 / float(np.sqrt(c.head_dim_of(i))), c.kv_heads_of(i)
         if attn.sinks is None:
             a = ops.paged_attention(q, kv.keys[cached], kv.values[cached], tables, step.seq_index, step.positions,
-                                    c.num_heads, kv_heads, scale, window=c.layer(i).window, softcap=c.attn_softcap)
+                                    c.num_heads, kv_heads, scale, window=c.layer(i).window, softcap=c.attn_softcap,
+                                    chunked=c.layer(i).chunked)
         else:  # gpt-oss: a learned logit per head in every softmax's denominator
             a = ops.paged_attention_sinks(q, kv.keys[cached], kv.values[cached], tables, step.seq_index,
                                           step.positions, attn.sinks, c.num_heads, kv_heads, scale,
-                                          window=c.layer(i).window, softcap=c.attn_softcap)
+                                          window=c.layer(i).window, softcap=c.attn_softcap,
+                                          chunked=c.layer(i).chunked)
         if attn.gate is not None:  # Qwen3.5: each head's output times sigmoid of its gate
             a = ops.sigmoid_mul(a, linear(x, attn.gate))
         return linear(a, attn.o)
@@ -325,6 +329,8 @@ class DecoderModel(CausalLM):
         if experts.expert_scale is not None:  # Gemma 4: each chosen weight times its expert's scale
             t, k = weights.shape
             weights = ops.reshape(ops.moe_scale(ops.reshape(weights, (t, k, 1)), experts.expert_scale, ids), (t, k))
+        if c.moe_input_scaled:  # Llama 4: the one expert's input times its score, its output as it is
+            return self.input_scaled_experts(experts, x, ids, weights)
         gate_up = self.expert_gate_up(experts, x, ids)  # [T, k, 2F]
         if experts.gate_up_bias is not None:  # gpt-oss: each chosen expert's biases
             gate_up = ops.moe_add_bias(gate_up, experts.gate_up_bias, ids)
@@ -341,6 +347,15 @@ class DecoderModel(CausalLM):
             return ops.add(ops.moe_combine(y, weights), self.mlp(experts.shared, x))
         # Qwen2-MoE: + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
         return ops.moe_combine_shared(y, weights, self.mlp(experts.shared, x), linear(x, experts.shared_gate))
+
+    def input_scaled_experts(self, experts: Experts, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """shared(x) + expert(x * w) of each token's one expert (k = 1, the loader's check): the
+        combine over one slot is the scaling of x, and the output [T, 1, H] is a row per token."""
+        assert experts.shared is not None
+        t, hidden = x.shape
+        scaled = ops.moe_combine(ops.reshape(x, (t, 1, hidden)), weights)
+        y = ops.moe_matmul(self.activation(self.expert_gate_up(experts, scaled, ids)), experts.down, ids)
+        return ops.add(ops.reshape(y, (t, hidden)), self.mlp(experts.shared, x))
 
     def expert_gate_up(self, experts: Experts, x: Tensor, ids: Tensor) -> Tensor:
         """[T, k, 2F]: gate over up of each token's k experts (two expert matmuls side by side

@@ -81,11 +81,12 @@ def attention_factor(scaling: dict[str, Any] | None) -> float:
     return float((scaling or {}).get("attention_factor") or 1.0) if kind in ("longrope", "yarn") else 1.0
 
 
-def query_temperature_table(positions: int, head_dim: int, beta: float, length: int) -> np.ndarray:
+def query_temperature_table(positions: int, head_dim: int, beta: float, length: int, shift: int = 0) -> np.ndarray:
     """[positions, head_dim] cos | sin table of a rotation by angle 0 and length
-    1 + beta * ln(1 + floor(p / length)) (Ministral 3's llama_4_scaling_beta): `rope` with it
-    multiplies each query by its position's temperature, exactly."""
-    scale = 1.0 + beta * np.log1p(np.floor(np.arange(positions, dtype=np.float64) / length))
+    1 + beta * ln(1 + floor((p + shift) / length)) (Ministral 3's llama_4_scaling_beta; Llama 4's
+    attention temperature tuning with shift 1): `rope` with it multiplies each query by its
+    position's temperature, exactly."""
+    scale = 1.0 + beta * np.log1p(np.floor((np.arange(positions, dtype=np.float64) + shift) / length))
     cos = np.repeat(scale.astype(np.float32)[:, None], head_dim // 2, axis=1)
     return np.concatenate([cos, np.zeros_like(cos)], axis=1)
 

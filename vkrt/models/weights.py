@@ -13,7 +13,7 @@ file had.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -325,9 +325,13 @@ class _Builder:
                          mixer=None if kind.mixer == "none" else self.mixer(p, kind.mixer),
                          ffn_norm=norm if kind.mlp else None,
                          mlp=(self.experts(p) if kind.moe else self.mlp(p)) if kind.mlp else None)
+        mixer = self.mixer(p, kind.mixer)
+        if c.qk_l2_norm and kind.rope and isinstance(mixer, Attention):  # Llama 4: a norm without weights
+            unit = self.f32(np.ones(c.head_dim, np.float32))
+            mixer = replace(mixer, q_norm=unit, k_norm=unit)
         return Layer(
             attn_norm=self.norm(p + "attn_norm"),
-            mixer=self.mixer(p, kind.mixer),
+            mixer=mixer,
             ffn_norm=self.norm(p + "ffn_norm"),
             mlp=(self.mlp_and_experts(p) if c.moe_beside_mlp else self.experts(p)) if kind.moe else self.mlp(p),
             post_attn_norm=self.norm(p + "post_attn_norm") if sandwich else None,

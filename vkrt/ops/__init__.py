@@ -156,22 +156,22 @@ def qkv_norm_rope_kv_write(qkv: Tensor, q_norm: Tensor, k_norm: Tensor, position
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     seq_index: Tensor, positions: Tensor, num_heads: int, num_kv_heads: int,
-                    scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
-    """Causal GQA over the paged cache; window W > 0: positions p - W < j <= p only; softcap
-    c > 0: scores -> c * tanh(scores / c) before the softmax."""
+                    scale: float, window: int = 0, softcap: float = 0.0, chunked: bool = False) -> Tensor:
+    """Causal GQA over the paged cache; window W > 0: positions p - W < j <= p only (chunked:
+    floor(p / W) * W <= j <= p, Llama 4); softcap c > 0: scores -> c * tanh(scores / c) before the softmax."""
     return dispatch("paged_attention", q, k_cache, v_cache, block_table, seq_index, positions,
                     num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale),
-                    window=int(window), softcap=float(softcap))
+                    window=int(window), softcap=float(softcap), chunked=bool(chunked))
 
 
 def paged_attention_sinks(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_index: Tensor,
                           positions: Tensor, sinks: Tensor, num_heads: int, num_kv_heads: int, scale: float,
-                          window: int = 0, softcap: float = 0.0) -> Tensor:
+                          window: int = 0, softcap: float = 0.0, chunked: bool = False) -> Tensor:
     """paged_attention with a learned logit per head, sinks [num_heads], in each softmax's
     denominator (gpt-oss's attention sinks)."""
     return dispatch("paged_attention_sinks", q, k_cache, v_cache, block_table, seq_index, positions, sinks,
                     num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), scale=float(scale),
-                    window=int(window), softcap=float(softcap))
+                    window=int(window), softcap=float(softcap), chunked=bool(chunked))
 
 
 def clamped_swiglu(x: Tensor, alpha: float, limit: float) -> Tensor:

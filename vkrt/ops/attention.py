@@ -96,7 +96,8 @@ def _require_kv_format(cache: TensorSpec, num_kv_heads: int, head_dim: int, name
 
 def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_table: TensorSpec,
                  seq_index: TensorSpec, positions: TensorSpec, num_heads: int, num_kv_heads: int,
-                 scale: float, window: int = 0, softcap: float = 0.0) -> tuple[TensorSpec, ...]:
+                 scale: float, window: int = 0, softcap: float = 0.0,
+                 chunked: bool = False) -> tuple[TensorSpec, ...]:
     specs = (q, k_cache, v_cache, block_table, seq_index, positions)
     name = "paged_attention"
     require(q.dtype == "f32" and len(q.shape) == 2 and q.shape[1] % num_heads == 0, name, specs,
@@ -113,6 +114,8 @@ def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_
             and seq_index.shape == positions.shape == (q.shape[0],), name, specs,
             "seq_index and positions must be i32 [T]")
     require(window >= 0, name, specs, f"window must be >= 0 (0: full attention), got {window}")
+    require(not chunked or 0 < window < CHUNKED_WINDOW, name, specs,
+            f"a chunked window must be in 1..{CHUNKED_WINDOW - 1}, got {window}")
     require(softcap >= 0.0 and np.isfinite(softcap), name, specs, f"softcap must be >= 0 (0: off), got {softcap}")
     return (q,)
 
@@ -123,28 +126,31 @@ def _paged_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_
 # another process holds a core (a 2000-token prompt through SmolLM2 on 2 busy cores: 100 s
 # against 65 s).
 SCORES_PER_CHUNK = 1 << 20
+# The kernels take a chunked window as its width with this bit set (include/chunk_merge.glsl).
+CHUNKED_WINDOW = 1 << 31
 
 
 @register_op("paged_attention", _paged_infer)
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_table: np.ndarray, seq_index: np.ndarray, positions: np.ndarray,
                     num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
-                    softcap: float = 0.0) -> np.ndarray:
+                    softcap: float = 0.0, chunked: bool = False) -> np.ndarray:
     """Causal GQA of each token over its sequence's cached positions 0..positions[t].
 
-    window W > 0: only positions j with p - W < j <= p (HF's sliding window, Mistral/Gemma).
-    softcap c > 0: scores become c * tanh(scores / c) before the softmax.
+    window W > 0: only positions j with p - W < j <= p (HF's sliding window, Mistral/Gemma);
+    with `chunked`, j in the W-aligned chunk of p: floor(p / W) * W <= j <= p (Llama 4's chunked
+    attention). softcap c > 0: scores become c * tanh(scores / c) before the softmax.
     """
     return _paged(q, k_cache, v_cache, block_table, seq_index, positions, num_heads, num_kv_heads, scale,
-                  window, softcap, None)
+                  window, softcap, None, chunked)
 
 
 def _paged_sinks_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, block_table: TensorSpec,
                        seq_index: TensorSpec, positions: TensorSpec, sinks: TensorSpec, num_heads: int,
                        num_kv_heads: int, scale: float, window: int = 0,
-                       softcap: float = 0.0) -> tuple[TensorSpec, ...]:
+                       softcap: float = 0.0, chunked: bool = False) -> tuple[TensorSpec, ...]:
     out = _paged_infer(q, k_cache, v_cache, block_table, seq_index, positions, num_heads, num_kv_heads, scale,
-                       window, softcap)
+                       window, softcap, chunked)
     require(sinks.dtype == "f32" and sinks.shape == (num_heads,), "paged_attention_sinks", (q, sinks),
             f"sinks must be f32 [num_heads] ({num_heads})")
     return out
@@ -153,17 +159,18 @@ def _paged_sinks_infer(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec, 
 @register_op("paged_attention_sinks", _paged_sinks_infer)
 def paged_attention_sinks(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
                           seq_index: np.ndarray, positions: np.ndarray, sinks: np.ndarray, num_heads: int,
-                          num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+                          num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
+                          chunked: bool = False) -> np.ndarray:
     """paged_attention with an attention sink per head (gpt-oss): a learned logit sinks[h] that
     joins head h's softmax denominator and weighs no value, so a row's weights sum to less than 1.
     The sink is a raw logit (not scaled, not capped), as transformers concatenates it."""
     return _paged(q, k_cache, v_cache, block_table, seq_index, positions, num_heads, num_kv_heads, scale,
-                  window, softcap, np.asarray(sinks, np.float64))
+                  window, softcap, np.asarray(sinks, np.float64), chunked)
 
 
 def _paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
            seq_index: np.ndarray, positions: np.ndarray, num_heads: int, num_kv_heads: int, scale: float,
-           window: int, softcap: float, sinks: np.ndarray | None) -> np.ndarray:
+           window: int, softcap: float, sinks: np.ndarray | None, chunked: bool = False) -> np.ndarray:
     group = num_heads // num_kv_heads
     out = np.zeros_like(q, dtype=np.float32)  # padding rows (seq_index < 0) stay zero
     for seq in np.unique(seq_index[seq_index >= 0]):
@@ -171,20 +178,22 @@ def _paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table:
         per_chunk = max(1, SCORES_PER_CHUNK // (group * (int(positions[tokens].max()) + 1)))
         for chunk in np.split(tokens, range(per_chunk, len(tokens), per_chunk)):
             out[chunk] = _attend_sequence(q[chunk], positions[chunk], k_cache, v_cache, block_table[seq],
-                                          num_heads, num_kv_heads, scale, window, softcap, sinks)
+                                          num_heads, num_kv_heads, scale, window, softcap, sinks, chunked)
     return out
 
 
 def _attend_sequence(q: np.ndarray, positions: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                      blocks: np.ndarray, num_heads: int, num_kv_heads: int, scale: float, window: int,
-                     softcap: float, sinks: np.ndarray | None) -> np.ndarray:
+                     softcap: float, sinks: np.ndarray | None, chunked: bool = False) -> np.ndarray:
     """Tokens q [T, heads * hd] of one sequence (block-table row `blocks`) at `positions`, each
     over the cached positions it sees -> [T, heads * hd]."""
     t, hd = q.shape[0], q.shape[1] // num_heads
     group = num_heads // num_kv_heads
     pos = np.arange(int(positions.max()) + 1)
     seen = pos <= positions[:, None]  # [T, L]
-    if window > 0:
+    if chunked:
+        seen &= pos >= positions[:, None] // window * window
+    elif window > 0:
         seen &= pos > positions[:, None] - window
     read = seen.any(axis=0)  # only positions some token sees: entries that left a window are NULL
     pos, seen = pos[read], seen[:, read]

@@ -15,7 +15,8 @@ positions (flash-decoding): decode-shaped steps give every chunk a workgroup and
 paged_attention_merge.comp folds their partial states; prefill-shaped steps (enough work
 already) walk a row's chunks in one workgroup and fold them in registers, in the same order
 with the same weights (include/chunk_merge.glsl). A sliding window is a push constant (the
-walk starts at the window's first position); a logit softcap is specialisation constant 2, and
+walk starts at the window's first position; Llama 4's chunk-aligned window is its width with
+bit 31 set); a logit softcap is specialisation constant 2, and
 attention sinks (`paged_attention_sinks`, gpt-oss) constant 6, folded into a row's state after its
 last chunk (by the merge pass where chunks are split).
 Either way the order depends only on per-device constants and the row's own positions, so a
@@ -31,6 +32,7 @@ from vkrt.backend.base import Kernel
 from vkrt.backend.vulkan.device import DeviceCaps
 from vkrt.backend.vulkan.kernels.common import KernelBackend, grid_1d, local_size, module
 from vkrt.core.tensor import KV_Q8_0, Tensor, TensorSpec
+from vkrt.ops.attention import CHUNKED_WINDOW
 
 # Invocations per workgroup for attention: llvmpipe's SIMD width (subgroup size 8), so a
 # decode step of a few heads still spreads over more than one workgroup (and CPU thread).
@@ -174,6 +176,7 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
     them q is bound in the sinks' unread place)."""
     q, k_cache, v_cache, block_table, seq_index, positions, *with_sinks = inputs
     sinks = with_sinks[0] if with_sinks else q
+    window = params.get("window", 0) | (CHUNKED_WINDOW if params.get("chunked") else 0)  # the push constant
     num_heads, num_kv_heads = params["num_heads"], params["num_kv_heads"]
     tokens, head_dim = q.shape[0], q.shape[1] // num_heads
     group, hd4 = num_heads // num_kv_heads, head_dim // 4
@@ -189,7 +192,7 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
     if heads > 1:  # a workgroup per (tokens, query heads of one KV head[, chunk])
         assert lanes is not None  # gqa_heads > 1 only where the GQA kernel runs
         shader = module(backend, "paged_attention_gqa", KV_VARIANT[k_cache.dtype])
-        tile_tokens = gqa_tokens(heads, head_dim, params.get("window", 0)) if prefill else 1  # never split
+        tile_tokens = gqa_tokens(heads, head_dim, window) if prefill else 1  # never split
         items, per_group, spec = num_heads // heads, 1, {0: lanes, 4: heads, 5: tile_tokens}
         if k_cache.dtype == "f16":
             kind = "u32x4"  # 8 halves per texel
@@ -211,7 +214,7 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
                             (partials, "f32x4", True), (sinks, "f32", False)],
                            grid_1d(-(-count // tile_tokens) * items * step_chunks, per_group),
                            ("<IIIIIIfIII", (count, num_heads, group, kv_dim // 4, block_size,
-                                            block_table.shape[1], params["scale"], params.get("window", 0),
+                                            block_table.shape[1], params["scale"], window,
                                             step_chunks, token0)),
                            spec)
         if split:
@@ -220,7 +223,7 @@ def _paged_attention(backend: KernelBackend, inputs: tuple[Tensor, ...], params:
                                 (y, "f32x4", True), (sinks, "f32", False)],
                                grid_1d(count * num_heads * hd4),
                                ("<IIIIIIII", (count, num_heads, hd4, chunks, token0, chunk,
-                                              block_table.shape[1] * block_size, params.get("window", 0))),
+                                              block_table.shape[1] * block_size, window)),
                                local_size() | {1: int(bool(with_sinks))})
     return (y,)
 
