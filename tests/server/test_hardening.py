@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +376,32 @@ def test_openapi_document_declares_what_is_sent(fake: Live) -> None:
     assert "content" not in paths["/health"]["get"]["responses"]["200"]
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     assert fake.client.get("/health").content == b""
+
+
+def _discriminated_unions(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "discriminator" in node:
+            yield node
+        for value in node.values():
+            yield from _discriminated_unions(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _discriminated_unions(value)
+
+
+def test_each_discriminator_value_maps_to_a_schema_of_its_own(fake: Live) -> None:
+    """A schema that two discriminator values map to takes both, so a client reading the
+    document sends one where it expects the other (the negative fuzzing lane found one)."""
+    doc = fake.client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    unions = list(_discriminated_unions(doc))
+    assert unions
+    for union in unions:
+        field = union["discriminator"]["propertyName"]
+        for value, ref in union["discriminator"]["mapping"].items():
+            schema = schemas[ref.rsplit("/", 1)[-1]]
+            allowed = schema["properties"][field].get("enum") or [schema["properties"][field].get("const")]
+            assert allowed == [value], (ref, allowed)
 
 
 # ---- 14: odd files and odd framing ----------------------------------------------------------

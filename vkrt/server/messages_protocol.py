@@ -45,14 +45,23 @@ class ToolResultBlockParam(_Body):
 class ThinkingBlockParam(_Body):
     """A thinking block sent back with its turn: dropped (the template never sees old thoughts)."""
 
-    type: Literal["thinking", "redacted_thinking"]
+    type: Literal["thinking"]
     thinking: str | None = None
     signature: str | None = None
+
+
+class RedactedThinkingBlockParam(_Body):
+    """Dropped like a thinking block. Its own model, so that each `type` of the discriminated
+    union maps to one schema: an OpenAPI discriminator maps a value to one schema, and a client
+    (or a fuzzer) reading the document expects each schema to take exactly its own value."""
+
+    type: Literal["redacted_thinking"]
     data: str | None = None
 
 
 ContentBlockParam = Annotated[
-    TextBlockParam | ImageBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam,
+    TextBlockParam | ImageBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
+    | RedactedThinkingBlockParam,
     Field(discriminator="type")]
 
 
