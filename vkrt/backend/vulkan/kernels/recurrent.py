@@ -6,6 +6,7 @@ buffer copy of a region per slot (no shader)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vkrt import config
@@ -82,17 +83,24 @@ def prefill_chunk(caps: DeviceCaps) -> int:
     return 16 if caps.device_type == "cpu" else MAX_CHUNK
 
 
+def _by_prefill_form(form: str, tokens: int, seqs: int, chunked: Callable[[], None],
+                     recurrent: Callable[[int], None]) -> None:
+    """Run the chunked kernels over the sequences of CHUNKED_FROM tokens or more when `form` is
+    'chunked', and `recurrent(chunked_from)` over the rest (0: over every sequence)."""
+    # a sequence may reach CHUNKED_FROM tokens only if the others leave it that many
+    use_chunked = form == "chunked" and tokens - (seqs - 1) >= CHUNKED_FROM
+    if use_chunked:
+        chunked()
+    if not use_chunked or seqs > 1:  # a lone sequence of CHUNKED_FROM tokens or more is the chunked kernels'
+        recurrent(CHUNKED_FROM if use_chunked else 0)
+
+
 def _gated_delta_net(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[str, Any],
                      out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    qkv, ba, a_rate, dt_bias, state, seq_start, positions, state_slots = inputs
-    seqs, tokens = state_slots.shape[0], qkv.shape[0]
+    seqs, tokens = inputs[7].shape[0], inputs[0].shape[0]  # state_slots [S], qkv [T, ...]
     o = backend.empty(out[0].shape, "f32")
-    # a sequence may reach CHUNKED_FROM tokens only if the others leave it that many
-    chunked = delta_net_form(backend.caps) == "chunked" and tokens - (seqs - 1) >= CHUNKED_FROM
-    if chunked:
-        _chunked_delta_net(backend, inputs, params, o)
-    if not chunked or seqs > 1:  # a lone sequence of CHUNKED_FROM tokens or more is the chunked kernels'
-        _recurrent_delta_net(backend, inputs, params, o, CHUNKED_FROM if chunked else 0)
+    _by_prefill_form(delta_net_form(backend.caps), tokens, seqs, lambda: _chunked_delta_net(backend, inputs, params, o),
+                     lambda chunked_from: _recurrent_delta_net(backend, inputs, params, o, chunked_from))
     return (o,)
 
 
@@ -147,12 +155,8 @@ def _ssm_scan(backend: KernelBackend, inputs: tuple[Tensor, ...], params: dict[s
               out: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     seqs, tokens = inputs[8].shape[0], inputs[0].shape[0]  # state_slots [S], xbc [T, ...]
     y = backend.empty(out[0].shape, "f32")
-    # a sequence may reach CHUNKED_FROM tokens only if the others leave it that many
-    chunked = mamba2_form(backend.caps) == "chunked" and tokens - (seqs - 1) >= CHUNKED_FROM
-    if chunked:
-        _chunked_ssm_scan(backend, inputs, params, y)
-    if not chunked or seqs > 1:  # a lone sequence of CHUNKED_FROM tokens or more is the chunked kernels'
-        _recurrent_ssm_scan(backend, inputs, params, y, CHUNKED_FROM if chunked else 0)
+    _by_prefill_form(mamba2_form(backend.caps), tokens, seqs, lambda: _chunked_ssm_scan(backend, inputs, params, y),
+                     lambda chunked_from: _recurrent_ssm_scan(backend, inputs, params, y, chunked_from))
     return (y,)
 
 
