@@ -275,9 +275,10 @@ def test_paged_split_policy() -> None:
 
 
 def _direct_attention(case: dict[str, np.ndarray], num_heads: int, num_kv_heads: int, scale: float,
-                      window: int, softcap: float) -> np.ndarray:
+                      window: int, softcap: float, chunk: int = 0) -> np.ndarray:
     """Sliding-window / softcapped attention written out in float64, independently of the spec:
-    token t at position p sees cached positions j with p - window < j <= p (all j <= p if 0)."""
+    token t at position p sees cached positions j with p - window < j <= p (all j <= p if 0);
+    with `chunk` (Llama 4's chunked layers), those of its chunk, p - p % chunk <= j <= p."""
     q, block_table = case["q"], case["block_table"]
     block_size, kv_dim = case["k_cache"].shape[1:]
     keys = case["k_cache"].reshape(-1, kv_dim).astype(np.float64)
@@ -287,7 +288,8 @@ def _direct_attention(case: dict[str, np.ndarray], num_heads: int, num_kv_heads:
     for t, (seq, p) in enumerate(zip(case["seq_index"], case["positions"], strict=True)):
         if seq < 0:
             continue
-        js = [j for j in range(p + 1) if window == 0 or j > p - window]
+        js = (list(range(p - p % chunk, p + 1)) if chunk else
+              [j for j in range(p + 1) if window == 0 or j > p - window])
         slots = [block_table[seq][j // block_size] * block_size + j % block_size for j in js]
         for h in range(num_heads):
             kvh = h // (num_heads // num_kv_heads)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import nmse
-from tests.ops.test_attention import _native, _paged_case, paged_variant  # noqa: F401  (fixture)
+from tests.ops.test_attention import _direct_attention, _native, _paged_case, paged_variant  # noqa: F401  (fixture)
 from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.backend.vulkan.kernels import attention as kernels
@@ -18,27 +18,6 @@ from vkrt.errors import VkrtError
 
 reference = importlib.import_module("vkrt.ops.attention")
 ATTENTION_NMSE = 5e-11  # tests/ops/test_attention.py's bound
-
-
-def _direct_chunked(case: dict[str, np.ndarray], num_heads: int, num_kv_heads: int, scale: float,
-                    chunk: int) -> np.ndarray:
-    """Written out in float64 apart from the spec: token t at p sees j in [p - p % chunk, p]."""
-    q, block_table = case["q"], case["block_table"]
-    block_size, kv_dim = case["k_cache"].shape[1:]
-    keys = case["k_cache"].reshape(-1, kv_dim).astype(np.float64)
-    values = case["v_cache"].reshape(-1, kv_dim).astype(np.float64)
-    hd = q.shape[1] // num_heads
-    out = np.zeros(q.shape, np.float64)
-    for t, (seq, p) in enumerate(zip(case["seq_index"], case["positions"], strict=True)):
-        if seq < 0:
-            continue
-        slots = [block_table[seq][j // block_size] * block_size + j % block_size for j in range(p - p % chunk, p + 1)]
-        for h in range(num_heads):
-            kvh = h // (num_heads // num_kv_heads)
-            s = keys[slots, kvh * hd:(kvh + 1) * hd] @ q[t, h * hd:(h + 1) * hd].astype(np.float64) * scale
-            w = np.exp(s - s.max())
-            out[t, h * hd:(h + 1) * hd] = (w / w.sum()) @ values[slots, kvh * hd:(kvh + 1) * hd]
-    return out
 
 
 def _prefill_case(rng: np.random.Generator, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -57,7 +36,7 @@ def _prefill_case(rng: np.random.Generator, num_heads: int, num_kv_heads: int, h
 def test_reference_chunked_window(rng: np.random.Generator, chunk: int) -> None:
     case = _prefill_case(rng, 4, 2, 16, "f32")
     got = reference.paged_attention(**case, num_heads=4, num_kv_heads=2, scale=0.25, window=chunk, chunked=True)
-    assert nmse(got, _direct_chunked(case, 4, 2, 0.25, chunk)) <= 1e-12
+    assert nmse(got, _direct_attention(case, 4, 2, 0.25, 0, 0.0, chunk=chunk)) <= 1e-12
     sliding = reference.paged_attention(**case, num_heads=4, num_kv_heads=2, scale=0.25, window=chunk)
     assert chunk in (1, 64) or not np.allclose(got, sliding), "a chunked window is not a sliding one"
 
