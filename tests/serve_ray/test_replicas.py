@@ -194,19 +194,43 @@ def test_the_router_prefers_the_replica_holding_the_longest_prefix_unless_it_is_
     router = _router(imbalance=4)
     first, second = (SimpleNamespace(replica_id=name, routing_stats={}) for name in ("first", "second"))
     shared, other = list(range(1, 49)), list(range(200, 248))  # 3 full blocks each
-    router.on_request_routed(_pending(shared[:32]), "first", None)
-    router.on_request_routed(_pending(shared), "second", None)
-    router.on_request_routed(_pending(other), "first", None)
+    for prompt, replica in ((shared[:32], "first"), (shared, "second"), (other, "first")):
+        router.on_request_routed(_pending(prompt), replica, None)
+        router.on_request_completed(replica, "done")
 
     def choose(prompt: list[int]) -> list[list[str]]:
         ranks = asyncio.run(router.choose_replicas([first, second], _pending(prompt)))
-        return [[r.replica_id for r in rank] for rank in ranks]
+        return [sorted(r.replica_id for r in rank) for rank in ranks]  # a rank's order is shuffled
 
     assert choose(shared + [7] * 16) == [["second"], ["first", "second"]]  # 3 blocks held beat 2
     assert choose(other) == [["first"], ["first", "second"]]
     assert choose(list(range(500, 548))) == [["first", "second"]]  # nobody holds it: by load alone
     assert choose([1, 2, 3]) == [["first", "second"]]  # no full block
     second.routing_stats = {"running": 4, "waiting": 1}  # 5 more than the idle first: over the imbalance
-    assert choose(shared) == [["first", "second"]]
+    assert choose(shared) == [["first"], ["second"]]
     second.routing_stats = {"running": 4, "waiting": 0}
-    assert choose(shared) == [["second"], ["first", "second"]]
+    assert choose(shared) == [["second"], ["first"], ["second"]]
+
+
+def test_the_router_counts_what_it_sent_and_shuffles_replicas_of_equal_load() -> None:
+    """Requests routed but not finished count as load before the engine reports them, and equal
+    loads come in either order: requests routed together on one stale probe must not all take the
+    first replica (CI once saw 8 concurrent requests on one of two idle replicas)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    router = _router()
+    replicas = [SimpleNamespace(replica_id=name, routing_stats={}) for name in ("first", "second")]
+
+    def choose() -> list[list[str]]:
+        return [[r.replica_id for r in rank] for rank in asyncio.run(router.choose_replicas(replicas, _pending([1])))]
+
+    router.on_request_routed(_pending([1]), "first", None)
+    assert choose() == [["second"], ["first"]]
+    router.on_request_routed(_pending([1]), "second", None)
+    router.on_request_completed("first", "a")
+    assert choose() == [["first"], ["second"]]
+    router.on_request_completed("second", "b")
+    router.on_request_completed("second", "late")  # never below zero
+    orders = {tuple(choose()[0]) for _ in range(64)}
+    assert orders == {("first", "second"), ("second", "first")}

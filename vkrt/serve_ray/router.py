@@ -4,8 +4,12 @@ A request carries its prompt's full-block hashes (forward.block_hashes: the chai
 prefix cache names blocks by). The router remembers, per replica, the blocks of the prompts it
 sent there (most recent last, at most `max_blocks_per_replica`), and ranks first the replicas
 holding the longest run of the request's leading blocks, unless that replica is busier than the
-least loaded by more than `imbalance` requests. Ray Serve then takes, within a rank, the replica
-with the fewest requests in flight (its probed queue length: the engine's running + waiting).
+least loaded by more than `imbalance` requests. The other replicas follow in ranks of equal load,
+least loaded first, where load is the larger of what the engine last reported (running + waiting)
+and the requests this router has sent there and not yet seen finish; replicas of equal load are
+shuffled. Ray Serve then takes, within a rank, the replica with the shortest queue it knows of.
+The shuffle matters: when Ray's queue-length cache has expired, requests routed at the same time
+all wait on one probe, see the same lengths and would otherwise all take the first replica.
 
 What the router remembers is what it routed, not what the replica still holds: an evicted
 block is forgotten only when newer prompts push it out here, and a second router (another
@@ -14,7 +18,8 @@ ingress replica) learns only from its own traffic.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import random
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 from ray.serve.request_router import (
@@ -34,6 +39,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.imbalance = imbalance
         self.max_blocks_per_replica = max_blocks_per_replica
         self._blocks: dict[ReplicaID, OrderedDict[int, None]] = {}
+        self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -50,10 +56,15 @@ class PrefixAffinityRouter(RequestRouter):
         preferred = [r for r in candidate_replicas
                      if longest > 0 and held[r.replica_id] == longest and loads[r.replica_id] <= least + self.imbalance]
         ranks = [preferred] if preferred else []
-        return [*ranks, candidate_replicas]
+        for load in sorted(set(loads.values())):
+            rank = [r for r in candidate_replicas if loads[r.replica_id] == load]
+            random.shuffle(rank)
+            ranks.append(rank)
+        return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
+        self._in_flight[replica_id] += 1
         hashes = _hashes_of(pending_request)
         if not hashes:
             return
@@ -64,15 +75,22 @@ class PrefixAffinityRouter(RequestRouter):
         while len(blocks) > self.max_blocks_per_replica:
             blocks.popitem(last=False)
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._in_flight.get(replica_id, 0) > 0:
+            self._in_flight[replica_id] -= 1
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._blocks.pop(replica_id, None)  # its replacement starts with an empty cache
+        self._in_flight.pop(replica_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         alive = {r.replica_id for r in replicas}
         for gone in set(self._blocks) - alive:
             del self._blocks[gone]
+        for gone in set(self._in_flight) - alive:
+            del self._in_flight[gone]
 
     def _leading_blocks_held(self, replica_id: ReplicaID, hashes: tuple[int, ...]) -> int:
         blocks = self._blocks.get(replica_id)
@@ -86,11 +104,13 @@ class PrefixAffinityRouter(RequestRouter):
         return count
 
     def _load(self, replica: RunningReplica) -> int:
-        """Requests the replica holds: the larger of its engine's last reported running + waiting
-        and this router's cached queue length for it (fresher between reports)."""
+        """Requests the replica holds: the largest of its engine's last reported running + waiting,
+        Ray's cached queue length for it and the requests this router sent it that have not
+        finished (the last two are fresher between reports)."""
         stats = replica.routing_stats or {}
         reported = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
-        return max(reported, self.replica_queue_len_cache.get(replica.replica_id) or 0)
+        cached = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return max(reported, cached, self._in_flight.get(replica.replica_id, 0))
 
 
 def _hashes_of(pending_request: PendingRequest | None) -> tuple[int, ...]:
