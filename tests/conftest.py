@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,7 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kept: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        (dropped if fixtures & set(getattr(item, "fixturenames", ())) else kept).append(item)
+        unwanted = fixtures & set(getattr(item, "fixturenames", ())) or not _in_ssbo_sample(item)
+        (dropped if unwanted else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
@@ -189,6 +190,31 @@ UNFUSED_TEST_DIRS = ("ops", "backend")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fusion: run with the fusion layer on (vkrt.ops.fusion)")
+    config.addinivalue_line("markers", "ssbo_sample(keep): on the storage-buffer path, only the cases whose "
+                                       "parameters keep(**params) accepts (see _in_ssbo_sample)")
+
+
+# One weight format of each decode family: float, 32-value blocks with an offset folded into the
+# activation sums, 256-value super-blocks, a non-linear table, shared exponents (MXFP4).
+REPRESENTATIVE_FORMATS = ("f32", "q4_1", "q4_k", "iq4_xs", "mxfp4")
+
+
+def ssbo_sample(keep: Callable[..., bool]) -> pytest.MarkDecorator:
+    """Mark a kernel property test (batch invariance, fused == unfused, tiles or chunks giving the
+    same bits) to run every case on the texel path and, on the storage-buffer path, the cases
+    `keep(**params)` accepts. Such a property is about the order of a kernel's arithmetic, which
+    is the same GLSL on both paths (they differ in how operands are loaded, which the parity tests
+    cover in every variant); and llvmpipe's JIT of the storage-buffer kernels, the path GPUs take,
+    is several times slower, the suite's largest cost. Unkept cases are deselected, never skipped."""
+    return pytest.mark.ssbo_sample(keep)
+
+
+def _in_ssbo_sample(item: pytest.Item) -> bool:
+    marker = item.get_closest_marker("ssbo_sample")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if marker is None or params.get("vk") != "ssbo":
+        return True
+    return bool(marker.args[0](**{k: v for k, v in params.items() if k != "vk"}))
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import nmse
+from tests.conftest import nmse, ssbo_sample
 from tests.ops.test_paged_attention_split import run, upload, want
 from tests.tools.conftest import load_tool
 from vkrt import ops
@@ -91,6 +91,7 @@ def run_kernel(vk: Backend, kernels: Any, monkeypatch: pytest.MonkeyPatch, kerne
 BIT_SEQS = [(0, 1), (0, 17), (5, 40), (16, 16), (30, 3), (0, 70), (100, 33), (15, 1), (16, 1), (47, 1), (200, 1)]
 
 
+@ssbo_sample(lambda geometry, kv_dtype, block_size: geometry == GEOMETRIES[0] or kv_dtype == "f16")
 @pytest.mark.parametrize("block_size", [4, 8, 16], ids=lambda b: f"block{b}")  # 4, 8: fewer tokens than lanes
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
@@ -107,6 +108,7 @@ def test_gqa_rows_equal_paged_rows(vk: Backend, rng: np.random.Generator, kernel
     assert nmse(gqa, want(case, *args)) <= ATTENTION_NMSE
 
 
+@ssbo_sample(lambda geometry, kv_dtype, window, softcap: kv_dtype == "f16")
 @pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)], ids=lambda v: str(v))
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
@@ -231,6 +233,7 @@ CHUNK = 32
 CHUNK_SEQS = [(0, 1), (31, 1), (32, 1), (100, 1), (0, 70), (60, 40), (250, 3), (300, 1)]
 
 
+@ssbo_sample(lambda kernel, kv_dtype, window, softcap: kv_dtype == "f16")
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (40, 0.0), (0, 20.0)], ids=lambda v: str(v))
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("kernel", ["paged_attention_gqa", "paged_attention", "seq"])
@@ -289,6 +292,7 @@ PAIR_SEQS = [(0, 17), (5, 40), (16, 1), (0, 2), (30, 3), (47, 1), (100, 33), (20
 @pytest.mark.parametrize(("geometry", "kv_dtype"), [(g, "f16") for g in GEOMETRIES] + [(GEOMETRIES[0], "f32"),
                                                                                      (GEOMETRIES[0], "q8_0")],
                          ids=[f"{g}-f16" for g in GEOMETRY_IDS] + [f"{GEOMETRY_IDS[0]}-f32", f"{GEOMETRY_IDS[0]}-q8_0"])
+@ssbo_sample(lambda geometry, kv_dtype: geometry == GEOMETRIES[0] and kv_dtype == "f16")
 def test_two_token_tiles_equal_one_token_tiles(vk: Backend, rng: np.random.Generator, kernels: Any,
                                                monkeypatch: pytest.MonkeyPatch, kv_dtype: str,
                                                geometry: tuple[int, int, int]) -> None:
@@ -309,6 +313,7 @@ def test_two_token_tiles_equal_one_token_tiles(vk: Backend, rng: np.random.Gener
 
 @pytest.mark.parametrize(("window", "softcap", "chunk"), [(7, 0.0, 0), (40, 0.0, 0), (0, 50.0, 0), (0, 0.0, CHUNK),
                                                           (40, 0.0, CHUNK)], ids=lambda v: str(v))
+@ssbo_sample(lambda window, softcap, chunk: (window, softcap, chunk) == (40, 0.0, CHUNK))
 def test_two_token_tiles_windows_softcaps_chunks(vk: Backend, rng: np.random.Generator, kernels: Any,
                                                  monkeypatch: pytest.MonkeyPatch, window: int, softcap: float,
                                                  chunk: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import nmse
+from tests.conftest import REPRESENTATIVE_FORMATS, nmse, ssbo_sample
 from tests.core.test_formats import random_blocks
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
@@ -142,6 +142,17 @@ def test_batch_invariance(vk: Backend, rng: np.random.Generator, fmt: str) -> No
                 assert same.all(), f"{fmt} K={k} T={t} {how}: {(~same).sum()} values differ from T=1"
 
 
+# (rows, token tile, workgroup) of one-invocation-per-row matmul_vec beside the baseline (the
+# device's own choice here: 8 rows x 8 tokens): small tiles, and the widest a CPU device selects
+# (config_for: block formats take 32 rows from 2560 rows up). That one runs on the texel path
+# only, the one CPU devices take: 32 rows x 8 tokens of unrolled block dots cost ~20 s of JIT per
+# format on llvmpipe's storage-buffer path, where no device selects it (GPUs take split-K:
+# tests/ops/test_matmul_split.py, tests/backend/test_kernel_configs.py).
+ACROSS_CONFIGS = ((1, 1, 8), (2, 2, 16), (8, 4, 8))
+WIDEST_CPU_TILE = (32, 8, 8)
+
+
+@ssbo_sample(lambda fmt: fmt in REPRESENTATIVE_FORMATS)
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
                                  "iq4_xs"])
 def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, fmt: str,
@@ -155,7 +166,10 @@ def test_batch_invariance_across_configs(vk: Backend, rng: np.random.Generator, 
     w = vk.upload_weight(raw, fmt, (n, k))
     x = vk.upload(rng.standard_normal((t, k)).astype(np.float32))
     baseline = native.dispatch_matmul(vk, x, w, tiled=False).numpy()
-    for rows, tokens, workgroup in ((1, 1, 8), (2, 2, 16), (8, 4, 8), (32, 8, 8), (4, 16, 32)):
+    configs = ACROSS_CONFIGS
+    if is_block(fmt) and vk.caps.access_path == "texel":  # type: ignore[attr-defined]
+        configs += (WIDEST_CPU_TILE,)
+    for rows, tokens, workgroup in configs:
         cfg = native.MatmulConfig(workgroup=workgroup, rows=rows, tokens=tokens)
         monkeypatch.setattr(native, "config_for", lambda *args, cfg=cfg, **kw: cfg)
         got = native.dispatch_matmul(vk, x, w, tiled=False).numpy()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import nmse
+from tests.conftest import REPRESENTATIVE_FORMATS, nmse, ssbo_sample
 from tests.ops.test_matmul import FORMATS, K_QUANTS, is_block, make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend, Kernel
@@ -35,6 +35,7 @@ def run(backend: Backend, op: str, name: str, x: Tensor, w: Tensor, n: int) -> T
     return kernel(backend, op, name).run(backend, (x, w), {}, out)[0]
 
 
+@ssbo_sample(lambda fmt, path: fmt in REPRESENTATIVE_FORMATS)
 @pytest.mark.parametrize("path", ["vec", "tiled"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_equals_unfused(vk: Backend, rng: np.random.Generator, fmt: str, path: str) -> None:

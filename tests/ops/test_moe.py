@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import nmse
+from tests.conftest import REPRESENTATIVE_FORMATS, nmse, ssbo_sample
 from tests.ops.test_matmul import FORMATS, NMSE_BOUND, block_k, is_block, make_weight
 from vkrt import ops
 from vkrt.backend.base import Backend
@@ -282,6 +282,7 @@ def test_native_moe_matmul_matches_reference(vk: Backend, rng: np.random.Generat
             assert err <= NMSE_BOUND[fmt], f"{fmt} E={experts} k={top_k} T={tokens} x{list(x.shape)}: NMSE {err:.3g}"
 
 
+@ssbo_sample(lambda fmt, gated: fmt == "q4_1")
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("fmt", ["f32", "q4_1", "q4_k"])
 def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Generator, fmt: str, gated: bool) -> None:
@@ -305,6 +306,7 @@ def test_native_moe_matmul_is_batch_invariant(vk: Backend, rng: np.random.Genera
     assert dense[:60].tobytes() == batch[:60, 1].tobytes()
 
 
+@ssbo_sample(lambda fmt: fmt in REPRESENTATIVE_FORMATS)  # the plain test loads every format
 @pytest.mark.parametrize("fmt", EXPERT_FORMATS)
 def test_native_moe_matmul_gated_matches_reference(vk: Backend, rng: np.random.Generator, fmt: str) -> None:
     """gate|up and SwiGLU in one dispatch per call, every format and case of the plain test
@@ -327,6 +329,7 @@ def test_native_moe_matmul_gated_matches_reference(vk: Backend, rng: np.random.G
 
 
 @pytest.mark.fusion
+@ssbo_sample(lambda fmt, activation: fmt in ("f32", "q4_k"))
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1", "q5_0", "q4_k", "q6_k"])
 def test_native_gated_equals_unfused(vk: Backend, rng: np.random.Generator, fmt: str, activation: str) -> None:

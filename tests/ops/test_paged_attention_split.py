@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import nmse
+from tests.conftest import nmse, ssbo_sample
 from tests.ops.test_attention import paged_variant  # noqa: F401  (fixture: "sub" and "seq")
 from tests.tools.conftest import load_tool
 from vkrt import ops
@@ -118,6 +118,7 @@ def test_split_with_blocks_smaller_than_a_subgroup(vk: Backend, rng: np.random.G
         assert nmse(got[s], expected[s]) <= ATTENTION_NMSE, f"length {n}"
 
 
+@ssbo_sample(lambda geometry, kv_dtype, **_: geometry == GEOMETRIES[0])
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "h{}kv{}d{}".format(*g))
 def test_walked_chunks_equal_split_chunks(vk: Backend, rng: np.random.Generator, paged_variant: str,  # noqa: F811
