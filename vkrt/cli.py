@@ -94,6 +94,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def _resolve_model_arg(args: argparse.Namespace) -> None:
     """`--model NAME` of a pullable model becomes its cached GGUF (and, for serve, the served name)."""
     spec = getattr(args, "model", None)
+    if isinstance(spec, list):  # serve's --model, which may be repeated
+        if len(spec) > 1 or getattr(args, "models_dir", None):
+            return  # several models: vkrt.serve_models names and resolves each
+        spec = args.model = spec[0]
     if not spec:
         return
     from vkrt.loader.pull import resolve_model

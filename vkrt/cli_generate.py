@@ -36,10 +36,14 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
 
 
-def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)") -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="GGUF file, Hugging Face model directory, or a pulled model's name (`vkrt pull --list`; "
-                        "default: SmolLM2-135M-Instruct, pulled on first use)")
+def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)", several: bool = False) -> None:
+    help_text = ("GGUF file, Hugging Face model directory, or a pulled model's name (`vkrt pull --list`; "
+                 "default: SmolLM2-135M-Instruct, pulled on first use)")
+    if several:
+        p.add_argument("--model", "-m", action="append", default=None,
+                       help=help_text + "; repeat it to serve several models, each loaded on first use")
+    else:
+        p.add_argument("--model", "-m", default=None, help=help_text)
     p.add_argument("--device", choices=BACKEND_NAMES, default="auto",
                    help="vulkan, reference (numpy) or auto: Vulkan if usable (default)")
     p.add_argument("--max-model-len", type=int, default=None, help=f"context length (default: {default_len})")
@@ -435,7 +439,8 @@ def _server_for(args: argparse.Namespace) -> Callable[[Any], None]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from vkrt.server.config import ServerConfig, resolve_api_key
 
-    _server_for(args)(ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
+    several = isinstance(args.model, list) or args.models_dir is not None
+    config = ServerConfig(model=None if several else args.model, device=args.device, host=args.host, port=args.port,
                        api_key=resolve_api_key(args.api_key, args.api_key_file), public_metrics=args.public_metrics,
                        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -452,8 +457,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        pooling=args.pooling, reranker=args.reranker,
                        timeout_keep_alive=args.timeout_keep_alive,
                        timeout_read=args.timeout_read, limit_concurrency=args.limit_concurrency,
-                       max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins)))
+                       max_header_bytes=args.max_header_bytes, allowed_origins=tuple(args.allowed_origins))
+    if several:
+        _serve_several(args, config)
+    else:
+        _server_for(args)(config)
     return 0
+
+
+def _serve_several(args: argparse.Namespace, config: Any) -> None:
+    """--model given more than once, or --models-dir: one process per model, loaded on demand."""
+    from vkrt.errors import VkrtError
+    from vkrt.serve_models import PoolConfig, model_paths, serve_models
+
+    if args.data_parallel_backend is not None or args.data_parallel_size != 1:
+        raise VkrtError("--data-parallel-size serves one model; with several models run one server per model")
+    models = model_paths(args.model or [], args.models_dir)
+    serve_models(config, models, PoolConfig(models_max=args.models_max, models_memory=args.models_memory,
+                                            load_timeout=args.model_load_timeout))
 
 
 def register(sub: Any) -> None:
@@ -500,7 +521,18 @@ def register(sub: Any) -> None:
     from vkrt.server.config import REASONING_PARSERS, RERANKERS, TOOL_CALL_PARSERS, ServerConfig
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _model_args(p, default_len="the model's")
+    _model_args(p, default_len="the model's", several=True)
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every model in DIR (each .gguf file by its stem, each directory holding config.json "
+                        "by its name), loaded when a request first names it")
+    p.add_argument("--models-max", type=int, default=4, metavar="N",
+                   help="with several models: most loaded at once; the least recently used idle one is unloaded "
+                        "to make room (default 4)")
+    p.add_argument("--models-memory", type=_parse_bytes, default=None, metavar="SIZE",
+                   help="with several models: device memory all loaded models may take, e.g. 8G (default: 90%% "
+                        "of the device's memory)")
+    p.add_argument("--model-load-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with several models: how long a request waits for its model to load (default 600)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,

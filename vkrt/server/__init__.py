@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from vkrt.engine.async_llm import AsyncLLM
@@ -21,10 +22,11 @@ def load_engine(config: ServerConfig) -> AsyncLLM:
     return AsyncLLM(config.engine_config())  # an empty model means the default, pulled if needed
 
 
-def serve(config: ServerConfig) -> None:
-    """Listen on config.host:config.port at once and load the model in the background;
-    returns when the server stops. Raises the error that stopped it if the model cannot be
-    loaded or its device was lost (then the process exits non-zero, for a supervisor to restart)."""
+def serve(config: ServerConfig, sock: socket.socket | None = None) -> None:
+    """Listen on config.host:config.port (or on `sock`, already bound) at once and load the model
+    in the background; returns when the server stops. Raises the error that stopped it if the model
+    cannot be loaded or its device was lost (then the process exits non-zero, for a supervisor to
+    restart)."""
     import uvicorn
 
     config.validate()
@@ -40,6 +42,6 @@ def serve(config: ServerConfig) -> None:
     log.info("serving %s on http://%s:%d", config.model_name(), config.host, config.port)
     if not config.disable_ui:
         print(f"vkrt: chat and status page at {page_url(config.host, config.port)}", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     if failure:
         raise failure[0]
