@@ -261,3 +261,26 @@ def test_a_route_without_a_model_is_not_found(server: tuple[httpx.Client, ModelP
     client, _ = server
     for answer in (client.get("/nothing-here"), client.get("/"), client.post("/v1/completions", content=b"[1]")):
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+
+
+def test_the_api_key_guards_the_models_and_reaches_them(tmp_path: Path) -> None:
+    """The key is checked in front (Bearer or Anthropic's x-api-key) and holds in each model's own
+    server too, which gets it through its config, never its command line."""
+    base = dataclasses.replace(BASE, api_key="k3y")
+    pool = ModelPool(child_configs(base, {LLAMA: FIXTURES / LLAMA}), PoolConfig())
+    front = ServerConfig(disable_ui=True, api_key="k3y")
+    with BackgroundServer(build_models_app(pool, front)) as server, httpx.Client(base_url=server.url,
+                                                                                  timeout=120) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/health").status_code == 200  # public, as the single server's
+        assert _complete(client, LLAMA, [1, 2]).status_code == 401
+        assert pool.models[LLAMA].state == ModelState.UNLOADED  # a refused request loads nothing
+        client.headers["Authorization"] = "Bearer k3y"
+        case = GOLDEN[LLAMA][0]
+        assert _ids(_complete(client, LLAMA, case["input_ids"]).json()) == case["greedy_ids"]
+        unauthenticated = httpx.post(f"{pool.models[LLAMA].url}/v1/completions", json={"prompt": [1]})
+        assert unauthenticated.status_code == 401  # the model's own port wants the key too
+        del client.headers["Authorization"]
+        messages = client.post("/v1/messages", headers={"x-api-key": "k3y"},
+                               json={"model": LLAMA, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert messages.status_code != 401
