@@ -62,6 +62,13 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(+ prompt_lookup_max / prompt_lookup_min, default 4 / 2), or a draft model with the same "
                         'tokenizer: \'{"model": PATH_OR_NAME, "num_speculative_tokens": 3}\'; greedy output is unchanged')
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="P",
+                   help="split the model's layers over P stage processes, each on its own Vulkan device, for a "
+                        "model larger than one device (default 1)")
+    p.add_argument("--pipeline-devices", type=lambda text: [d for d in text.split(",") if d], default=[],
+                   metavar="SEL[,SEL...]",
+                   help="the VKRT_DEVICE selector of each pipeline stage, one per stage (default: each stage takes "
+                        "VKRT_DEVICE or the best device)")
     # default None, not False: without the flag VKRT_CHECK_TENSORS decides
     p.add_argument("--check-tensors", action="store_true", default=None,
                    help="scan every weight for NaN / Inf while loading and refuse the file naming the tensor "
@@ -114,7 +121,8 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
                kv_cache_memory=args.kv_cache_memory, kv_dtype=args.kv_cache_dtype,
                state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
                enable_replay=not args.no_replay, speculative=args.speculative_config,
-               check_tensors=args.check_tensors, **overrides)
+               check_tensors=args.check_tensors, pipeline_parallel_size=args.pipeline_parallel_size,
+               pipeline_devices=tuple(args.pipeline_devices), **overrides)
 
 
 def _prompt_of(args: argparse.Namespace, llm: Any) -> tuple[Any, str | None]:
@@ -450,6 +458,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_log_len=args.max_log_len, disable_metrics=args.disable_metrics, disable_ui=args.disable_ui,
                        enable_replay=not args.no_replay, speculative_config=args.speculative_config,
                        check_tensors=args.check_tensors, kv_events_config=args.kv_events_config,
+                       pipeline_parallel_size=args.pipeline_parallel_size,
+                       pipeline_devices=tuple(args.pipeline_devices),
                        max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,

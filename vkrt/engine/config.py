@@ -53,6 +53,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (vkrt/engine/speculative.py)
     check_tensors: bool | None = None  # scan weights for NaN / Inf at load; None: VKRT_CHECK_TENSORS
     kv_events: KVEventsConfig | None = None  # publish prefix-cache events for routers (vkrt/engine/kv_events.py)
+    pipeline_parallel_size: int = 1  # layers split over this many stage processes (vkrt/engine/pipeline.py)
+    pipeline_devices: tuple[str, ...] = ()  # VKRT_DEVICE selector of each stage ((): each takes its default)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -66,6 +68,11 @@ class EngineConfig:
             raise VkrtError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.state_memory is not None and self.state_memory < 1:
             raise VkrtError(f"EngineConfig.state_memory must be >= 1 byte, got {self.state_memory}")
+        if self.pipeline_parallel_size < 1:
+            raise VkrtError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_devices and len(self.pipeline_devices) != self.pipeline_parallel_size:
+            raise VkrtError(f"--pipeline-devices names {len(self.pipeline_devices)} devices for "
+                            f"--pipeline-parallel-size {self.pipeline_parallel_size}; give one per stage")
         if self.state_snapshot_memory is not None and self.state_snapshot_memory < 0:
             raise VkrtError(f"EngineConfig.state_snapshot_memory must be >= 0 bytes, got {self.state_snapshot_memory}")
 

@@ -220,11 +220,13 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        self.model.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: CausalLM | None = None,
                     tokenizer: Tokenizer | None = None) -> EngineCore:
         """Load the model named by `config` (unless one is given) with its tokenizer, if it has one."""
+        config.validate()  # before a load (or a pipeline's processes) that a bad field would waste
         if model is None:
             from vkrt.backend import get_backend
             from vkrt.loader import load_model
@@ -235,8 +237,16 @@ class EngineCore:
                 from vkrt.loader.pull import ensure_default_model
 
                 path = ensure_default_model()
-            loaded = load_model(path, check_tensors=config.check_tensors)
-            model = build_model(loaded, get_backend(config.device))
+            if config.pipeline_parallel_size > 1:
+                from vkrt.engine.pipeline import PipelineModel
+
+                # Here only the config and tokenizer: each stage loads (and checks) its own weights.
+                loaded = load_model(path, check_tensors=False)
+                model = PipelineModel(loaded, get_backend("reference"), config.pipeline_parallel_size,
+                                      config.device, config.pipeline_devices, config.check_tensors)
+            else:
+                loaded = load_model(path, check_tensors=config.check_tensors)
+                model = build_model(loaded, get_backend(config.device))
             if tokenizer is None:
                 try:
                     tokenizer = Tokenizer.from_model(loaded)

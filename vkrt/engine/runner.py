@@ -163,7 +163,7 @@ class ModelRunner:
         self.kv = kv
         self.backend = model.backend
         self.last_step = StepStats()
-        self.replay = replay and self.backend.supports_replay
+        self.replay = replay and self.backend.supports_replay and model.replayable
         self.max_bucket = 1 << max(0, max_step_tokens - 1).bit_length()
         self.buckets = sorted({1 << i for i in range(self.max_bucket.bit_length())}
                               | (set(range(verify_width, max_step_tokens + 1, verify_width)) if verify_width > 1 else set()))

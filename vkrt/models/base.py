@@ -11,7 +11,7 @@ import numpy as np
 from vkrt.backend.base import Backend
 from vkrt.core import kv_format
 from vkrt.core.tensor import Tensor, storage_nbytes
-from vkrt.errors import UnsupportedModelError
+from vkrt.errors import UnsupportedModelError, VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig
 
 
@@ -55,6 +55,51 @@ def state_shapes(config: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
             channels = c.mamba_num_heads * c.mamba_head_dim + 2 * c.mamba_n_groups * c.mamba_state_size
             shapes[i] = ((channels, c.conv_kernel - 1), (c.mamba_num_heads, c.mamba_head_dim, c.mamba_state_size))
     return shapes
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The layers one pipeline stage holds, [start, stop) of `num_layers`: the first stage also
+    embeds the tokens, the last also applies the final norm and the head."""
+
+    start: int
+    stop: int
+    num_layers: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.num_layers
+
+
+def split_layers(num_layers: int, stages: int) -> list[Stage]:
+    """`stages` consecutive runs of layers, as even as they come (the first ones one longer)."""
+    if not 1 <= stages <= num_layers:
+        raise VkrtError(f"--pipeline-parallel-size must be in [1, {num_layers}] (the model's layers), got {stages}")
+    base, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for i in range(stages):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [Stage(a, b, num_layers) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def unsplittable(config: ModelConfig) -> str | None:
+    """Why this model's layers cannot be split into pipeline stages, or None: what a layer reads
+    must come with the hidden state or live in its own stage."""
+    if state_shapes(config):
+        return "its recurrent layers' state (hybrid models) is not split over stages yet"
+    if config.per_layer_input_size:
+        return "every layer reads the per-layer embeddings the first layer's input makes (Gemma 4)"
+    if any(config.kv_layer_of(i) != i for i in range(config.num_layers) if config.layer(i).attends):
+        return "some layers read an earlier layer's K/V cache (Gemma 4's shared KV)"
+    return None
 
 
 @dataclass
@@ -111,6 +156,7 @@ class StepTensors:
     state_slots: Tensor  # i32 [S]
     group_slots: tuple[Tensor, ...] = ()
     group_block_tables: tuple[Tensor, ...] = ()
+    batch: ForwardBatch | None = None  # the host arrays uploaded (None: persistent tensors of a recorded step)
 
     @classmethod
     def upload(cls, backend: Backend, batch: ForwardBatch) -> StepTensors:
@@ -123,7 +169,7 @@ class StepTensors:
         state_slots = batch.state_slots if batch.state_slots is not None else np.arange(batch.num_seqs)
         return cls(up(batch.token_ids), up(batch.positions), up(batch.seq_index),
                    group_slots[0] if group_slots else up(slots), group_tables[0] if group_tables else up(tables),
-                   up(batch.logits_index), up(batch.seq_start), up(state_slots), group_slots, group_tables)
+                   up(batch.logits_index), up(batch.seq_start), up(state_slots), group_slots, group_tables, batch)
 
     def slots_of(self, group: int) -> Tensor:
         """Cache slots of this step's tokens in KV group `group`'s pool."""
@@ -170,9 +216,11 @@ class CausalLM(ABC):
     config: ModelConfig
     backend: Backend
     file_type: str = ""  # storage format of most weights, e.g. "Q4_1"
+    stage: Stage | None = None  # a pipeline stage's part of the model (None: all of it)
+    replayable = True  # decode steps can be recorded once and replayed (False: every step runs eagerly)
 
     @abstractmethod
-    def __init__(self, loaded: LoadedModel, backend: Backend) -> None: ...
+    def __init__(self, loaded: LoadedModel, backend: Backend, stage: Stage | None = None) -> None: ...
 
     def kv_groups(self) -> list[KVGroup]:
         return kv_groups(self.config)
@@ -227,6 +275,14 @@ class CausalLM(ABC):
             raise ValueError(f"{len(counts)} pool sizes for {len(groups)} KV groups")
         return counts
 
+    def layer_groups(self) -> list[int]:
+        """The KV group of each layer (-1: it does not attend)."""
+        layer_group = [-1] * self.config.num_layers
+        for g, group in enumerate(self.kv_groups()):
+            for i in group.layers:
+                layer_group[i] = g
+        return layer_group
+
     def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int = 16, dtype: str = "f32",
                           max_len: int | None = None, state_slots: int = 1) -> KVCache:
         """K and V tensors of every attention layer that stores its own, `num_blocks` per KV group
@@ -236,12 +292,10 @@ class CausalLM(ABC):
         self.check_kv_dtype(dtype)
         groups = self.kv_groups()
         counts = self._pool_sizes(num_blocks)
-        layer_group = [-1] * c.num_layers
-        for g, group in enumerate(groups):
-            for i in group.layers:
-                layer_group[i] = g
+        layer_group = self.layer_groups()
+        held = self.stage.layers if self.stage is not None else range(c.num_layers)
         shapes = {i: (counts[g], block_size, c.kv_heads_of(i) * c.head_dim_of(i))
-                  for i, g in enumerate(layer_group) if g >= 0 and c.kv_layer_of(i) == i}
+                  for i, g in enumerate(layer_group) if g >= 0 and c.kv_layer_of(i) == i and i in held}
         tensor_dtype = kv_format.tensor_dtype(dtype)
         per_layer = kv_tensors_per_layer(c)
         self.backend.reserve("kv", per_layer * sum(self.backend.tensor_nbytes(shape, tensor_dtype)
@@ -251,13 +305,21 @@ class CausalLM(ABC):
                                               for i, shape in shapes.items()}
         states = {i: tuple(self.backend.upload(np.zeros((state_slots, *shape), np.float32), "f32", purpose="kv")
                            for shape in layer_shapes)
-                  for i, layer_shapes in state_shapes(c).items()}
+                  for i, layer_shapes in state_shapes(c).items() if i in held}
         return KVCache(keys, values, counts, block_size, dtype, groups, layer_group, states,
                        state_slots if states else 0)
 
     @abstractmethod
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         """Logits [len(logits_index), vocab] f32 for one step; writes the step's K/V."""
+
+    def close(self) -> None:  # noqa: B027 (a hook: most models hold nothing beyond their tensors)
+        """Release what the model holds beyond its tensors (a pipeline's stage processes)."""
+
+    def stage_forward(self, step: StepTensors, kv: KVCache, hidden: Tensor | None) -> Tensor:
+        """A pipeline stage's part of `forward` (vkrt/engine/pipeline.py): from the tokens or the
+        previous stage's hidden states to the logits or the next stage's hidden states."""
+        raise UnsupportedModelError(f"{type(self).__name__} cannot run as a pipeline stage")
 
     def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor) -> tuple[Tensor, Tensor]:
         """`forward`'s logits and the final-norm hidden states [len(hidden_index), hidden] of the

@@ -26,7 +26,7 @@ from vkrt.backend.base import Backend
 from vkrt.core.tensor import Tensor
 from vkrt.errors import VkrtError
 from vkrt.loader.config import LoadedModel, ModelConfig
-from vkrt.models.base import CausalLM, KVCache, StepTensors
+from vkrt.models.base import CausalLM, KVCache, Stage, StepTensors
 from vkrt.models.rope import query_temperature_table, rope_table
 from vkrt.models.weights import (
     Attention,
@@ -67,11 +67,12 @@ HEAD_IDS_KEPT = 64
 
 
 class DecoderModel(CausalLM):
-    def __init__(self, loaded: LoadedModel, backend: Backend) -> None:
+    def __init__(self, loaded: LoadedModel, backend: Backend, stage: Stage | None = None) -> None:
         self.config = c = loaded.config
         self.backend = backend
+        self.stage = stage
         self.activation = ACTIVATIONS[c.hidden_act]  # the loader admits only these
-        self.weights = build_weights(loaded, backend)
+        self.weights = build_weights(loaded, backend, stage)
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
@@ -106,18 +107,33 @@ class DecoderModel(CausalLM):
 
     def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor) -> tuple[Tensor, Tensor]:
         h = self.hidden_states(step, kv)
+        assert self.weights.final_norm is not None
         normed = ops.rms_norm(ops.gather_rows(h, hidden_index), self.weights.final_norm, self.config.rms_norm_eps)
         return self.head(h, step.logits_index), normed
 
-    def hidden_states(self, step: StepTensors, kv: KVCache) -> Tensor:
-        """Every token's hidden state [T, hidden] after the last block, before the final norm."""
+    def stage_forward(self, step: StepTensors, kv: KVCache, hidden: Tensor | None) -> Tensor:
+        """A pipeline stage's part of `forward`: from the tokens (first stage) or the previous
+        stage's hidden states [T, hidden], through this stage's layers, to the logits (last stage)
+        or the hidden states the next stage takes."""
+        h = self.hidden_states(step, kv, hidden)
+        return self.head(h, step.logits_index) if self.stage is None or self.stage.last else h
+
+    def hidden_states(self, step: StepTensors, kv: KVCache, hidden: Tensor | None = None) -> Tensor:
+        """Every token's hidden state [T, hidden] after the last block, before the final norm (of a
+        stage: after its last layer, from `hidden`, the previous stage's, unless it is the first)."""
         c, w = self.config, self.weights
-        h = ops.embedding(w.embed_tokens, step.token_ids)
         head_ids = self.head_ids(step.token_ids.shape[0]) if c.kv_lora_rank else None  # MLA's per-head matmuls
-        if c.embedding_scale != 1.0:
-            h = ops.scale(h, c.embedding_scale)
+        if hidden is None:
+            assert w.embed_tokens is not None, "only the first stage embeds tokens"
+            h = ops.embedding(w.embed_tokens, step.token_ids)
+            if c.embedding_scale != 1.0:
+                h = ops.scale(h, c.embedding_scale)
+        else:
+            h = hidden
         per_layer = None if w.per_layer is None else self.per_layer_inputs(w.per_layer, h, step)
         for i, layer in enumerate(w.layers):  # a Nemotron-H block has only a mixer or only an MLP
+            if layer is None:  # another pipeline stage's
+                continue
             mixer = layer.mixer
             if isinstance(mixer, Attention):
                 h = self.attention(layer, mixer, h, step, kv, i)
@@ -145,6 +161,7 @@ class DecoderModel(CausalLM):
         """Logits of the rows in `logits_index`: only they go through the final norm and the LM head
         (a classification head's `score` in its place gives the labels' logits)."""
         c, w = self.config, self.weights
+        assert w.final_norm is not None and w.lm_head is not None, "only the last stage has the head"
         x = ops.rms_norm(ops.gather_rows(h, logits_index), w.final_norm, c.rms_norm_eps)
         logits = ops.matmul(x, w.lm_head)
         if c.logit_scale != 1.0:

@@ -24,6 +24,7 @@ from vkrt.core.quant import dequantize, f32_to_bf16
 from vkrt.core.tensor import Tensor
 from vkrt.errors import ModelFormatError, OutOfDeviceMemory, UnsupportedModelError
 from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
+from vkrt.models.base import Stage
 from vkrt.models.mla import absorbed_query, absorbed_value
 
 
@@ -202,12 +203,13 @@ class Layer:
 
 @dataclass(frozen=True)
 class Weights:
-    """Everything a decoder computes with; `lm_head` is `embed_tokens` when they are tied."""
+    """Everything a decoder computes with; `lm_head` is `embed_tokens` when they are tied. A
+    pipeline stage's holds only its part: None for the layers, embedding and head it does not run."""
 
-    embed_tokens: Tensor
-    layers: tuple[Layer, ...]
-    final_norm: Tensor
-    lm_head: Tensor
+    embed_tokens: Tensor | None
+    layers: tuple[Layer | None, ...]
+    final_norm: Tensor | None
+    lm_head: Tensor | None
     rope_freqs: np.ndarray | None  # host f32 [head_dim / 2]: llama3 scaling baked per frequency (GGUF)
     per_layer: PerLayerEmbedding | None = None
 
@@ -233,16 +235,18 @@ class WeightSink(Protocol):
     def weight_nbytes(self, dtype: str, shape: tuple[int, ...]) -> int: ...
 
 
-def build_weights(loaded: LoadedModel, backend: Backend) -> Weights:
-    """Upload `loaded`'s weights to `backend` as a model's records, reserving their device memory first."""
+def build_weights(loaded: LoadedModel, backend: Backend, stage: Stage | None = None) -> Weights:
+    """Upload `loaded`'s weights to `backend` as a model's records, reserving their device memory
+    first; a pipeline `stage` uploads only what it computes with (its layers; the embedding on
+    the first stage, the final norm and head on the last)."""
     sizes = _Sizes(backend)
-    sizing = _Builder(loaded, sizes)
+    sizing = _Builder(loaded, sizes, stage=stage)
     sizing.build()  # the same decisions, uploading nothing: exact sizes
     try:
         backend.reserve("weights", sizes.total)
     except OutOfDeviceMemory as exc:
         raise sizes.out_of_memory(loaded.path, exc, sizing.expert_weights) from None
-    weights = _Builder(loaded, backend, release=True).build()
+    weights = _Builder(loaded, backend, release=True, stage=stage).build()
     loaded.release_pages()  # every weight uploaded: the files' other pages need not stay resident either
     return weights
 
@@ -287,8 +291,10 @@ class _Sizes:
 class _Builder:
     """Reads one LoadedModel into Weights on one sink (a backend, or `_Sizes`)."""
 
-    def __init__(self, loaded: LoadedModel, sink: WeightSink, release: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, sink: WeightSink, release: bool = False,
+                 stage: Stage | None = None) -> None:
         self.config: ModelConfig = loaded.config
+        self.stage = stage
         self.sink = sink
         self.path = loaded.path
         self.stored = loaded.weights
@@ -297,13 +303,15 @@ class _Builder:
 
     def build(self) -> Weights:
         c = self.config
-        embed = self.matrix([self.raw("embed_tokens")])
+        stage = self.stage or Stage(0, c.num_layers, c.num_layers)
+        embed = self.matrix([self.raw("embed_tokens")]) if stage.first or (stage.last and c.tie_word_embeddings) \
+            else None
         freqs = self.stored.get("rope_freqs")
         return Weights(
             embed_tokens=embed,
-            layers=tuple(self.layer(i) for i in range(c.num_layers)),
-            final_norm=self.norm("final_norm"),
-            lm_head=embed if c.tie_word_embeddings else self.matrix([self.raw("lm_head")]),
+            layers=tuple(self.layer(i) if i in stage.layers else None for i in range(c.num_layers)),
+            final_norm=self.norm("final_norm") if stage.last else None,
+            lm_head=(embed if c.tie_word_embeddings else self.matrix([self.raw("lm_head")])) if stage.last else None,
             rope_freqs=None if freqs is None else dequantize(freqs.data, freqs.fmt).reshape(-1),
             per_layer=PerLayerEmbedding(self.matrix([self.raw("per_layer.embed")]),
                                         self.linear(["per_layer.model_proj"]), self.norm("per_layer.model_norm"))

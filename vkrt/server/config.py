@@ -50,6 +50,8 @@ class ServerConfig:
     speculative_config: SpeculativeConfig | None = None  # --speculative-config
     check_tensors: bool | None = None  # --check-tensors; None: VKRT_CHECK_TENSORS
     kv_events_config: KVEventsConfig | None = None  # --kv-events-config (None: no events published)
+    pipeline_parallel_size: int = 1  # --pipeline-parallel-size: the layers over this many stage processes
+    pipeline_devices: tuple[str, ...] = ()  # --pipeline-devices: each stage's VKRT_DEVICE selector
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
@@ -125,6 +127,8 @@ class ServerConfig:
             speculative=self.speculative_config,
             check_tensors=self.check_tensors,
             kv_events=self.kv_events_config,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_devices=self.pipeline_devices,
         )
 
     def max_digits(self) -> int | None:

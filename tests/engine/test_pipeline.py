@@ -1,0 +1,132 @@
+"""Pipeline parallelism (vkrt/engine/pipeline.py): a model's layers over stage processes, each with
+its own device (two llvmpipe devices here, one per process), equal to one device token for token
+and logprob for logprob, one submit per stage per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import FIXTURES
+from tests.server import live_model
+from vkrt.engine import LLM, SamplingParams
+from vkrt.engine.pipeline import PipelineModel
+from vkrt.errors import DeviceLostError, UnsupportedModelError, VkrtError
+from vkrt.loader import load_model
+from vkrt.models import split_layers, unsplittable
+
+DEVICE = live_model.test_device()
+
+
+def _golden(name: str) -> list[dict]:
+    return json.loads((FIXTURES / name / "golden.json").read_text())["cases"]
+
+
+def _run(model: str | Path, stages: int, prompts: list[list[int]], max_tokens: int = 16,
+         **config: object) -> tuple[list[list[int]], list[list[float]], dict]:
+    llm = LLM(model, device=DEVICE, max_model_len=128, max_num_seqs=4, kv_dtype="f32",
+              pipeline_parallel_size=stages, **config)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
+        outputs = llm.generate(prompts, params)
+        ids = [o.token_ids for o in outputs]
+        logprobs = [[lp.token.logprob for lp in o.outputs[0].logprobs] for o in outputs]
+        return ids, logprobs, llm.stats()
+    finally:
+        llm.close()
+
+
+def test_layers_split_evenly_and_the_split_is_checked() -> None:
+    assert [(s.start, s.stop) for s in split_layers(30, 4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert [(s.first, s.last) for s in split_layers(3, 3)] == [(True, False), (False, False), (False, True)]
+    with pytest.raises(VkrtError, match=r"--pipeline-parallel-size must be in \[1, 2\]"):
+        split_layers(2, 3)
+
+
+@pytest.mark.parametrize(("fixture", "why"), [("tiny_qwen3_5", "recurrent layers"),
+                                              ("tiny_gemma4", "per-layer embeddings")])
+def test_models_whose_layers_share_more_than_the_hidden_state_are_refused(fixture: str, why: str) -> None:
+    loaded = load_model(FIXTURES / fixture)
+    assert why in (unsplittable(loaded.config) or "")
+    with pytest.raises(UnsupportedModelError, match="cannot split this model into pipeline stages"):
+        PipelineModel(loaded, None, 2)  # type: ignore[arg-type]  # refused before any stage starts
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_moe", "tiny_deepseek_v3"])
+def test_two_stages_equal_one_device_and_transformers(fixture: str) -> None:
+    """Dense, MoE and MLA layers: greedy ids are transformers', and ids and logprobs equal one
+    device's bit for bit (the hidden state crosses the host as f32, unchanged)."""
+    cases = _golden(fixture)
+    prompts = [c["input_ids"] for c in cases]
+    one_ids, one_logprobs, _ = _run(FIXTURES / fixture, 1, prompts)
+    two_ids, two_logprobs, stats = _run(FIXTURES / fixture, 2, prompts)
+    assert two_ids == one_ids == [c["greedy_ids"] for c in cases]
+    assert two_logprobs == one_logprobs
+    decode = stats["decode_counters_max"]
+    assert decode["drains"] == 0 and decode["submits"] == 2  # one per stage
+
+
+def test_each_stage_holds_only_its_layers() -> None:
+    """The stages' weights add up to one device's (each layer, the embedding and the head once:
+    tiny_llama's head is its own matrix) and their K/V to the engine's whole cache."""
+    from vkrt.backend import get_backend
+
+    loaded = load_model(FIXTURES / "tiny_llama")
+    whole = LLM(FIXTURES / "tiny_llama", device=DEVICE, max_model_len=64).engine.model.backend
+    model = PipelineModel(loaded, get_backend("reference"), 2, DEVICE)
+    try:
+        c = loaded.config
+        kv = model.allocate_kv_cache(8, 16, "f32")
+        assert kv.nbytes == 2 * 8 * 16 * c.num_kv_heads * c.head_dim * 4 * c.num_layers
+        stages = model.memory_stats()
+        weights = [s["weights_bytes"] for s in stages]
+        assert all(0 < w < whole.memory_stats()["weights_bytes"] for w in weights)
+        assert sum(weights) == whole.memory_stats()["weights_bytes"]
+        assert [s["kv_bytes"] for s in stages] == [kv.nbytes // 2] * 2
+    finally:
+        model.close()
+
+
+def test_the_default_model_over_two_stages_equals_one_device(smollm2_path: Path) -> None:
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 22, 23, 24]]
+    one_ids, one_logprobs, _ = _run(smollm2_path, 1, prompts, max_tokens=24)
+    two_ids, two_logprobs, _ = _run(smollm2_path, 2, prompts, max_tokens=24)
+    assert two_ids == one_ids and two_logprobs == one_logprobs
+
+
+def test_a_stage_that_stops_is_a_lost_device_naming_it() -> None:
+    llm = LLM(FIXTURES / "tiny_llama", device=DEVICE, max_model_len=64, pipeline_parallel_size=2)
+    try:
+        model = llm.engine.model
+        assert isinstance(model, PipelineModel)
+        os.kill(model.stages[1]._process.pid, signal.SIGKILL)
+        model.stages[1]._process.wait()
+        with pytest.raises(DeviceLostError, match=r"pipeline stage 1 \(layers 1-1\) stopped"):
+            llm.engine.model.forward(_step(), llm.engine.runner.kv)
+    finally:
+        llm.close()
+
+
+def _step():  # type: ignore[no-untyped-def]
+    from vkrt.backend import get_backend
+    from vkrt.models import ForwardBatch, StepTensors
+
+    batch = ForwardBatch(token_ids=np.array([1], np.int32), positions=np.array([0], np.int32),
+                         seq_index=np.array([0], np.int32), slots=np.array([0], np.int32),
+                         block_tables=np.zeros((1, 1), np.int32), logits_index=np.array([0], np.int32))
+    return StepTensors.upload(get_backend("reference"), batch)
+
+
+def test_pipeline_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from vkrt.cli import main
+
+    assert main(["generate", "hi", "--model", str(FIXTURES / "tiny_llama"), "--pipeline-parallel-size", "0"]) == 1
+    assert "--pipeline-parallel-size must be >= 1" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(FIXTURES / "tiny_llama"), "-pp", "2",
+                 "--pipeline-devices", "0,1,2"]) == 1
+    assert "names 3 devices for --pipeline-parallel-size 2" in capsys.readouterr().err
