@@ -12,18 +12,20 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
 
 from vkrt import __version__
 from vkrt.serve_models.metrics import merged_metrics
 from vkrt.serve_models.pool import ModelBusy, ModelPool
 from vkrt.serve_models.process import ModelLoadError, ModelProcess, ModelState
+from vkrt.server import schemas
 from vkrt.server.config import PUBLIC_PATHS, ServerConfig
 from vkrt.server.errors import (
     APIError,
@@ -43,6 +45,37 @@ log = logging.getLogger("vkrt.serve_models")
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                           "transfer-encoding", "upgrade", "host", "content-length"})
 _FORWARD_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+
+
+class ModelStatus(BaseModel):
+    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    error: str | None = None  # why the last load failed, or why the model's process ended
+
+
+class ModelCard(schemas.ModelCard):
+    status: ModelStatus
+
+
+class ModelCardList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ModelRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+
+
+class LoadAnswer(BaseModel):
+    success: bool  # unload: False when the model was not loaded
+    model: ModelCard
+
+
+class HealthAnswer(BaseModel):
+    models: dict[str, Literal["unloaded", "loading", "loaded", "unloading", "failed"]]
+
+
+_COMMON = (401, 431, 500)
 
 
 def build_models_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
@@ -67,40 +100,45 @@ def build_models_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
                        max_header_bytes=config.max_header_bytes, read_timeout=config.timeout_read,
                        public_paths=frozenset(public))
 
-    @app.get("/health")
-    @app.get("/ready")
-    @app.get("/live")
+    @app.get("/health", response_model=HealthAnswer, responses=schemas.error_responses(500))
+    @app.get("/ready", include_in_schema=False)
+    @app.get("/live", include_in_schema=False)
     async def health() -> dict[str, Any]:
         """The server answers; each model loads when first asked for (its state in the body)."""
         pool.refresh()
         return {"models": {name: m.state.value for name, m in pool.models.items()}}
 
-    @app.get("/version")
+    @app.get("/version", response_model=schemas.VersionResponse, responses=schemas.error_responses(500))
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/v1/models")
-    @app.get("/models")
+    @app.get("/v1/models", response_model=ModelCardList, responses=schemas.error_responses(*_COMMON))
+    @app.get("/models", include_in_schema=False)
     async def models() -> dict[str, Any]:
         pool.refresh()
         return {"object": "list", "data": [_card(m, created) for m in pool.models.values()]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name}", response_model=ModelCard, responses=schemas.error_responses(*_COMMON, 404))
     async def model(name: str) -> dict[str, Any]:
+        pool.refresh()
         return _card(_lookup(pool, name), created)
 
-    @app.post("/models/load")
-    async def load(request: Request) -> dict[str, Any]:
-        name = _named(pool, await _json_body(request), request.url.path)
+    @app.post("/models/load", response_model=LoadAnswer, responses=schemas.error_responses(*_COMMON, 400, 404, 503))
+    async def load(body: ModelRequest) -> dict[str, Any]:
+        name = _lookup(pool, body.model).name
         await _loaded(pool.load(name), name)
         return {"success": True, "model": _card(pool.models[name], created)}
 
-    @app.post("/models/unload")
-    async def unload(request: Request) -> dict[str, Any]:
-        name = _named(pool, await _json_body(request), request.url.path)
+    @app.post("/models/unload", response_model=LoadAnswer, responses=schemas.error_responses(*_COMMON, 400, 404))
+    async def unload(body: ModelRequest) -> dict[str, Any]:
+        name = _lookup(pool, body.model).name
         return {"success": await pool.unload(name), "model": _card(pool.models[name], created)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format: every loaded model's, and the loads"},
+                        404: {"model": schemas.ErrorResponse, "description": "--disable-metrics"},
+                        **schemas.error_responses(*_COMMON)})
     async def metrics() -> Response:
         if config.disable_metrics:
             raise APIError(404, "metrics are disabled (--disable-metrics)", code="not_found")
@@ -125,7 +163,7 @@ def _card(model: ModelProcess, created: int) -> dict[str, Any]:
     if model.state == ModelState.FAILED and model.error:
         status["error"] = model.error
     return {"id": model.name, "object": "model", "created": created, "owned_by": "vkrt",
-            "root": model.config.model and _file_name(model.config.model), "parent": None,
+            "root": _file_name(model.config.model), "parent": None,
             "max_model_len": model.max_model_len if model.state == ModelState.LOADED else None, "status": status}
 
 
@@ -141,10 +179,6 @@ def _parse(body: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return parsed if isinstance(parsed, dict) else None
-
-
-async def _json_body(request: Request) -> dict[str, Any] | None:
-    return _parse(await request.body())
 
 
 def _lookup(pool: ModelPool, name: str) -> ModelProcess:
