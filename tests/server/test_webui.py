@@ -133,7 +133,7 @@ def test_serve_prints_the_page_address_and_the_flag_turns_it_off(
     from vkrt.cli import build_parser
 
     seen: list[Any] = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: seen.append(self.config.app))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(self.config.app))
     args = build_parser().parse_args(["serve", "--port", "8123", *(["--disable-ui"] if disable else [])])
     assert args.func(args) == 0
     err = capsys.readouterr().err
