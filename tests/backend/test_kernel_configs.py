@@ -74,10 +74,10 @@ def device_as(vk_default: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     caps: Any = vk_default.caps  # type: ignore[attr-defined]
     previous = caps.access_path
 
-    def impose(values: dict[str, Any]) -> Backend:
+    def impose(values: dict[str, Any], access: str | None = None) -> Backend:
         for name, value in values.items():
             monkeypatch.setattr(caps, name, value)
-        vk_default.set_access_path(default_access_path(caps))  # type: ignore[attr-defined]
+        vk_default.set_access_path(access or default_access_path(caps))  # type: ignore[attr-defined]
         return vk_default
 
     yield impose
@@ -140,7 +140,7 @@ def _run_matmul_mode(vk: Backend, rng: np.random.Generator, mode: str, dtype: st
 @pytest.mark.parametrize("case", MATMUL_CASES, ids=[c.id for c in MATMUL_CASES])
 def test_matmul_configuration(case: dc.MatmulCase, device_as: Any, rng: np.random.Generator,
                               monkeypatch: pytest.MonkeyPatch) -> None:
-    vk = device_as(dict(case.device))
+    vk = device_as(dict(case.device), _access_path(case))
     dispatches = Dispatches(vk, monkeypatch)
     cfg = case.config
     for n, k, t in case.shapes:
@@ -167,6 +167,18 @@ def test_matmul_configuration(case: dc.MatmulCase, device_as: Any, rng: np.rando
         if shader == "matmul_tiled":
             tile = (spec[5], spec[12], spec[13])
             assert tile == (cfg.lanes, cfg.lane_rows, cfg.lane_tokens), f"{case.id}: dispatched {tile}"
+
+
+def _access_path(case: dc.MatmulCase) -> str | None:
+    """The device's own path (None), but the texel path for a GPU's fused modes on matmul_vec.
+    Plain matmul on every format, at every lane split and token tile, and matmul_tiled (which
+    runs on storage buffers only) keep the GPUs' storage-buffer path: they are where each format's
+    loads meet each configuration. A fused prologue or epilogue (norm, gate, add, bias, qkv) is the
+    same GLSL around the same loads on both paths, and llvmpipe compiles the texel one several
+    times faster (docs/TESTING.md)."""
+    if case.mode == "matmul" or case.config.shader == "matmul_tiled":
+        return None
+    return "texel"
 
 
 def test_matmul_cases_cover_every_reachable_configuration() -> None:
