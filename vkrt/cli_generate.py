@@ -69,6 +69,12 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
                    metavar="SEL[,SEL...]",
                    help="the VKRT_DEVICE selector of each pipeline stage, one per stage (default: each stage takes "
                         "VKRT_DEVICE or the best device)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="M",
+                   help="cut a step of several sequences into up to M micro-batches so the stages work at once "
+                        "(default: one per stage; 1: stages one after another)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="pipeline stages as local processes (mp, default) or Ray actors spread over a Ray "
+                        "cluster's nodes (ray; joins RAY_ADDRESS or --ray-address, else starts a local instance)")
     # default None, not False: without the flag VKRT_CHECK_TENSORS decides
     p.add_argument("--check-tensors", action="store_true", default=None,
                    help="scan every weight for NaN / Inf while loading and refuse the file naming the tensor "
@@ -122,7 +128,8 @@ def _load(args: argparse.Namespace, max_num_seqs: int = 1, **overrides: Any) -> 
                state_memory=args.state_memory, state_snapshot_memory=args.state_snapshot_memory,
                enable_replay=not args.no_replay, speculative=args.speculative_config,
                check_tensors=args.check_tensors, pipeline_parallel_size=args.pipeline_parallel_size,
-               pipeline_devices=tuple(args.pipeline_devices), **overrides)
+               pipeline_devices=tuple(args.pipeline_devices), pipeline_micro_batches=args.pipeline_micro_batches,
+               distributed_executor_backend=args.distributed_executor_backend, **overrides)
 
 
 def _prompt_of(args: argparse.Namespace, llm: Any) -> tuple[Any, str | None]:
@@ -432,10 +439,12 @@ def _server_for(args: argparse.Namespace) -> Callable[[Any], None]:
     from vkrt.errors import VkrtError
     from vkrt.server import serve
 
-    if args.data_parallel_backend is None and args.data_parallel_size == 1 and args.ray_address is None:
+    ray_stages = args.distributed_executor_backend == "ray"  # --ray-address is then where the stages go
+    if args.data_parallel_backend is None and args.data_parallel_size == 1 and (args.ray_address is None or ray_stages):
         return serve
     if args.data_parallel_backend != "ray":
-        raise VkrtError("--data-parallel-size and --ray-address need --data-parallel-backend ray (the only one)")
+        raise VkrtError("--data-parallel-size and --ray-address need --data-parallel-backend ray (the only one), "
+                        "or --ray-address --distributed-executor-backend ray for pipeline stages on Ray")
     try:
         from vkrt.serve_ray.launch import serve_on_ray
     except ImportError as exc:
@@ -460,6 +469,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        check_tensors=args.check_tensors, kv_events_config=args.kv_events_config,
                        pipeline_parallel_size=args.pipeline_parallel_size,
                        pipeline_devices=tuple(args.pipeline_devices),
+                       pipeline_micro_batches=args.pipeline_micro_batches,
+                       distributed_executor_backend=args.distributed_executor_backend, ray_address=args.ray_address,
                        max_waiting_requests=args.max_waiting_requests,
                        max_prompt_chars=args.max_prompt_chars, chat_template_timeout=args.chat_template_timeout,
                        escape_special_tokens=args.escape_special_tokens, tool_call_parser=args.tool_call_parser,

@@ -68,7 +68,50 @@ def test_two_stages_equal_one_device_and_transformers(fixture: str) -> None:
     assert two_ids == one_ids == [c["greedy_ids"] for c in cases]
     assert two_logprobs == one_logprobs
     decode = stats["decode_counters_max"]
-    assert decode["drains"] == 0 and decode["submits"] == 2  # one per stage
+    # one per stage per micro-batch: a step of several sequences is cut in two
+    assert decode["drains"] == 0 and decode["submits"] == 2 * min(2, len(prompts))
+
+
+def test_micro_batches_cut_a_step_by_sequences_and_give_back_its_logits_rows() -> None:
+    from vkrt.engine.pipeline import micro_batches
+    from vkrt.models import ForwardBatch
+
+    # 4 sequences of 5, 1, 1 and 3 tokens; logits rows: prompt rows of the first, the last token of
+    # each but the third (it is mid-prompt), two rows of the fourth (a speculative verify).
+    lengths = [5, 1, 1, 3]
+    seq_index = np.repeat(np.arange(4), lengths).astype(np.int32)
+    rows = np.array([1, 2, 3, 4, 5, 8, 9], np.int32)
+    batch = ForwardBatch(token_ids=np.arange(100, 110, dtype=np.int32), positions=np.arange(10, dtype=np.int32),
+                         seq_index=seq_index, slots=np.arange(10, dtype=np.int32)[None],
+                         block_tables=np.arange(8, dtype=np.int32).reshape(1, 4, 2), logits_index=rows)
+    assert micro_batches(batch, 1) == [(batch, 0)]
+    parts = micro_batches(batch, 2)
+    assert [p.num_seqs for p, _ in parts] == [1, 3]  # 5 tokens against 5
+    for count in (2, 3, 4, 9):
+        parts = micro_batches(batch, count)
+        assert len(parts) == min(count, 4)
+        assert np.concatenate([p.token_ids for p, _ in parts]).tolist() == batch.token_ids.tolist()
+        assert np.concatenate([p.slots for p, _ in parts], axis=-1).tolist() == batch.slots.tolist()
+        assert np.concatenate([p.block_tables for p, _ in parts], axis=-2).tolist() == batch.block_tables.tolist()
+        assert np.concatenate([p.state_slots for p, _ in parts]).tolist() == [0, 1, 2, 3]  # type: ignore[misc]
+        starts = np.cumsum([0] + [p.num_tokens for p, _ in parts])
+        kept = np.concatenate([p.logits_index[:len(p.logits_index) - drop] + t0
+                               for (p, drop), t0 in zip(parts, starts, strict=False)])
+        assert kept.tolist() == rows.tolist()
+        for p, drop in parts:
+            assert p.seq_index.min() == 0 and p.seq_index.max() == p.num_seqs - 1
+            assert drop == (1 if p.token_ids.tolist() == [106] else 0)  # the third alone has no row
+
+
+def test_stages_one_after_another_equal_micro_batches() -> None:
+    """--pipeline-micro-batches 1 against the default (2 for 2 stages): the same bits, half the
+    submits per decode step."""
+    prompts = [c["input_ids"] for c in _golden("tiny_llama")][:3]
+    one, one_logprobs, one_stats = _run(FIXTURES / "tiny_llama", 2, prompts, pipeline_micro_batches=1)
+    two, two_logprobs, two_stats = _run(FIXTURES / "tiny_llama", 2, prompts)
+    assert one == two and one_logprobs == two_logprobs
+    assert one_stats["decode_counters_max"]["submits"] == 2
+    assert two_stats["decode_counters_max"]["submits"] == 4
 
 
 def test_each_stage_holds_only_its_layers() -> None:
@@ -134,3 +177,6 @@ def test_pipeline_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--model", str(FIXTURES / "tiny_llama"), "-pp", "2",
                  "--pipeline-devices", "0,1,2"]) == 1
     assert "names 3 devices for --pipeline-parallel-size 2" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(FIXTURES / "tiny_llama"), "-pp", "2",
+                 "--pipeline-micro-batches", "0"]) == 1
+    assert "--pipeline-micro-batches must be >= 1" in capsys.readouterr().err

@@ -55,6 +55,9 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # publish prefix-cache events for routers (vkrt/engine/kv_events.py)
     pipeline_parallel_size: int = 1  # layers split over this many stage processes (vkrt/engine/pipeline.py)
     pipeline_devices: tuple[str, ...] = ()  # VKRT_DEVICE selector of each stage ((): each takes its default)
+    pipeline_micro_batches: int | None = None  # a step cut into up to this many (None: one per stage)
+    distributed_executor_backend: str = "mp"  # the stages: local processes ("mp") or Ray actors ("ray")
+    ray_address: str | None = None  # the Ray cluster of "ray" stages (None: RAY_ADDRESS, else a local one)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -73,6 +76,11 @@ class EngineConfig:
         if self.pipeline_devices and len(self.pipeline_devices) != self.pipeline_parallel_size:
             raise VkrtError(f"--pipeline-devices names {len(self.pipeline_devices)} devices for "
                             f"--pipeline-parallel-size {self.pipeline_parallel_size}; give one per stage")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise VkrtError(f"--pipeline-micro-batches must be >= 1, got {self.pipeline_micro_batches}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise VkrtError("--distributed-executor-backend must be mp (local processes) or ray, got "
+                            f"{self.distributed_executor_backend!r}")
         if self.state_snapshot_memory is not None and self.state_snapshot_memory < 0:
             raise VkrtError(f"EngineConfig.state_snapshot_memory must be >= 0 bytes, got {self.state_snapshot_memory}")
 

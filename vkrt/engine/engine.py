@@ -243,7 +243,9 @@ class EngineCore:
                 # Here only the config and tokenizer: each stage loads (and checks) its own weights.
                 loaded = load_model(path, check_tensors=False)
                 model = PipelineModel(loaded, get_backend("reference"), config.pipeline_parallel_size,
-                                      config.device, config.pipeline_devices, config.check_tensors)
+                                      config.device, config.pipeline_devices, config.check_tensors,
+                                      micro_batches=config.pipeline_micro_batches,
+                                      executor=config.distributed_executor_backend, ray_address=config.ray_address)
             else:
                 loaded = load_model(path, check_tensors=config.check_tensors)
                 model = build_model(loaded, get_backend(config.device))

@@ -52,6 +52,9 @@ class ServerConfig:
     kv_events_config: KVEventsConfig | None = None  # --kv-events-config (None: no events published)
     pipeline_parallel_size: int = 1  # --pipeline-parallel-size: the layers over this many stage processes
     pipeline_devices: tuple[str, ...] = ()  # --pipeline-devices: each stage's VKRT_DEVICE selector
+    pipeline_micro_batches: int | None = None  # --pipeline-micro-batches (None: one per stage)
+    distributed_executor_backend: str = "mp"  # --distributed-executor-backend: the stages' processes or Ray actors
+    ray_address: str | None = None  # --ray-address: the Ray cluster (of replicas or of "ray" stages)
     # Requests accepted beyond max_num_seqs before answering 429 (the engine's waiting queue).
     max_waiting_requests: int = 256
     max_request_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
@@ -129,6 +132,9 @@ class ServerConfig:
             kv_events=self.kv_events_config,
             pipeline_parallel_size=self.pipeline_parallel_size,
             pipeline_devices=self.pipeline_devices,
+            pipeline_micro_batches=self.pipeline_micro_batches,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_address=self.ray_address,
         )
 
     def max_digits(self) -> int | None:
