@@ -59,7 +59,7 @@ step mypy "$PY" -m mypy vkrt tools
 # and models (~2.5 GB).
 # llvmpipe JIT-compiles every kernel variant the suite runs, most of them for a few dispatches, and
 # that compiling is most of the suite's time: without LLVM's optimisation passes (Mesa's
-# GALLIVM_PERF=nopt) the kernel tests ran ~1.6x faster and the model tests ~10% slower. Every check
+# GALLIVM_PERF=nopt) the kernel tests ran ~1.6x faster and the model tests ~10% slower (docs/TESTING.md). Every check
 # still runs; the code llvmpipe users run (optimised) is checked with GALLIVM_PERF= (empty).
 export GALLIVM_PERF="${GALLIVM_PERF-nopt}"
 WORKERS="${VKRT_TEST_WORKERS:-$(($(nproc) < 4 ? $(nproc) : 4))}"
