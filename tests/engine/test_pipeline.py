@@ -139,6 +139,31 @@ def test_each_stage_holds_only_its_layers() -> None:
         whole.close()
 
 
+def test_pooling_requests_over_two_stages_equal_one_device_and_transformers() -> None:
+    """Embeddings (last, mean, first token) beside a generating request: the last stage sends back
+    the rows' final-norm hidden states with the logits."""
+    from vkrt.engine.pooling import PoolingParams
+
+    model = FIXTURES / "tiny_qwen3_embed"
+    golden = json.loads((model / "pooling_golden.json").read_text())["embeddings"]
+
+    def embed(stages: int) -> list[np.ndarray]:
+        llm = LLM(model, device=DEVICE, max_model_len=128, max_num_seqs=4, kv_dtype="f32",
+                  pipeline_parallel_size=stages)
+        try:
+            return [r.embedding for method in ("last", "mean", "cls")
+                    for r in llm.embed([e["ids"] for e in golden], PoolingParams(method))]
+        finally:
+            llm.close()
+
+    one, two = embed(1), embed(2)
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_array_equal(a, b)
+    expected = [e[method] for method in ("last", "mean", "cls") for e in golden]
+    for got, want in zip(two, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_the_default_model_over_two_stages_equals_one_device(smollm2_path: Path) -> None:
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 22, 23, 24]]
     one_ids, one_logprobs, _ = _run(smollm2_path, 1, prompts, max_tokens=24)

@@ -147,12 +147,22 @@ class PipelineModel(CausalLM):
         logits = np.concatenate([out[:len(out) - drop] for out, (_, drop) in zip(outputs, parts, strict=True)])
         return self.backend.upload(logits, "f32", purpose="activations")
 
-    def _run(self, parts: list[tuple[ForwardBatch, int]]) -> list[np.ndarray]:
+    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor,
+                       hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A step with pooling rows runs whole; the last stage sends back the logits rows and the
+        final-norm hidden states of the rows in `step.batch.hidden_index`."""
+        batch = step.batch
+        assert batch is not None and batch.hidden_index is not None
+        ((logits, normed),) = self._run([(batch, 0)])
+        return (self.backend.upload(logits, "f32", purpose="activations"),
+                self.backend.upload(normed, "f32", purpose="activations"))
+
+    def _run(self, parts: list[tuple[ForwardBatch, int]]) -> list[Any]:
         """Each micro-batch through every stage in order; a stage takes the next micro-batch as
         soon as it has given the previous one on, so the stages work at once. Returns the last
         stage's output of each."""
         counters = self.backend.counters
-        outputs: list[np.ndarray | None] = [None] * len(parts)
+        outputs: list[Any] = [None] * len(parts)
         waiting: dict[int, deque[int]] = {i: deque() for i in range(len(self.stages))}  # micro-batches sent
         failure: BaseException | None = None
         for m, (part, _) in enumerate(parts):
@@ -181,7 +191,7 @@ class PipelineModel(CausalLM):
         if failure is not None:
             raise failure
         assert all(out is not None for out in outputs)
-        return [out for out in outputs if out is not None]
+        return outputs
 
     def memory_stats(self) -> list[dict[str, int]]:
         """Each stage's device memory accounting."""
@@ -398,15 +408,23 @@ def _stage_main(conn: Connection) -> None:
 
 
 def _forward(model: CausalLM, kv: KVCache, batch: ForwardBatch,
-             hidden: np.ndarray | None) -> tuple[np.ndarray, dict[str, int]]:
-    """The stage's output for one step, and what its device did for it."""
+             hidden: np.ndarray | None) -> tuple[Any, dict[str, int]]:
+    """The stage's output for one step (the last stage's for a step with pooling rows: its logits
+    and the rows' final-norm hidden states), and what its device did for it."""
     backend = model.backend
     before = backend.counters.snapshot()
     step = StepTensors.upload(backend, batch)
     h = None if hidden is None else backend.upload(hidden, "f32", purpose="activations")
-    out = model.stage_forward(step, kv, h)
-    result = np.asarray(backend.read(out), dtype=np.float32).reshape(out.shape)
-    return result, backend.counters.since(before)
+
+    def host(t: Tensor) -> np.ndarray:
+        return np.asarray(backend.read(t), dtype=np.float32).reshape(t.shape)
+
+    stage = getattr(model, "stage", None)
+    if batch.hidden_index is not None and (stage is None or stage.last):
+        index = backend.upload(batch.hidden_index, "i32", purpose="inputs")
+        logits, normed = model.forward_pooled(step, kv, index, h)
+        return (host(logits), host(normed)), backend.counters.since(before)
+    return host(model.stage_forward(step, kv, h)), backend.counters.since(before)
 
 
 def _error(exc: BaseException) -> tuple[str, tuple[str, str]]:

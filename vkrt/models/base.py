@@ -321,7 +321,9 @@ class CausalLM(ABC):
         previous stage's hidden states to the logits or the next stage's hidden states."""
         raise UnsupportedModelError(f"{type(self).__name__} cannot run as a pipeline stage")
 
-    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor,
+                       hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """`forward`'s logits and the final-norm hidden states [len(hidden_index), hidden] of the
-        rows in `hidden_index` (pooling requests: embeddings, rerank scores)."""
+        rows in `hidden_index` (pooling requests: embeddings, rerank scores); a last pipeline
+        stage's from the previous stage's `hidden`."""
         raise UnsupportedModelError(f"{type(self).__name__} does not return hidden states; it cannot pool")

@@ -105,8 +105,9 @@ class DecoderModel(CausalLM):
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         return self.head(self.hidden_states(step, kv), step.logits_index)
 
-    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor) -> tuple[Tensor, Tensor]:
-        h = self.hidden_states(step, kv)
+    def forward_pooled(self, step: StepTensors, kv: KVCache, hidden_index: Tensor,
+                       hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        h = self.hidden_states(step, kv, hidden)
         assert self.weights.final_norm is not None
         normed = ops.rms_norm(ops.gather_rows(h, hidden_index), self.weights.final_norm, self.config.rms_norm_eps)
         return self.head(h, step.logits_index), normed
