@@ -7,14 +7,15 @@ Split-K sums each output in a different order from the one-invocation-per-row ke
 to the same bounds against the numpy reference, and to bit-identity with itself across
 token counts, kernels (vec / tiled) and fused-versus-unfused compositions.
 
-It runs on the storage-buffer path, the one GPUs take. Parity with the reference covers every
-format; the properties built on the shared reduction (batch invariance, gated and fused
-compositions equal to unfused ones) run on SPLIT_FORMATS, one of each decode family (float,
-32-value blocks with an offset folded into the activation sums, 256-value super-blocks, a
-non-linear table, MXFP4's shared exponents): every format's split-K decode is also held to the
-reference at each lane count GPUs select by tests/backend/test_kernel_configs.py. llvmpipe's
-JIT of these kernels on that path is the suite's largest cost, which is why the properties are
-not multiplied by every format here.
+It runs on the storage-buffer path, the one GPUs take. Parity with the reference and the
+properties built on the shared reduction (batch invariance, gated and fused compositions equal to
+unfused ones) run on SPLIT_FORMATS, one of each decode family (float, 32-value blocks with an
+offset folded into the activation sums, 256-value super-blocks, a non-linear table, MXFP4's shared
+exponents): every format's split-K decode is held to the reference at each lane count GPUs select
+by tests/backend/test_kernel_configs.py. llvmpipe's JIT of these kernels on that path is the
+suite's largest cost (a cold run spent ~110 s compiling the other eleven formats' parity cases
+here, which that module's cases already run), which is why nothing here is multiplied by every
+format.
 
 Not verified here: how fast it is on a GPU (none was available), nor a GPU driver's
 shared-memory and barrier behaviour beyond what llvmpipe shows.
@@ -29,8 +30,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPRESENTATIVE_FORMATS
-from tests.ops.test_matmul import make_weight, test_matmul_matches_reference  # noqa: F401
+from tests.ops.test_matmul import make_weight
 from tests.ops.test_matmul import test_batch_invariance as _batch_invariance
+from tests.ops.test_matmul import test_matmul_matches_reference as _matches_reference
 from tests.ops.test_matmul_fused_norm import test_batch_invariance as test_fused_batch_invariance  # noqa: F401
 from tests.ops.test_matmul_fused_norm import (  # noqa: F401
     test_matmul_add_equals_unfused,
@@ -79,6 +81,12 @@ def split_k(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_qkv_fused_equals_composed(qkv_case: tuple, rng: Any) -> None:  # noqa: F811
     _qkv_fused_equals_composed(qkv_case, rng)
+
+
+@pytest.mark.parametrize("name", ["matmul.vec", "matmul.tiled"])
+@pytest.mark.parametrize("fmt", SPLIT_FORMATS)
+def test_matmul_matches_reference(vk: Backend, rng: np.random.Generator, fmt: str, name: str) -> None:
+    _matches_reference(vk, rng, fmt, name)
 
 
 @pytest.mark.parametrize("fmt", SPLIT_FORMATS)
