@@ -13,7 +13,7 @@ unfused ones) run on SPLIT_FORMATS, one of each decode family (float, 32-value b
 offset folded into the activation sums, 256-value super-blocks, a non-linear table, MXFP4's shared
 exponents): every format's split-K decode is held to the reference at each lane count GPUs select
 by tests/backend/test_kernel_configs.py. llvmpipe's JIT of these kernels on that path is the
-suite's largest cost (a cold run spent ~110 s compiling the other eleven formats' parity cases
+suite's largest cost (a cold run spent 164 s compiling the parity cases of all sixteen formats
 here, which that module's cases already run), which is why nothing here is multiplied by every
 format.
 
