@@ -18,6 +18,7 @@ import vkrt.engine.draft as draft_module
 from vkrt.engine import LLM
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.draft import check_same_vocabulary
+from vkrt.engine.guided import GuidedDecoding
 from vkrt.engine.speculative import SpeculativeConfig, rejection_sample
 from vkrt.errors import OutOfDeviceMemory, VkrtError
 from vkrt.tokenizer import Tokenizer
@@ -260,3 +261,21 @@ def test_sampled_tokens_keep_the_target_distribution(make_llm: Callable[..., LLM
     assert_follows_top4(make_llm(), prompt + [first], seconds)
     spec = llm.engine.totals.spec
     assert spec.num_drafts >= n and 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
+
+
+def test_constrained_requests_take_a_greedy_drafts_proposals_only(make_llm: Callable[..., LLM],
+                                                                   use_draft: Callable[..., None]) -> None:
+    """A noisy draft proposes tokens the grammar rejects: a greedy constrained request keeps the
+    accepted prefix of them and decodes what plain constrained decoding does; a sampling one
+    takes none (cutting a sampled draft token would change the distribution)."""
+    digits = GuidedDecoding("regex", "[0-9]{40}")
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, guided_decoding=digits)
+    plain = _ids(make_llm(block_size=4), PROMPTS[1:2], greedy)
+    use_draft(NoisyLM())
+    llm = make_llm(block_size=4, speculative=draft(4))
+    assert _ids(llm, PROMPTS[1:2], greedy) == plain
+    spec = llm.engine.totals.spec
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0, spec
+    llm.engine.reset_totals()
+    [sampled] = _ids(llm, PROMPTS[1:2], SamplingParams(max_tokens=30, temperature=0.8, seed=1, guided_decoding=digits))
+    assert llm.engine.totals.spec.num_drafts == 0 and bytes(sampled).isdigit() and len(sampled) == 30

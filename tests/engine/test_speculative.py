@@ -6,6 +6,7 @@ plain run's tokens and is wrong where a test says, to drive acceptance exactly."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -14,6 +15,7 @@ from engine_fakes import assert_follows_top4
 import vkrt.engine.engine as engine_module
 from vkrt.engine import LLM
 from vkrt.engine.config import SamplingParams
+from vkrt.engine.guided import GuidedDecoding
 from vkrt.engine.speculative import (
     MAX_BACKOFF,
     SpecStats,
@@ -278,3 +280,51 @@ def test_prefix_cache_names_blocks_by_known_tokens_only(make_llm: Callable[..., 
         before = llm.engine.block_manager.prefix_hits
         hits[name] = (_ids(llm, [follow], GREEDY), llm.engine.block_manager.prefix_hits - before)
     assert hits["spec"] == hits["plain"] and hits["plain"][1] >= 4 * ((len(first) + 25 - 1) // 4) - 4
+
+
+# ---- structured output -----------------------------------------------------------------------
+
+# Every position allows its own letters: a verify row masked as row 0 is would sample another
+# token than plain decoding. The wrong proposals of the oracle ((t + 1) % 256) are never allowed
+# where the right ones are ('a' -> 'b', 'b' / 'd' -> 'c' / 'e', 'e' -> 'f', ' ' -> '!').
+ABE = GuidedDecoding("regex", "(a[bd]e ){10}")  # 40 bytes: more than any test's max_tokens
+
+
+@pytest.mark.parametrize("wrong, per_step", [(set(), 4), ({1}, 2)])
+def test_constrained_requests_verify_each_row_under_its_own_mask(make_llm: Callable[..., LLM],
+                                                                 oracle: Callable[..., None],
+                                                                 wrong: set[int], per_step: int) -> None:
+    prompt = list(b"speculate")
+    params = SamplingParams(max_tokens=33, temperature=0.0, guided_decoding=ABE)
+    [truth] = _ids(make_llm(block_size=4), [prompt], params)
+    assert len(truth) == 33 and set(bytes(truth)) == set(b"abde ")
+    oracle({tuple(prompt): truth}, wrong)
+    llm = make_llm(block_size=4, speculative=NGRAM)
+    steps: list[int] = []
+    llm.engine.stats_listeners.append(lambda s: steps.append(s.num_generation_tokens))
+    assert _ids(llm, [prompt], params) == [truth]
+    assert steps[0] == 1 and set(steps[1:-1]) == {per_step} and sum(steps) == 33
+    spec = llm.engine.totals.spec
+    assert spec.acceptance_rate == 1.0, spec
+    if wrong:  # [right, wrong, right] was cut to its first token: the grammar rejects the second
+        assert spec.num_draft_tokens == spec.num_drafts, spec
+
+
+def test_constrained_ngram_speculation_equals_plain(make_llm: Callable[..., LLM]) -> None:
+    """The real proposer on repeating prompts, several requests in a batch: greedy ones get the
+    same tokens as plain constrained decoding, a seeded sampling one the same tokens run after
+    run (not plain decoding's: a verify step draws once per row), every output inside its grammar."""
+    params = [SamplingParams(max_tokens=30, temperature=0.0, guided_decoding=ABE),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=3, guided_decoding=ABE),
+              SamplingParams(max_tokens=30, temperature=0.0, guided_decoding=GuidedDecoding("regex", "[0-9]{30}")),
+              SamplingParams(max_tokens=30, temperature=0.0)]
+    prompts = [list(b"abe abe adeabe ade"), list(b"abe ade abe ade"), REPEATING[1], REPEATING[0]]
+    plain = _ids(make_llm(block_size=4), prompts, params)
+    llm = make_llm(block_size=4, speculative=NGRAM)
+    spec = _ids(llm, prompts, params)
+    assert [spec[0], spec[2], spec[3]] == [plain[0], plain[2], plain[3]]
+    assert _ids(make_llm(block_size=4, speculative=NGRAM), prompts[1:2], params[1:2]) == spec[1:2]
+    for ids in (plain[0], plain[1], spec[1]):  # a prefix of the grammar's language, cut by max_tokens
+        assert re.fullmatch("(a[bd]e ){7}a[bd]", bytes(ids).decode()), bytes(ids)
+    assert re.fullmatch("[0-9]{30}", bytes(plain[2]).decode())
+    assert llm.engine.totals.spec.num_accepted_tokens > 0

@@ -20,6 +20,7 @@ from tests.conftest import FIXTURES
 from tests.server.live_model import test_device as device_for_tests
 from vkrt.engine import LLM
 from vkrt.engine.config import SamplingParams
+from vkrt.engine.guided import GuidedDecoding
 from vkrt.engine.speculative import SpeculativeConfig
 from vkrt.errors import VkrtError
 
@@ -91,3 +92,19 @@ def test_ngram_on_the_default_model_equals_plain_decoding(smollm2_runs: dict[str
         assert totals.decode_counters_max["submits"] == 1 and totals.decode_counters_max["drains"] == 0
     together = [o.outputs[0].token_ids for o in spec_llm.generate(PROMPTS * 2, params)]
     assert together == plain * 2
+
+
+def test_constrained_ngram_on_the_default_model_equals_plain_decoding(smollm2_runs: dict[str, LLM]) -> None:
+    """A JSON schema whose answer repeats the prompt's list: the grammar's masks on every verify
+    row, proposals cut where the schema stops accepting them, the same ids as plain decoding."""
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue", "yellow"]}, "minItems": 8, "maxItems": 8}
+    prompt = ('Colours as JSON: ["red", "green", "blue", "yellow", "red", "green", "blue", "yellow"]\n'
+              "The same colours as JSON: ")
+    params = SamplingParams(max_tokens=48, temperature=0.0, guided_decoding=GuidedDecoding("json", schema))
+    [plain] = smollm2_runs["plain"].generate([prompt], params)
+    spec_llm = smollm2_runs["spec"]
+    spec_llm.engine.reset_totals()
+    [spec] = spec_llm.generate([prompt], params)
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert len(json.loads(spec.outputs[0].text)) == 8
+    assert spec_llm.engine.totals.spec.num_accepted_tokens > 0, spec_llm.engine.totals.spec

@@ -486,7 +486,12 @@ class EngineCore:
             return None
         wanted: list[tuple[Request, int]] = []
         for request in requests:
-            if request.is_finished or not request.params.speculative or request.guide is not None:
+            if request.is_finished or not request.params.speculative:
+                continue
+            if request.guide is not None and self.drafter is not None and not request.params.greedy:
+                # A sampled draft token the grammar rejects must still be verified (and rejected)
+                # for the emitted token to follow the target's distribution; cutting it is not
+                # exact, so a constrained request that samples does not take a draft's proposals.
                 continue
             if self.drafter is None and request.spec_wait:  # its last proposals all failed: plain steps for a while
                 request.spec_wait -= 1
@@ -497,16 +502,21 @@ class EngineCore:
             k = min(spec.num_speculative_tokens, room)
             if k > 0:
                 wanted.append((request, k))
+        cost: StepStats | None = None
         if self.drafter is None:
             for request, k in wanted:
                 request.spec_token_ids = ngram_proposal(request.all_token_ids, k, spec.prompt_lookup_max,
                                                         spec.prompt_lookup_min)
-            return None
-        try:
-            return self.drafter.propose(wanted)
-        except (OutOfDeviceMemory, DeviceLostError) as exc:  # proposals are optional: the next step decodes plainly
-            log.error("the draft model's step failed (%s); no proposals this step", exc)
-            return None
+        else:
+            try:
+                cost = self.drafter.propose(wanted)
+            except (OutOfDeviceMemory, DeviceLostError) as exc:  # proposals are optional: the next step decodes plainly
+                log.error("the draft model's step failed (%s); no proposals this step", exc)
+                return None
+        for request, _ in wanted:  # a constrained request proposes only what its grammar accepts
+            if request.guide is not None and request.spec_token_ids:
+                del request.spec_token_ids[request.guide.valid_prefix(request.spec_token_ids):]
+        return cost
 
     def _fail(self, requests: list[Request], exc: VkrtError) -> list[RequestOutput]:
         """End `requests` with finish_reason "error" and `exc` as the reason: their step failed

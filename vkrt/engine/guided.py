@@ -8,7 +8,9 @@ microseconds, instead of a compile (tens of milliseconds for a nested schema). E
 engine asks every constrained request's guide for its mask row (u32 words, bit j % 32 of word
 j // 32 allows token j: the sample_top_k op's mask operand; `StepMasks`, computed while the
 device runs a replayed step), samples with it, and advances the guide with the chosen token.
-When the grammar admits no further token the request stops.
+When the grammar admits no further token the request stops. A speculating request's proposals
+are cut where the grammar stops accepting them, and its verify step gets a mask per row: the
+guide consumes the proposals to compute them and rolls them back (vkrt/engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -152,6 +154,26 @@ class Guide:
         assert row.dtype == np.uint32 and row.flags["C_CONTIGUOUS"]
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
+    def fill_masks(self, rows: np.ndarray, proposals: Sequence[int]) -> None:
+        """A verify step's masks (speculative decoding): row 0 for the next token, row i + 1 for
+        the token after proposals[i], each computed with the proposals before it consumed; the
+        guide is back where it was afterwards. The proposals must be ones `valid_prefix` passed."""
+        consumed = 0
+        try:
+            self.fill_mask(rows[0])
+            for i in range(1, rows.shape[0]):
+                if not self._matcher.consume_token(proposals[i - 1]):
+                    raise ValueError(f"the grammar rejected proposal {proposals[i - 1]}: {self.error}")
+                consumed += 1
+                self.fill_mask(rows[i])
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from here (the guide is unchanged)."""
+        return int(self._matcher.validate_tokens(list(tokens))) if tokens else 0
+
     def advance(self, token_id: int) -> bool:
         """Consume the sampled token; False if the grammar rejects it (the matcher's error)."""
         return bool(self._matcher.consume_token(token_id))
@@ -267,14 +289,20 @@ class StepMasks:
     def __call__(self) -> np.ndarray:
         start = time.perf_counter()
         masks = np.full((len(self.requests), self.words), ALL_ALLOWED, np.uint32)
-        for i, request in enumerate(self.requests):
-            if request.guide is None:
-                continue
-            try:
-                request.guide.fill_mask(masks[i])
-            except Exception as exc:  # llguidance raises plain ValueError/RuntimeError
-                self.failed[i] = f"{type(exc).__name__}: {exc}"
-                masks[i] = ALL_ALLOWED
+        i = 0
+        while i < len(self.requests):
+            request = self.requests[i]
+            rows = 1  # a verifying request has a row for its token and one after each proposal
+            while i + rows < len(self.requests) and self.requests[i + rows] is request:
+                rows += 1
+            if request.guide is not None:
+                try:
+                    request.guide.fill_masks(masks[i:i + rows], request.spec_token_ids)
+                except Exception as exc:  # llguidance raises plain ValueError/RuntimeError
+                    for row in range(i, i + rows):
+                        self.failed[row] = f"{type(exc).__name__}: {exc}"
+                    masks[i:i + rows] = ALL_ALLOWED
+            i += rows
         self.masks = masks
         self.seconds = time.perf_counter() - start
         return masks

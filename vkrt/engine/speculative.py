@@ -17,7 +17,9 @@ tokens) and "draft_model" (`"model": PATH_OR_NAME`: a small model with the targe
 proposes by decoding k tokens itself, vkrt/engine/draft.py). A draft that samples proposes
 from a distribution q rather than one token, so its rows are verified by the general rule
 instead: accept d with min(1, p(d) / q(d)), else resample from max(0, p - q) normalised
-(`rejection_sample`). MTP is refused with a message saying why (its layers are not loaded yet).
+(`rejection_sample`). A structured-output request's proposals are cut where its grammar
+stops accepting them and each verify row is masked as its plain step would be
+(vkrt/engine/guided.py). MTP is refused with a message saying why (its layers are not loaded yet).
 """
 
 from __future__ import annotations
