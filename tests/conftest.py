@@ -24,6 +24,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # fixtures is this, wherever a suite's own is smaller.
 GOLDEN_LOGIT_ATOL_FOR = {"tiny_qwen3_5_moe": 1e-3, "tiny_qwen3_5_moe_gguf": 1e-3, "tiny_qwen3_5_moe_vl": 1e-3,
                          "tiny_gpt_oss": 1e-3, "tiny_gpt_oss_gguf": 1e-3, "tiny_gpt_oss_mxfp4_gguf": 1e-3,
+                         "tiny_gpt_oss_mxfp4": 1e-3,
                          "tiny_gemma4": 1e-3, "tiny_gemma4_vl": 1e-3, "tiny_gemma4_gguf": 1e-3}
 
 # Under CI (CI=true, as CI services set it) a missing prerequisite fails the run instead of

@@ -612,9 +612,10 @@ def make_families(fixtures: Path, seed: int, prompts: list[list[int]], golden_fo
                           CONVERT_NOTES.get(fixture, " (an exact conversion)"),
                           cfg.vocab_size if family in CONVERT_VOCAB else 0)
         if family == "GptOss":  # its converted file again, the experts in MXFP4
-            from mxfp4_fixture import make_mxfp4_gguf
+            from mxfp4_fixture import make_mxfp4_gguf, make_mxfp4_hf
 
             make_mxfp4_gguf(fixtures, reloaded, prompts, golden_for, sha256_file)
+            make_mxfp4_hf(fixtures, prompts, golden_for, sha256_file)  # and as gpt-oss is released
         if family in GGUF_FAMILIES:
             _make_gguf(fixtures, fixture, family, kwargs, cfg, reloaded, prompts, golden_for, sha256_file)
 

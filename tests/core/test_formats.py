@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
-from vkrt.core.formats import BLOCK_FORMATS, FORMATS, IQ4_LEVELS, by_gguf_type, weight_format
+from vkrt.core.formats import (
+    BLOCK_FORMATS,
+    FORMATS,
+    IQ4_LEVELS,
+    by_gguf_type,
+    mxfp4_from_hf,
+    weight_format,
+)
 from vkrt.core.quant import dequantize
 from vkrt.core.tensor import storage_nbytes
 
@@ -69,6 +76,20 @@ def test_mxfp4_every_exponent_and_code_is_gguf_s(rng: np.random.Generator) -> No
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
     e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]  # the OCP values at scale 2^0 (e = 127)
     assert got[127, :8].tolist() == e2m1[0::2] and got[127, 16:24].tolist() == e2m1[1::2]
+
+
+def test_mxfp4_from_hf_keeps_every_value(rng: np.random.Generator) -> None:
+    """gpt-oss's checkpoint halves (codes two a byte, element 2i low; exponents apart) repacked
+    into llama.cpp's blocks decode to what the checkpoint's own rule gives: the OCP e2m1 value
+    of each code times 2^(exponent - 127) (transformers' decoder, written out here)."""
+    blocks = rng.integers(0, 256, (3, 5, 2, 16), dtype=np.uint8)
+    scales = rng.integers(100, 150, (3, 5, 2), dtype=np.uint8)
+    rows = mxfp4_from_hf(blocks, scales)
+    assert rows.shape == (3, 5, 2 * 17) and rows.dtype == np.uint8
+    lut = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(3, 5, 2, 32)
+    expected = np.ldexp(lut[codes], scales.astype(np.int32)[..., None] - 127).reshape(15, 64)
+    assert np.array_equal(dequantize(rows.reshape(15, -1), "mxfp4"), expected)
 
 
 def test_iq4_polynomial_gives_every_level() -> None:

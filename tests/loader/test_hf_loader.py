@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -164,3 +165,58 @@ def test_sliding_window_is_per_layer_and_keeps_the_context(tmp_path: Path) -> No
     cfg["sliding_window"] = None
     (model_dir / "config.json").write_text(json.dumps(cfg))
     assert [layer.window for layer in load_model(model_dir).config.layers] == [0, 0]
+
+
+def _gpt_oss_mxfp4(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """A copy of tiny_gpt_oss_mxfp4 (gpt-oss's released layout) and its tensors."""
+    from safetensors.numpy import load_file
+
+    from tests.conftest import FIXTURES
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(FIXTURES / "tiny_gpt_oss_mxfp4", model_dir)
+    return model_dir, load_file(model_dir / "model.safetensors")
+
+
+def test_mxfp4_halves_join_into_llama_cpp_blocks(tmp_path: Path) -> None:
+    """Split over two shards, each weight's _blocks in one and _scales in the other: the same
+    weights as the single file, MXFP4 rows of the logical [experts, out, in] shapes."""
+    model_dir, tensors = _gpt_oss_mxfp4(tmp_path)
+    whole = load_model(model_dir).weights
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"a.safetensors": {n: tensors[n] for n in names if not n.endswith("_scales")},
+              "b.safetensors": {n: tensors[n] for n in names if n.endswith("_scales")}}
+    for file, part in shards.items():
+        save_file(part, str(model_dir / file))
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    split = load_model(model_dir).weights
+    assert split.keys() == whole.keys()
+    gate = split["layers.0.experts.gate_proj"]
+    assert (gate.fmt, gate.shape, gate.data.shape) == ("mxfp4", (4, 32, 64), (4, 32, 2 * 17))
+    for name, w in whole.items():
+        assert np.array_equal(w.data, split[name].data), name
+
+
+def test_mxfp4_half_without_its_partner(tmp_path: Path) -> None:
+    model_dir, tensors = _gpt_oss_mxfp4(tmp_path)
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=r"layers\.1\.mlp\.experts\.down_proj_blocks has no partner"):
+        load_model(model_dir)
+
+
+def test_mxfp4_halves_that_do_not_match(tmp_path: Path) -> None:
+    model_dir, tensors = _gpt_oss_mxfp4(tmp_path)
+    tensors["model.layers.0.mlp.experts.down_proj_scales"] = tensors["model.layers.0.mlp.experts.down_proj_scales"][:2]
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match="are not an MXFP4 pair"):
+        load_model(model_dir)
+
+
+def test_u8_tensor_that_is_not_mxfp4(tmp_path: Path) -> None:
+    write_hf_dir(tmp_path / "m", hf_weights(tied=False), hf_config())
+    write_safetensors(tmp_path / "m" / "model.safetensors", {"model.norm.weight": ("U8", np.ones(4, np.uint8))})
+    with pytest.raises(UnsupportedModelError, match=r"'model\.norm\.weight' has dtype U8, which vkrt reads only as"):
+        load_model(tmp_path / "m")

@@ -27,7 +27,7 @@ FAMILIES = ["tiny_qwen2", "tiny_qwen2_gguf", "tiny_qwen3", "tiny_qwen3_gguf", "t
             # llama.cpp's converter on HF fixtures above (the mixtures of experts': tests/models/test_moe.py)
             "tiny_smollm3_gguf", "tiny_granite_gguf", "tiny_ernie4_5_gguf",
             "tiny_phi3_gguf", "tiny_phi3_partial_gguf", "tiny_glm4_moe", "tiny_glm4_moe_gguf",
-            "tiny_gpt_oss", "tiny_gpt_oss_gguf", "tiny_gpt_oss_mxfp4_gguf",
+            "tiny_gpt_oss", "tiny_gpt_oss_gguf", "tiny_gpt_oss_mxfp4_gguf", "tiny_gpt_oss_mxfp4",
             "tiny_olmo2", "tiny_olmo2_gguf", "tiny_olmo3", "tiny_olmo3_gguf", "tiny_exaone4", "tiny_exaone4_gguf",
             "tiny_seed_oss", "tiny_seed_oss_gguf", "tiny_ministral3", "tiny_ministral3_gguf",
             "tiny_ministral3_vl", "tiny_minimax_m2", "tiny_minimax_m2_gguf",

@@ -23,7 +23,7 @@ from vkrt.models.decoder import DecoderModel
 DISPATCHES_PER_LAYER = 15
 
 
-@pytest.mark.parametrize("name", ["tiny_gpt_oss", "tiny_gpt_oss_gguf", "tiny_gpt_oss_mxfp4_gguf"])
+@pytest.mark.parametrize("name", ["tiny_gpt_oss", "tiny_gpt_oss_gguf", "tiny_gpt_oss_mxfp4_gguf", "tiny_gpt_oss_mxfp4"])
 def test_decode_step_dispatches(name: str, vk_default: Backend) -> None:
     """A decode step: the embedding, 15 per layer, the gather and the normed LM head; every op
     native (0 drains), the attention the paged kernel with its sinks; MXFP4 experts stay MXFP4

@@ -117,6 +117,16 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
     return np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
 
 
+def mxfp4_from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Hugging Face's MXFP4 halves (gpt-oss checkpoints: `*_blocks` uint8 [..., G, 16], two codes
+    a byte with element 2i low and 2i + 1 high; `*_scales` uint8 [..., G], the E8M0 exponents) as
+    llama.cpp's MXFP4 rows: uint8 [..., G * 17], each block its exponent and then its 16 bytes in
+    q4_0's nibble order (element i low, i + 16 high). The codes and exponents are the same bits."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(blocks.shape[:-1] + (32,))
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], packed], axis=-1).reshape(scales.shape[:-1] + (-1,))
+
+
 # ---- decoders -------------------------------------------------------------------------------
 
 def _q8_0(b: np.ndarray) -> np.ndarray:

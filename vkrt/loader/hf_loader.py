@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from vkrt.core.formats import mxfp4_from_hf
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import validate
 from vkrt.loader.arch import arch_for_hf, supported_hf_archs
@@ -30,7 +31,10 @@ _DTYPES: dict[str, tuple[str, type[np.generic]]] = {
     "F32": ("f32", np.float32),
     "F16": ("f16", np.float16),
     "BF16": ("bf16", np.uint16),  # numpy has no bf16: keep the raw bits
+    "U8": ("u8", np.uint8),  # only as the halves of an MXFP4 weight (`_join_mxfp4`)
 }
+# gpt-oss's MXFP4 expert weights: `<name>_blocks` (codes) beside `<name>_scales` (exponents)
+_MXFP4_HALVES = ("_blocks", "_scales")
 
 _LAYER_NAMES: dict[str, re.Pattern[str]] = {}  # ArchSpec.hf_prefix -> "<prefix>.layers.{i}.<suffix>"
 
@@ -150,25 +154,61 @@ def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range
     return range(layers, layers + count)
 
 
+def _join_mxfp4(file: Path, tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
+                pending: dict[str, tuple[str, tuple[int, ...], np.ndarray]]) -> None:
+    """Replace each `<name>_blocks` / `<name>_scales` pair in `tensors` by `<name>`, an MXFP4
+    weight in llama.cpp's layout (formats.mxfp4_from_hf, a copy made once at load) of logical
+    shape [..., out, in]: gpt-oss's released checkpoints store their experts so. A half whose
+    partner is in another shard waits in `pending`; a u8 tensor that is neither half is refused."""
+    for hf_name in [n for n in tensors if tensors[n][0] == "u8"]:
+        half = next((h for h in _MXFP4_HALVES if hf_name.endswith(h)), None)
+        if half is None:
+            raise UnsupportedModelError(f"{file}: tensor {hf_name!r} has dtype U8, which vkrt reads only as "
+                                        "the _blocks / _scales halves of an MXFP4 weight; save the model in "
+                                        "F32, F16 or BF16")
+        pending[hf_name] = tensors.pop(hf_name)
+        base = hf_name[: -len(half)]
+        blocks, scales = pending.get(base + "_blocks"), pending.get(base + "_scales")
+        if blocks is None or scales is None:
+            continue
+        del pending[base + "_blocks"], pending[base + "_scales"]
+        if len(blocks[1]) < 2 or blocks[1][-1] != 16 or blocks[1][:-1] != scales[1]:
+            raise ModelFormatError(f"{file}: {base}_blocks {list(blocks[1])} and {base}_scales {list(scales[1])} "
+                                   "are not an MXFP4 pair ([..., G, 16] codes beside [..., G] exponents); "
+                                   "re-download the model")
+        rows = mxfp4_from_hf(np.asarray(blocks[2]), np.asarray(scales[2]))
+        tensors[base] = ("mxfp4", (*blocks[1][:-2], blocks[1][-2] * 32), rows)
+
+
 def _split_fused_experts(model_dir: Path, weights: dict[str, WeightData], interleaved: bool) -> None:
     """Expert stacks as llama.cpp's converter writes them: HF's gate_up_proj [E, H, 2F] (gate and
     up columns interleaved, gpt-oss's, or gate's then up's, Llama 4's) and down_proj [E, F, H]
     become gate_proj, up_proj [E, F, H] and down_proj [E, H, F], and the [E, 2F] bias gate_bias
-    and up_bias. The transposes are copies (float formats: HF stores nothing else), made once at load."""
+    and up_bias. The transposes are copies, made once at load. An MXFP4 stack (`_join_mxfp4`) is
+    stored [E, out, in] already: gate_up's rows are split, nothing is transposed."""
     for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
         p = name[: -len("gate_up_proj")]
         fused, down = weights.pop(name), weights.get(p + "down_proj")
-        if down is None or len(fused.shape) != 3 or len(down.shape) != 3 or fused.shape[2] % 2:
+        mxfp4 = fused.fmt == "mxfp4"
+        if (down is None or len(fused.shape) != 3 or len(down.shape) != 3 or fused.shape[1 if mxfp4 else 2] % 2
+                or mxfp4 != (down.fmt == "mxfp4")):
             raise ModelFormatError(f"{model_dir}: {name} must be [experts, hidden, 2 x intermediate] beside a "
                                    f"[experts, intermediate, hidden] down_proj, got {list(fused.shape)}; the "
                                    "checkpoint is not one transformers wrote")
-        half = fused.shape[2] // 2
-        for i, part in enumerate(("gate_proj", "up_proj")):
-            columns = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
-            data = np.ascontiguousarray(fused.data[:, :, columns].transpose(0, 2, 1))
-            weights[p + part] = WeightData(p + part, fused.fmt, data.shape, data)
-        data = np.ascontiguousarray(down.data.transpose(0, 2, 1))
-        weights[p + "down_proj"] = WeightData(p + "down_proj", down.fmt, data.shape, data)
+        if mxfp4:
+            half = fused.shape[1] // 2
+            for i, part in enumerate(("gate_proj", "up_proj")):
+                rows = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
+                data = np.ascontiguousarray(fused.data[:, rows])
+                weights[p + part] = WeightData(p + part, "mxfp4", (fused.shape[0], half, fused.shape[2]), data)
+        else:
+            half = fused.shape[2] // 2
+            for i, part in enumerate(("gate_proj", "up_proj")):
+                columns = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
+                data = np.ascontiguousarray(fused.data[:, :, columns].transpose(0, 2, 1))
+                weights[p + part] = WeightData(p + part, fused.fmt, data.shape, data)
+            data = np.ascontiguousarray(down.data.transpose(0, 2, 1))
+            weights[p + "down_proj"] = WeightData(p + "down_proj", down.fmt, data.shape, data)
         bias = weights.pop(p + "gate_up_bias", None)
         if bias is not None and len(bias.shape) == 2:
             for i, part in enumerate(("gate_bias", "up_bias")):
@@ -207,8 +247,11 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     weights: dict[str, WeightData] = {}
     skipped: Counter[str] = Counter()
     mtp = _mtp_layers(config_path, spec, cfg)
+    mxfp4_halves: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
     for file in _safetensors_files(model_dir):
-        for hf_name, (fmt, shape, data) in read_safetensors(file).items():
+        tensors = read_safetensors(file)
+        _join_mxfp4(file, tensors, mxfp4_halves)
+        for hf_name, (fmt, shape, data) in tensors.items():
             prefix = next((p for p in _LANGUAGE_MODEL if hf_name.startswith(p)), None) if multimodal else None
             if prefix is not None:
                 hf_name = _LANGUAGE_MODEL[prefix] + hf_name[len(prefix):]
@@ -236,6 +279,9 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                 raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
                                        "re-download the model")
             weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
+    if mxfp4_halves:
+        raise ModelFormatError(f"{model_dir}: {sorted(mxfp4_halves)[0]} has no partner (an MXFP4 weight is a "
+                               "_blocks and a _scales tensor); download all shards")
     if spec.hf_interleaved_experts or spec.hf_stacked_experts:
         _split_fused_experts(model_dir, weights, spec.hf_interleaved_experts)
     for what, count in skipped.items():
