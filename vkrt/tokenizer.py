@@ -34,7 +34,11 @@ _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 _EOG_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>",
+    "<|return|>", "<|call|>",  # harmony (gpt-oss): a final answer, a tool call
 })
+# Harmony's <|end|> closes a message, not the turn (the analysis before the final answer): a
+# vocabulary with <|return|> and <|call|> does not stop on it, as llama.cpp decides.
+_HARMONY_ENDS = frozenset({"<|return|>", "<|call|>"})
 
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_RE = (
@@ -304,7 +308,10 @@ class Tokenizer:
         eos_ids = [
             get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         ]
-        eos_ids += [i for i, (t, k) in enumerate(zip(tokens, token_types, strict=True)) if k == _TOKEN_CONTROL and t in _EOG_TEXTS]
+        eog = {t: i for i, (t, k) in enumerate(zip(tokens, token_types, strict=True)) if k == _TOKEN_CONTROL and t in _EOG_TEXTS}
+        if _HARMONY_ENDS <= eog.keys():
+            eog.pop("<|end|>", None)
+        eos_ids += list(eog.values())
         fim = {role: get(key) for role, (key, _) in FIM_ROLES.items()}
         return cls(
             tok,
