@@ -136,21 +136,29 @@ def test_ngram_greedy_ids_equal_plain(make_llm: Callable[..., LLM], block_size: 
     assert spec.num_drafts > 0 and spec.num_draft_tokens >= spec.num_drafts
 
 
-@pytest.mark.parametrize("wrong, per_step", [(set(), 4), ({0}, 1), ({1}, 2), ({2}, 3)])
-def test_acceptance_stops_at_the_first_wrong_proposal(make_llm: Callable[..., LLM], oracle: Callable[..., None],
-                                                      wrong: set[int], per_step: int) -> None:
+def _oracle_run(make_llm: Callable[..., LLM], oracle: Callable[..., None], params: SamplingParams,
+                wrong: set[int]) -> tuple[list[int], SpecStats]:
+    """Plain decoding's tokens for a 33-token request, then the same request with the oracle's
+    proposals (wrong at `wrong`) on 4-token blocks: the tokens must be the same. The tokens
+    emitted per step, and the speculation counters."""
     prompt = list(b"speculate")
-    params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
     [truth] = _ids(make_llm(block_size=4), [prompt], params)
     oracle({tuple(prompt): truth}, wrong)
     llm = make_llm(block_size=4, speculative=NGRAM)
     steps: list[int] = []
     llm.engine.stats_listeners.append(lambda s: steps.append(s.num_generation_tokens))
     assert _ids(llm, [prompt], params) == [truth]
+    return steps, llm.engine.totals.spec
+
+
+@pytest.mark.parametrize("wrong, per_step", [(set(), 4), ({0}, 1), ({1}, 2), ({2}, 3)])
+def test_acceptance_stops_at_the_first_wrong_proposal(make_llm: Callable[..., LLM], oracle: Callable[..., None],
+                                                      wrong: set[int], per_step: int) -> None:
+    params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
+    steps, spec = _oracle_run(make_llm, oracle, params, wrong)
     # the prefill's token, then per_step tokens a step (the accepted proposals and the
     # target's own), the last step cut by max_tokens
     assert steps[0] == 1 and set(steps[1:-1]) == {per_step} and sum(steps) == 33
-    spec = llm.engine.totals.spec
     if wrong:  # positions before the wrong one are accepted, none from it on
         (j,) = wrong
         assert all(spec.accepted_per_pos[:j]) and not any(spec.accepted_per_pos[j:]), spec
@@ -294,17 +302,11 @@ ABE = GuidedDecoding("regex", "(a[bd]e ){10}")  # 40 bytes: more than any test's
 def test_constrained_requests_verify_each_row_under_its_own_mask(make_llm: Callable[..., LLM],
                                                                  oracle: Callable[..., None],
                                                                  wrong: set[int], per_step: int) -> None:
-    prompt = list(b"speculate")
     params = SamplingParams(max_tokens=33, temperature=0.0, guided_decoding=ABE)
-    [truth] = _ids(make_llm(block_size=4), [prompt], params)
-    assert len(truth) == 33 and set(bytes(truth)) == set(b"abde ")
-    oracle({tuple(prompt): truth}, wrong)
-    llm = make_llm(block_size=4, speculative=NGRAM)
-    steps: list[int] = []
-    llm.engine.stats_listeners.append(lambda s: steps.append(s.num_generation_tokens))
-    assert _ids(llm, [prompt], params) == [truth]
+    [plain] = _ids(make_llm(block_size=4), [list(b"speculate")], params)
+    assert len(plain) == 33 and set(bytes(plain)) == set(b"abde ")  # b and d both chosen where either may come
+    steps, spec = _oracle_run(make_llm, oracle, params, wrong)
     assert steps[0] == 1 and set(steps[1:-1]) == {per_step} and sum(steps) == 33
-    spec = llm.engine.totals.spec
     assert spec.acceptance_rate == 1.0, spec
     if wrong:  # [right, wrong, right] was cut to its first token: the grammar rejects the second
         assert spec.num_draft_tokens == spec.num_drafts, spec
