@@ -124,6 +124,21 @@ def test_bench_speculative_on_a_prompt_file(smollm2_path: Path, tmp_path: Path) 
     assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["mean_accepted_length"] >= 1.0
 
 
+def test_bench_constrained_to_a_json_schema(smollm2_path: Path, tmp_path: Path) -> None:
+    """`vkrt bench --json-schema F`: the run ends where the schema's JSON does, before -g; a schema
+    file that is not JSON is one line naming it."""
+    schema = tmp_path / "digits.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 3}))
+    result = _run("bench", "--gen-tokens", "48", "--prompt-tokens", "8", "--json", "--no-warmup",
+                  "--json-schema", str(schema))
+    assert result.returncode == 0, result.stderr
+    [run] = json.loads(result.stdout)["runs"]
+    assert 5 <= run["generated_tokens"] < 48  # "[1, 2, 3]" and the end, in a few tokens each
+    schema.write_text("{ not json")
+    _assert_one_line_error(_run("bench", "--json-schema", str(schema), "--device", "reference"), str(schema),
+                           "is not JSON")
+
+
 def test_bad_speculative_config_is_a_usage_error() -> None:
     result = _run("generate", "hi", "--speculative-config", '{"method": "ngram"}')
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -288,6 +288,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from vkrt.engine.config import SamplingParams
 
     lengths = args.prompt_tokens
+    guided = _bench_schema(args.json_schema)  # before the load a bad file would waste
     start = time.perf_counter()
     llm = _load(args, enable_prefix_caching=False)  # repeats must recompute the prompt
     load_s = time.perf_counter() - start
@@ -306,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rng = random.Random(0)  # each length's prompt is a prefix of one fixed stream of ids
         ids = [rng.randrange(100, min(vocab, 30000)) for _ in range(max(lengths))]
         prompts = {length: ids[:length] for length in lengths}
-    params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True, guided_decoding=guided)
     backend = llm.engine.model.backend
     profiling = False
     if args.profile:
@@ -368,6 +369,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_schema(path: str | None) -> Any:
+    """--json-schema: the generation constrained to the JSON schema in that file (None: free)."""
+    if path is None:
+        return None
+    from vkrt.engine.guided import GuidedDecoding
+
+    try:
+        schema = json.loads(open(path, encoding="utf-8").read())
+    except OSError as exc:
+        raise VkrtError(f"--json-schema: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise VkrtError(f"--json-schema: {path} is not JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(schema, dict):
+        raise VkrtError(f"--json-schema: {path} must hold a JSON schema object")
+    return GuidedDecoding("json", schema)
+
+
 def _ratios(first: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
     """Tok/s of `other`'s runs over `first`'s, round by round, and their medians."""
     out: dict[str, Any] = {}
@@ -400,7 +418,8 @@ def _bench_report(args: argparse.Namespace, llm: Any, prompt_tokens: int, result
         "access_path": desc.get("device", {}).get("access_path") if isinstance(desc.get("device"), dict) else None,
         "prompt_tokens": prompt_tokens, "gen_tokens": args.gen_tokens,
         "prefill_tok_s": best["prefill_tok_s"], "decode_tok_s": best["decode_tok_s"],
-        "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "first_token_s", "seconds")} for r in results],
+        "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "first_token_s", "seconds", "generated_tokens")}
+                 for r in results],
         "per_step": per_step, "per_step_max": best["decode_counters_max"],
         "resident_bytes": memory.get("reserved_bytes"), "memory": memory,
         "kv_cache_dtype": llm.config.kv_dtype,
@@ -528,6 +547,9 @@ def register(sub: Any) -> None:
     p.add_argument("--gen-tokens", "-g", type=int, default=128)
     p.add_argument("--prompt-file", default=None, metavar="PATH",
                    help="the prompt is this file's text (tokenised) instead of --prompt-tokens random ids")
+    p.add_argument("--json-schema", default=None, metavar="PATH",
+                   help="constrain the output to the JSON schema in this file (structured output); it ends "
+                        "where the schema's JSON does, even before --gen-tokens")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds; each length's best decode tok/s is reported (default 1)")
     p.add_argument("--no-warmup", action="store_true",
