@@ -39,6 +39,10 @@ it, in stages, each with a timeout, within a total budget (default 470 s, under 
                (the GQA tile vs one head per workgroup; decode at depth, a long prefill)
                on SmolLM2's shape and a Llama-3-8B-like one: the data a GPU's tile
                rules (tuned on llvmpipe) still lack
+  speculative  `vkrt bench` on SmolLM2 with a prompt that asks for a copy of its code
+               (tools/bench_prompts/copy_code.txt), plain and with n-gram speculation
+               (k = 3): the decode speed-up and acceptance on a GPU, where a verify
+               step's rows should cost little more than a plain step's
 
 Correctness stages (setup, devices, ops, models, models-alt) run first and run with
 CI=true, so a test skipped for a missing prerequisite fails. Benchmark stages that fail
@@ -119,7 +123,7 @@ while (($#)); do
   esac
 done
 
-ALL_STAGES="setup peer-setup devices fetch ops models models-alt peers-smollm2 peers-gemma3 matvec attention"
+ALL_STAGES="setup peer-setup devices fetch ops models models-alt peers-smollm2 peers-gemma3 matvec attention speculative"
 CORRECTNESS="setup devices ops models models-alt"
 if [[ -z "$BUDGET" ]]; then BUDGET=$((QUICK ? 240 : 470)); fi
 [[ "$BUDGET" =~ ^[0-9]+$ ]] && ((BUDGET >= 30)) || die_usage "--budget must be a whole number of seconds >= 30"
@@ -137,28 +141,32 @@ fi
 [[ "$OUT" == /* ]] || OUT="$PWD/$OUT"
 LOGS="${OUT%.json}.logs"
 
-wanted() {  # devices always runs; fetch whenever a peers stage does
+wanted() {  # devices always runs; fetch whenever a stage that needs a model does
   [[ -z "$STAGES" || ",$STAGES," == *",$1,"* || "$1" == devices ]] \
-    || [[ "$1" == fetch && ",$STAGES," == *",peers-"* ]]
+    || [[ "$1" == fetch && (",$STAGES," == *",peers-"* || ",$STAGES," == *",speculative,"*) ]]
 }
 
 # Per-stage caps in seconds (the budget cuts them further). Correctness first.
 declare -A CAP=([setup]=150 [peer-setup]=120 [devices]=45 [fetch]=120 [ops]=170 [models]=110
-                [models-alt]=80 [peers-smollm2]=110 [peers-gemma3]=110 [matvec]=90 [attention]=60)
+                [models-alt]=80 [peers-smollm2]=110 [peers-gemma3]=110 [matvec]=90 [attention]=60
+                [speculative]=60)
 OPS_TESTS=(tests/ops)
 MODEL_TESTS=(tests/models tests/engine/test_token_exact.py)
 PEER_ARGS=(--prompt-tokens 512 --gen-tokens 128 --repeats 1)
 MATVEC_ARGS=(--paths ssbo,texel)
 ATTENTION_ARGS=(--depth 512,4096 --prompt 2048 --shape '9,3,64;32,8,128' --kernels gqa,paged --repeats 5)
+SPEC_ARGS=(--prompt-file tools/bench_prompts/copy_code.txt --gen-tokens 128 --repeat 2)
+SPEC_CONFIG='{"method": "ngram", "num_speculative_tokens": 3}'
 PEER_MODELS=(smollm2 gemma3)
 if ((QUICK)); then
   CAP=([setup]=60 [peer-setup]=60 [devices]=30 [fetch]=40 [ops]=90 [models]=90
-       [models-alt]=90 [peers-smollm2]=90 [peers-gemma3]=1 [matvec]=40 [attention]=40)
+       [models-alt]=90 [peers-smollm2]=90 [peers-gemma3]=1 [matvec]=40 [attention]=40 [speculative]=40)
   OPS_TESTS=(tests/ops/test_rope.py)
   MODEL_TESTS=(tests/models/test_llama_golden.py -k "tiny_llama and logits")
   PEER_ARGS=(--prompt-tokens 32 --gen-tokens 16 --repeats 1)
   MATVEC_ARGS=(--shape 256x512 --working-set-mb 2 --repeats 2 --target-ms 5)
   ATTENTION_ARGS=(--depth 256 --prompt 32 --shape '9,3,64' --kernels gqa,paged --repeats 2)
+  SPEC_ARGS=(--prompt-file tools/bench_prompts/copy_code.txt --gen-tokens 16 --repeat 1)
   PEER_MODELS=(smollm2)
 fi
 declare -A MODEL_NAME=([smollm2]=smollm2-135m-instruct [gemma3]=gemma-3-270m)
@@ -172,7 +180,7 @@ command -v python3 >/dev/null && python3 -c 'import sys; sys.exit(sys.version_in
   || problems+=("python3 >= 3.10 not found")
 command -v timeout >/dev/null || problems+=("timeout (coreutils) not found")
 for f in tools/setup.sh tools/bench_peers.py tools/peer_llamacpp.py tools/bench_ops.py tools/bench_attention.py \
-         tools/synthetic_model.py \
+         tools/synthetic_model.py tools/bench_prompts/copy_code.txt \
          tests/ops tests/models tests/engine/test_token_exact.py; do
   [[ -e "$ROOT/$f" ]] || problems+=("missing $f")
 done
@@ -198,6 +206,7 @@ print_plan() {
                what="tools/bench_peers.py ${PEER_ARGS[*]} --model <${MODEL_NAME[${s#peers-}]}>" ;;
       matvec) what="tools/bench_ops.py --bandwidth ${MATVEC_ARGS[*]}${PEAK:+ --peak-gbps $PEAK}" ;;
       attention) what="tools/bench_attention.py ${ATTENTION_ARGS[*]}" ;;
+      speculative) what="vkrt bench ${SPEC_ARGS[*]} --model <smollm2>, plain and --speculative-config '$SPEC_CONFIG'" ;;
     esac
     wanted "$s" || what="not selected (--stages)"
     printf '  %-14s cap %3ds  %s\n' "$s" "${CAP[$s]}" "$what"
@@ -325,6 +334,11 @@ peers = {p.stem.removeprefix("peers-"): load(p.name) for p in sorted(work.glob("
 synthetic = (work / "synthetic.txt").read_text().split() if (work / "synthetic.txt").is_file() else []
 matvec = load("matvec.json")
 attention = load("attention.json")
+speculative = {run: load(f"speculative-{run}.json") for run in ("plain", "ngram")}
+if all(isinstance(r, dict) and r.get("decode_tok_s") for r in speculative.values()):
+    speculative["speedup"] = speculative["ngram"]["decode_tok_s"] / speculative["plain"]["decode_tok_s"]
+elif not any(speculative.values()):
+    speculative = None
 
 def git(*args):
     try:
@@ -345,7 +359,7 @@ report = {
     "gpu_hint": (work / "gpu_hint.txt").read_text().strip() if (work / "gpu_hint.txt").is_file() else None,
     "nvidia_smi": (work / "nvidia_smi.txt").read_text().strip() if (work / "nvidia_smi.txt").is_file() else None,
     "device": chosen, "devices": devices, "stages": stages, "notes": notes,
-    "peers": peers, "matvec": matvec, "attention": attention,
+    "peers": peers, "matvec": matvec, "attention": attention, "speculative": speculative,
     # models benchmarked on their synthetic twins (tools/synthetic_model.py): speed, not text
     "synthetic_models": synthetic,
     # the GPU targets of the long-context issue, next to what this run measured
@@ -395,6 +409,11 @@ if isinstance(attention, dict) and attention.get("rows"):
     for r in attention["rows"]:
         case = f"prompt {r['tokens']}" if r["case"] == "prefill" else f"depth {r['depth']}"
         print(f"    {r['shape']:<9} {case:<12} {r['kernel']:<6} {r['median_ms']:>9.3f}")
+if isinstance(speculative, dict) and "speedup" in speculative:
+    spec = speculative["ngram"].get("speculative") or {}
+    print(f"  speculative (n-gram, k = 3, copy_code.txt): plain {speculative['plain']['decode_tok_s']:.1f} tok/s, "
+          f"ngram {speculative['ngram']['decode_tok_s']:.1f} tok/s = {speculative['speedup']:.2f}x, "
+          f"acceptance {spec.get('acceptance_rate', 0):.2f}")
 for n in notes:
     print(f"  note ({n['stage']}): {n['note']}")
 print(f"  report: {out}")
@@ -643,6 +662,16 @@ run_stage matvec bash -c '"$@" >"$0"' "$WORK/matvec.json" "$PY" tools/bench_ops.
   "${MATVEC_ARGS[@]}" ${PEAK:+--peak-gbps "$PEAK"} || note matvec "bench_ops --bandwidth failed; see $LOGS/matvec.log"
 run_stage attention bash -c '"$@" >"$0"' "$WORK/attention.json" "$PY" tools/bench_attention.py --json \
   "${ATTENTION_ARGS[@]}" || note attention "bench_attention failed; see $LOGS/attention.log"
+if wanted speculative && [[ -z "${MODEL_PATH[smollm2]:-}" ]]; then
+  record speculative skipped - 0 "${MODEL_NAME[smollm2]} unavailable"
+else  # both runs in one stage, one after the other on the device as it is then
+  run_stage speculative bash -c 'py=$0 plain=$1 ngram=$2 config=$3; shift 3
+      "$py" -m vkrt.cli bench --json "$@" >"$plain" && \
+      "$py" -m vkrt.cli bench --json --speculative-config "$config" "$@" >"$ngram"' \
+    "$PY" "$WORK/speculative-plain.json" "$WORK/speculative-ngram.json" "$SPEC_CONFIG" \
+    --model "${MODEL_PATH[smollm2]:-}" "${SPEC_ARGS[@]}" \
+    || note speculative "vkrt bench failed; see $LOGS/speculative.log"
+fi
 
 # --- verdict ------------------------------------------------------------------------------
 code=0

@@ -21,7 +21,7 @@ from vkrt.core.tensor import storage_nbytes
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
 STAGES = ("setup", "peer-setup", "devices", "fetch", "ops", "models", "models-alt",
-          "peers-smollm2", "peers-gemma3", "matvec", "attention")
+          "peers-smollm2", "peers-gemma3", "matvec", "attention", "speculative")
 
 
 def _run(*args: str, script: Path = SCRIPT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -43,6 +43,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path: Path) -> None:
     assert "tools/bench_peers.py --prompt-tokens 512 --gen-tokens 128" in proc.stdout
     assert "tools/bench_ops.py --bandwidth" in proc.stdout
     assert "tools/bench_attention.py --depth 512,4096 --prompt 2048" in proc.stdout
+    assert "vkrt bench --prompt-file tools/bench_prompts/copy_code.txt --gen-tokens 128" in proc.stdout
     assert "prerequisites: bash" in proc.stdout and "dry run: nothing was run" in proc.stdout
     assert not (tmp_path / "gpu").exists(), "a dry run must not create the report's directory"
 
