@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import FIXTURES
 from vkrt.engine import LLM, SamplingParams
+from vkrt.engine.speculative import SpeculativeConfig
 
 # bit-exact across splits of a prompt into steps: the recurrent delta-net and Mamba2 kernels (conftest.py)
 pytestmark = pytest.mark.usefixtures("recurrent_prefill")
@@ -147,3 +148,9 @@ def test_state_memory_caps_the_sequences_that_run_at_once(caplog: pytest.LogCapt
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     with pytest.raises(VkrtError, match="recurrent state is .* MiB but the state memory is .*--state-memory"):
         make_llm("tiny_lfm2", state_memory=slot - 1)
+    # speculating, each sequence holds a checkpoint slot too: half as many fit
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vkrt.engine.engine"):
+        spec = make_llm("tiny_lfm2", state_memory=3 * slot + slot // 2,
+                        speculative=SpeculativeConfig("ngram", 3, 4, 2))
+    assert spec.engine.config.max_num_seqs == 1 and "with its checkpoint for speculation" in caplog.text

@@ -243,7 +243,7 @@ def test_snapshots_are_taken_at_block_ends_restored_on_hits_and_die_with_their_b
     assert blocks.chunk_alignment == 4
     a = Request("a", list(range(10)), SamplingParams())
     assert blocks.allocate_slots(a, 8, blocks.get_computed_blocks(a))
-    copies = blocks.state_copies([(a, 0, 8)])  # ends block 1: a snapshot of slot 0 into slot 2
+    copies = blocks.state_copies([(a, 0, 8, 0)])  # ends block 1: a snapshot of slot 0 into slot 2
     assert (copies.restore, copies.snapshot) == ([], [(0, 2)])
     assert blocks.get_computed_blocks(Request("x", list(range(10)), SamplingParams())).num_tokens == 0  # not yet
     blocks.commit_state_snapshots()
@@ -254,7 +254,7 @@ def test_snapshots_are_taken_at_block_ends_restored_on_hits_and_die_with_their_b
     hit = blocks.get_computed_blocks(b)
     assert (hit.num_tokens, hit.state_snapshot) == (8, 2)
     assert blocks.allocate_slots(b, 2, hit)
-    copies = blocks.state_copies([(b, 8, 2)])  # restored before the forward; 10 ends no block
+    copies = blocks.state_copies([(b, 8, 2, 0)])  # restored before the forward; 10 ends no block
     assert (copies.restore, copies.snapshot) == ([(2, 0)], [])
     blocks.free(b)
 
@@ -263,3 +263,23 @@ def test_snapshots_are_taken_at_block_ends_restored_on_hits_and_die_with_their_b
     snapshots = blocks.snapshots
     assert snapshots is not None and snapshots.num_cached == 0 and snapshots.num_free == 2
     assert blocks.get_computed_blocks(b).num_tokens == 0
+
+
+def test_a_verify_step_checkpoints_the_state_and_a_rejection_restores_it() -> None:
+    """Blocks of 4, 2 state slots (0, 1), 2 snapshot slots (2, 3), then the checkpoints (4, 5)."""
+    from vkrt.engine.kv_groups import KVCacheManager
+    from vkrt.engine.request import Request
+    from vkrt.models.base import KVGroup
+
+    blocks = KVCacheManager([KVGroup(0, (0,))], [8], 4, True, num_state_slots=2, num_snapshot_slots=2,
+                            state_checkpoints=True)
+    a, b = Request("a", list(range(7)), SamplingParams()), Request("b", list(range(20, 27)), SamplingParams())
+    for r in (a, b):
+        assert blocks.allocate_slots(r, 7, blocks.get_computed_blocks(r))
+    # b's verify step ends on block 1 with its proposals: the state past them is no snapshot
+    copies = blocks.state_copies([(a, 6, 1, 0), (b, 6, 2, 1)])
+    assert (copies.restore, copies.snapshot) == ([(1, 5)], [])
+    blocks.roll_back_state(b)  # its proposal was rejected
+    copies = blocks.state_copies([(a, 7, 1, 0), (b, 6, 2, 0)])
+    assert (copies.restore, copies.snapshot) == ([(5, 1)], [])
+    assert not blocks.state_copies([(b, 8, 1, 0)])  # the restore is made once

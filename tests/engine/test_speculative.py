@@ -51,7 +51,7 @@ def test_config_takes_vllms_keys() -> None:
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown key"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported yet"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "not supported yet"),
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "hybrid models, which refuse any speculation"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "skipped at load"),
     ('{"method": "suffix", "num_speculative_tokens": 1}', "must be"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
     ('{"model": "", "num_speculative_tokens": 2}', "needs \"model\""),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,6 @@ from vkrt.engine import LLM
 from vkrt.engine.config import SamplingParams
 from vkrt.engine.guided import GuidedDecoding
 from vkrt.engine.speculative import SpeculativeConfig
-from vkrt.errors import VkrtError
 
 NGRAM = SpeculativeConfig("ngram", 3, 4, 2)
 # Full attention, sliding windows with a softcap, MoE, a GQA head layout: each family's verify step.
@@ -33,12 +33,10 @@ def _cases(fixture: str) -> list[dict]:
     return json.loads((FIXTURES / fixture / "golden.json").read_text())["cases"]
 
 
-# Eager verify steps too: a sequence of 4 tokens is prefill-shaped for attention there (GQA
-# tiles of 2 tokens), decode-shaped in the replayed graph; both give the same bits.
-@pytest.mark.parametrize("fixture, replay", [(f, True) for f in FAMILIES] + [("tiny_llama", False),
-                                                                              ("tiny_gemma3", False)])
-def test_verify_steps_keep_transformers_greedy_ids(fixture: str, replay: bool,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def _oracle_run(fixture: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> LLM:
+    """Every golden prompt of `fixture` at once, proposals from an oracle that knows transformers'
+    greedy continuation with every third proposal wrong, so verify steps accept and reject
+    across KV blocks of 4: the ids must stay transformers'. The LLM, for its counters."""
     cases = _cases(fixture)
     truth = {tuple(c["input_ids"]): c["greedy_ids"] for c in cases}
 
@@ -51,20 +49,60 @@ def test_verify_steps_keep_transformers_greedy_ids(fixture: str, replay: bool,
 
     monkeypatch.setattr(engine_module, "ngram_proposal", propose)
     llm = LLM(FIXTURES / fixture, device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
-              speculative=NGRAM, enable_replay=replay)
+              speculative=NGRAM, **config)
     n = len(cases[0]["greedy_ids"])
     outs = llm.generate([c["input_ids"] for c in cases], SamplingParams(max_tokens=n, temperature=0.0,
                                                                          ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in cases]
     spec = llm.engine.totals.spec
     assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    return llm
+
+
+# Eager verify steps too: a sequence of 4 tokens is prefill-shaped for attention there (GQA
+# tiles of 2 tokens), decode-shaped in the replayed graph; both give the same bits.
+@pytest.mark.parametrize("fixture, replay", [(f, True) for f in FAMILIES] + [("tiny_llama", False),
+                                                                              ("tiny_gemma3", False)])
+def test_verify_steps_keep_transformers_greedy_ids(fixture: str, replay: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _oracle_run(fixture, monkeypatch, enable_replay=replay)
     if replay and llm.engine.runner.replay:
         assert llm.engine.totals.decode_counters_max["submits"] == 1
 
 
-def test_hybrids_refuse_speculation() -> None:
-    with pytest.raises(VkrtError, match="recurrent layers"):
-        LLM(FIXTURES / "tiny_lfm2", device="reference", speculative=NGRAM)
+# One of each recurrent mixer: gated delta net (Qwen3.5's), short conv (LFM2), Mamba2 (Granite
+# 4), attention beside Mamba2 in one layer (Falcon-H1); prefix caching on and off.
+@pytest.mark.parametrize("fixture, prefix_caching", [("tiny_qwen3_5", True), ("tiny_lfm2", False),
+                                                     ("tiny_granite4", True), ("tiny_falcon_h1", False)])
+def test_hybrid_verify_steps_roll_the_state_back(fixture: str, prefix_caching: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid's recurrent state runs on through a verify step's proposals; after a rejection
+    the request goes back to the state its checkpoint kept and recomputes the accepted tokens,
+    so the ids stay transformers'. Every state slot is free again at the end."""
+    llm = _oracle_run(fixture, monkeypatch, enable_prefix_caching=prefix_caching)
+    states = llm.engine.block_manager.states
+    assert states is not None and states.num_free == states.num_slots
+    assert llm.engine.block_manager.checkpoint_base is not None
+
+
+def test_hybrid_target_with_a_draft_model() -> None:
+    """tiny_llama (the same 256 ids) drafts for tiny_qwen3_5: proposals of another model are
+    mostly rejected, every rejection rolls the target's state back, and its ids stay transformers'."""
+    cases = _cases("tiny_qwen3_5")
+    llm = LLM(FIXTURES / "tiny_qwen3_5", device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
+              speculative=SpeculativeConfig("draft_model", 3, model=str(FIXTURES / "tiny_llama")))
+    outs = llm.generate([c["input_ids"] for c in cases],
+                        SamplingParams(max_tokens=len(cases[0]["greedy_ids"]), temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in cases]
+    spec = llm.engine.totals.spec
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens < spec.num_draft_tokens, spec
+
+
+def test_hybrid_speculation_under_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too few KV blocks for every prompt at once: requests are preempted between verify steps
+    and rollbacks, recompute from nothing, and still give transformers' ids."""
+    llm = _oracle_run("tiny_qwen3_5", monkeypatch, enable_prefix_caching=False, num_kv_blocks=20)
+    assert llm.engine.num_preemptions > 0
 
 
 COPY = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"

@@ -119,11 +119,17 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model: CausalLM, tokenizer: Tokenizer | None = None) -> None:
         config.validate()
-        slots = config.state_slots(model.state_bytes_per_slot())  # a hybrid's sequences share a state budget
+        spec = config.speculative
+        # A hybrid that speculates keeps each sequence's state from before its verify step too
+        # (a checkpoint slot), to go back to when a proposal is rejected.
+        checkpoints = spec is not None and model.state_bytes_per_slot() > 0
+        per_seq = model.state_bytes_per_slot() * (2 if checkpoints else 1)
+        slots = config.state_slots(per_seq)  # a hybrid's sequences share a state budget
         if slots < config.max_num_seqs:
-            log.warning("max_num_seqs capped at %d (asked %d): each sequence's recurrent state is %.1f MiB and "
-                        "%d slots fill the state memory; raise --state-memory for more", slots, config.max_num_seqs,
-                        model.state_bytes_per_slot() / 2**20, slots)
+            log.warning("max_num_seqs capped at %d (asked %d): each sequence's recurrent state is %.1f MiB%s and "
+                        "%d sequences fill the state memory; raise --state-memory for more", slots,
+                        config.max_num_seqs, per_seq / 2**20, " (with its checkpoint for speculation)" if checkpoints
+                        else "", slots)
             config = replace(config, max_num_seqs=slots)
         self.config = config
         self.model = model
@@ -143,7 +149,7 @@ class EngineCore:
         slot_bytes = model.state_bytes_per_slot()
         snapshots = config.snapshot_slots(slot_bytes, num_blocks[0])
         kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=self.max_model_len,
-                                     state_slots=config.max_num_seqs + snapshots)
+                                     state_slots=config.max_num_seqs * (2 if checkpoints else 1) + snapshots)
         self.prefix_caching = config.enable_prefix_caching and (not kv.states or snapshots > 0)
         if config.enable_prefix_caching and kv.states and not snapshots:
             log.warning("prefix caching is off for this model: --state-snapshot-memory (%.1f MiB) holds no "
@@ -151,13 +157,8 @@ class EngineCore:
                         config.snapshot_budget / 2**20, slot_bytes / 2**20)
         self.block_manager = KVCacheManager(groups, num_blocks, config.block_size, self.prefix_caching,
                                             num_state_slots=config.max_num_seqs if kv.states else 0,
-                                            num_snapshot_slots=snapshots)
+                                            num_snapshot_slots=snapshots, state_checkpoints=checkpoints)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        spec = config.speculative
-        if spec is not None and kv.states:
-            raise VkrtError("speculative decoding is not supported for models with recurrent layers (this one has "
-                            f"{len(kv.states)}): rejected proposals would have to be taken back out of their "
-                            "state; run it without --speculative-config")
         # A verify step runs each sequence's token and its proposals: its bucket is that much wider.
         step_tokens = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.runner = ModelRunner(model, kv, min(step_tokens, max(config.max_num_batched_tokens, config.max_num_seqs)),
@@ -331,7 +332,8 @@ class EngineCore:
                      or any(r.spec_draft_probs for r in row_requests))
         sampling = None if host_rows else sample_inputs(row_requests, len(batch.logits_index))
         # A hybrid's prefix caching: states restored from snapshots and snapshots taken this step.
-        copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens) for s in scheduled.scheduled)
+        copies = self.block_manager.state_copies((s.request, s.start, s.num_tokens, len(s.spec))
+                                                 for s in scheduled.scheduled)
         try:
             result = self.runner.execute(batch, sampling, masks, copies)
         except DeviceLostError as exc:
@@ -469,6 +471,11 @@ class EngineCore:
             stats.spec.record(len(drafts), accepted)
             request.spec_backoff = request.spec_wait = backoff_after(request.spec_backoff, accepted)
             request.num_computed_tokens += accepted  # the accepted proposals' K/V stand
+            if accepted < len(drafts) and status is None and self.block_manager.checkpoint_base is not None:
+                # A hybrid's recurrent state went on through the rejected proposals: the next step
+                # starts from the state before this one and computes its tokens again.
+                request.num_computed_tokens -= 1 + accepted
+                self.block_manager.roll_back_state(request)
             if result.token_ids is None and not request.params.greedy and not request.spec_draft_probs:
                 for _ in range(rows - emitted):  # the draws the device would have made for them
                     request.generator.random()

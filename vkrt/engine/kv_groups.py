@@ -97,9 +97,12 @@ class KVCacheManager:
     """One BlockManager per KV group, driven together; the scheduler's view of the KV pools."""
 
     def __init__(self, groups: Sequence[KVGroup], num_blocks: Sequence[int], block_size: int,
-                 enable_prefix_caching: bool = True, num_state_slots: int = 0, num_snapshot_slots: int = 0) -> None:
+                 enable_prefix_caching: bool = True, num_state_slots: int = 0, num_snapshot_slots: int = 0,
+                 state_checkpoints: bool = False) -> None:
         """`num_snapshot_slots` (a hybrid with prefix caching: > 0) follow the state slots in the
-        state tensors; a hybrid without them must not cache prefixes (its hits would lack state)."""
+        state tensors; a hybrid without them must not cache prefixes (its hits would lack state).
+        `state_checkpoints` (a hybrid that speculates): after those, one more slot per state slot,
+        where a verify step keeps the state it started from (`roll_back_state`)."""
         if num_state_slots and enable_prefix_caching and not num_snapshot_slots:
             raise VkrtError("prefix caching for a model with recurrent layers needs state snapshot slots")
         self.groups = list(groups)
@@ -110,6 +113,8 @@ class KVCacheManager:
         self.states = StatePool(num_state_slots) if num_state_slots else None
         self.snapshots: SnapshotPool | None = None
         self._restores: dict[str, int] = {}  # request id -> snapshot slot its next step starts from
+        # slot s's checkpoint is slot checkpoint_base + s (None: no checkpoints)
+        self.checkpoint_base = num_state_slots + num_snapshot_slots if num_state_slots and state_checkpoints else None
         if num_state_slots and enable_prefix_caching:
             self.snapshots = SnapshotPool(num_state_slots, num_snapshot_slots)
             # A snapshot is named by the hash of the block ending its prefix, in the first group.
@@ -204,20 +209,28 @@ class KVCacheManager:
             self.snapshots.touch(request.block_hashes[hit.num_tokens // self.block_size - 1])
         return True
 
-    def state_copies(self, chunks: Iterable[tuple[Request, int, int]]) -> StateCopies:
-        """The state copies of a step running `chunks` (request, first position, tokens): each
-        request admitted on a hit starts from its snapshot, and each prefill chunk that ends a
-        cached block, with no snapshot yet, leaves one (`commit_state_snapshots` after the step).
-        Decode tokens take none, so pure decode steps stay free of copies (and replayable)."""
+    def state_copies(self, chunks: Iterable[tuple[Request, int, int, int]]) -> StateCopies:
+        """The state copies of a step running `chunks` (request, first position, tokens, of them
+        proposed): each request admitted on a hit starts from its snapshot, or after a rejected
+        proposal from its checkpoint; a verify step keeps the state it starts from in the
+        request's checkpoint; and each prefill chunk that ends a cached block, with no snapshot
+        yet, leaves one (`commit_state_snapshots` after the step). Decode tokens take none, so
+        pure decode steps stay free of copies (and replayable)."""
         copies = StateCopies()
-        if self.snapshots is None:
+        if self.states is None:
             return copies
         first = self.managers[0]
-        for request, start, num_tokens in chunks:
+        for request, start, num_tokens, num_proposed in chunks:
             slot = self.state_slot(request.request_id)
             restore = self._restores.pop(request.request_id, None)
             if restore is not None:
                 copies.restore.append((restore, slot))
+            if num_proposed:
+                assert self.checkpoint_base is not None, "speculation on a hybrid needs state checkpoints"
+                copies.restore.append((slot, self.checkpoint_base + slot))
+                continue  # its end state follows proposals, which may be rejected: never a snapshot
+            if self.snapshots is None:
+                continue
             end = start + num_tokens
             if end % self.block_size or (num_tokens == 1 and start >= request.num_prompt_tokens):
                 continue
@@ -229,6 +242,13 @@ class KVCacheManager:
             if snapshot is not None:
                 copies.snapshot.append((slot, snapshot))
         return copies
+
+    def roll_back_state(self, request: Request) -> None:
+        """A verify step's proposal was rejected: the request's next step starts from the state
+        its checkpoint kept (before that verify step) and recomputes the tokens since."""
+        assert self.checkpoint_base is not None
+        slot = self.state_slot(request.request_id)
+        self._restores[request.request_id] = self.checkpoint_base + slot
 
     def commit_state_snapshots(self) -> None:
         """The step ran: the snapshots it took may serve hits from now on."""

@@ -104,8 +104,10 @@ class Scheduler:
             request = self.running[i]
             num_new = self._chunk(request.num_computed_tokens, min(request.num_tokens - request.num_computed_tokens,
                                                                    budget))
-            # A decoding request's proposals ride along, as far as the token budget goes.
-            spec = request.spec_token_ids[:budget - num_new] if num_new == 1 else []
+            # A decoding request's proposals ride along after its last token, as far as the token
+            # budget goes (not after a chunk that recomputes tokens: a hybrid's rolled-back state).
+            at_end = num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
+            spec = request.spec_token_ids[:budget - num_new] if at_end else []
             num_new += len(spec)
             while not self.block_manager.allocate_slots(request, num_new):
                 if spec:  # proposals are optional: drop them before preempting anyone

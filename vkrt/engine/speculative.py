@@ -19,7 +19,10 @@ from a distribution q rather than one token, so its rows are verified by the gen
 instead: accept d with min(1, p(d) / q(d)), else resample from max(0, p - q) normalised
 (`rejection_sample`). A structured-output request's proposals are cut where its grammar
 stops accepting them and each verify row is masked as its plain step would be
-(vkrt/engine/guided.py). MTP is refused with a message saying why (its layers are not loaded yet).
+(vkrt/engine/guided.py). A hybrid's recurrent state runs on through the proposals, so a
+verify step first copies the state it starts from into the sequence's checkpoint slot, and a
+rejection sends the request back to it: its next step recomputes the tokens since (the
+scheduler attaches no proposals to that chunk). MTP is refused with a message saying why (its layers are not loaded yet).
 """
 
 from __future__ import annotations
@@ -64,9 +67,8 @@ class SpeculativeConfig:
             method = "draft_model"
         if method == "mtp":
             raise VkrtError("--speculative-config: method \"mtp\" is not supported yet: the multi-token-prediction "
-                            "layers of GLM-4.5 checkpoints are skipped at load, and the MTP heads of Qwen3.5 and "
-                            "Qwen3-Next sit on hybrid models, which refuse any speculation (their recurrent state "
-                            'cannot take rejected tokens back); use {"method": "ngram", ...} or {"model": DRAFT, ...}')
+                            "layers of GLM-4.5, Qwen3.5 and Qwen3-Next checkpoints are skipped at load; "
+                            'use {"method": "ngram", ...} or {"model": DRAFT, ...}')
         if method in ("eagle", "eagle3", "medusa", "mlp_speculator"):
             raise VkrtError(f"--speculative-config: method {method!r} is not supported yet; "
                             'use {"method": "ngram", ...} (prompt lookup) or {"model": DRAFT, ...} (a draft model)')

@@ -28,7 +28,8 @@ BlockHash = bytes
 class StateCopies:
     """The state-slot copies of one step, each a (source slot, destination slot) pair."""
 
-    restore: list[tuple[int, int]] = field(default_factory=list)  # snapshot -> sequence, before the forward
+    # before the forward, in order: snapshot or checkpoint -> sequence, sequence -> checkpoint
+    restore: list[tuple[int, int]] = field(default_factory=list)
     snapshot: list[tuple[int, int]] = field(default_factory=list)  # sequence -> snapshot, after it
 
     def __bool__(self) -> bool:
