@@ -134,6 +134,20 @@ MUTANTS = [
            "last = min(_first(cumulative >= top_p * cumulative[-1], default=kept.shape[0] - 1) + 1, "
            "kept.shape[0] - 1)",
            ("tests/ops/test_sample.py", "tests/engine/test_sampler.py")),
+    # Speculative decoding.
+    Mutant("a verify step's rows all take the grammar's mask for its first row", "vkrt/engine/guided.py",
+           "request.guide.fill_masks(masks[i:i + rows], request.spec_token_ids)",
+           "[request.guide.fill_mask(masks[r]) for r in range(i, i + rows)]",
+           ("tests/engine/test_speculative.py", "-k", "constrained")),
+    Mutant("a hybrid's state is not rolled back after a rejected proposal", "vkrt/engine/engine.py",
+           "                request.num_computed_tokens -= 1 + accepted\n                "
+           "self.block_manager.roll_back_state(request)\n",
+           "                pass\n",
+           ("tests/engine/test_speculative_models.py", "-k", "hybrid")),
+    Mutant("proposals ride on a chunk that recomputes tokens", "vkrt/engine/scheduler.py",
+           "at_end = num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens",
+           "at_end = num_new == 1",
+           ("tests/engine/test_speculative_models.py", "-k", "hybrid")),
 ]
 
 
