@@ -297,7 +297,10 @@ class StepMasks:
                 rows += 1
             if request.guide is not None:
                 try:
-                    request.guide.fill_masks(masks[i:i + rows], request.spec_token_ids)
+                    if rows == 1:
+                        request.guide.fill_mask(masks[i])
+                    else:
+                        request.guide.fill_masks(masks[i:i + rows], request.spec_token_ids)
                 except Exception as exc:  # llguidance raises plain ValueError/RuntimeError
                     for row in range(i, i + rows):
                         self.failed[row] = f"{type(exc).__name__}: {exc}"
