@@ -112,7 +112,7 @@ class KVCacheManager:
                          for g, n in zip(self.groups, num_blocks, strict=True)]
         self.states = StatePool(num_state_slots) if num_state_slots else None
         self.snapshots: SnapshotPool | None = None
-        self._restores: dict[str, int] = {}  # request id -> snapshot slot its next step starts from
+        self._restores: dict[str, int] = {}  # request id -> snapshot or checkpoint slot its next step starts from
         # slot s's checkpoint is slot checkpoint_base + s (None: no checkpoints)
         self.checkpoint_base = num_state_slots + num_snapshot_slots if num_state_slots and state_checkpoints else None
         if num_state_slots and enable_prefix_caching:
