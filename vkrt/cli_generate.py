@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vkrt.backend import BACKEND_NAMES
@@ -376,7 +377,7 @@ def _bench_schema(path: str | None) -> Any:
     from vkrt.engine.guided import GuidedDecoding
 
     try:
-        schema = json.loads(open(path, encoding="utf-8").read())
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise VkrtError(f"--json-schema: cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:

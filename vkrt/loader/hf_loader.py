@@ -192,21 +192,18 @@ def _split_fused_experts(model_dir: Path, weights: dict[str, WeightData], interl
         mxfp4 = fused.fmt == "mxfp4"
         if (down is None or len(fused.shape) != 3 or len(down.shape) != 3 or fused.shape[1 if mxfp4 else 2] % 2
                 or mxfp4 != (down.fmt == "mxfp4")):
-            raise ModelFormatError(f"{model_dir}: {name} must be [experts, hidden, 2 x intermediate] beside a "
-                                   f"[experts, intermediate, hidden] down_proj, got {list(fused.shape)}; the "
-                                   "checkpoint is not one transformers wrote")
-        if mxfp4:
-            half = fused.shape[1] // 2
-            for i, part in enumerate(("gate_proj", "up_proj")):
-                rows = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
-                data = np.ascontiguousarray(fused.data[:, rows])
-                weights[p + part] = WeightData(p + part, "mxfp4", (fused.shape[0], half, fused.shape[2]), data)
-        else:
-            half = fused.shape[2] // 2
-            for i, part in enumerate(("gate_proj", "up_proj")):
-                columns = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
-                data = np.ascontiguousarray(fused.data[:, :, columns].transpose(0, 2, 1))
-                weights[p + part] = WeightData(p + part, fused.fmt, data.shape, data)
+            raise ModelFormatError(f"{model_dir}: {name} must be [experts, hidden, 2 x intermediate] (MXFP4: "
+                                   "[experts, 2 x intermediate, hidden]) beside a down_proj of the same format, "
+                                   f"got {list(fused.shape)}; the checkpoint is not one transformers wrote")
+        # Both as [E, 2F, in] rows (float ones a transposed view), gate and up rows then split.
+        experts, out, inputs = fused.shape if mxfp4 else (fused.shape[0], fused.shape[2], fused.shape[1])
+        rows = fused.data if mxfp4 else fused.data.transpose(0, 2, 1)
+        half = out // 2
+        for i, part in enumerate(("gate_proj", "up_proj")):
+            taken = slice(i, None, 2) if interleaved else slice(i * half, (i + 1) * half)
+            data = np.ascontiguousarray(rows[:, taken])
+            weights[p + part] = WeightData(p + part, fused.fmt, (experts, half, inputs), data)
+        if not mxfp4:
             data = np.ascontiguousarray(down.data.transpose(0, 2, 1))
             weights[p + "down_proj"] = WeightData(p + "down_proj", down.fmt, data.shape, data)
         bias = weights.pop(p + "gate_up_bias", None)
