@@ -122,8 +122,9 @@ class EngineCore:
         spec = config.speculative
         # A hybrid that speculates keeps each sequence's state from before its verify step too
         # (a checkpoint slot), to go back to when a proposal is rejected.
-        checkpoints = spec is not None and model.state_bytes_per_slot() > 0
-        per_seq = model.state_bytes_per_slot() * (2 if checkpoints else 1)
+        slot_bytes = model.state_bytes_per_slot()
+        checkpoints = spec is not None and slot_bytes > 0
+        per_seq = slot_bytes * (2 if checkpoints else 1)
         slots = config.state_slots(per_seq)  # a hybrid's sequences share a state budget
         if slots < config.max_num_seqs:
             log.warning("max_num_seqs capped at %d (asked %d): each sequence's recurrent state is %.1f MiB%s and "
@@ -146,7 +147,6 @@ class EngineCore:
         num_blocks = size_kv_pools(config, groups, bytes_per_block, self.max_model_len)
         # A hybrid's prefix hit needs the recurrent state at its end: snapshot slots follow the
         # running sequences' in the state tensors (engine/state_snapshots.py).
-        slot_bytes = model.state_bytes_per_slot()
         snapshots = config.snapshot_slots(slot_bytes, num_blocks[0])
         kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=self.max_model_len,
                                      state_slots=config.max_num_seqs * (2 if checkpoints else 1) + snapshots)
