@@ -266,3 +266,23 @@ def test_chat_keeps_think_tags_that_are_special_tokens_in_the_text() -> None:
     params = SamplingParams(max_tokens=4)
     assert not ChatReading(SEED_THINK).params(params, FakeTokenizer()).skip_special_tokens
     assert ChatReading(THINK).params(params, FakeTokenizer()) == params  # plain text in this vocabulary
+
+
+def test_profile_phases_tell_verify_steps_from_decode_and_prefill() -> None:
+    """bench --profile's tables: a step where every sequence ran one token is decode, a step that
+    verified proposals without finishing a prompt is verify, anything else prefill."""
+    from vkrt.cli_generate import _step_phase
+    from vkrt.engine.engine import IterationStats
+    from vkrt.engine.runner import StepStats
+
+    def stats(tokens: int, seqs: int, prompt_tokens: int = 0, drafts: int = 0) -> IterationStats:
+        it = IterationStats(StepStats(num_seqs=seqs, num_tokens=tokens), num_prompt_tokens=prompt_tokens)
+        for _ in range(drafts):
+            it.spec.record(3, 1)
+        return it
+
+    assert _step_phase(stats(2, 2)) == "decode"
+    assert _step_phase(stats(8, 2, drafts=2)) == "verify"
+    assert _step_phase(stats(5, 2, drafts=1)) == "verify"  # one sequence verifies, one decodes
+    assert _step_phase(stats(40, 1)) == "prefill"
+    assert _step_phase(stats(40, 2, prompt_tokens=36, drafts=1)) == "prefill"  # a prompt finished beside it

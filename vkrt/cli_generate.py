@@ -437,9 +437,12 @@ def _bench_report(args: argparse.Namespace, llm: Any, prompt_tokens: int, result
 
 
 def _step_phase(stats: Any) -> str:
-    """An engine step is "decode" when every sequence ran one token and none was a prompt's last."""
+    """An engine step is "decode" when every sequence ran one token and none was a prompt's last,
+    "verify" when no prompt finished and some sequence ran speculative proposals, else "prefill"."""
     step = stats.step
-    return "decode" if stats.num_prompt_tokens == 0 and step.num_tokens == step.num_seqs else "prefill"
+    if stats.num_prompt_tokens == 0 and step.num_tokens == step.num_seqs:
+        return "decode"
+    return "verify" if stats.num_prompt_tokens == 0 and stats.spec.num_drafts else "prefill"
 
 
 def _profile_text(phase: str, table: dict[str, Any], top: int = 10) -> str:
