@@ -143,8 +143,8 @@ def test_bad_speculative_config_is_a_usage_error() -> None:
     result = _run("generate", "hi", "--speculative-config", '{"method": "ngram"}')
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "num_speculative_tokens must be an integer" in result.stderr
-    result = _run("serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
-    assert result.returncode == 2 and "not supported yet" in result.stderr
+    result = _run("serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, "model": "d"}')
+    assert result.returncode == 2 and "takes no model" in result.stderr
     result = _run("serve", "--speculative-config", '{"model": "d.gguf", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
     assert result.returncode == 2 and "belong to method" in result.stderr
 

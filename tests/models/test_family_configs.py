@@ -258,7 +258,7 @@ def test_falcon_h1_attention_and_mamba2_in_every_layer(tmp_path: Path) -> None:
 def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Qwen3_5ForConditionalGeneration as users download it: text_config is the model, tensors under
-    model.language_model.; the vision tower and an MTP head are skipped with one line each."""
+    model.language_model.; the vision tower is skipped with one line, an MTP head kept apart."""
     from safetensors.numpy import save_file
 
     text = load_model(FIXTURES / "tiny_qwen3_5")
@@ -268,8 +268,9 @@ def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path: Path,
         vl = load_model(d)
     assert vl.config.layers == text.config.layers and sorted(vl.weights) == sorted(text.weights)
     assert vl.config.attn_output_gate and vl.config.linear_num_value_heads == text.config.linear_num_value_heads
-    for what in ("skipped the vision tower (21 tensors)", "skipped the multi-token-prediction head (1 tensor)"):
+    for what in ("skipped the vision tower (21 tensors)", "multi-token-prediction head (1 tensor) is kept"):
         assert what in caplog.text
+    assert sorted(vl.mtp_weights) == ["mtp.fc"]
     _edit_config(d, text_config=None)
     with pytest.raises(ModelFormatError) as exc:
         load_model(d)

@@ -23,6 +23,7 @@ from vkrt.engine.draft import DraftProposer, verify_row
 from vkrt.engine.guided import GrammarCompiler, StepMasks
 from vkrt.engine.kv_events import KVEvents, all_blocks_cleared, event_batch
 from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
+from vkrt.engine.mtp_draft import MTPProposer
 from vkrt.engine.output import OutputProcessor
 from vkrt.engine.pooling import PoolingParams
 from vkrt.engine.processor import RequestProcessor
@@ -161,12 +162,17 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # A verify step runs each sequence's token and its proposals: its bucket is that much wider.
         step_tokens = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        # An MTP head continues from the target's hidden states: every step brings them back.
+        mtp = spec is not None and spec.method == "mtp"
         self.runner = ModelRunner(model, kv, min(step_tokens, max(config.max_num_batched_tokens, config.max_num_seqs)),
                                   self.max_model_len, replay=config.enable_replay,
-                                  verify_width=1 + (spec.num_speculative_tokens if spec else 0))
-        # A draft model's own KV pool holds as many tokens as the target's first group.
-        self.drafter = (DraftProposer.load(spec, config, model, tokenizer, self.max_model_len, num_blocks[0])
-                        if spec is not None and spec.method == "draft_model" else None)
+                                  verify_width=1 + (spec.num_speculative_tokens if spec else 0), token_hidden=mtp)
+        # A draft model's (or MTP head's) own KV pool holds as many tokens as the target's first group.
+        self.drafter: DraftProposer | MTPProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftProposer.load(spec, config, model, tokenizer, self.max_model_len, num_blocks[0])
+        elif spec is not None and mtp:
+            self.drafter = MTPProposer(model, config, self.max_model_len, num_blocks[0], spec.num_speculative_tokens)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else model.config.eos_token_ids
@@ -383,6 +389,8 @@ class EngineCore:
                 self.outputs.remove(request.request_id)
         for s in scheduled.scheduled:
             self.block_manager.free_skipped_blocks(s.request)  # blocks that left a sliding window
+        if result.token_hidden is not None and isinstance(self.drafter, MTPProposer):
+            self.drafter.observe(scheduled.scheduled, result.token_hidden)  # the states of what stands
         draft_cost = self._propose(request for request, _, _ in layout.sample_rows)
         if draft_cost is not None:  # the draft model's steps are part of this step's cost
             stats.step = stats.step.plus(draft_cost)
@@ -495,7 +503,7 @@ class EngineCore:
         for request in requests:
             if request.is_finished or not request.params.speculative:
                 continue
-            if request.guide is not None and self.drafter is not None and not request.params.greedy:
+            if request.guide is not None and isinstance(self.drafter, DraftProposer) and not request.params.greedy:
                 # A sampled draft token the grammar rejects must still be verified (and rejected)
                 # for the emitted token to follow the target's distribution; cutting it is not
                 # exact, so a constrained request that samples does not take a draft's proposals.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vkrt import ops
+from vkrt.core.tensor import Tensor
 from vkrt.engine.kv_groups import KVCacheManager
 from vkrt.engine.request import Request
 from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs
@@ -121,6 +122,8 @@ class StepResult:
     logits: np.ndarray | None = None  # float32 [rows, vocab], when the host samples
     token_ids: np.ndarray | None = None  # int32 [rows], each row's sample_top_k token drawn on the device
     hidden: np.ndarray | None = None  # float32 [len(hidden_index), hidden]: pooling requests' final-norm states
+    # float32 [T, hidden]: every token row's final-norm state (a runner made with token_hidden: MTP speculation)
+    token_hidden: np.ndarray | None = None
 
 
 @dataclass
@@ -154,13 +157,16 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, kv: KVCache, max_step_tokens: int, max_model_len: int,
-                 replay: bool = True, verify_width: int = 1) -> None:
+                 replay: bool = True, verify_width: int = 1, token_hidden: bool = False) -> None:
         """`max_step_tokens`: the most tokens a decode or verify step holds (max_num_seqs, times
         1 + k when speculating); steps up to its bucket are recorded. `verify_width` (1 + k when
         speculating) adds buckets at its multiples: a verify step is padded to the next one
-        rather than to a power of two (on llvmpipe a step's cost grows with its rows)."""
+        rather than to a power of two (on llvmpipe a step's cost grows with its rows).
+        `token_hidden`: every step also brings back each token row's final-norm hidden state
+        (StepResult.token_hidden), what an MTP head continues from."""
         self.model = model
         self.kv = kv
+        self.token_hidden = token_hidden
         self.backend = model.backend
         self.last_step = StepStats()
         self.replay = replay and self.backend.supports_replay and model.replayable
@@ -214,7 +220,7 @@ class ModelRunner:
 
     def _run_eagerly(self, batch: ForwardBatch, sampling: SampleInputs | None, masks: MaskSource | None,
                      copies: StateCopies) -> StepResult:
-        rows = int(batch.logits_index.shape[0])
+        rows, tokens = int(batch.logits_index.shape[0]), batch.num_tokens
         host_masks = None if masks is None else masks()
         step = StepTensors.upload(self.backend, batch)
         # Every input is written before the forward is recorded: an upload after it could have
@@ -225,19 +231,25 @@ class ModelRunner:
             mask = None if host_masks is None else self.backend.upload(host_masks, "u32", purpose="inputs")
         self._copy_states(copies.restore)
         normed = None
-        if batch.hidden_index is None:
+        if batch.hidden_index is None and not self.token_hidden:
             logits = self.model.forward(step, self.kv)
-        else:
-            index = self.backend.upload(batch.hidden_index, "i32", purpose="inputs")
+        else:  # every token row's state when the runner returns them all; the pooling rows are among them
+            wanted = np.arange(tokens, dtype=np.int32) if self.token_hidden else batch.hidden_index
+            assert wanted is not None
+            index = self.backend.upload(wanted, "i32", purpose="inputs")
             logits, normed = self.model.forward_pooled(step, self.kv, index)
         self._copy_states(copies.snapshot)
-        hidden = None if normed is None else np.asarray(self.backend.read(normed), dtype=np.float32).reshape(
-            normed.shape)
+        hidden = token_hidden = None
+        if normed is not None:
+            hidden = np.asarray(self.backend.read(normed), dtype=np.float32).reshape(normed.shape)
+            if self.token_hidden:
+                token_hidden = hidden
+                hidden = None if batch.hidden_index is None else hidden[batch.hidden_index]
         if sampling is None:
             return StepResult(logits=np.asarray(self.backend.read(logits), dtype=np.float32).reshape(rows, -1),
-                              hidden=hidden)
+                              hidden=hidden, token_hidden=token_hidden)
         ids = ops.sample_top_k(logits, params, uniforms, mask)
-        return StepResult(token_ids=self.backend.read(ids).reshape(rows), hidden=hidden)
+        return StepResult(token_ids=self.backend.read(ids).reshape(rows), hidden=hidden, token_hidden=token_hidden)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slot src to dst in every recurrent layer's tensors, for each (src, dst)."""
@@ -274,7 +286,8 @@ class ModelRunner:
             graph = None
         if graph is None:
             try:
-                graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks)
+                graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks,
+                                                            self.token_hidden)
             except NotReplayable:
                 # An op of this model has no native kernel here (its drain named it in a
                 # warning): decode steps run eagerly, correct but one submit per drain.
@@ -290,9 +303,10 @@ class _DecodeGraph:
     then sample_top_k over the logits (a step that samples reads back only its ids).
     Each KV group has its own slots and block tables among the inputs. The token masks are
     a late input: the host writes them after the submit, and the sampling dispatch waits on
-    the device until it has, so their computation overlaps the forward."""
+    the device until it has, so their computation overlaps the forward. With `token_hidden`
+    the forward also gives every row's final-norm hidden state, read back after the step."""
 
-    def __init__(self, model: CausalLM, kv: KVCache, bucket: int, max_blocks: int) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, bucket: int, max_blocks: int, token_hidden: bool = False) -> None:
         backend = model.backend
         self.backend = backend
         self.bucket = bucket
@@ -313,9 +327,14 @@ class _DecodeGraph:
         self.host_masks = np.full((bucket, mask_words(model.config.vocab_size)), ALL_ALLOWED, np.uint32)
         self.masks = backend.upload(self.host_masks, "u32", purpose="inputs")
         self.masks_all_ones = True
+        self.hidden: Tensor | None = None
+        rows = backend.upload(np.arange(bucket, dtype=np.int32), "i32") if token_hidden else None
         with backend.capture() as graph:
             graph.wait_for_host(self.masks)  # recorded just before the sampling dispatch reads them
-            self.logits = model.forward(self.inputs, kv)
+            if rows is None:
+                self.logits = model.forward(self.inputs, kv)
+            else:
+                self.logits, self.hidden = model.forward_pooled(self.inputs, kv, rows)
             self.ids = ops.sample_top_k(self.logits, self.sample_params, self.uniforms, self.masks)
         self.graph = graph
 
@@ -341,7 +360,8 @@ class _DecodeGraph:
             self.backend.write(inputs.block_tables_of(g), host.block_tables[g])
         if sampling is None:  # the caller samples on the host: the ids are not read
             self.graph.replay(during=masks)  # the masks are only computed, for the host sampler
-            return StepResult(logits=np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t])
+            return StepResult(logits=np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t],
+                              token_hidden=self._token_hidden(t))
         params, uniforms = self.host_sampling.params, self.host_sampling.uniforms
         params[:t], params[t:] = sampling.params, GREEDY_PARAMS
         uniforms[:t], uniforms[t:] = sampling.uniforms, 0.0
@@ -362,4 +382,9 @@ class _DecodeGraph:
                 self.backend.write(self.masks, self.host_masks)
 
             self.graph.replay(during=write_masks)
-        return StepResult(token_ids=self.backend.read(self.ids)[:t])
+        return StepResult(token_ids=self.backend.read(self.ids)[:t], token_hidden=self._token_hidden(t))
+
+    def _token_hidden(self, t: int) -> np.ndarray | None:
+        if self.hidden is None:
+            return None
+        return np.asarray(self.backend.read(self.hidden), dtype=np.float32).reshape(self.hidden.shape)[:t]

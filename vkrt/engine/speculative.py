@@ -19,10 +19,12 @@ from a distribution q rather than one token, so its rows are verified by the gen
 instead: accept d with min(1, p(d) / q(d)), else resample from max(0, p - q) normalised
 (`rejection_sample`). A structured-output request's proposals are cut where its grammar
 stops accepting them and each verify row is masked as its plain step would be
-(vkrt/engine/guided.py). A hybrid's recurrent state runs on through the proposals, so a
+(vkrt/engine/guided.py). "mtp" drafts with the target checkpoint's own multi-token-prediction
+head (vkrt/engine/mtp_draft.py): greedy guesses from the target's hidden states, verified as
+n-gram proposals are. A hybrid's recurrent state runs on through the proposals, so a
 verify step first copies the state it starts from into the sequence's checkpoint slot, and a
 rejection sends the request back to it: its next step recomputes the tokens since (the
-scheduler attaches no proposals to that chunk). MTP is refused with a message saying why (its layers are not loaded yet).
+scheduler attaches no proposals to that chunk).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prom
 class SpeculativeConfig:
     """What `--speculative-config` asked for, validated."""
 
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "mtp"
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
@@ -65,21 +67,24 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and "model" in value:
             method = "draft_model"
-        if method == "mtp":
-            raise VkrtError("--speculative-config: method \"mtp\" is not supported yet: the multi-token-prediction "
-                            "layers of GLM-4.5, Qwen3.5 and Qwen3-Next checkpoints are skipped at load; "
-                            'use {"method": "ngram", ...} or {"model": DRAFT, ...}')
         if method in ("eagle", "eagle3", "medusa", "mlp_speculator"):
             raise VkrtError(f"--speculative-config: method {method!r} is not supported yet; "
                             'use {"method": "ngram", ...} (prompt lookup) or {"model": DRAFT, ...} (a draft model)')
-        if method not in ("ngram", "draft_model"):
-            raise VkrtError(f"--speculative-config: method must be \"ngram\" or \"draft_model\", got {method!r}")
+        if method not in ("ngram", "draft_model", "mtp"):
+            raise VkrtError(f"--speculative-config: method must be \"ngram\", \"draft_model\" or \"mtp\", "
+                            f"got {method!r}")
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise VkrtError(f"--speculative-config: num_speculative_tokens must be an integer in "
                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if method == "draft_model":
             return cls._draft(value, k)
+        if method == "mtp":
+            extra = sorted(key for key in value if key not in ("method", "num_speculative_tokens"))
+            if extra:
+                raise VkrtError(f"--speculative-config: method \"mtp\" drafts with the model's own "
+                                f"multi-token-prediction head; it takes no {', '.join(extra)}")
+            return cls("mtp", k)
         if "model" in value:
             raise VkrtError('--speculative-config: "model" names a draft model; method "ngram" takes none')
         lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
@@ -109,6 +114,8 @@ class SpeculativeConfig:
     def describe(self) -> str:
         if self.method == "draft_model":
             return f"draft model {self.model}, {self.num_speculative_tokens} tokens"
+        if self.method == "mtp":
+            return f"the model's MTP head, {self.num_speculative_tokens} tokens"
         return (f"ngram, {self.num_speculative_tokens} tokens, lookup "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}")
 

@@ -310,15 +310,16 @@ _DELTA_NET_GGUF = {"attn_qkv.weight": "delta.in_proj_qkv", "attn_gate.weight": "
                    "ssm_conv1d.weight": "delta.conv.weight", "ssm_a": "delta.A", "ssm_dt.bias": "delta.dt_bias",
                    "ssm_norm.weight": "delta.norm", "ssm_out.weight": "delta.out_proj",
                    "post_attention_norm.weight": "ffn_norm"}
-# What Qwen3.5 / Qwen3-Next checkpoints carry beside the language model.
-_MTP_HEAD = {"mtp.": "the multi-token-prediction head"}
-_VISION_TOWER = {"model.visual.": "the vision tower", **_MTP_HEAD}
+# What Qwen3.5 / Qwen3-Next checkpoints carry beside the language model (the MTP head, "mtp.",
+# is loaded apart: ArchSpec.hf_mtp_prefix).
+_VISION_TOWER = {"model.visual.": "the vision tower"}
 _QWEN3_5 = ArchSpec(
     name="qwen3_5",
     gguf_archs=("qwen35",),
     hf_archs=("Qwen3_5ForCausalLM",),
     hf_multimodal_archs=("Qwen3_5ForConditionalGeneration",),
     hf_skipped=_VISION_TOWER,
+    hf_mtp_prefix="mtp.",
     gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF},
     hf_layer={**HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),
@@ -455,7 +456,7 @@ _QWEN3_NEXT = ArchSpec(
     name="qwen3_next",
     gguf_archs=("qwen3next",),
     hf_archs=("Qwen3NextForCausalLM",),
-    hf_skipped=_MTP_HEAD,
+    hf_mtp_prefix="mtp.",
     gguf_layer={**GGUF_LAYER, **_QK_NORM_GGUF, **_DELTA_NET_GGUF, "ssm_ba.weight": "delta.in_proj_ba",
                 **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
     hf_layer={**HF_LAYER, **_QK_NORM_HF, **_DELTA_NET_HF, "linear_attn.in_proj_qkvz.weight": "delta.in_proj_qkvz",
@@ -477,6 +478,7 @@ _QWEN3_5_MOE = ArchSpec(
     hf_archs=("Qwen3_5MoeForCausalLM",),
     hf_multimodal_archs=("Qwen3_5MoeForConditionalGeneration",),
     hf_skipped=_VISION_TOWER,
+    hf_mtp_prefix="mtp.",
     gguf_layer={**_QWEN3_5.gguf_layer, **_MOE_GGUF, **_SHARED_EXPERT_GGUF},
     hf_layer={**_QWEN3_5.hf_layer, **_MOE_HF, **_SHARED_EXPERT_HF},
     layer_weights=(*LAYER_WEIGHTS, "q_norm", "k_norm"),

@@ -205,3 +205,7 @@ class ArchSpec:
     # Multi-token-prediction layers saved after the main ones, as many as this config.json field says
     # (GGUF: `<arch>.nextn_predict_layers`, counted in block_count); skipped with one log line.
     mtp_layers: str = ""
+    # The multi-token-prediction head a checkpoint carries under this prefix (Qwen3.5 / Qwen3-Next:
+    # "mtp."): fc, its two input norms, a final norm, and decoder layers named as the main ones.
+    # Kept apart (LoadedModel.mtp_weights) for `{"method": "mtp"}` speculation (vkrt/models/mtp.py).
+    hf_mtp_prefix: str = ""

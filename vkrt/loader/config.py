@@ -250,6 +250,9 @@ class LoadedModel:
     weights: dict[str, WeightData]
     file_type: str = ""  # e.g. "Q4_1", "F32", "BF16"
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The multi-token-prediction head, by canonical name (empty: the file has none, or its form is
+    # not one vkrt loads); uploaded only for {"method": "mtp"} speculation (vkrt/models/mtp.py).
+    mtp_weights: dict[str, WeightData] = field(default_factory=dict)
 
     def release_pages(self, weights: Iterable[WeightData] | None = None) -> None:
         """Once weights are uploaded: drop the resident pages of the file bytes they map (all

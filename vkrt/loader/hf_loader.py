@@ -154,6 +154,27 @@ def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range
     return range(layers, layers + count)
 
 
+# The MTP head's own tensors (Qwen3.5 / Qwen3-Next, after the "mtp." prefix) -> canonical names.
+_MTP_HEAD_NAMES = {"fc.weight": "mtp.fc", "pre_fc_norm_embedding.weight": "mtp.norm_embedding",
+                   "pre_fc_norm_hidden.weight": "mtp.norm_hidden", "norm.weight": "final_norm"}
+
+
+def _add_mtp_tensor(file: Path, spec: ArchSpec, hf_name: str, weight: WeightData,
+                    mtp_weights: dict[str, WeightData]) -> None:
+    """File one tensor of the MTP head under the canonical name a one-layer model of the family
+    gives it (its decoder layers as `layers.<i>.*`, the head's own as _MTP_HEAD_NAMES says)."""
+    rest = hf_name[len(spec.hf_mtp_prefix):]
+    name = _MTP_HEAD_NAMES.get(rest)
+    if name is None and rest.startswith("layers."):
+        name = _canonical_name(spec, f"{spec.hf_prefix}.{rest}")
+    if name is None:
+        raise UnsupportedModelError(f"{file}: tensor {hf_name!r} is not part of the multi-token-prediction head "
+                                    f"vkrt implements for {spec.name}")
+    if name in mtp_weights:
+        raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; re-download the model")
+    mtp_weights[name] = replace(weight, name=name)
+
+
 def _join_mxfp4(file: Path, tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
                 pending: dict[str, tuple[str, tuple[int, ...], np.ndarray]]) -> None:
     """Replace each `<name>_blocks` / `<name>_scales` pair in `tensors` by `<name>`, an MXFP4
@@ -242,6 +263,7 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
         cfg = _language_model_config(config_path, cfg)
     validate.hf_config(config_path, cfg)
     weights: dict[str, WeightData] = {}
+    mtp_weights: dict[str, WeightData] = {}
     skipped: Counter[str] = Counter()
     mtp = _mtp_layers(config_path, spec, cfg)
     mxfp4_halves: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
@@ -259,6 +281,10 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             layer = _LAYER_INDEX.match(hf_name[len(spec.hf_prefix) + 1:]) if hf_name.startswith(spec.hf_prefix) else None
             if layer and int(layer.group(1)) in mtp:
                 skipped["the multi-token-prediction layers"] += 1
+                continue
+            if spec.hf_mtp_prefix and hf_name.startswith(spec.hf_mtp_prefix):
+                _add_mtp_tensor(file, spec, hf_name, WeightData(name=hf_name, fmt=fmt, shape=shape, data=data),
+                                mtp_weights)
                 continue
             name = _canonical_name(spec, hf_name)
             if name is None:
@@ -281,6 +307,10 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
                                "_blocks and a _scales tensor); download all shards")
     if spec.hf_interleaved_experts or spec.hf_stacked_experts:
         _split_fused_experts(model_dir, weights, spec.hf_interleaved_experts)
+        _split_fused_experts(model_dir, mtp_weights, spec.hf_interleaved_experts)
+    if mtp_weights:
+        log.info("%s: the multi-token-prediction head (%d tensor%s) is kept for {\"method\": \"mtp\"} speculation",
+                 model_dir, len(mtp_weights), "" if len(mtp_weights) == 1 else "s")
     for what, count in skipped.items():
         log.info("%s: skipped %s (%d tensor%s): vkrt runs the language model only", model_dir,
                  what, count, "" if count == 1 else "s")
@@ -303,4 +333,5 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     check_weights(str(model_dir), config, weights)
     dtype_counts = Counter(w.fmt.upper() for w in weights.values() if len(w.shape) > 1)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
-    return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg)
+    return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg,
+                       mtp_weights=mtp_weights)

@@ -42,6 +42,7 @@ from vkrt.models.weights import (
     PerLayerEmbedding,
     PerLayerInput,
     ShortConv,
+    Weights,
     build_weights,
 )
 
@@ -67,12 +68,16 @@ HEAD_IDS_KEPT = 64
 
 
 class DecoderModel(CausalLM):
-    def __init__(self, loaded: LoadedModel, backend: Backend, stage: Stage | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, backend: Backend, stage: Stage | None = None,
+                 weights: Weights | None = None) -> None:
+        """`weights`: records already uploaded (an MTP head's, vkrt/models/mtp.py); else `loaded`'s are."""
         self.config = c = loaded.config
         self.backend = backend
         self.stage = stage
         self.activation = ACTIVATIONS[c.hidden_act]  # the loader admits only these
-        self.weights = build_weights(loaded, backend, stage)
+        self.weights = weights if weights is not None else build_weights(loaded, backend, stage)
+        # The checkpoint's MTP head stays on the host until speculation asks for it.
+        self.mtp_source = loaded if loaded.mtp_weights and stage is None else None
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0

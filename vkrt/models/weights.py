@@ -251,6 +251,26 @@ def build_weights(loaded: LoadedModel, backend: Backend, stage: Stage | None = N
     return weights
 
 
+@dataclass(frozen=True)
+class MtpInput:
+    """What a multi-token-prediction head makes its layer's input from: fc([norm_embedding(e),
+    norm_hidden(h)]) of a token's embedding e and the hidden state h it continues from."""
+
+    norm_embedding: Tensor
+    norm_hidden: Tensor
+    fc: Linear
+
+
+def build_mtp_weights(loaded: LoadedModel, backend: Backend, target: Weights) -> tuple[Weights, MtpInput]:
+    """Upload an MTP head (`loaded`: the head as a one-layer model, vkrt/models/mtp.py) beside the
+    target whose weights are `target`: its layer, final norm and input; the embedding, LM head and
+    RoPE frequencies are the target's own tensors, not copies."""
+    sizes = _Sizes(backend)
+    _Builder(loaded, sizes).mtp(target)
+    backend.reserve("weights", sizes.total)
+    return _Builder(loaded, backend).mtp(target)
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.2f} MiB"
 
@@ -317,6 +337,12 @@ class _Builder:
                                         self.linear(["per_layer.model_proj"]), self.norm("per_layer.model_norm"))
             if c.per_layer_input_size else None,
         )
+
+    def mtp(self, target: Weights) -> tuple[Weights, MtpInput]:
+        """An MTP head's records (build_mtp_weights)."""
+        weights = Weights(embed_tokens=target.embed_tokens, layers=tuple(self.layer(i) for i in range(self.config.num_layers)),
+                          final_norm=self.norm("final_norm"), lm_head=target.lm_head, rope_freqs=target.rope_freqs)
+        return weights, MtpInput(self.norm("mtp.norm_embedding"), self.norm("mtp.norm_hidden"), self.linear(["mtp.fc"]))
 
     def layer(self, i: int) -> Layer:
         c = self.config

@@ -1,0 +1,188 @@
+"""The multi-token-prediction (MTP) fixtures: tiny hybrids with the `mtp.*` head Qwen3.5 and
+Qwen3-Next checkpoints ship, and goldens for it computed with transformers' own modules.
+
+transformers loads these checkpoints but drops the head (`_keys_to_ignore_on_load_unexpected`
+`^mtp.*`): it has no MTP forward. So the golden is composed here from transformers' pieces, in
+the form the serving engines that run these heads give it (vLLM's qwen3_next_mtp / qwen3_5_mtp):
+for position i, with the target model's final-norm hidden state h_i and the token after it,
+
+    x_i = fc([pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)])
+    y_i = mtp.layers.0(x_i)           (the family's full-attention decoder layer, causal over i)
+    logits_i = lm_head(mtp.norm(y_i)) (the target's LM head) -> a guess for t_{i+2}
+
+and a further guess runs the head again at position i + 1 on (its own guess, mtp.norm(y_i)).
+The norms are the family's (1 + w) RMSNorm, the layer its Qwen3_5DecoderLayer (or Qwen3Next's),
+the embedding and head the target's. The head's weights are random (seeded, normal 0.1; norms
+0.1 around their (1 + w) centre); the rest of the checkpoint is the committed base fixture's,
+unchanged, so transformers' logits for the target equal the base golden's (checked).
+
+From the committed base fixtures, in the tools venv:
+
+    .venv-tools/bin/python tools/make_mtp_fixture.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+# fixture -> (base fixture, transformers model module, its class prefix)
+MTP_FIXTURES = {
+    "tiny_qwen3_5_mtp": ("tiny_qwen3_5", "qwen3_5", "Qwen3_5"),
+    "tiny_qwen3_next_mtp": ("tiny_qwen3_next", "qwen3_next", "Qwen3Next"),
+}
+SEED = 20261207
+PROMPT = [(37 * i + 11) % 256 for i in range(24)]
+GUESSES = 3  # the chained guesses after the prompt
+
+
+def sig6(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def main() -> None:
+    for name, (base, module, prefix) in MTP_FIXTURES.items():
+        t0 = time.time()
+        make(name, base, module, prefix, np.random.default_rng(SEED + len(name)))
+        print(f"{name}: {time.time() - t0:.1f}s")
+
+
+def checkpoint_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers' fused expert stacks (gate_up_proj [E, 2F, H], down_proj [E, H, F]) as the
+    released checkpoints and save_pretrained store them: one gate, up and down weight per expert."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in tensors.items():
+        if key.endswith(".experts.gate_up_proj"):
+            stem, f = key[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :f])
+                out[f"{stem}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, f:])
+        elif key.endswith(".experts.down_proj"):
+            stem = key[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
+        else:
+            out[key] = value
+    return out
+
+
+def make(name: str, base: str, module: str, prefix: str, rng: np.random.Generator) -> None:
+    import importlib
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    out_dir = FIXTURES / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    cfg = json.loads((FIXTURES / base / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    target = AutoModelForCausalLM.from_pretrained(FIXTURES / base, dtype=torch.float32).eval()
+    text_config = target.config
+
+    # The head: one full-attention layer of the family, built by transformers so its parameter
+    # names are the checkpoint's; its weights random.
+    layer_config = type(text_config)(**{**text_config.to_dict(), "num_hidden_layers": 1,
+                                        "layer_types": ["full_attention"]})
+    layer_config._attn_implementation = "eager"
+    layer = getattr(modeling, f"{prefix}DecoderLayer")(layer_config, 0).eval()
+    norm_class = getattr(modeling, f"{prefix}RMSNorm")
+    norms = {key: norm_class(hidden, eps=cfg["rms_norm_eps"]) for key in
+             ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+    head: dict[str, torch.Tensor] = {"fc.weight": fc.weight}
+    head.update({f"{key}.weight": n.weight for key, n in norms.items()})
+    head.update({f"layers.0.{key}": p for key, p in layer.state_dict(keep_vars=True).items()})
+    with torch.no_grad():
+        for key, p in head.items():
+            if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+                p.copy_(torch.from_numpy(rng.normal(0.0, 0.1, p.shape).astype(np.float32)))  # (1 + w)
+            elif p.dim() >= 2 or key.endswith(("dt_bias", "A_log")):
+                p.copy_(torch.from_numpy(rng.normal(0.0, 0.1, p.shape).astype(np.float32)))
+            else:  # router biases and the like stay as the family initialises them
+                pass
+
+    tensors = load_file(FIXTURES / base / "model.safetensors")
+    tensors.update(checkpoint_names({f"mtp.{key}": p.detach().numpy().astype(np.float32) for key, p in head.items()}))
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg["mtp_num_hidden_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    # transformers loads the checkpoint and ignores the head: the target is the base fixture's.
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        base_logits = target(ids).logits
+        out = loaded.model(ids)
+        logits = loaded.lm_head(out.last_hidden_state)
+    assert torch.equal(base_logits, logits), "the MTP tensors changed the target's forward"
+    target_hidden = out.last_hidden_state[0]  # [n, hidden], after the final norm
+    next_token = int(logits[0, -1].argmax())
+
+    rotary = loaded.model.rotary_emb
+    embed = loaded.model.embed_tokens
+    lm_head = loaded.lm_head
+
+    def mtp(tokens: list[int], hiddens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over positions 0 .. len(tokens) - 1 (no cache: causal over all of them):
+        its logits and mtp.norm(y) per position."""
+        n = len(tokens)
+        positions = torch.arange(n)[None]
+        x = fc(torch.cat([norms["pre_fc_norm_embedding"](embed(torch.tensor([tokens]))),
+                          norms["pre_fc_norm_hidden"](hiddens[None])], dim=-1))
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        position_embeddings = rotary(x, positions)
+        y = layer(x, position_embeddings=position_embeddings, attention_mask=mask, position_ids=positions)
+        normed = norms["norm"](y)[0]
+        return lm_head(normed), normed
+
+    with torch.no_grad():
+        # Positions 0 .. n - 1: the target's hidden states beside the tokens after them (the last
+        # one the target's greedy next token).
+        tokens = PROMPT[1:] + [next_token]
+        hiddens = target_hidden
+        head_logits, normed = mtp(tokens, hiddens)
+        guesses: list[int] = []
+        chain_logits: list[list[float]] = []
+        for _ in range(GUESSES):
+            guess = int(head_logits[-1].argmax())
+            guesses.append(guess)
+            chain_logits.append([sig6(v) for v in head_logits[-1].tolist()])
+            tokens = tokens + [guess]
+            hiddens = torch.cat([hiddens, normed[-1:]])
+            head_logits, normed = mtp(tokens, hiddens)
+        first_logits, _ = mtp(PROMPT[1:] + [next_token], target_hidden)
+
+    import transformers
+
+    golden: dict[str, Any] = {
+        "fixture": name,
+        "description": (f"{base}'s checkpoint with a random MTP head (mtp.*, one full-attention layer); "
+                        "head logits composed from transformers' modules as tools/make_mtp_fixture.py says"),
+        "source": f"transformers {transformers.__version__}, torch {torch.__version__}, f32, CPU",
+        "prompt_ids": PROMPT,
+        "next_token": next_token,
+        # Row i: the head at position i (target hidden h_i, token t_{i+1}); argmax per row, and
+        # every logit of the first, a middle and the last row.
+        "head_argmax": [int(v) for v in first_logits.argmax(-1).tolist()],
+        "head_logits_rows": {str(r): [sig6(v) for v in first_logits[r].tolist()]
+                             for r in (0, len(PROMPT) // 2, len(PROMPT) - 1)},
+        "target_hidden_last": [sig6(v) for v in target_hidden[-1].tolist()],
+        # The chain after the prompt: guess j + 1 from the head at position n - 1 + j.
+        "guesses": guesses,
+        "guess_logits": chain_logits,
+    }
+    (out_dir / "golden.json").write_text(json.dumps(golden) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""MTP speculation: the target checkpoint's multi-token-prediction head proposes each request's
+next k tokens.
+
+The head (vkrt/models/mtp.py) reads the target's final-norm hidden state at a position beside the
+token after it, so the target's runner brings every token row's hidden state back (ModelRunner's
+`token_hidden`) and the engine hands over the rows of the positions that stand after each step
+(`observe`). For each speculating request the proposer keeps a view: a Request whose token i is
+the target's token i + 1 (the head's input at position i) followed by this step's guesses, whose
+`num_computed_tokens` counts the positions the head's cache holds from the target's states.
+Proposing is k head steps over the batch: the first catches each view up on the positions the
+target computed since and guesses 1; each later one runs one position per view on its last
+guess and the head's own output, guessing the next. Guessed positions are never counted: the
+next catch-up computes them again from the target's states.
+
+A position whose target state was never observed (a prefix-cache hit: the target did not compute
+it in this request's life) enters the head with a zero state. Its K/V in the head's cache are then
+approximate, which can lower acceptance but never changes the output: every guess is verified.
+
+Guesses are the head's argmax, drawn on the device: one-token proposals, verified as n-gram
+proposals are (exact for greedy and sampling requests alike).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from vkrt import ops
+from vkrt.engine.config import EngineConfig, SamplingParams
+from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
+from vkrt.engine.request import Request, RequestStatus
+from vkrt.engine.runner import StepStats, build_forward_batch
+from vkrt.engine.sampler import GREEDY_PARAMS
+from vkrt.engine.scheduler import ScheduledRequest, SchedulerOutput
+from vkrt.errors import VkrtError
+from vkrt.models.base import CausalLM, StepTensors
+from vkrt.models.decoder import DecoderModel
+from vkrt.models.mtp import MTPHead, mtp_head_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _View:
+    """The head's side of one request."""
+
+    request: Request  # the target's
+    tokens: Request  # token i: the target's token i + 1, then this step's guesses
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)  # observed target states by position
+
+
+class MTPProposer:
+    """Proposals from the target's MTP head: k eager head steps per engine step."""
+
+    def __init__(self, target: CausalLM, config: EngineConfig, max_model_len: int, target_blocks: int,
+                 num_speculative_tokens: int) -> None:
+        """`target_blocks`: the target's full-attention pool; the head's holds as many tokens, plus
+        room for every sequence's guesses."""
+        if not isinstance(target, DecoderModel) or target.mtp_source is None:
+            raise VkrtError('--speculative-config: method "mtp" drafts with the model\'s multi-token-prediction '
+                            "head, and this model has none that vkrt loads (Qwen3.5 and Qwen3-Next Hugging Face "
+                            'checkpoints carry one as mtp.*); use {"method": "ngram", ...} instead')
+        self.head = MTPHead(target, mtp_head_model(target.mtp_source))
+        groups = self.head.kv_groups()
+        extra = config.max_num_seqs * -(-(num_speculative_tokens + 1) // config.block_size)
+        sizing = replace(config, num_kv_blocks=target_blocks + extra)
+        bytes_per_block = self.head.kv_group_bytes_per_block(config.block_size, config.kv_dtype)
+        num_blocks = size_kv_pools(sizing, groups, bytes_per_block, max_model_len)
+        self.kv = self.head.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=max_model_len)
+        self.blocks = KVCacheManager(groups, num_blocks, config.block_size, enable_prefix_caching=False)
+        self.views: dict[str, _View] = {}
+        log.info("MTP head: %d layer%s, KV %d MiB", self.head.config.num_layers,
+                 "" if self.head.config.num_layers == 1 else "s", self.kv.nbytes >> 20)
+
+    def observe(self, scheduled: Sequence[ScheduledRequest], token_hidden: np.ndarray) -> None:
+        """Keep the target's states of the positions that stand after a step: each chunk's rows
+        (in step order) below its request's count of computed tokens."""
+        row = 0
+        for s in scheduled:
+            request = s.request
+            end = min(s.start + s.num_tokens, request.num_computed_tokens)
+            if request.pooling is None and request.params.speculative and not request.is_finished:
+                view = self._view(request)
+                for position in range(s.start, end):
+                    view.hidden[position] = token_hidden[row + position - s.start]
+            row += s.num_tokens
+
+    def propose(self, wanted: Sequence[tuple[Request, int]]) -> StepStats:
+        """Set each (request, k)'s `spec_token_ids` to the head's next k guesses; what the head's
+        steps cost. On a failed step (device errors pass through) the head forgets everything."""
+        asked = {request.request_id for request, _ in wanted}
+        for request_id, view in list(self.views.items()):
+            # Gone, or taking no guesses this step after its first token: its states would pile up.
+            if view.request.status is not RequestStatus.RUNNING or (
+                    request_id not in asked and view.request.num_output_tokens > 0):
+                self._forget(request_id)
+        views: list[tuple[_View, int]] = []
+        for request, k in wanted:
+            request.spec_token_ids = []
+            # Only a request whose next step is its one new token takes guesses (after a hybrid's
+            # rejection it recomputes first, and the scheduler attaches no proposals to that).
+            if request.num_tokens - request.num_computed_tokens == 1:
+                views.append((self._sync(request), k))
+        cost = StepStats()
+        outputs: dict[str, np.ndarray] = {}  # each view's last output: what its next guess continues from
+        try:
+            caught_up = [v for v, _ in views if self._allocate(v, v.tokens.num_tokens - v.tokens.num_computed_tokens)]
+            if caught_up:
+                chunks = [(v, v.tokens.num_computed_tokens, self._catch_up_hidden(v)) for v in caught_up]
+                cost = cost.plus(self._step(chunks, outputs, computed=True))
+            for j in range(1, max((k for _, k in views), default=0)):
+                chained = [v for v, k in views if k > j and v.request.request_id in outputs and self._allocate(v, j)]
+                if not chained:
+                    break
+                chunks = [(v, v.tokens.num_computed_tokens + j - 1, outputs[v.request.request_id][None])
+                          for v in chained]
+                cost = cost.plus(self._step(chunks, outputs, computed=False))
+        except VkrtError:
+            for request_id in list(self.views):
+                self._forget(request_id)
+            raise
+        for view, _ in views:
+            view.request.spec_token_ids = view.tokens.all_token_ids[view.request.num_tokens - 1:]
+        return cost
+
+    def _view(self, request: Request) -> _View:
+        view = self.views.get(request.request_id)
+        if view is None or view.request is not request:
+            if view is not None:
+                self._forget(request.request_id)
+            view = self.views[request.request_id] = _View(request, Request(request.request_id, [], SamplingParams()))
+        return view
+
+    def _sync(self, request: Request) -> _View:
+        """The request's view on its current tokens (shifted by one), last step's guesses dropped
+        and its count no further than the target's."""
+        view = self._view(request)
+        tokens = view.tokens
+        tokens.all_token_ids = request.all_token_ids[1:]
+        # At least the last position runs again: the first guess comes from its output.
+        kept = min(tokens.num_computed_tokens, request.num_computed_tokens - 1)
+        tokens.num_computed_tokens = kept
+        self.blocks.trim(tokens, kept)
+        return view
+
+    def _catch_up_hidden(self, view: _View) -> np.ndarray:
+        """The target's states of the view's uncomputed positions (zeros where none was observed);
+        the count moves to the end, and states before the last are dropped."""
+        start, end = view.tokens.num_computed_tokens, view.tokens.num_tokens
+        width = self.head.config.hidden_size
+        rows = np.stack([view.hidden.get(p, np.zeros(width, np.float32)) for p in range(start, end)])
+        for position in [p for p in view.hidden if p < end - 1]:
+            del view.hidden[position]
+        return rows
+
+    def _allocate(self, view: _View, num_tokens: int) -> bool:
+        return self.blocks.allocate_slots(view.tokens, num_tokens)
+
+    def _step(self, chunks: list[tuple[_View, int, np.ndarray]], outputs: dict[str, np.ndarray],
+              computed: bool) -> StepStats:
+        """One eager head forward: each view's positions from `start` with the states given, its
+        next guess appended to its tokens and its last output kept in `outputs`. `computed`: the
+        states are the target's, so the positions count as the head's cache (a catch-up)."""
+        backend = self.head.backend
+        counters = backend.counters
+        before, began = counters.snapshot(), time.perf_counter()
+        scheduled = [ScheduledRequest(v.tokens, start, len(rows)) for v, start, rows in chunks]
+        batch, _ = build_forward_batch(SchedulerOutput(scheduled), self.blocks)
+        step = StepTensors.upload(backend, batch)
+        rows = len(chunks)
+        params = backend.upload(np.tile(GREEDY_PARAMS, (rows, 1)), "f32", purpose="inputs")
+        uniforms = backend.upload(np.zeros(rows, np.float32), "f32", purpose="inputs")
+        hidden = backend.upload(np.concatenate([r for _, _, r in chunks]).astype(np.float32), "f32",
+                                purpose="inputs")
+        logits, out = self.head.forward_mtp(step, self.kv, hidden)
+        ids = ops.sample_top_k(logits, params, uniforms, None)
+        last = ops.gather_rows(out, step.logits_index)
+        guesses = backend.read(ids).reshape(rows)
+        states = np.asarray(backend.read(last), dtype=np.float32).reshape(rows, -1)
+        vocab = self.head.config.vocab_size
+        for (view, start, r), guess, state in zip(chunks, guesses, states, strict=True):
+            if computed:
+                view.tokens.num_computed_tokens = start + len(r)
+            if 0 <= int(guess) < vocab:
+                view.tokens.all_token_ids.append(int(guess))
+                outputs[view.request.request_id] = state
+            else:  # a row of NaN or Inf: no more guesses for it
+                outputs.pop(view.request.request_id, None)
+        return StepStats(num_seqs=rows, num_tokens=batch.num_tokens, num_logits_rows=rows,
+                         seconds=time.perf_counter() - began, counters=counters.since(before))
+
+    def _forget(self, request_id: str) -> None:
+        view = self.views.pop(request_id)
+        self.blocks.free(view.tokens)
