@@ -1,20 +1,27 @@
-"""The multi-token-prediction (MTP) fixtures: tiny hybrids with the `mtp.*` head Qwen3.5 and
-Qwen3-Next checkpoints ship, and goldens for it computed with transformers' own modules.
+"""The multi-token-prediction (MTP) fixtures: tiny checkpoints with the MTP heads Qwen3.5,
+Qwen3-Next, GLM-4.5 and DeepSeek-V3 ship, and goldens for them composed from transformers' own
+modules.
 
-transformers loads these checkpoints but drops the head (`_keys_to_ignore_on_load_unexpected`
-`^mtp.*`): it has no MTP forward. So the golden is composed here from transformers' pieces, in
-the form the serving engines that run these heads give it (vLLM's qwen3_next_mtp / qwen3_5_mtp):
-for position i, with the target model's final-norm hidden state h_i and the token after it,
+transformers loads these checkpoints but drops the heads (`_keys_to_ignore_on_load_unexpected`):
+it has no MTP forward. So the golden is composed here from transformers' pieces, in the form
+vLLM serves these heads in. For position i, with the target model's final-norm hidden state h_i
+and the token after it:
 
-    x_i = fc([pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)])
-    y_i = mtp.layers.0(x_i)           (the family's full-attention decoder layer, causal over i)
-    logits_i = lm_head(mtp.norm(y_i)) (the target's LM head) -> a guess for t_{i+2}
+    x_i = fc([norm_e(embed(t_{i+1})), norm_h(h_i)])
+    y_i = the head's decoder layer(x_i)  (the family's attention layer, causal over the positions)
+    logits_i = head(norm(y_i))           -> a guess for t_{i+2}
 
-and a further guess runs the head again at position i + 1 on (its own guess, mtp.norm(y_i)).
-The norms are the family's (1 + w) RMSNorm, the layer its Qwen3_5DecoderLayer (or Qwen3Next's),
-the embedding and head the target's. The head's weights are random (seeded, normal 0.1; norms
-0.1 around their (1 + w) centre); the rest of the checkpoint is the committed base fixture's,
-unchanged, so transformers' logits for the target equal the base golden's (checked).
+and a further guess runs the head again at position i + 1 on its own guess and its own state.
+Qwen's form (`mtp.*`: fc, pre_fc_norm_embedding / _hidden, norm, layers.0; vLLM's
+qwen3_next_mtp) continues from norm(y_i) and uses the target's LM head. DeepSeek-V3's and
+GLM-4.5's (layer `num_hidden_layers`: eh_proj, enorm, hnorm, shared_head.norm / .head, and a
+copy of embed_tokens; vLLM's deepseek_mtp / glm4_moe_mtp) zero the embedding at position 0,
+continue from y_i, and use shared_head.head: a copy of lm_head as released checkpoints have it
+(tiny_glm4_moe_mtp), or a head of its own (tiny_deepseek_v3_mtp, so both paths are tested).
+The norms are the family's RMSNorm, the layer its decoder layer class, the embedding the target's.
+The head's weights are random (seeded, normal 0.1; norms 0.1 around their initial value); the
+rest of the checkpoint is the committed base fixture's, unchanged, so transformers' logits for
+the target equal the base fixture's (checked).
 
 From the committed base fixtures, in the tools venv:
 
@@ -32,10 +39,12 @@ from typing import Any
 import numpy as np
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
-# fixture -> (base fixture, transformers model module, its class prefix)
+# fixture -> (base fixture, transformers model module, its class prefix, form)
 MTP_FIXTURES = {
-    "tiny_qwen3_5_mtp": ("tiny_qwen3_5", "qwen3_5", "Qwen3_5"),
-    "tiny_qwen3_next_mtp": ("tiny_qwen3_next", "qwen3_next", "Qwen3Next"),
+    "tiny_qwen3_5_mtp": ("tiny_qwen3_5", "qwen3_5", "Qwen3_5", "qwen"),
+    "tiny_qwen3_next_mtp": ("tiny_qwen3_next", "qwen3_next", "Qwen3Next", "qwen"),
+    "tiny_glm4_moe_mtp": ("tiny_glm4_moe", "glm4_moe", "Glm4Moe", "deepseek"),
+    "tiny_deepseek_v3_mtp": ("tiny_deepseek_v3", "deepseek_v3", "DeepseekV3", "deepseek own head"),
 }
 SEED = 20261207
 PROMPT = [(37 * i + 11) % 256 for i in range(24)]
@@ -47,9 +56,9 @@ def sig6(x: float) -> float:
 
 
 def main() -> None:
-    for name, (base, module, prefix) in MTP_FIXTURES.items():
+    for name, (base, module, prefix, form) in MTP_FIXTURES.items():
         t0 = time.time()
-        make(name, base, module, prefix, np.random.default_rng(SEED + len(name)))
+        make(name, base, module, prefix, form, np.random.default_rng(SEED + len(name)))
         print(f"{name}: {time.time() - t0:.1f}s")
 
 
@@ -72,7 +81,7 @@ def checkpoint_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def make(name: str, base: str, module: str, prefix: str, rng: np.random.Generator) -> None:
+def make(name: str, base: str, module: str, prefix: str, form: str, rng: np.random.Generator) -> None:
     import importlib
 
     import torch
@@ -89,32 +98,48 @@ def make(name: str, base: str, module: str, prefix: str, rng: np.random.Generato
     target = AutoModelForCausalLM.from_pretrained(FIXTURES / base, dtype=torch.float32).eval()
     text_config = target.config
 
-    # The head: one full-attention layer of the family, built by transformers so its parameter
-    # names are the checkpoint's; its weights random.
-    layer_config = type(text_config)(**{**text_config.to_dict(), "num_hidden_layers": 1,
-                                        "layer_types": ["full_attention"]})
+    # The head: one attention layer of the family, built by transformers so its parameter names
+    # are the checkpoint's; its weights random.
+    qwen = form == "qwen"
+    layers = cfg["num_hidden_layers"]
+    if qwen:
+        layer_config = type(text_config)(**{**text_config.to_dict(), "num_hidden_layers": 1,
+                                            "layer_types": ["full_attention"]})
+    else:  # the layer after the main ones, configured as they are (a sparse one)
+        layer_config = type(text_config)(**{**text_config.to_dict(), "num_hidden_layers": layers + 1})
     layer_config._attn_implementation = "eager"
-    layer = getattr(modeling, f"{prefix}DecoderLayer")(layer_config, 0).eval()
+    layer = getattr(modeling, f"{prefix}DecoderLayer")(layer_config, 0 if qwen else layers).eval()
     norm_class = getattr(modeling, f"{prefix}RMSNorm")
-    norms = {key: norm_class(hidden, eps=cfg["rms_norm_eps"]) for key in
-             ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    names = (("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "fc") if qwen
+             else ("enorm", "hnorm", "shared_head.norm", "eh_proj"))
+    norm_e, norm_h, norm_out = (norm_class(hidden, eps=cfg["rms_norm_eps"]) for _ in range(3))
     fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-    head: dict[str, torch.Tensor] = {"fc.weight": fc.weight}
-    head.update({f"{key}.weight": n.weight for key, n in norms.items()})
-    head.update({f"layers.0.{key}": p for key, p in layer.state_dict(keep_vars=True).items()})
+    own_head = torch.nn.Linear(hidden, cfg["vocab_size"], bias=False)
+    head: dict[str, torch.Tensor] = {f"{names[3]}.weight": fc.weight}
+    head.update({f"{key}.weight": n.weight for key, n in zip(names[:3], (norm_e, norm_h, norm_out), strict=True)})
+    layer_prefix = "layers.0." if qwen else ""
+    head.update({f"{layer_prefix}{key}": p for key, p in layer.state_dict(keep_vars=True).items()})
     with torch.no_grad():
         for key, p in head.items():
+            noise = torch.from_numpy(rng.normal(0.0, 0.1, p.shape).astype(np.float32))
             if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
-                p.copy_(torch.from_numpy(rng.normal(0.0, 0.1, p.shape).astype(np.float32)))  # (1 + w)
-            elif p.dim() >= 2 or key.endswith(("dt_bias", "A_log")):
-                p.copy_(torch.from_numpy(rng.normal(0.0, 0.1, p.shape).astype(np.float32)))
-            else:  # router biases and the like stay as the family initialises them
-                pass
+                p.add_(noise)  # around the family's initial value: 0 for (1 + w) norms, 1 for plain w
+            elif p.dim() >= 2 or key.endswith(("e_score_correction_bias", ".bias")):
+                p.copy_(noise)
+        own_head.weight.copy_(torch.from_numpy(rng.normal(0.0, 0.1, own_head.weight.shape).astype(np.float32)))
 
     tensors = load_file(FIXTURES / base / "model.safetensors")
-    tensors.update(checkpoint_names({f"mtp.{key}": p.detach().numpy().astype(np.float32) for key, p in head.items()}))
+    if qwen:
+        extra = {f"mtp.{key}": p for key, p in head.items()}
+        cfg["mtp_num_hidden_layers"] = 1
+    else:
+        extra = {f"model.layers.{layers}.{key}": p for key, p in head.items()}
+        extra[f"model.layers.{layers}.embed_tokens.weight"] = torch.from_numpy(tensors["model.embed_tokens.weight"])
+        extra[f"model.layers.{layers}.shared_head.head.weight"] = (
+            own_head.weight if form.endswith("own head") else torch.from_numpy(tensors["lm_head.weight"]))
+        cfg["num_nextn_predict_layers"] = 1
+    tensors.update(checkpoint_names({key: p.detach().numpy().astype(np.float32) for key, p in extra.items()}))
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg["mtp_num_hidden_layers"] = 1
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     # transformers loads the checkpoint and ignores the head: the target is the base fixture's.
@@ -130,20 +155,22 @@ def make(name: str, base: str, module: str, prefix: str, rng: np.random.Generato
 
     rotary = loaded.model.rotary_emb
     embed = loaded.model.embed_tokens
-    lm_head = loaded.lm_head
+    lm_head = own_head if form.endswith("own head") else loaded.lm_head
 
     def mtp(tokens: list[int], hiddens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over positions 0 .. len(tokens) - 1 (no cache: causal over all of them):
-        its logits and mtp.norm(y) per position."""
+        its logits and the state a further guess continues from, per position."""
         n = len(tokens)
         positions = torch.arange(n)[None]
-        x = fc(torch.cat([norms["pre_fc_norm_embedding"](embed(torch.tensor([tokens]))),
-                          norms["pre_fc_norm_hidden"](hiddens[None])], dim=-1))
+        e = embed(torch.tensor([tokens]))
+        if not qwen:
+            e = torch.where(positions[..., None] == 0, torch.zeros_like(e), e)
+        x = fc(torch.cat([norm_e(e), norm_h(hiddens[None])], dim=-1))
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         position_embeddings = rotary(x, positions)
         y = layer(x, position_embeddings=position_embeddings, attention_mask=mask, position_ids=positions)
-        normed = norms["norm"](y)[0]
-        return lm_head(normed), normed
+        normed = norm_out(y)[0]
+        return lm_head(normed), normed if qwen else y[0]
 
     with torch.no_grad():
         # Positions 0 .. n - 1: the target's hidden states beside the tokens after them (the last
@@ -166,8 +193,9 @@ def make(name: str, base: str, module: str, prefix: str, rng: np.random.Generato
 
     golden: dict[str, Any] = {
         "fixture": name,
-        "description": (f"{base}'s checkpoint with a random MTP head (mtp.*, one full-attention layer); "
-                        "head logits composed from transformers' modules as tools/make_mtp_fixture.py says"),
+        "description": (f"{base}'s checkpoint with a random MTP head ({'mtp.*' if qwen else 'layer ' + str(layers)}, "
+                        f"{form} form); head logits composed from transformers' modules as "
+                        "tools/make_mtp_fixture.py says"),
         "source": f"transformers {transformers.__version__}, torch {torch.__version__}, f32, CPU",
         "prompt_ids": PROMPT,
         "next_token": next_token,

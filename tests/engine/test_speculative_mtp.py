@@ -1,5 +1,6 @@
-"""`{"method": "mtp"}` speculation (vkrt/engine/mtp_draft.py) on the MTP fixtures: tiny_qwen3_5's
-and tiny_qwen3_next's checkpoints with a random MTP head (tools/make_mtp_fixture.py).
+"""`{"method": "mtp"}` speculation (vkrt/engine/mtp_draft.py) on the MTP fixtures: tiny_qwen3_5's,
+tiny_qwen3_next's, tiny_glm4_moe's and tiny_deepseek_v3's checkpoints with a random MTP head of
+their family's form (tools/make_mtp_fixture.py).
 
 The head's weights are random, so its guesses are nearly always wrong. Two things are checked
 apart: with the head's own proposals the ids are the target's (transformers' greedy ids of the
@@ -33,7 +34,8 @@ from vkrt.models.mtp import MTPHead, mtp_head_model
 
 MTP = SpeculativeConfig("mtp", 3)
 # fixture -> the base fixture whose checkpoint (and transformers golden) it extends
-FIXTURE_BASE = {"tiny_qwen3_5_mtp": "tiny_qwen3_5", "tiny_qwen3_next_mtp": "tiny_qwen3_next"}
+FIXTURE_BASE = {"tiny_qwen3_5_mtp": "tiny_qwen3_5", "tiny_qwen3_next_mtp": "tiny_qwen3_next",
+                "tiny_glm4_moe_mtp": "tiny_glm4_moe", "tiny_deepseek_v3_mtp": "tiny_deepseek_v3"}
 
 
 def _cases(fixture: str) -> list[dict]:

@@ -526,10 +526,11 @@ def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
     _one_line(exc, "no_q_norm.gguf", "layers.3.q_norm", "missing")
 
 
-def test_glm4_moe_mtp_layers_are_skipped(tmp_path: Path) -> None:
+def test_glm4_moe_mtp_layers_are_kept_apart(tmp_path: Path) -> None:
     """GLM-4.5 checkpoints carry multi-token-prediction layers after the main ones (config.json's
     num_nextn_predict_layers; a GGUF's nextn_predict_layers, counted in block_count, as llama.cpp's
-    converter writes them): skipped, the model is the main layers; uncounted, they are an error."""
+    converter writes them): the model is the main layers, the HF layer is kept apart as the MTP
+    head's (the GGUF's skipped); uncounted, they are an error."""
     from safetensors.numpy import load_file, save_file
 
     saved = load_model(FIXTURES / "tiny_glm4_moe")
@@ -541,6 +542,8 @@ def test_glm4_moe_mtp_layers_are_skipped(tmp_path: Path) -> None:
     _edit_config(d, num_nextn_predict_layers=1)
     loaded = load_model(d)
     assert loaded.config == saved.config and loaded.weights.keys() == saved.weights.keys()
+    assert loaded.mtp_form == "deepseek_v3" and "mtp.fc" in loaded.mtp_weights
+    assert {n.split(".")[1] for n in loaded.mtp_weights if n.startswith("layers.")} == {"0"}
     _edit_config(d, num_nextn_predict_layers=0)
     with pytest.raises(UnsupportedModelError) as exc:
         load_model(d)

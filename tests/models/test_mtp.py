@@ -17,7 +17,7 @@ from vkrt.models import ForwardBatch, StepTensors, build_model
 from vkrt.models.decoder import DecoderModel
 from vkrt.models.mtp import MTPHead, mtp_head_model
 
-MTP_FIXTURES = ["tiny_qwen3_5_mtp", "tiny_qwen3_next_mtp"]
+MTP_FIXTURES = ["tiny_qwen3_5_mtp", "tiny_qwen3_next_mtp", "tiny_glm4_moe_mtp", "tiny_deepseek_v3_mtp"]
 # Max |logit difference| against the golden: the families' own bound (tests/models/test_families.py);
 # the head adds one layer and its fc to the target's forward.
 MTP_LOGIT_ATOL = 2e-4

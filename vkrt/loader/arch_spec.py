@@ -28,6 +28,20 @@ LAYER_WEIGHTS = (
 )
 
 
+# The MTP head's own tensors -> canonical names (None: a copy of the target's embedding, not kept):
+# the Qwen3.5 / Qwen3-Next head's after its "mtp." prefix; a DeepSeek-V3 / GLM-4.5 MTP layer's after
+# "model.layers.<i>."; and llama.cpp's nextn tensors of either after "blk.<i>.".
+MTP_HEAD_HF = {"fc.weight": "mtp.fc", "pre_fc_norm_embedding.weight": "mtp.norm_embedding",
+               "pre_fc_norm_hidden.weight": "mtp.norm_hidden", "norm.weight": "final_norm"}
+MTP_LAYER_HF: dict[str, str | None] = {
+    "eh_proj.weight": "mtp.fc", "enorm.weight": "mtp.norm_embedding", "hnorm.weight": "mtp.norm_hidden",
+    "shared_head.norm.weight": "final_norm", "shared_head.head.weight": "mtp.lm_head", "embed_tokens.weight": None}
+MTP_LAYER_GGUF: dict[str, str | None] = {
+    "nextn.eh_proj.weight": "mtp.fc", "nextn.enorm.weight": "mtp.norm_embedding",
+    "nextn.hnorm.weight": "mtp.norm_hidden", "nextn.shared_head_norm.weight": "final_norm",
+    "nextn.shared_head_head.weight": "mtp.lm_head", "nextn.embed_tokens.weight": None}
+
+
 def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],
                    layer_names: dict[str, str]) -> str | None:
     """A checkpoint tensor name -> vkrt's canonical name ("layers.{i}.<name>" for per-layer
@@ -209,3 +223,9 @@ class ArchSpec:
     # "mtp."): fc, its two input norms, a final norm, and decoder layers named as the main ones.
     # Kept apart (LoadedModel.mtp_weights) for `{"method": "mtp"}` speculation (vkrt/models/mtp.py).
     hf_mtp_prefix: str = ""
+    # How the family's MTP head runs (vkrt/models/mtp.py, as vLLM runs it): "qwen3_next" (the
+    # head under hf_mtp_prefix; a further guess continues from its final-norm output) or
+    # "deepseek_v3" (the `mtp_layers` after the main ones, each with its own eh_proj, enorm, hnorm
+    # and shared head; position 0's embedding is zeroed; a further guess continues from the
+    # layer's output before the norm). "": the family has no head vkrt runs.
+    mtp_form: str = ""

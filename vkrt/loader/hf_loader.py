@@ -18,7 +18,7 @@ from vkrt.core.formats import mxfp4_from_hf
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import validate
 from vkrt.loader.arch import arch_for_hf, supported_hf_archs
-from vkrt.loader.arch_spec import ArchSpec, canonical_name
+from vkrt.loader.arch_spec import MTP_HEAD_HF, MTP_LAYER_HF, ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.normalize import hf_fields, model_config
 from vkrt.loader.pooling import SEQUENCE_CLASSIFICATION, hf_pooling, num_labels
@@ -154,25 +154,27 @@ def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range
     return range(layers, layers + count)
 
 
-# The MTP head's own tensors (Qwen3.5 / Qwen3-Next, after the "mtp." prefix) -> canonical names.
-_MTP_HEAD_NAMES = {"fc.weight": "mtp.fc", "pre_fc_norm_embedding.weight": "mtp.norm_embedding",
-                   "pre_fc_norm_hidden.weight": "mtp.norm_hidden", "norm.weight": "final_norm"}
-
-
-def _add_mtp_tensor(file: Path, spec: ArchSpec, hf_name: str, weight: WeightData,
-                    mtp_weights: dict[str, WeightData]) -> None:
-    """File one tensor of the MTP head under the canonical name a one-layer model of the family
-    gives it (its decoder layers as `layers.<i>.*`, the head's own as _MTP_HEAD_NAMES says)."""
-    rest = hf_name[len(spec.hf_mtp_prefix):]
-    name = _MTP_HEAD_NAMES.get(rest)
-    if name is None and rest.startswith("layers."):
-        name = _canonical_name(spec, f"{spec.hf_prefix}.{rest}")
+def _mtp_name(file: Path, spec: ArchSpec, hf_name: str, mtp: range) -> str | None:
+    """The canonical name a tensor of the MTP head takes in the head's own one-layer model
+    (vkrt/models/mtp.py): its decoder layers' as `layers.<i>.*`, its own per arch_spec's tables;
+    None for a copy of the target's embedding."""
+    if spec.hf_mtp_prefix and hf_name.startswith(spec.hf_mtp_prefix):  # Qwen3.5 / Qwen3-Next: mtp.*
+        rest = hf_name[len(spec.hf_mtp_prefix):]
+        if rest in MTP_HEAD_HF:
+            return MTP_HEAD_HF[rest]
+        name = _canonical_name(spec, f"{spec.hf_prefix}.{rest}") if rest.startswith("layers.") else None
+    else:  # DeepSeek-V3 / GLM-4.5: model.layers.<i>.* for i in `mtp`
+        if len(mtp) > 1:
+            raise UnsupportedModelError(f"{file}: {len(mtp)} multi-token-prediction layers; vkrt loads a model "
+                                        "with one (each further one is a head of its own)")
+        index, rest = hf_name[len(spec.hf_prefix) + len(".layers."):].split(".", 1)
+        if rest in MTP_LAYER_HF:
+            return MTP_LAYER_HF[rest]
+        name = _canonical_name(spec, f"{spec.hf_prefix}.layers.{int(index) - mtp.start}.{rest}")
     if name is None:
         raise UnsupportedModelError(f"{file}: tensor {hf_name!r} is not part of the multi-token-prediction head "
                                     f"vkrt implements for {spec.name}")
-    if name in mtp_weights:
-        raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; re-download the model")
-    mtp_weights[name] = replace(weight, name=name)
+    return name
 
 
 def _join_mxfp4(file: Path, tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
@@ -279,12 +281,14 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
             elif not hf_name.startswith(spec.hf_prefix) and _canonical_name(spec, f"{spec.hf_prefix}.{hf_name}"):
                 hf_name = f"{spec.hf_prefix}.{hf_name}"  # a base model saved alone (Qwen3-Embedding)
             layer = _LAYER_INDEX.match(hf_name[len(spec.hf_prefix) + 1:]) if hf_name.startswith(spec.hf_prefix) else None
-            if layer and int(layer.group(1)) in mtp:
-                skipped["the multi-token-prediction layers"] += 1
-                continue
-            if spec.hf_mtp_prefix and hf_name.startswith(spec.hf_mtp_prefix):
-                _add_mtp_tensor(file, spec, hf_name, WeightData(name=hf_name, fmt=fmt, shape=shape, data=data),
-                                mtp_weights)
+            in_mtp_layer = layer is not None and int(layer.group(1)) in mtp
+            if in_mtp_layer or (spec.hf_mtp_prefix and hf_name.startswith(spec.hf_mtp_prefix)):
+                name = _mtp_name(file, spec, hf_name, mtp)
+                if name is not None:
+                    if name in mtp_weights:
+                        raise ModelFormatError(f"{file}: tensor {hf_name!r} is also in another shard; "
+                                               "re-download the model")
+                    mtp_weights[name] = WeightData(name=name, fmt=fmt, shape=shape, data=data)
                 continue
             name = _canonical_name(spec, hf_name)
             if name is None:
@@ -334,4 +338,4 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     dtype_counts = Counter(w.fmt.upper() for w in weights.values() if len(w.shape) > 1)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
     return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg,
-                       mtp_weights=mtp_weights)
+                       mtp_weights=mtp_weights, mtp_form=spec.mtp_form if mtp_weights else "")

@@ -261,14 +261,16 @@ class MtpInput:
     fc: Linear
 
 
-def build_mtp_weights(loaded: LoadedModel, backend: Backend, target: Weights) -> tuple[Weights, MtpInput]:
-    """Upload an MTP head (`loaded`: the head as a one-layer model, vkrt/models/mtp.py) beside the
-    target whose weights are `target`: its layer, final norm and input; the embedding, LM head and
-    RoPE frequencies are the target's own tensors, not copies."""
+def build_mtp_weights(loaded: LoadedModel, backend: Backend, target: Weights,
+                      own_head: bool = False) -> tuple[Weights, MtpInput]:
+    """Upload an MTP head (`loaded`: the head as a model of its layers, vkrt/models/mtp.py) beside
+    the target whose weights are `target`: its layers, final norm and input, and with `own_head`
+    its own LM head (`mtp.lm_head`); the embedding, RoPE frequencies and otherwise the LM head
+    are the target's own tensors, not copies."""
     sizes = _Sizes(backend)
-    _Builder(loaded, sizes).mtp(target)
+    _Builder(loaded, sizes).mtp(target, own_head)
     backend.reserve("weights", sizes.total)
-    return _Builder(loaded, backend).mtp(target)
+    return _Builder(loaded, backend).mtp(target, own_head)
 
 
 def _mib(nbytes: int) -> str:
@@ -338,10 +340,12 @@ class _Builder:
             if c.per_layer_input_size else None,
         )
 
-    def mtp(self, target: Weights) -> tuple[Weights, MtpInput]:
+    def mtp(self, target: Weights, own_head: bool) -> tuple[Weights, MtpInput]:
         """An MTP head's records (build_mtp_weights)."""
-        weights = Weights(embed_tokens=target.embed_tokens, layers=tuple(self.layer(i) for i in range(self.config.num_layers)),
-                          final_norm=self.norm("final_norm"), lm_head=target.lm_head, rope_freqs=target.rope_freqs)
+        layers = tuple(self.layer(i) for i in range(self.config.num_layers))
+        lm_head = self.matrix([self.raw("mtp.lm_head")]) if own_head else target.lm_head
+        weights = Weights(embed_tokens=target.embed_tokens, layers=layers, final_norm=self.norm("final_norm"),
+                          lm_head=lm_head, rope_freqs=target.rope_freqs)
         return weights, MtpInput(self.norm("mtp.norm_embedding"), self.norm("mtp.norm_hidden"), self.linear(["mtp.fc"]))
 
     def layer(self, i: int) -> Layer:
