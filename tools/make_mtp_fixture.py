@@ -23,7 +23,13 @@ The head's weights are random (seeded, normal 0.1; norms 0.1 around their initia
 rest of the checkpoint is the committed base fixture's, unchanged, so transformers' logits for
 the target equal the base fixture's (checked).
 
-From the committed base fixtures, in the tools venv:
+The `*_mtp_gguf` fixtures are those checkpoints through llama.cpp's own converter, its MTP layer
+written as llama.cpp writes it (a block after the main ones with `nextn.*` tensors,
+`nextn_predict_layers`); their golden is the HF fixture's. DeepSeek-V3 has none: the converter
+drops its MTP layer unless asked for an MTP-only file.
+
+From the committed base fixtures, in the tools venv (the converter as tools/family_fixtures.py
+finds it):
 
     .venv-tools/bin/python tools/make_mtp_fixture.py
 """
@@ -46,6 +52,8 @@ MTP_FIXTURES = {
     "tiny_glm4_moe_mtp": ("tiny_glm4_moe", "glm4_moe", "Glm4Moe", "deepseek"),
     "tiny_deepseek_v3_mtp": ("tiny_deepseek_v3", "deepseek_v3", "DeepseekV3", "deepseek own head"),
 }
+# Converted to GGUF by llama.cpp's converter with their MTP layer.
+CONVERTED = ("tiny_qwen3_5_mtp", "tiny_qwen3_next_mtp", "tiny_glm4_moe_mtp")
 SEED = 20261207
 PROMPT = [(37 * i + 11) % 256 for i in range(24)]
 GUESSES = 3  # the chained guesses after the prompt
@@ -59,7 +67,28 @@ def main() -> None:
     for name, (base, module, prefix, form) in MTP_FIXTURES.items():
         t0 = time.time()
         make(name, base, module, prefix, form, np.random.default_rng(SEED + len(name)))
+        if name in CONVERTED:
+            convert(name)
         print(f"{name}: {time.time() - t0:.1f}s")
+
+
+def convert(name: str) -> None:
+    """`name` through llama.cpp's converter (f32, MTP layer kept) as `<name>_gguf/model.gguf`,
+    with the HF fixture's golden."""
+    import subprocess
+    import sys
+
+    from family_fixtures import _CONVERT, _llamacpp_dir
+
+    out_dir = FIXTURES / f"{name}_gguf"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    subprocess.run([sys.executable, "-c", _CONVERT, str(_llamacpp_dir()), str(FIXTURES / name), "--outfile",
+                    str(out_dir / "model.gguf"), "--outtype", "f32"], check=True, capture_output=True)
+    golden = json.loads((FIXTURES / name / "golden.json").read_text())
+    golden["description"] = f"{name} through llama.cpp's convert_hf_to_gguf.py (f32, MTP kept); golden = the HF fixture's"
+    (out_dir / "golden.json").write_text(json.dumps(golden) + "\n")
 
 
 def checkpoint_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.models.test_mtp import mtp_fixture_path
 from tests.server.live_model import test_device as device_for_tests
 from vkrt.backend import get_backend
 from vkrt.engine import LLM
@@ -35,7 +36,8 @@ from vkrt.models.mtp import MTPHead, mtp_head_model
 MTP = SpeculativeConfig("mtp", 3)
 # fixture -> the base fixture whose checkpoint (and transformers golden) it extends
 FIXTURE_BASE = {"tiny_qwen3_5_mtp": "tiny_qwen3_5", "tiny_qwen3_next_mtp": "tiny_qwen3_next",
-                "tiny_glm4_moe_mtp": "tiny_glm4_moe", "tiny_deepseek_v3_mtp": "tiny_deepseek_v3"}
+                "tiny_glm4_moe_mtp": "tiny_glm4_moe", "tiny_deepseek_v3_mtp": "tiny_deepseek_v3",
+                "tiny_qwen3_5_mtp_gguf": "tiny_qwen3_5", "tiny_glm4_moe_mtp_gguf": "tiny_glm4_moe"}
 
 
 def _cases(fixture: str) -> list[dict]:
@@ -52,7 +54,7 @@ def test_mtp_speculation_keeps_transformers_greedy_ids(fixture: str, prefix_cach
     """Every golden prompt at once, and each again behind it (a prefix-cache hit when caching
     is on: positions the head never saw the target's states for); the head proposes every step."""
     cases = _cases(fixture)
-    llm = LLM(FIXTURES / fixture, device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
+    llm = LLM(mtp_fixture_path(fixture), device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
               speculative=MTP, enable_prefix_caching=prefix_caching)
     n = len(cases[0]["greedy_ids"])
     prompts = [c["input_ids"] for c in cases]
@@ -70,7 +72,7 @@ class _Scratch:
     states into the head over every position, then the chain (tests/models/test_mtp.py's steps)."""
 
     def __init__(self, fixture: str) -> None:
-        loaded = load_model(FIXTURES / fixture)
+        loaded = load_model(mtp_fixture_path(fixture))
         self.backend = get_backend(device_for_tests())
         target = build_model(loaded, self.backend)
         assert isinstance(target, DecoderModel)
@@ -128,7 +130,7 @@ def test_mtp_guesses_equal_the_head_from_scratch_across_acceptance(fixture: str,
         return cost
 
     monkeypatch.setattr(MTPProposer, "propose", propose)
-    llm = LLM(FIXTURES / fixture, device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
+    llm = LLM(mtp_fixture_path(fixture), device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
               speculative=MTP, enable_prefix_caching=False)
     n = len(cases[0]["greedy_ids"])
     outs = llm.generate([c["input_ids"] for c in cases], _greedy(n))

@@ -529,8 +529,8 @@ def test_missing_per_layer_tensor_gguf(tmp_path: Path) -> None:
 def test_glm4_moe_mtp_layers_are_kept_apart(tmp_path: Path) -> None:
     """GLM-4.5 checkpoints carry multi-token-prediction layers after the main ones (config.json's
     num_nextn_predict_layers; a GGUF's nextn_predict_layers, counted in block_count, as llama.cpp's
-    converter writes them): the model is the main layers, the HF layer is kept apart as the MTP
-    head's (the GGUF's skipped); uncounted, they are an error."""
+    converter writes them): the model is the main layers, the MTP layer is kept apart as the
+    head's; uncounted, they are an error."""
     from safetensors.numpy import load_file, save_file
 
     saved = load_model(FIXTURES / "tiny_glm4_moe")
@@ -558,6 +558,7 @@ def test_glm4_moe_mtp_layers_are_kept_apart(tmp_path: Path) -> None:
     _rewrite_gguf(src, path, values={"glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}, tensors=extra)
     converted = load_model(path)
     assert converted.config == load_model(src).config and converted.weights.keys() == load_model(src).weights.keys()
+    assert converted.mtp_form == "deepseek_v3" and "mtp.fc" in converted.mtp_weights
     path = tmp_path / "uncounted.gguf"
     _rewrite_gguf(src, path, values={"glm4moe.block_count": 4}, tensors=extra)
     with pytest.raises(UnsupportedModelError) as exc:

@@ -17,7 +17,9 @@ from vkrt.models import ForwardBatch, StepTensors, build_model
 from vkrt.models.decoder import DecoderModel
 from vkrt.models.mtp import MTPHead, mtp_head_model
 
-MTP_FIXTURES = ["tiny_qwen3_5_mtp", "tiny_qwen3_next_mtp", "tiny_glm4_moe_mtp", "tiny_deepseek_v3_mtp"]
+MTP_FIXTURES = ["tiny_qwen3_5_mtp", "tiny_qwen3_next_mtp", "tiny_glm4_moe_mtp", "tiny_deepseek_v3_mtp",
+                # llama.cpp's converter on three of them: the MTP layer as a nextn block
+                "tiny_qwen3_5_mtp_gguf", "tiny_qwen3_next_mtp_gguf", "tiny_glm4_moe_mtp_gguf"]
 # Max |logit difference| against the golden: the families' own bound (tests/models/test_families.py);
 # the head adds one layer and its fc to the target's forward.
 MTP_LOGIT_ATOL = 2e-4
@@ -42,6 +44,11 @@ class _Sequence:
         return StepTensors.upload(self.backend, batch)
 
 
+def mtp_fixture_path(name: str) -> Path:
+    """The fixture's HF directory, or its GGUF file."""
+    return FIXTURES / name / ("model.gguf" if name.endswith("_gguf") else "")
+
+
 def _backend(device: str, request: pytest.FixtureRequest) -> Backend:
     return request.getfixturevalue("ref" if device == "reference" else "vk_default")
 
@@ -53,7 +60,7 @@ def test_mtp_head_matches_its_transformers_composition(name: str, device: str, r
     three chained guesses (each on the head's own guess and output) equal the golden's."""
     golden = json.loads((FIXTURES / name / "golden.json").read_text())
     backend = _backend(device, request)
-    loaded = load_model(FIXTURES / name)
+    loaded = load_model(mtp_fixture_path(name))
     target = build_model(loaded, backend)
     assert isinstance(target, DecoderModel) and target.mtp_source is loaded
     head = MTPHead(target, mtp_head_model(loaded))

@@ -217,7 +217,8 @@ class ArchSpec:
     # Tensors a checkpoint carries that vkrt does not run, by name prefix -> what they are (logged).
     hf_skipped: dict[str, str] = field(default_factory=dict)
     # Multi-token-prediction layers saved after the main ones, as many as this config.json field says
-    # (GGUF: `<arch>.nextn_predict_layers`, counted in block_count); skipped with one log line.
+    # (GGUF: `<arch>.nextn_predict_layers`, counted in block_count): the MTP head's, kept apart
+    # (LoadedModel.mtp_weights), never among the main layers.
     mtp_layers: str = ""
     # The multi-token-prediction head a checkpoint carries under this prefix (Qwen3.5 / Qwen3-Next:
     # "mtp."): fc, its two input norms, a final norm, and decoder layers named as the main ones.

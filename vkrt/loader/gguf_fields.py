@@ -264,6 +264,8 @@ def _gguf_delta_nets(path: Path, arch: str, spec: ArchSpec, meta: dict[str, Any]
     """A delta-net hybrid's layer kinds (`attention.recurrent_layers`) and its heads, from the
     `ssm.*` keys llama.cpp writes for them."""
     layers = values["num_hidden_layers"]
+    if isinstance(recurrent, list) and len(recurrent) == meta.get(f"{arch}.block_count"):
+        recurrent = recurrent[:layers]  # the flags of the multi-token-prediction blocks after the main ones
     if not isinstance(recurrent, list) or len(recurrent) != layers:
         raise ModelFormatError(f"{path}: '{arch}.attention.recurrent_layers' must list {layers} flags; the file is corrupt")
     mixer = next(t for t, m in spec.mixer_types.items() if m == "gated_delta_net")

@@ -17,7 +17,7 @@ from vkrt.core.formats import FORMATS, by_gguf_type
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader import gguf_checks, validate
 from vkrt.loader.arch import arch_for_gguf, supported_gguf_archs
-from vkrt.loader.arch_spec import ArchSpec, canonical_name
+from vkrt.loader.arch_spec import MTP_LAYER_GGUF, ArchSpec, canonical_name
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.gguf_fields import gguf_fields, gguf_mtp_layers
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
@@ -118,6 +118,22 @@ def _canonical_name(spec: ArchSpec, gguf_name: str) -> str | None:
     return canonical_name(gguf_name, spec.gguf_global, _LAYER_NAME, spec.gguf_layer)
 
 
+def _mtp_name(path: Path, spec: ArchSpec, block: int, rest: str, mtp: range) -> str | None:
+    """The canonical name a tensor of an MTP block (llama.cpp's nextn layers) takes in the head's
+    own model (vkrt/models/mtp.py): its layer's as `layers.<i>.*`, the nextn tensors per
+    arch_spec.MTP_LAYER_GGUF; None for the copy of the embedding."""
+    if spec.mtp_form == "deepseek_v3" and len(mtp) > 1:
+        raise UnsupportedModelError(f"{path}: {len(mtp)} multi-token-prediction layers; vkrt loads a model "
+                                    "with one (each further one is a head of its own)")
+    if rest in MTP_LAYER_GGUF:
+        return MTP_LAYER_GGUF[rest]
+    name = _canonical_name(spec, f"blk.{block - mtp.start}.{rest}")
+    if name is None:
+        raise UnsupportedModelError(f"{path}: tensor 'blk.{block}.{rest}' is not part of the multi-token-prediction "
+                                    f"layer vkrt implements for {spec.name}")
+    return name
+
+
 def _file_type(meta: dict[str, Any], reader: GGUFFile) -> str:
     value = meta.get("general.file_type")
     if isinstance(value, int):
@@ -167,11 +183,13 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
     weights: dict[str, WeightData] = {}
     file_names: dict[str, str] = {}
     mtp = gguf_mtp_layers(path, spec, arch, meta)
-    mtp_tensors = 0
+    mtp_weights: dict[str, WeightData] = {}
     for tensor in reader.tensors:
         layer = _LAYER_NAME.match(tensor.name)
         if layer and int(layer.group(1)) in mtp:
-            mtp_tensors += 1
+            name = _mtp_name(path, spec, int(layer.group(1)), layer.group(2), mtp)
+            if name is not None:
+                mtp_weights[name] = _weight(path, name, tensor)
             continue
         name = GGUF_CLASSIFIER if tensor.name == GGUF_CLASSIFIER else _canonical_name(spec, tensor.name)
         if name is None:
@@ -185,9 +203,9 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
         except ValueError as exc:
             raise ModelFormatError(f"{path}: tensor {tensor.name!r} is malformed ({exc}); the file is corrupt") from exc
 
-    if mtp_tensors:
-        log.info("%s: skipped the multi-token-prediction layers (%d tensors): vkrt runs the main layers only",
-                 path, mtp_tensors)
+    if mtp_weights:
+        log.info("%s: the multi-token-prediction layer%s (%d tensors) kept for {\"method\": \"mtp\"} speculation",
+                 path, "" if len(mtp) == 1 else "s", len(mtp_weights))
     if f"{arch}.block_count" in meta:  # checked before anything loops over the layers
         validate.layer_count(str(path), mtp.start if mtp else meta[f"{arch}.block_count"], weights)
     labels = reader.fields.get(f"{arch}.classifier.output_labels")
@@ -211,4 +229,6 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
         weights=weights,
         file_type=_file_type(meta, reader),
         metadata=meta,
+        mtp_weights=mtp_weights,
+        mtp_form=spec.mtp_form if mtp_weights else "",
     )
