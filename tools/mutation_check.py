@@ -148,6 +148,18 @@ MUTANTS = [
            "at_end = num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens",
            "at_end = num_new == 1",
            ("tests/engine/test_speculative_models.py", "-k", "hybrid")),
+    Mutant("the MTP head skips the positions accepted since its last guess", "vkrt/engine/mtp_draft.py",
+           "        kept = min(tokens.num_computed_tokens, request.num_computed_tokens - 1)",
+           "        kept = request.num_computed_tokens - 1",
+           ("tests/engine/test_speculative_mtp.py", "-k", "scratch")),
+    Mutant("the MTP head is fed the wrong positions' hidden states", "vkrt/engine/mtp_draft.py",
+           "view.hidden[position] = token_hidden[row + position - s.start]",
+           "view.hidden[position] = token_hidden[row]",
+           ("tests/engine/test_speculative_mtp.py", "-k", "scratch")),
+    Mutant("the DeepSeek-form MTP head continues from its normed output", "vkrt/models/mtp.py",
+           'out = h if self.form == "deepseek_v3" else ops.rms_norm(h, w.final_norm, c.rms_norm_eps)',
+           "out = ops.rms_norm(h, w.final_norm, c.rms_norm_eps)",
+           ("tests/models/test_mtp.py",)),
 ]
 
 

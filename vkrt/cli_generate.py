@@ -62,7 +62,8 @@ def _model_args(p: argparse.ArgumentParser, default_len: str = "min(model, 4096)
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(+ prompt_lookup_max / prompt_lookup_min, default 4 / 2), or a draft model with the same "
-                        'tokenizer: \'{"model": PATH_OR_NAME, "num_speculative_tokens": 3}\'; greedy output is unchanged')
+                        'tokenizer: \'{"model": PATH_OR_NAME, "num_speculative_tokens": 3}\', or the model\'s own MTP '
+                        'head: \'{"method": "mtp", "num_speculative_tokens": 2}\'; greedy output is unchanged')
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="P",
                    help="split the model's layers over P stage processes, each on its own Vulkan device, for a "
                         "model larger than one device (default 1)")
