@@ -33,10 +33,11 @@ def _cases(fixture: str) -> list[dict]:
     return json.loads((FIXTURES / fixture / "golden.json").read_text())["cases"]
 
 
-def _oracle_run(fixture: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> LLM:
+def _oracle_run(fixture: str, monkeypatch: pytest.MonkeyPatch, **config: Any) -> tuple[LLM, list[Any]]:
     """Every golden prompt of `fixture` at once, proposals from an oracle that knows transformers'
     greedy continuation with every third proposal wrong, so verify steps accept and reject
-    across KV blocks of 4: the ids must stay transformers'. The LLM, for its counters."""
+    across KV blocks of 4: the ids must stay transformers'. The LLM, for its counters, and the
+    stats of every verify step."""
     cases = _cases(fixture)
     truth = {tuple(c["input_ids"]): c["greedy_ids"] for c in cases}
 
@@ -50,13 +51,15 @@ def _oracle_run(fixture: str, monkeypatch: pytest.MonkeyPatch, **config: Any) ->
     monkeypatch.setattr(engine_module, "ngram_proposal", propose)
     llm = LLM(FIXTURES / fixture, device=device_for_tests(), kv_dtype="f32", block_size=4, max_model_len=64,
               speculative=NGRAM, **config)
+    verify_steps: list[Any] = []
+    llm.engine.stats_listeners.append(lambda stats: verify_steps.append(stats) if stats.spec.num_drafts else None)
     n = len(cases[0]["greedy_ids"])
     outs = llm.generate([c["input_ids"] for c in cases], SamplingParams(max_tokens=n, temperature=0.0,
                                                                          ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in cases]
     spec = llm.engine.totals.spec
     assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens, spec
-    return llm
+    return llm, verify_steps
 
 
 # Eager verify steps too: a sequence of 4 tokens is prefill-shaped for attention there (GQA
@@ -65,7 +68,7 @@ def _oracle_run(fixture: str, monkeypatch: pytest.MonkeyPatch, **config: Any) ->
                                                                               ("tiny_gemma3", False)])
 def test_verify_steps_keep_transformers_greedy_ids(fixture: str, replay: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = _oracle_run(fixture, monkeypatch, enable_replay=replay)
+    llm, _ = _oracle_run(fixture, monkeypatch, enable_replay=replay)
     if replay and llm.engine.runner.replay:
         assert llm.engine.totals.decode_counters_max["submits"] == 1
 
@@ -78,10 +81,14 @@ def test_hybrid_verify_steps_roll_the_state_back(fixture: str, prefix_caching: b
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A hybrid's recurrent state runs on through a verify step's proposals; after a rejection
     the request goes back to the state its checkpoint kept and recomputes the accepted tokens,
-    so the ids stay transformers'. Every state slot is free again at the end."""
-    llm = _oracle_run(fixture, monkeypatch, enable_prefix_caching=prefix_caching)
+    so the ids stay transformers'. Every state slot is free again at the end. Verify steps replay
+    the recorded decode step (their checkpoint copies in a submit of their own before it)."""
+    llm, verify_steps = _oracle_run(fixture, monkeypatch, enable_prefix_caching=prefix_caching)
     states = llm.engine.block_manager.states
     assert states is not None and states.num_free == states.num_slots
+    if llm.engine.runner.replay:
+        replayed = [s for s in verify_steps if s.step.replayed]
+        assert replayed and all(s.step.counters["submits"] == 2 for s in replayed)
 
 
 def test_hybrid_target_with_a_draft_model() -> None:
@@ -100,7 +107,7 @@ def test_hybrid_target_with_a_draft_model() -> None:
 def test_hybrid_speculation_under_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
     """Too few KV blocks for every prompt at once: requests are preempted between verify steps
     and rollbacks, recompute from nothing, and still give transformers' ids."""
-    llm = _oracle_run("tiny_qwen3_5", monkeypatch, enable_prefix_caching=False, num_kv_blocks=20)
+    llm, _ = _oracle_run("tiny_qwen3_5", monkeypatch, enable_prefix_caching=False, num_kv_blocks=20)
     assert llm.engine.num_preemptions > 0
 
 

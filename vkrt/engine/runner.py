@@ -188,10 +188,12 @@ class ModelRunner:
         while the device runs the forward (the sampling waits for the masks on the device);
         otherwise before the step. With `sampling` its rows mask the draws.
 
-        `copies` (a hybrid's prefix caching) are recurrent-state slot copies recorded around the
-        forward, on the device: restores before it, snapshots after it. A step with any runs
-        eagerly (only prefill steps have them). A step with `batch.hidden_index` (pooling requests)
-        runs eagerly too and also brings those rows' final-norm hidden states back.
+        `copies` (a hybrid's prefix caching and speculation) are recurrent-state slot copies
+        recorded around the forward, on the device: restores before it, snapshots after it. A step
+        with snapshots runs eagerly (only prefill steps have them); a replayed step's restores (a
+        verify step's checkpoints) run just before its submit, in one submit of their own. A step
+        with `batch.hidden_index` (pooling requests) runs eagerly too and also brings those rows'
+        final-norm hidden states back.
         """
         counters = self.backend.counters
         before = counters.snapshot()
@@ -200,8 +202,11 @@ class ModelRunner:
         if sampling is not None and sampling.uniforms.shape != (rows,):
             raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
         try:
-            graph = None if copies or batch.hidden_index is not None else self._graph_for(batch)
+            eager = copies is not None and bool(copies.snapshot) or batch.hidden_index is not None
+            graph = None if eager else self._graph_for(batch)
             if graph is not None:
+                if copies is not None:
+                    self._copy_states(copies.restore)  # flushed by the replay, ahead of it
                 result = graph.run(batch, sampling, masks)
             else:
                 result = self._run_eagerly(batch, sampling, masks, copies or StateCopies())
@@ -261,12 +266,13 @@ class ModelRunner:
                 ops.copy_state_slots(state, src, dst)
 
     def _verify_shaped(self, batch: ForwardBatch) -> bool:
-        """A verify step (speculative decoding) on a model without recurrent state: several
-        consecutive tokens per sequence, every one sampled. The decode graph runs it as it
-        is, since attention reads each token's own positions through its sequence's table;
-        recurrent layers' graphs take one token per sequence."""
+        """A verify step (speculative decoding): several consecutive tokens per sequence, every
+        one sampled. The decode graph runs it as it is, since attention reads each token's own
+        positions through its sequence's table, and the recurrent kernels walk each sequence's
+        tokens from `seq_start` (a graph recorded with one token per sequence takes the same
+        per-sequence kernels a verify step's eager run does: its sequences are short)."""
         seq = batch.seq_index
-        return (not self.kv.states and batch.num_seqs <= batch.num_tokens and int(seq[0]) == 0
+        return (batch.num_seqs <= batch.num_tokens and int(seq[0]) == 0
                 and bool(np.all(np.diff(seq) >= 0)) and bool(np.all(np.diff(seq) <= 1))
                 and int(seq[-1]) == batch.num_seqs - 1)
 
