@@ -86,9 +86,9 @@ def convert(name: str) -> None:
     out_dir.mkdir(parents=True)
     subprocess.run([sys.executable, "-c", _CONVERT, str(_llamacpp_dir()), str(FIXTURES / name), "--outfile",
                     str(out_dir / "model.gguf"), "--outtype", "f32"], check=True, capture_output=True)
-    golden = json.loads((FIXTURES / name / "golden.json").read_text())
+    golden = json.loads((FIXTURES / name / "mtp_golden.json").read_text())
     golden["description"] = f"{name} through llama.cpp's convert_hf_to_gguf.py (f32, MTP kept); golden = the HF fixture's"
-    (out_dir / "golden.json").write_text(json.dumps(golden) + "\n")
+    (out_dir / "mtp_golden.json").write_text(json.dumps(golden) + "\n")
 
 
 def checkpoint_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -238,7 +238,7 @@ def make(name: str, base: str, module: str, prefix: str, form: str, rng: np.rand
         "guesses": guesses,
         "guess_logits": chain_logits,
     }
-    (out_dir / "golden.json").write_text(json.dumps(golden) + "\n")
+    (out_dir / "mtp_golden.json").write_text(json.dumps(golden) + "\n")
 
 
 if __name__ == "__main__":

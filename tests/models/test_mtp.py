@@ -58,7 +58,7 @@ def _backend(device: str, request: pytest.FixtureRequest) -> Backend:
 def test_mtp_head_matches_its_transformers_composition(name: str, device: str, request: pytest.FixtureRequest) -> None:
     """The target's final-norm hidden states feed the head; its logits at every prompt position and
     three chained guesses (each on the head's own guess and output) equal the golden's."""
-    golden = json.loads((FIXTURES / name / "golden.json").read_text())
+    golden = json.loads((FIXTURES / name / "mtp_golden.json").read_text())
     backend = _backend(device, request)
     loaded = load_model(mtp_fixture_path(name))
     target = build_model(loaded, backend)
