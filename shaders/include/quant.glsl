@@ -187,7 +187,8 @@ vec2 block_sum2(vec4 x[8]) {
 
 // block_part one vec4 at a time: after steps j = 0..7 in order (the caller unrolls them),
 // p is block_part(w, x) bit for bit. For kernels that interleave many outputs' blocks and
-// read the eight vec4 of a block one by one (matmul_tiled.comp, from shared memory).
+// read the eight vec4 of a block one by one (matmul_tiled.comp, from shared memory), or
+// advance several tokens' dots together (matmul_vec.comp).
 PART_T block_part_step(PART_T p, uint j, vec4 w, vec4 x) {
     precise float d = dot(w, x);
 #if defined(WFMT_Q6_K) || defined(WFMT_Q2_K) || defined(WFMT_Q3_K)
