@@ -22,6 +22,7 @@ from vkrt.engine.speculative import (
     SpeculativeConfig,
     backoff_after,
     ngram_proposal,
+    proposal_length,
 )
 from vkrt.errors import VkrtError
 
@@ -165,6 +166,30 @@ def test_acceptance_stops_at_the_first_wrong_proposal(make_llm: Callable[..., LL
         assert all(spec.accepted_per_pos[:j]) and not any(spec.accepted_per_pos[j:]), spec
     else:  # k = 3 proposals, all right: 4 tokens a step across block boundaries of 4
         assert spec.acceptance_rate == 1.0
+
+
+def test_proposal_length_fills_token_tiles() -> None:
+    """Full acceptance doubles the length (2n + 1), a rejection cuts it to the smallest 2^m - 1
+    above the accepted ones, never past k nor below 1."""
+    assert [proposal_length(p, p, 7) for p in (1, 3, 7)] == [3, 7, 7]
+    assert [proposal_length(7, a, 7) for a in range(7)] == [1, 3, 3, 7, 7, 7, 7]
+    assert proposal_length(3, 3, 2) == 2 and proposal_length(5, 0, 32) == 1
+
+
+@pytest.mark.parametrize("wrong, lengths", [(set(), [7, 7]), ({1}, [7, 3, 3]), ({0}, [7, 1]), ({4}, [7, 7, 7])])
+def test_requests_propose_as_many_as_their_last_step_earned(make_llm: Callable[..., LLM], oracle: Callable[..., None],
+                                                            wrong: set[int], lengths: list[int]) -> None:
+    """k = 7: the first proposal is 7 tokens; then proposal_length of what the last verify step
+    accepted (the ids equal plain decoding throughout)."""
+    prompt = list(b"adaptive")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    [truth] = _ids(make_llm(block_size=4), [prompt], params)
+    oracle({tuple(prompt): truth}, wrong)
+    llm = make_llm(block_size=4, speculative=SpeculativeConfig("ngram", 7, 4, 2))
+    proposed: list[int] = []
+    llm.engine.stats_listeners.append(lambda s: proposed.append(s.spec.num_draft_tokens) if s.spec.num_drafts else None)
+    assert _ids(llm, [prompt], params) == [truth]
+    assert proposed[:len(lengths)] == lengths, proposed
 
 
 def test_rollback_gives_back_the_blocks_rejected_proposals_took(make_llm: Callable[..., LLM],

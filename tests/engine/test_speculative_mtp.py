@@ -61,7 +61,7 @@ def test_mtp_speculation_keeps_transformers_greedy_ids(fixture: str, prefix_cach
     outs = llm.generate(prompts + prompts, _greedy(n))
     assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in cases] * 2
     spec = llm.engine.totals.spec
-    assert spec.num_drafts > 0 and spec.num_draft_tokens >= 2 * spec.num_drafts, spec
+    assert spec.num_drafts > 0 and len(spec.accepted_per_pos) == MTP.num_speculative_tokens, spec  # chains of 3
     proposer = llm.engine.drafter
     assert isinstance(proposer, MTPProposer) and not proposer.views  # finished requests give their blocks back
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks

@@ -31,7 +31,7 @@ from vkrt.engine.request import Request, RequestOutput, RequestOutputKind, Reque
 from vkrt.engine.runner import LogitsLayout, ModelRunner, StepResult, StepStats, build_forward_batch
 from vkrt.engine.sampler import Sampler, sample_inputs, token_logprobs
 from vkrt.engine.scheduler import Scheduler
-from vkrt.engine.speculative import SpecStats, backoff_after, ngram_proposal
+from vkrt.engine.speculative import SpecStats, backoff_after, ngram_proposal, proposal_length
 from vkrt.errors import (
     DeviceLostError,
     NoTokenizerError,
@@ -478,6 +478,8 @@ class EngineCore:
         if drafts:
             stats.spec.record(len(drafts), accepted)
             request.spec_backoff = request.spec_wait = backoff_after(request.spec_backoff, accepted)
+            assert self.config.speculative is not None
+            request.spec_length = proposal_length(len(drafts), accepted, self.config.speculative.num_speculative_tokens)
             request.num_computed_tokens += accepted  # the accepted proposals' K/V stand
             if accepted < len(drafts) and status is None and self.block_manager.checkpoint_base is not None:
                 # A hybrid's recurrent state went on through the rejected proposals: the next step
@@ -514,7 +516,7 @@ class EngineCore:
             room = self.max_model_len - request.num_tokens
             if request.params.max_tokens is not None:
                 room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
-            k = min(spec.num_speculative_tokens, room)
+            k = min(request.spec_length or spec.num_speculative_tokens, room)
             if k > 0:
                 wanted.append((request, k))
         cost: StepStats | None = None

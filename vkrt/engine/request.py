@@ -140,6 +140,7 @@ class Request:
         self.spec_draft_probs: list[np.ndarray] = []
         self.spec_backoff = 0  # steps a request last waited after proposals that all failed (0: none failed)
         self.spec_wait = 0  # steps left before it proposes again
+        self.spec_length = 0  # tokens it proposes next (speculative.proposal_length; 0: the configured k)
         # A pooling request (vkrt/engine/pooling.py) returns hidden states after its prompt, never a token.
         self.pooling: PoolingParams | None = None
         self.pooled: PooledRows | None = None

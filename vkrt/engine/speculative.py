@@ -176,6 +176,17 @@ def backoff_after(backoff: int, accepted: int) -> int:
     return 0 if accepted else min(max(1, 2 * backoff), MAX_BACKOFF)
 
 
+def proposal_length(proposed: int, accepted: int, most: int) -> int:
+    """How many tokens a request proposes in its next step (1 .. `most`) after a verify step that
+    accepted `accepted` of its `proposed`: after a full acceptance 2 * proposed + 1, after a
+    rejection the smallest 2^n - 1 above the accepted ones. A verify step of 2^n rows is a whole
+    token tile of the matmul kernels (on llvmpipe 5 rows cost what 8 do, and each tile costs more
+    than the last), so lengths of 2^n - 1 waste no rows, and a request whose proposals keep failing
+    pays for a short step."""
+    wanted = 2 * proposed + 1 if accepted == proposed else (1 << (accepted + 1).bit_length()) - 1
+    return max(1, min(most, wanted))
+
+
 @dataclass
 class SpecStats:
     """Speculation counters (vLLM's spec_decode metrics): one draft per request per verify step."""
