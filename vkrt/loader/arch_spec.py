@@ -9,9 +9,11 @@ vkrt/loader/weight_shapes.py.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from vkrt.errors import UnsupportedModelError
 
 # Canonical per-layer weights, in the order a block uses them. A family has a subset:
 # q/k/v or the fused qkv_proj, gate/up or the fused gate_up_proj; the rest are traits.
@@ -40,6 +42,23 @@ MTP_LAYER_GGUF: dict[str, str | None] = {
     "nextn.eh_proj.weight": "mtp.fc", "nextn.enorm.weight": "mtp.norm_embedding",
     "nextn.hnorm.weight": "mtp.norm_hidden", "nextn.shared_head_norm.weight": "final_norm",
     "nextn.shared_head_head.weight": "mtp.lm_head", "nextn.embed_tokens.weight": None}
+
+
+def mtp_tensor_name(where: object, spec: ArchSpec, tensor: str, rest: str, own: Mapping[str, str | None],
+                    layer_name: str | None, mtp_layers: int) -> str | None:
+    """The canonical name of one tensor of a checkpoint's MTP head: `own[rest]` for the head's own
+    tensors (None: not kept), else `layer_name`, its decoder layer's (computed by the loader).
+    UnsupportedModelError names `tensor` in `where` when it is neither, or the family runs one
+    layer per head (DeepSeek's form) and the file has more."""
+    if spec.mtp_form == "deepseek_v3" and mtp_layers > 1:
+        raise UnsupportedModelError(f"{where}: {mtp_layers} multi-token-prediction layers; vkrt loads a model "
+                                    "with one (each further one is a head of its own)")
+    if rest in own:
+        return own[rest]
+    if layer_name is None:
+        raise UnsupportedModelError(f"{where}: tensor {tensor!r} is not part of the multi-token-prediction head "
+                                    f"vkrt implements for {spec.name}")
+    return layer_name
 
 
 def canonical_name(name: str, global_names: dict[str, str], layer_pattern: re.Pattern[str],

@@ -17,7 +17,7 @@ from vkrt.core.formats import FORMATS, by_gguf_type
 from vkrt.errors import ModelFormatError, UnsupportedModelError, VkrtError
 from vkrt.loader import gguf_checks, validate
 from vkrt.loader.arch import arch_for_gguf, supported_gguf_archs
-from vkrt.loader.arch_spec import MTP_LAYER_GGUF, ArchSpec, canonical_name
+from vkrt.loader.arch_spec import MTP_LAYER_GGUF, ArchSpec, canonical_name, mtp_tensor_name
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.gguf_fields import gguf_fields, gguf_mtp_layers
 from vkrt.loader.gguf_file import GGUFField, GGUFFile, GGUFTensor
@@ -120,18 +120,9 @@ def _canonical_name(spec: ArchSpec, gguf_name: str) -> str | None:
 
 def _mtp_name(path: Path, spec: ArchSpec, block: int, rest: str, mtp: range) -> str | None:
     """The canonical name a tensor of an MTP block (llama.cpp's nextn layers) takes in the head's
-    own model (vkrt/models/mtp.py): its layer's as `layers.<i>.*`, the nextn tensors per
-    arch_spec.MTP_LAYER_GGUF; None for the copy of the embedding."""
-    if spec.mtp_form == "deepseek_v3" and len(mtp) > 1:
-        raise UnsupportedModelError(f"{path}: {len(mtp)} multi-token-prediction layers; vkrt loads a model "
-                                    "with one (each further one is a head of its own)")
-    if rest in MTP_LAYER_GGUF:
-        return MTP_LAYER_GGUF[rest]
-    name = _canonical_name(spec, f"blk.{block - mtp.start}.{rest}")
-    if name is None:
-        raise UnsupportedModelError(f"{path}: tensor 'blk.{block}.{rest}' is not part of the multi-token-prediction "
-                                    f"layer vkrt implements for {spec.name}")
-    return name
+    own model (vkrt/models/mtp.py)."""
+    return mtp_tensor_name(path, spec, f"blk.{block}.{rest}", rest, MTP_LAYER_GGUF,
+                           _canonical_name(spec, f"blk.{block - mtp.start}.{rest}"), len(mtp))
 
 
 def _file_type(meta: dict[str, Any], reader: GGUFFile) -> str:

@@ -18,7 +18,13 @@ from vkrt.core.formats import mxfp4_from_hf
 from vkrt.errors import ModelFormatError, UnsupportedModelError
 from vkrt.loader import validate
 from vkrt.loader.arch import arch_for_hf, supported_hf_archs
-from vkrt.loader.arch_spec import MTP_HEAD_HF, MTP_LAYER_HF, ArchSpec, canonical_name
+from vkrt.loader.arch_spec import (
+    MTP_HEAD_HF,
+    MTP_LAYER_HF,
+    ArchSpec,
+    canonical_name,
+    mtp_tensor_name,
+)
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.loader.normalize import hf_fields, model_config
 from vkrt.loader.pooling import SEQUENCE_CLASSIFICATION, hf_pooling, num_labels
@@ -155,26 +161,16 @@ def _mtp_layers(config_path: Path, spec: ArchSpec, cfg: dict[str, Any]) -> range
 
 
 def _mtp_name(file: Path, spec: ArchSpec, hf_name: str, mtp: range) -> str | None:
-    """The canonical name a tensor of the MTP head takes in the head's own one-layer model
-    (vkrt/models/mtp.py): its decoder layers' as `layers.<i>.*`, its own per arch_spec's tables;
-    None for a copy of the target's embedding."""
-    if spec.hf_mtp_prefix and hf_name.startswith(spec.hf_mtp_prefix):  # Qwen3.5 / Qwen3-Next: mtp.*
+    """The canonical name a tensor of the MTP head takes in the head's own model
+    (vkrt/models/mtp.py): Qwen3.5's / Qwen3-Next's under `mtp.`, DeepSeek-V3's / GLM-4.5's in
+    the `mtp` layers after the main ones."""
+    if spec.hf_mtp_prefix and hf_name.startswith(spec.hf_mtp_prefix):
         rest = hf_name[len(spec.hf_mtp_prefix):]
-        if rest in MTP_HEAD_HF:
-            return MTP_HEAD_HF[rest]
-        name = _canonical_name(spec, f"{spec.hf_prefix}.{rest}") if rest.startswith("layers.") else None
-    else:  # DeepSeek-V3 / GLM-4.5: model.layers.<i>.* for i in `mtp`
-        if len(mtp) > 1:
-            raise UnsupportedModelError(f"{file}: {len(mtp)} multi-token-prediction layers; vkrt loads a model "
-                                        "with one (each further one is a head of its own)")
-        index, rest = hf_name[len(spec.hf_prefix) + len(".layers."):].split(".", 1)
-        if rest in MTP_LAYER_HF:
-            return MTP_LAYER_HF[rest]
-        name = _canonical_name(spec, f"{spec.hf_prefix}.layers.{int(index) - mtp.start}.{rest}")
-    if name is None:
-        raise UnsupportedModelError(f"{file}: tensor {hf_name!r} is not part of the multi-token-prediction head "
-                                    f"vkrt implements for {spec.name}")
-    return name
+        layer = _canonical_name(spec, f"{spec.hf_prefix}.{rest}") if rest.startswith("layers.") else None
+        return mtp_tensor_name(file, spec, hf_name, rest, MTP_HEAD_HF, layer, len(mtp))
+    index, rest = hf_name[len(spec.hf_prefix) + len(".layers."):].split(".", 1)
+    layer = _canonical_name(spec, f"{spec.hf_prefix}.layers.{int(index) - mtp.start}.{rest}")
+    return mtp_tensor_name(file, spec, hf_name, rest, MTP_LAYER_HF, layer, len(mtp))
 
 
 def _join_mxfp4(file: Path, tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
