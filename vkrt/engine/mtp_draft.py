@@ -62,8 +62,9 @@ class MTPProposer:
         room for every sequence's guesses."""
         if not isinstance(target, DecoderModel) or target.mtp_source is None:
             raise VkrtError('--speculative-config: method "mtp" drafts with the model\'s multi-token-prediction '
-                            "head, and this model has none that vkrt loads (Qwen3.5 and Qwen3-Next Hugging Face "
-                            'checkpoints carry one as mtp.*); use {"method": "ngram", ...} instead')
+                            "head, and this model has none that vkrt loads (Qwen3.5, Qwen3-Next, GLM-4.5 and "
+                            "DeepSeek-V3 checkpoints carry one, unless they were saved or converted without it); "
+                            'use {"method": "ngram", ...} instead')
         self.head = MTPHead(target, mtp_head_model(target.mtp_source))
         groups = self.head.kv_groups()
         extra = config.max_num_seqs * -(-(num_speculative_tokens + 1) // config.block_size)
