@@ -62,7 +62,8 @@ def test_mtp_head_matches_its_transformers_composition(name: str, device: str, r
     backend = _backend(device, request)
     loaded = load_model(mtp_fixture_path(name))
     target = build_model(loaded, backend)
-    assert isinstance(target, DecoderModel) and target.mtp_source is loaded
+    assert isinstance(target, DecoderModel) and target.mtp_source is not None
+    assert target.mtp_source.mtp_weights is loaded.mtp_weights and "layers.0.attn_norm" not in target.mtp_source.weights
     head = MTPHead(target, mtp_head_model(loaded))
     prompt = golden["prompt_ids"]
     n = len(prompt)

@@ -218,7 +218,7 @@ class CausalLM(ABC):
     file_type: str = ""  # storage format of most weights, e.g. "Q4_1"
     stage: Stage | None = None  # a pipeline stage's part of the model (None: all of it)
     replayable = True  # decode steps can be recorded once and replayed (False: every step runs eagerly)
-    mtp_source: LoadedModel | None = None  # the loaded checkpoint when it carries an MTP head (vkrt/models/mtp.py)
+    mtp_source: LoadedModel | None = None  # a checkpoint's MTP head, on the host (vkrt/models/mtp.py)
 
     @abstractmethod
     def __init__(self, loaded: LoadedModel, backend: Backend, stage: Stage | None = None) -> None: ...

@@ -18,6 +18,7 @@ Written in primitive ops; vkrt.ops.fusion folds them into fused kernels.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from vkrt import ops
 from vkrt.backend.base import Backend
 from vkrt.core.tensor import Tensor
 from vkrt.errors import VkrtError
-from vkrt.loader.config import LoadedModel, ModelConfig
+from vkrt.loader.config import LoadedModel, ModelConfig, WeightData
 from vkrt.models.base import CausalLM, KVCache, Stage, StepTensors
 from vkrt.models.rope import query_temperature_table, rope_table
 from vkrt.models.weights import (
@@ -76,8 +77,13 @@ class DecoderModel(CausalLM):
         self.stage = stage
         self.activation = ACTIVATIONS[c.hidden_act]  # the loader admits only these
         self.weights = weights if weights is not None else build_weights(loaded, backend, stage)
-        # The checkpoint's MTP head stays on the host until speculation asks for it.
-        self.mtp_source = loaded if loaded.mtp_weights and stage is None else None
+        # The checkpoint's MTP head stays on the host until speculation asks for it, with the LM
+        # head (or tied embedding) its own may be a copy of; the other weights are not kept.
+        self.mtp_source = None
+        if loaded.mtp_weights and stage is None:
+            kept: dict[str, WeightData] = {n: loaded.weights[n] for n in ("embed_tokens", "lm_head")
+                                           if n in loaded.weights}
+            self.mtp_source = replace(loaded, weights=kept)
         self._rope: dict[int, Tensor] = {}  # layer -> cos|sin table, sized by allocate_kv_cache
         self._query_temperature: Tensor | None = None  # a rotation by 0 that scales each query (Ministral 3)
         self._rope_positions = 0
