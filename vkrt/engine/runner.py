@@ -202,7 +202,7 @@ class ModelRunner:
         if sampling is not None and sampling.uniforms.shape != (rows,):
             raise ValueError(f"sampling has {sampling.uniforms.shape[0]} rows, the step {rows} logits rows")
         try:
-            eager = copies is not None and bool(copies.snapshot) or batch.hidden_index is not None
+            eager = (copies is not None and bool(copies.snapshot)) or batch.hidden_index is not None
             graph = None if eager else self._graph_for(batch)
             if graph is not None:
                 if copies is not None:
