@@ -26,7 +26,7 @@ the target equal the base fixture's (checked).
 The `*_mtp_gguf` fixtures are those checkpoints through llama.cpp's own converter, its MTP layer
 written as llama.cpp writes it (a block after the main ones with `nextn.*` tensors,
 `nextn_predict_layers`); their golden is the HF fixture's. DeepSeek-V3 has none: the converter
-drops its MTP layer unless asked for an MTP-only file.
+wrote its file without the MTP layer.
 
 From the committed base fixtures, in the tools venv (the converter as tools/family_fixtures.py
 finds it):
