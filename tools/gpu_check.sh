@@ -39,9 +39,9 @@ it, in stages, each with a timeout, within a total budget (default 470 s, under 
                (the GQA tile vs one head per workgroup; decode at depth, a long prefill)
                on SmolLM2's shape and a Llama-3-8B-like one: the data a GPU's tile
                rules (tuned on llvmpipe) still lack
-  speculative  `vkrt bench` on SmolLM2 with a prompt that asks for a copy of its code
-               (tools/bench_prompts/copy_code.txt), plain and with n-gram speculation
-               (k = 3): the decode speed-up and acceptance on a GPU, where a verify
+  speculative  `vkrt bench` on SmolLM2 with a prompt that asks for a copy of a paragraph
+               (tools/bench_prompts/copy_prose.txt), plain and with n-gram speculation
+               (k = 7): the decode speed-up and acceptance on a GPU, where a verify
                step's rows should cost little more than a plain step's
 
 Correctness stages (setup, devices, ops, models, models-alt) run first and run with
@@ -155,8 +155,8 @@ MODEL_TESTS=(tests/models tests/engine/test_token_exact.py)
 PEER_ARGS=(--prompt-tokens 512 --gen-tokens 128 --repeats 1)
 MATVEC_ARGS=(--paths ssbo,texel)
 ATTENTION_ARGS=(--depth 512,4096 --prompt 2048 --shape '9,3,64;32,8,128' --kernels gqa,paged --repeats 5)
-SPEC_ARGS=(--prompt-file tools/bench_prompts/copy_code.txt --gen-tokens 128 --repeat 2)
-SPEC_CONFIG='{"method": "ngram", "num_speculative_tokens": 3}'
+SPEC_ARGS=(--prompt-file tools/bench_prompts/copy_prose.txt --gen-tokens 128 --repeat 2)
+SPEC_CONFIG='{"method": "ngram", "num_speculative_tokens": 7}'
 PEER_MODELS=(smollm2 gemma3)
 if ((QUICK)); then
   CAP=([setup]=60 [peer-setup]=60 [devices]=30 [fetch]=40 [ops]=90 [models]=90
@@ -166,7 +166,7 @@ if ((QUICK)); then
   PEER_ARGS=(--prompt-tokens 32 --gen-tokens 16 --repeats 1)
   MATVEC_ARGS=(--shape 256x512 --working-set-mb 2 --repeats 2 --target-ms 5)
   ATTENTION_ARGS=(--depth 256 --prompt 32 --shape '9,3,64' --kernels gqa,paged --repeats 2)
-  SPEC_ARGS=(--prompt-file tools/bench_prompts/copy_code.txt --gen-tokens 16 --repeat 1)
+  SPEC_ARGS=(--prompt-file tools/bench_prompts/copy_prose.txt --gen-tokens 16 --repeat 1)
   PEER_MODELS=(smollm2)
 fi
 declare -A MODEL_NAME=([smollm2]=smollm2-135m-instruct [gemma3]=gemma-3-270m)
@@ -180,7 +180,7 @@ command -v python3 >/dev/null && python3 -c 'import sys; sys.exit(sys.version_in
   || problems+=("python3 >= 3.10 not found")
 command -v timeout >/dev/null || problems+=("timeout (coreutils) not found")
 for f in tools/setup.sh tools/bench_peers.py tools/peer_llamacpp.py tools/bench_ops.py tools/bench_attention.py \
-         tools/synthetic_model.py tools/bench_prompts/copy_code.txt \
+         tools/synthetic_model.py tools/bench_prompts/copy_prose.txt \
          tests/ops tests/models tests/engine/test_token_exact.py; do
   [[ -e "$ROOT/$f" ]] || problems+=("missing $f")
 done
@@ -411,7 +411,7 @@ if isinstance(attention, dict) and attention.get("rows"):
         print(f"    {r['shape']:<9} {case:<12} {r['kernel']:<6} {r['median_ms']:>9.3f}")
 if isinstance(speculative, dict) and "speedup" in speculative:
     spec = speculative["ngram"].get("speculative") or {}
-    print(f"  speculative (n-gram, k = 3, copy_code.txt): plain {speculative['plain']['decode_tok_s']:.1f} tok/s, "
+    print(f"  speculative (n-gram, k = 7, copy_prose.txt): plain {speculative['plain']['decode_tok_s']:.1f} tok/s, "
           f"ngram {speculative['ngram']['decode_tok_s']:.1f} tok/s = {speculative['speedup']:.2f}x, "
           f"acceptance {spec.get('acceptance_rate', 0):.2f}")
 for n in notes:

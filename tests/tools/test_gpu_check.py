@@ -43,7 +43,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path: Path) -> None:
     assert "tools/bench_peers.py --prompt-tokens 512 --gen-tokens 128" in proc.stdout
     assert "tools/bench_ops.py --bandwidth" in proc.stdout
     assert "tools/bench_attention.py --depth 512,4096 --prompt 2048" in proc.stdout
-    assert "vkrt bench --prompt-file tools/bench_prompts/copy_code.txt --gen-tokens 128" in proc.stdout
+    assert "vkrt bench --prompt-file tools/bench_prompts/copy_prose.txt --gen-tokens 128" in proc.stdout
     assert "prerequisites: bash" in proc.stdout and "dry run: nothing was run" in proc.stdout
     assert not (tmp_path / "gpu").exists(), "a dry run must not create the report's directory"
 
