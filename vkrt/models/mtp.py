@@ -82,9 +82,9 @@ class MTPHead(DecoderModel):
         raise UnsupportedModelError("an MTP head reads the target's hidden states: call forward_mtp")
 
     def forward_mtp(self, step: StepTensors, kv: KVCache, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """The logits of the rows in `step.logits_index` and every row's final-norm output
-        [T, hidden] (the hidden state a further guess continues from), for the step's tokens
-        (t_{i+1} at position i) beside `hidden` [T, hidden] (h_i)."""
+        """The logits of the rows in `step.logits_index` and every row's state [T, hidden] a
+        further guess continues from (the final-norm output; in DeepSeek's form the layers' output
+        before it), for the step's tokens (t_{i+1} at position i) beside `hidden` [T, hidden] (h_i)."""
         c, w = self.config, self.weights
         assert w.embed_tokens is not None and w.final_norm is not None
         e = ops.embedding(w.embed_tokens, step.token_ids)
