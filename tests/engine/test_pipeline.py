@@ -205,3 +205,22 @@ def test_pipeline_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--model", str(FIXTURES / "tiny_llama"), "-pp", "2",
                  "--pipeline-micro-batches", "0"]) == 1
     assert "--pipeline-micro-batches must be >= 1" in capsys.readouterr().err
+
+
+def test_mtp_speculation_over_stages_is_refused_and_the_stages_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MTP head runs on one device: with two stages the engine refuses it with a message,
+    and the pipeline the load started is closed (its stage processes do not outlive the error)."""
+    from vkrt.engine.speculative import SpeculativeConfig
+
+    closed: list[PipelineModel] = []
+    close = PipelineModel.close
+
+    def recorded(self: PipelineModel) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(PipelineModel, "close", recorded)
+    with pytest.raises(VkrtError, match="does not combine with --pipeline-parallel-size"):
+        LLM(FIXTURES / "tiny_glm4_moe_mtp", device=DEVICE, max_model_len=64, pipeline_parallel_size=2,
+            speculative=SpeculativeConfig("mtp", 2))
+    assert len(closed) == 1 and all(stage._process.poll() is not None for stage in closed[0].stages)

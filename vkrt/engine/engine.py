@@ -234,6 +234,7 @@ class EngineCore:
                     tokenizer: Tokenizer | None = None) -> EngineCore:
         """Load the model named by `config` (unless one is given) with its tokenizer, if it has one."""
         config.validate()  # before a load (or a pipeline's processes) that a bad field would waste
+        built = model is None
         if model is None:
             from vkrt.backend import get_backend
             from vkrt.loader import load_model
@@ -262,7 +263,12 @@ class EngineCore:
                 except NoTokenizerError as exc:  # e.g. test fixtures that ship only weights;
                     # a tokenizer that is present but corrupt stays an error
                     log.warning("%s; only token-id prompts will work", exc)
-        return cls(config, model, tokenizer)
+        try:
+            return cls(config, model, tokenizer)
+        except BaseException:
+            if built:  # what the load started (a pipeline's stage processes) must not outlive the error
+                model.close()
+            raise
 
     # ---- requests -------------------------------------------------------------------------
 

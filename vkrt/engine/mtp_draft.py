@@ -60,7 +60,10 @@ class MTPProposer:
                  num_speculative_tokens: int) -> None:
         """`target_blocks`: the target's full-attention pool; the head's holds as many tokens, plus
         room for every sequence's guesses."""
-        if not isinstance(target, DecoderModel) or target.mtp_source is None:
+        if not isinstance(target, DecoderModel):  # a pipeline's stages (vkrt/engine/pipeline.py)
+            raise VkrtError('--speculative-config: method "mtp" runs the model\'s head on one device; '
+                            "it does not combine with --pipeline-parallel-size > 1 yet")
+        if target.mtp_source is None:
             raise VkrtError('--speculative-config: method "mtp" drafts with the model\'s multi-token-prediction '
                             "head, and this model has none that vkrt loads (Qwen3.5, Qwen3-Next, GLM-4.5 and "
                             "DeepSeek-V3 checkpoints carry one, unless they were saved or converted without it); "
