@@ -253,7 +253,6 @@ class LoadedModel:
     # The multi-token-prediction head, by canonical name (empty: the file has none, or its form is
     # not one vkrt loads); uploaded only for {"method": "mtp"} speculation (vkrt/models/mtp.py).
     mtp_weights: dict[str, WeightData] = field(default_factory=dict)
-    mtp_form: str = ""  # how the head runs: ArchSpec.mtp_form
 
     def release_pages(self, weights: Iterable[WeightData] | None = None) -> None:
         """Once weights are uploaded: drop the resident pages of the file bytes they map (all

@@ -221,5 +221,4 @@ def load_gguf(path: str | Path, *, check_tensors: bool = False) -> LoadedModel:
         file_type=_file_type(meta, reader),
         metadata=meta,
         mtp_weights=mtp_weights,
-        mtp_form=spec.mtp_form if mtp_weights else "",
     )

@@ -334,4 +334,4 @@ def load_hf_dir(model_dir: str | Path) -> LoadedModel:
     dtype_counts = Counter(w.fmt.upper() for w in weights.values() if len(w.shape) > 1)
     file_type = dtype_counts.most_common(1)[0][0] if dtype_counts else ""
     return LoadedModel(path=str(model_dir), config=config, weights=weights, file_type=file_type, metadata=cfg,
-                       mtp_weights=mtp_weights, mtp_form=spec.mtp_form if mtp_weights else "")
+                       mtp_weights=mtp_weights)

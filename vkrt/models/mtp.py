@@ -29,6 +29,7 @@ import numpy as np
 from vkrt import ops
 from vkrt.core.tensor import Tensor
 from vkrt.errors import ModelFormatError, UnsupportedModelError
+from vkrt.loader.arch import arch_named
 from vkrt.loader.config import LoadedModel, WeightData
 from vkrt.models.base import KVCache, StepTensors
 from vkrt.models.decoder import DecoderModel, linear
@@ -55,7 +56,7 @@ def mtp_head_model(loaded: LoadedModel) -> LoadedModel:
                                f"[{c.hidden_size}, {2 * c.hidden_size}]")
     config = replace(c, num_layers=count, layers=(c.layer(attending[-1]),) * count)
     return LoadedModel(path=f"{loaded.path} (MTP head)", config=config, weights=loaded.mtp_weights,
-                       file_type=loaded.file_type, mtp_form=loaded.mtp_form)
+                       file_type=loaded.file_type)
 
 
 def _same_weight(a: WeightData | None, b: WeightData | None) -> bool:
@@ -76,7 +77,7 @@ class MTPHead(DecoderModel):
         weights, self.input = build_mtp_weights(head, target.backend, target.weights, own_head is not None)
         super().__init__(head, target.backend, weights=weights)
         self.file_type = target.file_type
-        self.form = head.mtp_form
+        self.form = arch_named(head.config.architecture).mtp_form  # how vLLM runs this family's head
 
     def forward(self, step: StepTensors, kv: KVCache) -> Tensor:
         raise UnsupportedModelError("an MTP head reads the target's hidden states: call forward_mtp")
