@@ -34,7 +34,7 @@ from vkrt.engine.sampler import GREEDY_PARAMS, SampleInputs, sampling_distributi
 from vkrt.engine.scheduler import ScheduledRequest, SchedulerOutput
 from vkrt.engine.speculative import SpeculativeConfig, draw, rejection_sample
 from vkrt.errors import NoTokenizerError, VkrtError
-from vkrt.models.base import CausalLM
+from vkrt.models.base import CausalLM, KVCache
 from vkrt.ops.sampling import NONFINITE
 from vkrt.tokenizer import Tokenizer
 
@@ -105,6 +105,20 @@ class _View:
     probs: list[np.ndarray] = field(default_factory=list)  # q of each proposal (a request that samples)
 
 
+def proposer_kv_cache(model: CausalLM, config: EngineConfig, max_model_len: int, target_blocks: int,
+                      num_speculative_tokens: int) -> tuple[KVCache, KVCacheManager]:
+    """A proposer's own KV cache for `model` (a draft model, an MTP head) and its block manager:
+    as many tokens as the target's full-attention pool (`target_blocks`) plus room for every
+    sequence's proposals, in the target's block size and format, without prefix caching."""
+    groups = model.kv_groups()
+    extra = config.max_num_seqs * -(-(num_speculative_tokens + 1) // config.block_size)
+    sizing = replace(config, num_kv_blocks=target_blocks + extra)
+    num_blocks = size_kv_pools(sizing, groups, model.kv_group_bytes_per_block(config.block_size, config.kv_dtype),
+                               max_model_len)
+    kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=max_model_len)
+    return kv, KVCacheManager(groups, num_blocks, config.block_size, enable_prefix_caching=False)
+
+
 class DraftProposer:
     """Proposals from a draft model: k replayed draft decode steps per engine step."""
 
@@ -119,13 +133,7 @@ class DraftProposer:
             raise VkrtError(f"the draft model's max_position_embeddings ({model.config.max_position_embeddings}) "
                             f"is below max_model_len ({max_model_len}); lower max_model_len")
         self.model = model
-        groups = model.kv_groups()
-        extra = config.max_num_seqs * -(-(num_speculative_tokens + 1) // config.block_size)
-        sizing = replace(config, num_kv_blocks=target_blocks + extra)
-        num_blocks = size_kv_pools(sizing, groups, model.kv_group_bytes_per_block(config.block_size, config.kv_dtype),
-                                   max_model_len)
-        kv = model.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=max_model_len)
-        self.blocks = KVCacheManager(groups, num_blocks, config.block_size, enable_prefix_caching=False)
+        kv, self.blocks = proposer_kv_cache(model, config, max_model_len, target_blocks, num_speculative_tokens)
         # A catch-up step holds up to 2 tokens a sequence (the last proposal and the bonus token).
         self.runner = ModelRunner(model, kv, 2 * config.max_num_seqs, max_model_len, replay=config.enable_replay)
         self.views: dict[str, _View] = {}

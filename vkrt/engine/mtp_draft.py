@@ -25,13 +25,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from vkrt import ops
 from vkrt.engine.config import EngineConfig, SamplingParams
-from vkrt.engine.kv_groups import KVCacheManager, size_kv_pools
+from vkrt.engine.draft import proposer_kv_cache
 from vkrt.engine.request import Request, RequestStatus
 from vkrt.engine.runner import StepStats, build_forward_batch
 from vkrt.engine.sampler import GREEDY_PARAMS
@@ -69,13 +69,8 @@ class MTPProposer:
                             "DeepSeek-V3 checkpoints carry one, unless they were saved or converted without it); "
                             'use {"method": "ngram", ...} instead')
         self.head = MTPHead(target, mtp_head_model(target.mtp_source))
-        groups = self.head.kv_groups()
-        extra = config.max_num_seqs * -(-(num_speculative_tokens + 1) // config.block_size)
-        sizing = replace(config, num_kv_blocks=target_blocks + extra)
-        bytes_per_block = self.head.kv_group_bytes_per_block(config.block_size, config.kv_dtype)
-        num_blocks = size_kv_pools(sizing, groups, bytes_per_block, max_model_len)
-        self.kv = self.head.allocate_kv_cache(num_blocks, config.block_size, config.kv_dtype, max_len=max_model_len)
-        self.blocks = KVCacheManager(groups, num_blocks, config.block_size, enable_prefix_caching=False)
+        self.kv, self.blocks = proposer_kv_cache(self.head, config, max_model_len, target_blocks,
+                                                 num_speculative_tokens)
         self.views: dict[str, _View] = {}
         log.info("MTP head: %d layer%s, KV %d MiB", self.head.config.num_layers,
                  "" if self.head.config.num_layers == 1 else "s", self.kv.nbytes >> 20)

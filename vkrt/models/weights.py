@@ -12,9 +12,9 @@ file had.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -239,16 +239,26 @@ def build_weights(loaded: LoadedModel, backend: Backend, stage: Stage | None = N
     """Upload `loaded`'s weights to `backend` as a model's records, reserving their device memory
     first; a pipeline `stage` uploads only what it computes with (its layers; the embedding on
     the first stage, the final norm and head on the last)."""
+    weights = _upload(loaded, backend, _Builder.build, stage)
+    loaded.release_pages()  # every weight uploaded: the files' other pages need not stay resident either
+    return weights
+
+
+_Built = TypeVar("_Built")
+
+
+def _upload(loaded: LoadedModel, backend: Backend, build: Callable[[_Builder], _Built],
+            stage: Stage | None = None) -> _Built:
+    """`build` twice: on `_Sizes` (the same decisions, uploading nothing: exact sizes), then, once
+    the device memory is reserved, on the backend."""
     sizes = _Sizes(backend)
     sizing = _Builder(loaded, sizes, stage=stage)
-    sizing.build()  # the same decisions, uploading nothing: exact sizes
+    build(sizing)
     try:
         backend.reserve("weights", sizes.total)
     except OutOfDeviceMemory as exc:
         raise sizes.out_of_memory(loaded.path, exc, sizing.expert_weights) from None
-    weights = _Builder(loaded, backend, release=True, stage=stage).build()
-    loaded.release_pages()  # every weight uploaded: the files' other pages need not stay resident either
-    return weights
+    return build(_Builder(loaded, backend, release=True, stage=stage))
 
 
 @dataclass(frozen=True)
@@ -267,10 +277,7 @@ def build_mtp_weights(loaded: LoadedModel, backend: Backend, target: Weights,
     the target whose weights are `target`: its layers, final norm and input, and with `own_head`
     its own LM head (`mtp.lm_head`); the embedding, RoPE frequencies and otherwise the LM head
     are the target's own tensors, not copies."""
-    sizes = _Sizes(backend)
-    _Builder(loaded, sizes).mtp(target, own_head)
-    backend.reserve("weights", sizes.total)
-    return _Builder(loaded, backend).mtp(target, own_head)
+    return _upload(loaded, backend, lambda builder: builder.mtp(target, own_head))
 
 
 def _mib(nbytes: int) -> str:
