@@ -99,7 +99,7 @@ def test_a_model_without_the_head_has_no_mtp_source(ref: Backend) -> None:
     assert build_model(load_model(FIXTURES / "tiny_qwen3_5"), ref).mtp_source is None
 
 
-def test_an_incomplete_head_is_a_clear_error(ref: Backend, tmp_path: Path) -> None:
+def test_an_incomplete_head_is_a_clear_error() -> None:
     loaded = load_model(FIXTURES / "tiny_qwen3_5_mtp")
     del loaded.mtp_weights["mtp.fc"]
     with pytest.raises(ModelFormatError, match="incomplete .*missing mtp.fc"):
