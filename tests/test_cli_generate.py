@@ -111,17 +111,25 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 def test_bench_speculative_on_a_prompt_file(smollm2_path: Path, tmp_path: Path) -> None:
-    """`vkrt bench --speculative-config ... --prompt-file F --json` reports the proposals."""
+    """`vkrt bench --speculative-config ... --prompt-file F --json` reports the proposals, and
+    each round's speculative decode against the same prompt decoded plainly in the same engine."""
     prompt = tmp_path / "copy.txt"
     code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     prompt.write_text(f"Here is some Python code.\n\n```python\n{code}```\n\nThe same code again:\n\n```python\n")
-    result = _run("bench", "--gen-tokens", "16", "--prompt-file", str(prompt), "--json", "--no-warmup",
+    result = _run("bench", "--gen-tokens", "16", "--prompt-file", str(prompt), "--json", "--no-warmup", "--repeat", "2",
                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     spec = report["speculative"]
     assert report["prompt_tokens"] > 30 and spec["num_drafts"] > 0
     assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["mean_accepted_length"] >= 1.0
+    plain, vs = report["plain"], report["vs_plain"]
+    assert [run["generated_tokens"] for run in plain["runs"]] == [16, 16]
+    assert vs["same_ids"] is True and len(vs["decode"]) == 2
+    for ratio, run, peer in zip(vs["decode"], report["runs"], plain["runs"], strict=True):
+        assert ratio == pytest.approx(run["decode_tok_s"] / peer["decode_tok_s"])
+    assert vs["decode_median"] == pytest.approx(sum(vs["decode"]) / 2)
+    assert [run["num_drafts"] for run in plain["runs"]] == [0, 0]  # the peer really did not speculate
 
 
 def test_bench_constrained_to_a_json_schema(smollm2_path: Path, tmp_path: Path) -> None:

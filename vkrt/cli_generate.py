@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -327,16 +328,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         llm.engine.reset_totals()
         _run_once(llm, prompts[lengths[0]], params, stream=False)
         backend.profile_report(reset=True)
+    # With speculation each round also decodes the prompt plainly (the per-request opt-out), in
+    # the same engine and alternating which goes first: its peer in one run, so the ratio holds
+    # where this machine's speed drifts between commands.
+    plain_params = dataclasses.replace(params, speculative=False) if llm.config.speculative else None
     results: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
-    for _ in range(max(1, args.repeat)):
+    plain: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
+    for round_ in range(max(1, args.repeat)):
         for length in lengths:
+            if plain_params is not None and round_ % 2 == 0:
+                plain[length].append(_measure_quietly(llm, prompts[length], plain_params))
             llm.engine.reset_totals()
             backend.profile_report(reset=True)
             run = _measure(llm, prompts[length], params, stream=False)
             if profiling:
                 run["profile"] = backend.profile_report(reset=True)
             results[length].append(run)
+            if plain_params is not None and round_ % 2 == 1:
+                plain[length].append(_measure_quietly(llm, prompts[length], plain_params))
     reports = [_bench_report(args, llm, length, results[length], load_s) for length in lengths]
+    if plain_params is not None:
+        for r, length in zip(reports, lengths, strict=True):
+            r["plain"] = {"decode_tok_s": max(run["decode_tok_s"] for run in plain[length]),
+                          "runs": [{k: run[k] for k in ("decode_tok_s", "seconds", "generated_tokens")}
+                                   | {"num_drafts": run.get("speculative", {}).get("num_drafts", 0)}
+                                   for run in plain[length]]}
+            ratios = _ratios(plain[length], results[length])
+            r["vs_plain"] = {"decode": ratios["decode"], "decode_median": ratios["decode_median"],
+                             "same_ids": all(a["ids"] == b["ids"] for a, b in zip(plain[length], results[length],
+                                                                                 strict=True))}
     report = reports[0]
     if len(lengths) > 1:
         common = ("model", "quant", "device", "backend", "access_path", "gen_tokens", "kv_cache_dtype",
@@ -357,6 +377,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             spec = r["speculative"]
             print(f"speculative: {spec['num_drafts']} drafts, acceptance {spec['acceptance_rate']:.2f}, "
                   f"mean accepted length {spec['mean_accepted_length']:.2f}")
+        if "vs_plain" in r:
+            vs = r["vs_plain"]
+            print(f"plain decode (speculation off, same engine): {r['plain']['decode_tok_s']:.2f} tok/s; "
+                  f"speculative vs plain, median of {len(vs['decode'])} rounds: {vs['decode_median']:.2f}x "
+                  f"(rounds: {', '.join(f'{v:.2f}' for v in vs['decode'])}); "
+                  + ("ids identical" if vs["same_ids"] else "ids DIFFER from plain decoding"))
         print(f"per decode step: {per_step}")
         gpu = per_step["gpu_ms"]
         print(f"decode step {per_step['step_ms']:.2f} ms: device (timestamps) "
@@ -369,6 +395,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"(rounds: prefill {', '.join(f'{v:.2f}' for v in ratio['prefill'])}; "
               f"decode {', '.join(f'{v:.2f}' for v in ratio['decode'])})")
     return 0
+
+
+def _measure_quietly(llm: Any, prompt: Any, params: Any) -> dict[str, Any]:
+    """_measure with the kernel profile (if on) of this run dropped: bench's peer runs."""
+    llm.engine.reset_totals()
+    run = _measure(llm, prompt, params, stream=False)
+    llm.engine.model.backend.profile_report(reset=True)
+    return run
 
 
 def _bench_schema(path: str | None) -> Any:
