@@ -130,6 +130,8 @@ def test_bench_speculative_on_a_prompt_file(smollm2_path: Path, tmp_path: Path) 
         assert ratio == pytest.approx(run["decode_tok_s"] / peer["decode_tok_s"])
     assert vs["decode_median"] == pytest.approx(sum(vs["decode"]) / 2)
     assert [run["num_drafts"] for run in plain["runs"]] == [0, 0]  # the peer really did not speculate
+    if spec["num_accepted_tokens"]:  # a step that made several tokens takes longer than a token
+        assert report["per_step"]["step_ms"] > 1000 / report["decode_tok_s"]
 
 
 def test_bench_constrained_to_a_json_schema(smollm2_path: Path, tmp_path: Path) -> None:

@@ -243,7 +243,8 @@ def _measure(llm: Any, prompt: Any, params: Any, stream: bool, reading: ChatRead
                generated_tokens=len(run["ids"]),
                prefill_tok_s=stats["prefill_tokens_per_second"], decode_tok_s=stats["decode_tokens_per_second"],
                decode_counters_per_step=stats["decode_counters_per_step"],
-               decode_counters_max=stats["decode_counters_max"])
+               decode_counters_max=stats["decode_counters_max"],
+               decode_step_s=stats["decode_seconds"] / stats["decode_steps"] if stats["decode_steps"] else 0.0)
     if "speculative" in stats:
         run["speculative"] = stats["speculative"]
     return run
@@ -438,9 +439,9 @@ def _bench_report(args: argparse.Namespace, llm: Any, prompt_tokens: int, result
     backend = llm.engine.model.backend
     best = max(results, key=lambda r: r["decode_tok_s"])
     per_step = dict(best["decode_counters_per_step"])
-    steps_s = 1.0 / best["decode_tok_s"] if best["decode_tok_s"] else 0.0
-    # Host time: the decode step's wall time minus what it spent blocked on the device.
-    per_step["step_ms"] = 1000 * steps_s
+    # Host time: the decode step's wall time minus what it spent blocked on the device. (A
+    # verify step makes several tokens: a step's time is not the time per token.)
+    per_step["step_ms"] = 1000 * best["decode_step_s"]
     per_step["device_wait_ms"] = per_step.get("wait_us", 0) / 1000
     per_step["host_ms"] = max(0.0, per_step["step_ms"] - per_step["device_wait_ms"])
     # Device time from timestamp queries around each submit; null where the device has none.

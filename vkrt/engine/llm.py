@@ -155,6 +155,7 @@ class LLM:
             "prefill_tokens_per_second": totals.prefill_tokens_per_second,
             "decode_tokens_per_second": totals.decode_tokens_per_second,
             "decode_steps": totals.decode_steps,
+            "decode_seconds": totals.decode_seconds,
             "counters_total": dict(totals.counters),
             "decode_counters_per_step": totals.decode_counters_per_step(),
             "decode_counters_max": dict(totals.decode_counters_max),
