@@ -325,14 +325,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # machine as it is then: their ratios hold where absolute speed drifts between runs. An
     # untimed run first (as llama-bench's warm-up) creates the pipelines and records the decode
     # steps, which would otherwise slow the first round alone (~40% of a 128-token prefill).
-    if not args.no_warmup:
-        llm.engine.reset_totals()
-        _run_once(llm, prompts[lengths[0]], params, stream=False)
-        backend.profile_report(reset=True)
     # With speculation each round also decodes the prompt plainly (the per-request opt-out), in
     # the same engine and alternating which goes first: its peer in one run, so the ratio holds
     # where this machine's speed drifts between commands.
     plain_params = dataclasses.replace(params, speculative=False) if llm.config.speculative else None
+    if not args.no_warmup:
+        llm.engine.reset_totals()
+        _run_once(llm, prompts[lengths[0]], params, stream=False)
+        if plain_params is not None:  # a copy accepted in full never ran a plain decode step
+            _run_once(llm, prompts[lengths[0]], plain_params, stream=False)
+        backend.profile_report(reset=True)
     results: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
     plain: dict[int, list[dict[str, Any]]] = {length: [] for length in lengths}
     for round_ in range(max(1, args.repeat)):
