@@ -91,11 +91,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": args.k,
                                     "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min})
     assert spec is not None
+    text = Path(args.prompt_file).read_text(encoding="utf-8")  # before the load a bad path would waste
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1, enable_prefix_caching=False,
               speculative=spec)
     tokenizer = llm.tokenizer
     assert tokenizer is not None
-    prompt = list(tokenizer.encode(Path(args.prompt_file).read_text(encoding="utf-8")))
+    prompt = list(tokenizer.encode(text))
     by_rows: dict[int, list[float]] = collections.defaultdict(list)
     recording = [False]
     decode_seconds = [0.0]  # this run's decode steps (the prefill is the same for both and not compared)
@@ -159,7 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    report = measure(args)
+    if args.gen_tokens < 2 or args.repeat < 1:
+        parser.error("--gen-tokens must be >= 2 (decode steps to time) and --repeat >= 1")
+    from vkrt.errors import VkrtError
+
+    try:
+        report = measure(args)
+    except (VkrtError, OSError) as exc:
+        print(f"spec_ceiling: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

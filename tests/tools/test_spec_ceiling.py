@@ -77,3 +77,13 @@ def test_the_report(tool: ModuleType, smollm2_path: Path, tmp_path: Path, capsys
     assert report["step_cost_by_rows"]["1"] == 1.0 and report["gen_tokens"] == 12
     assert set(report["policies"]) == {"engine", "oracle", "every row accepted"}
     assert all(p["predicted_ratio"] > 0 for p in report["policies"].values())
+
+
+def test_bad_input_is_one_line(tool: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert tool.main(["--prompt-file", str(tmp_path / "missing.txt"), "-g", "8"]) == 1
+    assert "spec_ceiling: error:" in capsys.readouterr().err
+    assert tool.main(["--prompt-file", str(tmp_path / "missing.txt"), "-k", "99"]) == 1
+    assert "num_speculative_tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        tool.main(["--prompt-file", "x", "-g", "1"])
+    assert exit_.value.code == 2
