@@ -46,8 +46,8 @@ def simulate(prompt: Sequence[int], output: Sequence[int], k: int, lookup_max: i
              oracle: bool = False) -> list[int]:
     """The rows of each decode step n-gram speculation would run to emit `output` after `prompt`
     (greedy, one sequence): with the engine's proposal-length and back-off rules, or (`oracle`)
-    with each proposal cut to the run the target accepts. The first output token comes from the
-    prefill, as in the engine; so does every token's count of room left."""
+    with each proposal cut to the run the target accepts. As in the engine, the first output token
+    comes from the prefill and no proposal reaches past the last output token (max_tokens)."""
     tokens = [*prompt, output[0]]
     i, length, wait, backoff, rows = 1, 0, 0, 0, []
     while i < len(output):
