@@ -132,6 +132,31 @@ def test_bench_compares_prompt_lengths_round_by_round(capsys: pytest.CaptureFixt
         assert p["decode_tok_s"] == max(r["decode_tok_s"] for r in p["runs"])
 
 
+def test_bench_reports_the_host_load_around_its_runs(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 1-minute load average before the first run and after the last, in JSON and text, so a
+    run beside other work is told apart from one on an idle machine; none where the OS has none."""
+    from tests.conftest import FIXTURES
+
+    readings = iter([0.5, 3.25])
+    monkeypatch.setattr("os.getloadavg", lambda: (next(readings), 0.0, 0.0))
+    args = ("bench", "--model", str(FIXTURES / "tiny_llama"), "--device", "reference", "-p", "4", "-g", "2",
+            "--repeat", "2")
+    code, out, _ = run(capsys, *args, "--json")
+    assert code == 0
+    assert json.loads(out)["host_load"] == {"before": 0.5, "after": 3.25}
+    readings = iter([1.0, 2.0])
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "host load 1.00 before, 2.00 after" in out.splitlines()[0]
+
+    def unavailable() -> tuple[float, float, float]:
+        raise OSError("no load average")
+
+    monkeypatch.setattr("os.getloadavg", unavailable)
+    code, out, _ = run(capsys, *args, "--json")
+    assert code == 0 and json.loads(out)["host_load"] == {"before": None, "after": None}
+
+
 @pytest.mark.parametrize("flags", [[], ["--no-warmup"]], ids=["warmup", "no-warmup"])
 def test_bench_warms_up_untimed_unless_told_not_to(flags: list[str], capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -329,6 +330,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # the same engine and alternating which goes first: its peer in one run, so the ratio holds
     # where this machine's speed drifts between commands.
     plain_params = dataclasses.replace(params, speculative=False) if llm.config.speculative else None
+    load_before = _host_load()
     if not args.no_warmup:
         llm.engine.reset_totals()
         _run_once(llm, prompts[lengths[0]], params, stream=False)
@@ -349,7 +351,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results[length].append(run)
             if plain_params is not None and round_ % 2 == 1:
                 plain[length].append(_measure_quietly(llm, prompts[length], plain_params))
-    reports = [_bench_report(args, llm, length, results[length], load_s) for length in lengths]
+    host_load = {"before": load_before, "after": _host_load()}
+    reports = [_bench_report(args, llm, length, results[length], load_s) | {"host_load": host_load}
+               for length in lengths]
     if plain_params is not None:
         for r, length in zip(reports, lengths, strict=True):
             r["plain"] = {"decode_tok_s": max(run["decode_tok_s"] for run in plain[length]),
@@ -363,7 +367,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = reports[0]
     if len(lengths) > 1:
         common = ("model", "quant", "device", "backend", "access_path", "gen_tokens", "kv_cache_dtype",
-                  "kv_bytes_per_token", "load_s", "warmup")
+                  "kv_bytes_per_token", "load_s", "warmup", "host_load")
         report = {key: reports[0][key] for key in common}
         report["prompts"] = [{k: v for k, v in r.items() if k not in common} for r in reports]
         report["vs_first"] = [_ratios(results[lengths[0]], results[length]) | {"prompt_tokens": length}
@@ -371,7 +375,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{reports[0]['device']} ({reports[0]['backend']}), model {reports[0]['model']}")
+    print(f"{reports[0]['device']} ({reports[0]['backend']}), model {reports[0]['model']}"
+          + ("" if load_before is None else f"; host load {load_before:.2f} before, {host_load['after']:.2f} after"))
     for r in reports:
         per_step = r["per_step"]
         print(f"prefill {r['prompt_tokens']} tok: {r['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
@@ -398,6 +403,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"(rounds: prefill {', '.join(f'{v:.2f}' for v in ratio['prefill'])}; "
               f"decode {', '.join(f'{v:.2f}' for v in ratio['decode'])})")
     return 0
+
+
+def _host_load() -> float | None:
+    """The host's 1-minute load average (None where the OS has none): a bench run beside other
+    work on a CPU device is not comparable with one on an idle machine, so the report says."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _measure_quietly(llm: Any, prompt: Any, params: Any) -> dict[str, Any]:
