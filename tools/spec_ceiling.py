@@ -85,6 +85,7 @@ def step_cost(costs: dict[int, float], rows: int) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from vkrt.cli_generate import host_load
     from vkrt.engine import LLM, SamplingParams
     from vkrt.engine.speculative import SpeculativeConfig
 
@@ -107,6 +108,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             decode_seconds[0] += stats.step.seconds
 
     llm.engine.stats_listeners.append(record)
+    load_before = host_load()
     speculative = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     plain = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True, speculative=False)
     llm.generate(prompt, speculative)  # untimed: pipelines and recorded steps for every row count
@@ -137,6 +139,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "measured_ratio": statistics.median(p / s for p, s in zip(seconds["plain"], seconds["speculative"],
                                                                   strict=True)),
         "policies": {},
+        "host_load": {"before": load_before, "after": host_load()},  # as `vkrt bench` reports it
     }
     decode_tokens = len(output) - 1  # the first token comes from the prefill
     for name, rows in policies.items():
@@ -172,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{report['prompt_tokens']}-token prompt, {report['gen_tokens']} tokens, k = {args.k}")
+    load = report["host_load"]
+    print(f"{report['prompt_tokens']}-token prompt, {report['gen_tokens']} tokens, k = {args.k}"
+          + ("" if load["before"] is None else f"; host load {load['before']:.2f} before, {load['after']:.2f} after"))
     print("step cost by rows (x a 1-row step; steps timed): " + ", ".join(
         f"{r}: {c:.2f} ({report['steps_by_rows'][r]})" for r, c in report["step_cost_by_rows"].items()))
     print(f"measured speculative / plain decode (median of {args.repeat} rounds, the steps' wall time): "

@@ -330,7 +330,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # the same engine and alternating which goes first: its peer in one run, so the ratio holds
     # where this machine's speed drifts between commands.
     plain_params = dataclasses.replace(params, speculative=False) if llm.config.speculative else None
-    load_before = _host_load()
+    load_before = host_load()
     if not args.no_warmup:
         llm.engine.reset_totals()
         _run_once(llm, prompts[lengths[0]], params, stream=False)
@@ -351,8 +351,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results[length].append(run)
             if plain_params is not None and round_ % 2 == 1:
                 plain[length].append(_measure_quietly(llm, prompts[length], plain_params))
-    host_load = {"before": load_before, "after": _host_load()}
-    reports = [_bench_report(args, llm, length, results[length], load_s) | {"host_load": host_load}
+    load = {"before": load_before, "after": host_load()}
+    reports = [_bench_report(args, llm, length, results[length], load_s) | {"host_load": load}
                for length in lengths]
     if plain_params is not None:
         for r, length in zip(reports, lengths, strict=True):
@@ -376,7 +376,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{reports[0]['device']} ({reports[0]['backend']}), model {reports[0]['model']}"
-          + ("" if load_before is None else f"; host load {load_before:.2f} before, {host_load['after']:.2f} after"))
+          + ("" if load_before is None else f"; host load {load_before:.2f} before, {load['after']:.2f} after"))
     for r in reports:
         per_step = r["per_step"]
         print(f"prefill {r['prompt_tokens']} tok: {r['prefill_tok_s']:.1f} tok/s | decode {args.gen_tokens} tok: "
@@ -405,9 +405,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _host_load() -> float | None:
+def host_load() -> float | None:
     """The host's 1-minute load average (None where the OS has none): a bench run beside other
-    work on a CPU device is not comparable with one on an idle machine, so the report says."""
+    work on a CPU device is not comparable with one on an idle machine, so the report says
+    (bench, tools/spec_ceiling.py)."""
     try:
         return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):

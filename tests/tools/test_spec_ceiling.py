@@ -65,9 +65,14 @@ def test_the_replay_counts_the_engines_own_steps(tool: ModuleType, smollm2_path:
     assert tool.simulate(prompt, list(out.outputs[0].token_ids), 7, 4, 2) == rows
 
 
-def test_the_report(tool: ModuleType, smollm2_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A short run end to end: costs by rows start at 1, every policy has a prediction."""
+def test_the_report(tool: ModuleType, smollm2_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short run end to end: costs by rows start at 1, every policy has a prediction, and the
+    host's load average before and after the timed runs is reported."""
     import json
+
+    readings = iter([0.25, 1.5])
+    monkeypatch.setattr("os.getloadavg", lambda: (next(readings), 0.0, 0.0))
 
     prompt = tmp_path / "copy.txt"
     prompt.write_text("one two three four five six seven eight\none two three four five six seven eight\none two")
@@ -77,6 +82,7 @@ def test_the_report(tool: ModuleType, smollm2_path: Path, tmp_path: Path, capsys
     assert report["step_cost_by_rows"]["1"] == 1.0 and report["gen_tokens"] == 12
     assert set(report["policies"]) == {"engine", "oracle", "every row accepted"}
     assert all(p["predicted_ratio"] > 0 for p in report["policies"].values())
+    assert report["host_load"] == {"before": 0.25, "after": 1.5}
 
 
 def test_bad_input_is_one_line(tool: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
