@@ -111,12 +111,14 @@ def test_mtp_guesses_equal_the_head_from_scratch_across_acceptance(fixture: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The head guesses as usual, then an oracle's proposals (transformers' continuation, every
     third one wrong) replace its guesses, so verify steps accept 0-3 tokens and the head catches
-    up on 1-4 positions at a time. Its guesses at every step equal the from-scratch head's, and
-    the ids stay transformers'."""
+    up on 1-4 positions at a time. Its guesses at every step equal the from-scratch head's (on
+    Vulkan its steps of one position per view replayed, the others eager), and the ids stay
+    transformers'."""
     cases = _cases(fixture)
     truth = {tuple(c["input_ids"]): c["greedy_ids"] for c in cases}
     seen: list[tuple[list[int], list[int]]] = []
     real_propose = MTPProposer.propose
+    replayed = _count_head_steps(monkeypatch)
 
     def propose(self: MTPProposer, wanted: list[tuple[Request, int]]) -> Any:
         cost = real_propose(self, wanted)
@@ -141,6 +143,68 @@ def test_mtp_guesses_equal_the_head_from_scratch_across_acceptance(fixture: str,
     assert len(seen) > 10
     for tokens, guesses in seen:
         assert guesses == scratch.guesses(tokens, len(guesses)), f"after {len(tokens)} tokens"
+    if device_for_tests() == "vulkan":
+        assert replayed["replayed"] > 0 and replayed["eager"] > 0, replayed
+
+
+def _count_head_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the MTP head's steps run from a recording and run eagerly, and the replayed
+    steps' submits, as they happen."""
+    from vkrt.engine import mtp_draft
+
+    counts = {"replayed": 0, "eager": 0, "replay_submits": 0}
+    run, eager = mtp_draft._HeadGraph.run, MTPProposer._run_eagerly
+
+    def counted_run(self: Any, *args: Any) -> Any:
+        counts["replayed"] += 1
+        before = self.backend.counters.snapshot()
+        out = run(self, *args)
+        counts["replay_submits"] += self.backend.counters.since(before)["submits"]
+        return out
+
+    def counted_eager(self: Any, *args: Any) -> Any:
+        counts["eager"] += 1
+        return eager(self, *args)
+
+    monkeypatch.setattr(mtp_draft._HeadGraph, "run", counted_run)
+    monkeypatch.setattr(MTPProposer, "_run_eagerly", counted_eager)
+    return counts
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5_mtp", "tiny_deepseek_v3_mtp"])
+def test_replayed_head_steps_propose_what_eager_ones_do(fixture: str, vk_default: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same prompts with the head's steps replayed where they can be and with every step
+    eager: the same proposals at every step (both forms: DeepSeek's zeroes position 0's
+    embedding, which stays on the eager path), one submit per replayed step, and the same ids."""
+    cases = _cases(fixture)
+    proposals: dict[bool, list[list[int]]] = {True: [], False: []}
+    counts = _count_head_steps(monkeypatch)
+    real_propose = MTPProposer.propose
+    replay = [True]
+
+    def propose(self: MTPProposer, wanted: list[tuple[Request, int]]) -> Any:
+        self.replay = self.replay and replay[0]
+        cost = real_propose(self, wanted)
+        proposals[replay[0]].extend(list(request.spec_token_ids) for request, _ in wanted)
+        return cost
+
+    monkeypatch.setattr(MTPProposer, "propose", propose)
+    outs = {}
+    for replay[0] in (True, False):
+        llm = LLM(mtp_fixture_path(fixture), device="vulkan", kv_dtype="f32", block_size=4, max_model_len=64,
+                  speculative=MTP, enable_prefix_caching=False)
+        before = dict(counts)
+        outs[replay[0]] = [o.outputs[0].token_ids for o in llm.generate([c["input_ids"] for c in cases],
+                                                                        _greedy(len(cases[0]["greedy_ids"])))]
+        if replay[0]:  # one submit per replayed step (its inputs' writes ride along)
+            assert counts["replayed"] > before["replayed"], counts
+            assert counts["replay_submits"] == counts["replayed"], counts
+        else:
+            assert counts["replayed"] == before["replayed"]
+        del llm
+    assert proposals[True] == proposals[False] and any(proposals[True])
+    assert outs[True] == outs[False] == [c["greedy_ids"] for c in cases]
 
 
 def test_a_model_without_an_mtp_head_is_refused_clearly() -> None:

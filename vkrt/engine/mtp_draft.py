@@ -12,6 +12,13 @@ target computed since and guesses 1; each later one runs one position per view o
 guess and the head's own output, guessing the next. Guessed positions are never counted: the
 next catch-up computes them again from the target's states.
 
+A head step of one position per view (every chained step, and a catch-up of one position) is
+recorded once per power-of-two bucket of views and replayed, as the target's decode steps are
+(vkrt/engine/runner.py): the host writes the step's inputs and the states beside its tokens,
+then one submit runs the head and draws its guesses. Other catch-ups (several positions per
+view, or position 0, where DeepSeek's form zeroes the embedding by a choice made on the host)
+run eagerly. A row's guess and state are the same bits either way (batch invariance).
+
 A position whose target state was never observed (a prefix-cache hit: the target did not compute
 it in this request's life) enters the head with a zero state. Its K/V in the head's cache are then
 approximate, which can lower acceptance but never changes the output: every guess is verified.
@@ -22,6 +29,7 @@ proposals are (exact for greedy and sampling requests alike).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -33,11 +41,11 @@ from vkrt import ops
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.draft import proposer_kv_cache
 from vkrt.engine.request import Request, RequestStatus
-from vkrt.engine.runner import StepStats, build_forward_batch
+from vkrt.engine.runner import StepStats, build_forward_batch, padded_batch, recorded, write_padded
 from vkrt.engine.sampler import GREEDY_PARAMS
 from vkrt.engine.scheduler import ScheduledRequest, SchedulerOutput
-from vkrt.errors import VkrtError
-from vkrt.models.base import CausalLM, StepTensors
+from vkrt.errors import NotReplayable, VkrtError
+from vkrt.models.base import CausalLM, ForwardBatch, KVCache, StepTensors
 from vkrt.models.decoder import DecoderModel
 from vkrt.models.mtp import MTPHead, mtp_head_model
 
@@ -54,7 +62,7 @@ class _View:
 
 
 class MTPProposer:
-    """Proposals from the target's MTP head: k eager head steps per engine step."""
+    """Proposals from the target's MTP head: k head steps per engine step."""
 
     def __init__(self, target: CausalLM, config: EngineConfig, max_model_len: int, target_blocks: int,
                  num_speculative_tokens: int) -> None:
@@ -72,6 +80,12 @@ class MTPProposer:
         self.kv, self.blocks = proposer_kv_cache(self.head, config, max_model_len, target_blocks,
                                                  num_speculative_tokens)
         self.views: dict[str, _View] = {}
+        backend = self.head.backend
+        self.replay = backend.supports_replay and self.head.replayable
+        self.max_bucket = 1 << max(0, config.max_num_seqs - 1).bit_length()
+        # A view's positions end below the target's length plus its guesses.
+        self.max_blocks = -(-(max_model_len + num_speculative_tokens) // config.block_size)
+        self.graphs: dict[int, _HeadGraph] = {}
         log.info("MTP head: %d layer%s, KV %d MiB", self.head.config.num_layers,
                  "" if self.head.config.num_layers == 1 else "s", self.kv.nbytes >> 20)
 
@@ -161,25 +175,16 @@ class MTPProposer:
 
     def _step(self, chunks: list[tuple[_View, int, np.ndarray]], outputs: dict[str, np.ndarray],
               computed: bool) -> StepStats:
-        """One eager head forward: each view's positions from `start` with the states given, its
-        next guess appended to its tokens and its last output kept in `outputs`. `computed`: the
-        states are the target's, so the positions count as the head's cache (a catch-up)."""
-        backend = self.head.backend
-        counters = backend.counters
+        """One head forward: each view's positions from `start` with the states given, its next
+        guess appended to its tokens and its last output kept in `outputs`. `computed`: the states
+        are the target's, so the positions count as the head's cache (a catch-up)."""
+        counters = self.head.backend.counters
         before, began = counters.snapshot(), time.perf_counter()
         scheduled = [ScheduledRequest(v.tokens, start, len(rows)) for v, start, rows in chunks]
         batch, _ = build_forward_batch(SchedulerOutput(scheduled), self.blocks)
-        step = StepTensors.upload(backend, batch)
-        rows = len(chunks)
-        params = backend.upload(np.tile(GREEDY_PARAMS, (rows, 1)), "f32", purpose="inputs")
-        uniforms = backend.upload(np.zeros(rows, np.float32), "f32", purpose="inputs")
-        hidden = backend.upload(np.concatenate([r for _, _, r in chunks]).astype(np.float32), "f32",
-                                purpose="inputs")
-        logits, out = self.head.forward_mtp(step, self.kv, hidden)
-        ids = ops.sample_top_k(logits, params, uniforms, None)
-        last = ops.gather_rows(out, step.logits_index)
-        guesses = backend.read(ids).reshape(rows)
-        states = np.asarray(backend.read(last), dtype=np.float32).reshape(rows, -1)
+        hidden = np.concatenate([r for _, _, r in chunks]).astype(np.float32)
+        graph = self._graph_for(batch)
+        guesses, states = graph.run(batch, hidden) if graph is not None else self._run_eagerly(batch, hidden)
         vocab = self.head.config.vocab_size
         for (view, start, r), guess, state in zip(chunks, guesses, states, strict=True):
             if computed:
@@ -189,9 +194,71 @@ class MTPProposer:
                 outputs[view.request.request_id] = state
             else:  # a row of NaN or Inf: no more guesses for it
                 outputs.pop(view.request.request_id, None)
-        return StepStats(num_seqs=rows, num_tokens=batch.num_tokens, num_logits_rows=rows,
-                         seconds=time.perf_counter() - began, counters=counters.since(before))
+        return StepStats(num_seqs=len(chunks), num_tokens=batch.num_tokens, num_logits_rows=len(chunks),
+                         seconds=time.perf_counter() - began, counters=counters.since(before),
+                         replayed=graph is not None)
+
+    def _run_eagerly(self, batch: ForwardBatch, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step recorded and submitted now: each view's guess and last row's state."""
+        backend = self.head.backend
+        step = StepTensors.upload(backend, batch)
+        rows = int(batch.logits_index.shape[0])
+        params = backend.upload(np.tile(GREEDY_PARAMS, (rows, 1)), "f32", purpose="inputs")
+        uniforms = backend.upload(np.zeros(rows, np.float32), "f32", purpose="inputs")
+        logits, out = self.head.forward_mtp(step, self.kv, backend.upload(hidden, "f32", purpose="inputs"))
+        ids = ops.sample_top_k(logits, params, uniforms, None)
+        last = ops.gather_rows(out, step.logits_index)
+        return (backend.read(ids).reshape(rows),
+                np.asarray(backend.read(last), dtype=np.float32).reshape(rows, -1))
+
+    def _graph_for(self, batch: ForwardBatch) -> _HeadGraph | None:
+        """The recorded step for a batch of one position per view (none at position 0), or None
+        to run it eagerly."""
+        t = batch.num_tokens
+        if not self.replay or t > self.max_bucket or batch.block_tables.shape[-1] > self.max_blocks:
+            return None
+        if not np.array_equal(batch.seq_index, np.arange(t)) or not bool(np.all(batch.positions > 0)):
+            return None
+        bucket = 1 << max(0, t - 1).bit_length()
+        try:
+            return recorded(self.graphs, bucket, lambda: _HeadGraph(self.head, self.kv, bucket, self.max_blocks))
+        except NotReplayable:
+            log.warning("the MTP head's steps cannot be recorded for replay on %s; running them eagerly",
+                        self.head.backend.name)
+            self.replay = False
+            return None
 
     def _forget(self, request_id: str) -> None:
         view = self.views.pop(request_id)
         self.blocks.free(view.tokens)
+
+
+class _HeadGraph:
+    """The head's step over up to `bucket` views, one position each, recorded once: persistent
+    inputs (the step's tensors and the states beside its tokens), the head, and greedy guesses
+    drawn on the device. Padding rows attend to nothing and store no K/V."""
+
+    def __init__(self, head: MTPHead, kv: KVCache, bucket: int, max_blocks: int) -> None:
+        backend = head.backend
+        self.backend = backend
+        self.host = padded_batch(bucket, len(kv.num_blocks), max_blocks)
+        # No host batch: its positions would be read as position 0 (see the module's docstring).
+        self.inputs = dataclasses.replace(StepTensors.upload(backend, self.host), batch=None)
+        self.host_hidden = np.zeros((bucket, head.config.hidden_size), np.float32)
+        self.hidden = backend.upload(self.host_hidden, "f32")
+        params = backend.upload(np.tile(GREEDY_PARAMS, (bucket, 1)), "f32")
+        uniforms = backend.upload(np.zeros(bucket, np.float32), "f32")
+        with backend.capture() as graph:
+            logits, self.states = head.forward_mtp(self.inputs, kv, self.hidden)
+            self.ids = ops.sample_top_k(logits, params, uniforms, None)
+        self.graph = graph
+
+    def run(self, batch: ForwardBatch, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each view's guess and state (its one row's)."""
+        t = batch.num_tokens
+        write_padded(self.backend, batch, self.host, self.inputs)
+        self.host_hidden[:t], self.host_hidden[t:] = hidden, 0.0
+        self.backend.write(self.hidden, self.host_hidden)
+        self.graph.replay()
+        states = np.asarray(self.backend.read(self.states), dtype=np.float32).reshape(self.host_hidden.shape)
+        return self.backend.read(self.ids)[:t], states[:t]

@@ -8,10 +8,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from vkrt import ops
+from vkrt.backend.base import Backend
 from vkrt.core.tensor import Tensor
 from vkrt.engine.kv_groups import KVCacheManager
 from vkrt.engine.request import Request
@@ -286,22 +288,68 @@ class ModelRunner:
         if not np.array_equal(batch.seq_index, np.arange(t)) and not self._verify_shaped(batch):
             return None
         bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
-        graph = self._graphs.get(bucket)
-        if graph is not None and graph.graph.stale:  # the backend released its pipelines: record again
-            graph.graph.release()
-            graph = None
-        if graph is None:
-            try:
-                graph = self._graphs[bucket] = _DecodeGraph(self.model, self.kv, bucket, self.max_blocks,
-                                                            self.token_hidden)
-            except NotReplayable:
-                # An op of this model has no native kernel here (its drain named it in a
-                # warning): decode steps run eagerly, correct but one submit per drain.
-                log.warning("decode steps of this model cannot be recorded for replay on %s; "
-                            "running them eagerly", self.backend.name)
-                self.replay = False
-                return None
-        return graph
+        try:
+            return recorded(self._graphs, bucket, lambda: _DecodeGraph(self.model, self.kv, bucket, self.max_blocks,
+                                                                       self.token_hidden))
+        except NotReplayable:
+            # An op of this model has no native kernel here (its drain named it in a
+            # warning): decode steps run eagerly, correct but one submit per drain.
+            log.warning("decode steps of this model cannot be recorded for replay on %s; "
+                        "running them eagerly", self.backend.name)
+            self.replay = False
+            return None
+
+
+class Recorded(Protocol):
+    """A recorded step: its backend graph (`stale` once the backend released its pipelines)."""
+
+    graph: Any
+
+
+R = TypeVar("R", bound=Recorded)
+
+
+def recorded(graphs: dict[int, R], bucket: int, record: Callable[[], R]) -> R:
+    """graphs[bucket], recorded now when it is missing or stale (NotReplayable passes through)."""
+    graph = graphs.get(bucket)
+    if graph is not None and graph.graph.stale:  # the backend released its pipelines: record again
+        graph.graph.release()
+        graph = None
+    if graph is None:
+        graph = graphs[bucket] = record()
+    return graph
+
+
+def padded_batch(bucket: int, groups: int, max_blocks: int) -> ForwardBatch:
+    """The host arrays of a recorded step's inputs: `bucket` token rows of `groups` KV groups'
+    slots and block tables, every row padding until `write_padded` fills them."""
+    return ForwardBatch(
+        token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
+        seq_index=np.full(bucket, -1, np.int32), slots=np.full((groups, bucket), -1, np.int32),
+        block_tables=np.zeros((groups, bucket, max_blocks), np.int32),
+        logits_index=np.arange(bucket, dtype=np.int32), state_slots=np.zeros(bucket, np.int32))
+
+
+def write_padded(backend: Backend, batch: ForwardBatch, host: ForwardBatch, inputs: StepTensors) -> None:
+    """Write `batch` into a recorded step's inputs (`host`: their arrays, from `padded_batch`),
+    the rows past its tokens padding: seq_index -1 makes attention skip them and slot -1 keeps
+    their K/V out of the cache."""
+    t = batch.num_tokens
+    host.token_ids[:t], host.token_ids[t:] = batch.token_ids, 0
+    host.positions[:t], host.positions[t:] = batch.positions, 0
+    host.seq_index[:t], host.seq_index[t:] = batch.seq_index, -1
+    host.slots[:, :t], host.slots[:, t:] = batch.slots, -1
+    s = batch.num_seqs  # t, or fewer in a verify step (several tokens per sequence)
+    host.block_tables[:] = 0
+    host.block_tables[:, :s, :batch.block_tables.shape[-1]] = batch.block_tables
+    assert host.state_slots is not None
+    host.state_slots[:s], host.state_slots[s:] = batch.state_slots if batch.state_slots is not None else 0, 0
+    for name in ("token_ids", "positions", "seq_index", "state_slots"):
+        backend.write(getattr(inputs, name), getattr(host, name))
+    backend.write(inputs.seq_start, host.seq_start)  # padding sequences hold no tokens
+    for g in range(host.slots.shape[0]):
+        backend.write(inputs.slots_of(g), host.slots[g])
+        backend.write(inputs.block_tables_of(g), host.block_tables[g])
 
 
 class _DecodeGraph:
@@ -317,12 +365,7 @@ class _DecodeGraph:
         self.backend = backend
         self.bucket = bucket
         self.max_blocks = max_blocks
-        groups = len(kv.num_blocks)
-        self.host = ForwardBatch(
-            token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
-            seq_index=np.full(bucket, -1, np.int32), slots=np.full((groups, bucket), -1, np.int32),
-            block_tables=np.zeros((groups, bucket, max_blocks), np.int32),
-            logits_index=np.arange(bucket, dtype=np.int32), state_slots=np.zeros(bucket, np.int32))
+        self.host = padded_batch(bucket, len(kv.num_blocks), max_blocks)
         self.inputs = StepTensors.upload(backend, self.host)
         # Padding rows sample greedily (top_k=1) with a uniform of 0; their ids are dropped.
         self.host_sampling = SampleInputs(np.tile(GREEDY_PARAMS, (bucket, 1)), np.zeros(bucket, np.float32))
@@ -346,24 +389,7 @@ class _DecodeGraph:
 
     def run(self, batch: ForwardBatch, sampling: SampleInputs | None, masks: MaskSource | None) -> StepResult:
         t = batch.num_tokens
-        host = self.host
-        # Padding rows: seq_index -1 makes attention skip them and slot -1 keeps their K/V out.
-        host.token_ids[:t], host.token_ids[t:] = batch.token_ids, 0
-        host.positions[:t], host.positions[t:] = batch.positions, 0
-        host.seq_index[:t], host.seq_index[t:] = batch.seq_index, -1
-        host.slots[:, :t], host.slots[:, t:] = batch.slots, -1
-        s = batch.num_seqs  # t, or fewer in a verify step (several tokens per sequence)
-        host.block_tables[:] = 0
-        host.block_tables[:, :s, :batch.block_tables.shape[-1]] = batch.block_tables
-        assert host.state_slots is not None
-        host.state_slots[:s], host.state_slots[s:] = batch.state_slots if batch.state_slots is not None else 0, 0
-        inputs = self.inputs
-        for name in ("token_ids", "positions", "seq_index", "state_slots"):
-            self.backend.write(getattr(inputs, name), getattr(host, name))
-        self.backend.write(inputs.seq_start, host.seq_start)  # padding sequences hold no tokens
-        for g in range(host.slots.shape[0]):
-            self.backend.write(inputs.slots_of(g), host.slots[g])
-            self.backend.write(inputs.block_tables_of(g), host.block_tables[g])
+        write_padded(self.backend, batch, self.host, self.inputs)
         if sampling is None:  # the caller samples on the host: the ids are not read
             self.graph.replay(during=masks)  # the masks are only computed, for the host sampler
             return StepResult(logits=np.asarray(self.backend.read(self.logits), dtype=np.float32)[:t],
