@@ -12,12 +12,12 @@ target computed since and guesses 1; each later one runs one position per view o
 guess and the head's own output, guessing the next. Guessed positions are never counted: the
 next catch-up computes them again from the target's states.
 
-A head step of one position per view (every chained step, and a catch-up of one position) is
-recorded once per power-of-two bucket of views and replayed, as the target's decode steps are
-(vkrt/engine/runner.py): the host writes the step's inputs and the states beside its tokens,
-then one submit runs the head and draws its guesses. Other catch-ups (several positions per
-view, or position 0, where DeepSeek's form zeroes the embedding by a choice made on the host)
-run eagerly. A row's guess and state are the same bits either way (batch invariance).
+A head step is recorded once per power-of-two bucket of tokens and of views and replayed, as
+the target's decode and verify steps are (vkrt/engine/runner.py): the host writes the step's
+inputs, the states beside its tokens and each view's last row, then one submit runs the head
+and draws its guesses. A step holding position 0 (a prompt's first catch-up; DeepSeek's form
+zeroes that embedding by a choice made on the host) or more tokens than a catch-up after a verify
+step runs eagerly. A row's guess and state are the same bits either way (batch invariance).
 
 A position whose target state was never observed (a prefix-cache hit: the target did not compute
 it in this request's life) enters the head with a zero state. Its K/V in the head's cache are then
@@ -41,7 +41,14 @@ from vkrt import ops
 from vkrt.engine.config import EngineConfig, SamplingParams
 from vkrt.engine.draft import proposer_kv_cache
 from vkrt.engine.request import Request, RequestStatus
-from vkrt.engine.runner import StepStats, build_forward_batch, padded_batch, recorded, write_padded
+from vkrt.engine.runner import (
+    StepStats,
+    build_forward_batch,
+    padded_batch,
+    recorded,
+    verify_shaped,
+    write_padded,
+)
 from vkrt.engine.sampler import GREEDY_PARAMS
 from vkrt.engine.scheduler import ScheduledRequest, SchedulerOutput
 from vkrt.errors import NotReplayable, VkrtError
@@ -82,10 +89,11 @@ class MTPProposer:
         self.views: dict[str, _View] = {}
         backend = self.head.backend
         self.replay = backend.supports_replay and self.head.replayable
-        self.max_bucket = 1 << max(0, config.max_num_seqs - 1).bit_length()
+        # A catch-up runs each view's accepted tokens and its last position again: at most k + 2.
+        self.max_tokens = config.max_num_seqs * (num_speculative_tokens + 2)
         # A view's positions end below the target's length plus its guesses.
         self.max_blocks = -(-(max_model_len + num_speculative_tokens) // config.block_size)
-        self.graphs: dict[int, _HeadGraph] = {}
+        self.graphs: dict[tuple[int, int], _HeadGraph] = {}  # by (tokens, views) bucket
         log.info("MTP head: %d layer%s, KV %d MiB", self.head.config.num_layers,
                  "" if self.head.config.num_layers == 1 else "s", self.kv.nbytes >> 20)
 
@@ -212,16 +220,16 @@ class MTPProposer:
                 np.asarray(backend.read(last), dtype=np.float32).reshape(rows, -1))
 
     def _graph_for(self, batch: ForwardBatch) -> _HeadGraph | None:
-        """The recorded step for a batch of one position per view (none at position 0), or None
-        to run it eagerly."""
-        t = batch.num_tokens
-        if not self.replay or t > self.max_bucket or batch.block_tables.shape[-1] > self.max_blocks:
+        """The recorded step for this batch (consecutive positions of every view, none at
+        position 0), or None to run it eagerly."""
+        t, views = batch.num_tokens, batch.num_seqs
+        if not self.replay or t > self.max_tokens or batch.block_tables.shape[-1] > self.max_blocks:
             return None
-        if not np.array_equal(batch.seq_index, np.arange(t)) or not bool(np.all(batch.positions > 0)):
+        if not verify_shaped(batch) or not bool(np.all(batch.positions > 0)):
             return None
-        bucket = 1 << max(0, t - 1).bit_length()
+        key = (_pow2(t), _pow2(views))
         try:
-            return recorded(self.graphs, bucket, lambda: _HeadGraph(self.head, self.kv, bucket, self.max_blocks))
+            return recorded(self.graphs, key, lambda: _HeadGraph(self.head, self.kv, *key, self.max_blocks))
         except NotReplayable:
             log.warning("the MTP head's steps cannot be recorded for replay on %s; running them eagerly",
                         self.head.backend.name)
@@ -233,32 +241,42 @@ class MTPProposer:
         self.blocks.free(view.tokens)
 
 
-class _HeadGraph:
-    """The head's step over up to `bucket` views, one position each, recorded once: persistent
-    inputs (the step's tensors and the states beside its tokens), the head, and greedy guesses
-    drawn on the device. Padding rows attend to nothing and store no K/V."""
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
-    def __init__(self, head: MTPHead, kv: KVCache, bucket: int, max_blocks: int) -> None:
+
+class _HeadGraph:
+    """The head's step over up to `tokens` positions of up to `views` views, recorded once:
+    persistent inputs (the step's tensors, the states beside its tokens, each view's last row),
+    the head over those last rows, and greedy guesses drawn on the device. Padding rows attend to
+    nothing and store no K/V; padding views guess from row 0, and are dropped."""
+
+    def __init__(self, head: MTPHead, kv: KVCache, tokens: int, views: int, max_blocks: int) -> None:
         backend = head.backend
         self.backend = backend
-        self.host = padded_batch(bucket, len(kv.num_blocks), max_blocks)
-        # No host batch: its positions would be read as position 0 (see the module's docstring).
-        self.inputs = dataclasses.replace(StepTensors.upload(backend, self.host), batch=None)
-        self.host_hidden = np.zeros((bucket, head.config.hidden_size), np.float32)
+        self.host = padded_batch(tokens, len(kv.num_blocks), max_blocks)
+        self.host_hidden = np.zeros((tokens, head.config.hidden_size), np.float32)
         self.hidden = backend.upload(self.host_hidden, "f32")
-        params = backend.upload(np.tile(GREEDY_PARAMS, (bucket, 1)), "f32")
-        uniforms = backend.upload(np.zeros(bucket, np.float32), "f32")
+        self.host_last = np.zeros(views, np.int32)
+        self.last = backend.upload(self.host_last, "i32")
+        # No host batch: its positions would be read as position 0 (see the module's docstring).
+        self.inputs = dataclasses.replace(StepTensors.upload(backend, self.host), batch=None, logits_index=self.last)
+        params = backend.upload(np.tile(GREEDY_PARAMS, (views, 1)), "f32")
+        uniforms = backend.upload(np.zeros(views, np.float32), "f32")
         with backend.capture() as graph:
-            logits, self.states = head.forward_mtp(self.inputs, kv, self.hidden)
+            logits, out = head.forward_mtp(self.inputs, kv, self.hidden)
             self.ids = ops.sample_top_k(logits, params, uniforms, None)
+            self.states = ops.gather_rows(out, self.last)
         self.graph = graph
 
     def run(self, batch: ForwardBatch, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each view's guess and state (its one row's)."""
-        t = batch.num_tokens
+        """Each view's guess and state (its last row's)."""
+        t, views = batch.num_tokens, batch.num_seqs
         write_padded(self.backend, batch, self.host, self.inputs)
         self.host_hidden[:t], self.host_hidden[t:] = hidden, 0.0
+        self.host_last[:views], self.host_last[views:] = batch.logits_index, 0
         self.backend.write(self.hidden, self.host_hidden)
+        self.backend.write(self.last, self.host_last)
         self.graph.replay()
-        states = np.asarray(self.backend.read(self.states), dtype=np.float32).reshape(self.host_hidden.shape)
-        return self.backend.read(self.ids)[:t], states[:t]
+        states = np.asarray(self.backend.read(self.states), dtype=np.float32).reshape(self.host_last.size, -1)
+        return self.backend.read(self.ids)[:views], states[:views]

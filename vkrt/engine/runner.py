@@ -267,17 +267,6 @@ class ModelRunner:
             for state in tensors:
                 ops.copy_state_slots(state, src, dst)
 
-    def _verify_shaped(self, batch: ForwardBatch) -> bool:
-        """A verify step (speculative decoding): several consecutive tokens per sequence, every
-        one sampled. The decode graph runs it as it is, since attention reads each token's own
-        positions through its sequence's table, and the recurrent kernels walk each sequence's
-        tokens from `seq_start` (a graph recorded with one token per sequence takes the same
-        per-sequence kernels a verify step's eager run does: its sequences are short)."""
-        seq = batch.seq_index
-        return (batch.num_seqs <= batch.num_tokens and int(seq[0]) == 0
-                and bool(np.all(np.diff(seq) >= 0)) and bool(np.all(np.diff(seq) <= 1))
-                and int(seq[-1]) == batch.num_seqs - 1)
-
     def _graph_for(self, batch: ForwardBatch) -> _DecodeGraph | None:
         """The recorded step for this decode batch's bucket, or None to run eagerly."""
         t = batch.num_tokens
@@ -285,7 +274,7 @@ class ModelRunner:
             return None
         if batch.block_tables.shape[-1] > self.max_blocks or not np.array_equal(batch.logits_index, np.arange(t)):
             return None
-        if not np.array_equal(batch.seq_index, np.arange(t)) and not self._verify_shaped(batch):
+        if not np.array_equal(batch.seq_index, np.arange(t)) and not verify_shaped(batch):
             return None
         bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
         try:
@@ -307,9 +296,10 @@ class Recorded(Protocol):
 
 
 R = TypeVar("R", bound=Recorded)
+K = TypeVar("K", int, tuple[int, int])
 
 
-def recorded(graphs: dict[int, R], bucket: int, record: Callable[[], R]) -> R:
+def recorded(graphs: dict[K, R], bucket: K, record: Callable[[], R]) -> R:
     """graphs[bucket], recorded now when it is missing or stale (NotReplayable passes through)."""
     graph = graphs.get(bucket)
     if graph is not None and graph.graph.stale:  # the backend released its pipelines: record again
@@ -318,6 +308,19 @@ def recorded(graphs: dict[int, R], bucket: int, record: Callable[[], R]) -> R:
     if graph is None:
         graph = graphs[bucket] = record()
     return graph
+
+
+def verify_shaped(batch: ForwardBatch) -> bool:
+    """Whether a recorded decode graph runs `batch` as it is: one or several consecutive tokens
+    of every sequence in order (a decode step, or a verify step of speculative decoding).
+    Attention reads each token's own positions through its sequence's table, and the recurrent
+    kernels walk each sequence's tokens from `seq_start` (a graph recorded with one token per
+    sequence takes the same per-sequence kernels a verify step's eager run does: its sequences
+    are short)."""
+    seq = batch.seq_index
+    return (batch.num_seqs <= batch.num_tokens and int(seq[0]) == 0
+            and bool(np.all(np.diff(seq) >= 0)) and bool(np.all(np.diff(seq) <= 1))
+            and int(seq[-1]) == batch.num_seqs - 1)
 
 
 def padded_batch(bucket: int, groups: int, max_blocks: int) -> ForwardBatch:
