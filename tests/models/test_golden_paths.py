@@ -153,7 +153,13 @@ def _smol_cases() -> list[dict[str, Any]]:
 def test_smollm2_first_step(path_backend: Backend, smollm2_path: Path) -> None:
     """Every prompt's first step: top-5 ids equal transformers', their logits within TOP5_ATOL."""
     model = model_on_path(path_backend, smollm2_path)
-    for case in _smol_cases():
+    cases = _smol_cases()
+    if os.environ.get("VKRT_FORCE_STAGING") == "1":
+        # The staging child: the weights have crossed the staging copies once any prompt has run
+        # through every layer; the short prompts do that, the 40-64-token ones (~3 s each on this
+        # path under llvmpipe) add nothing the parent's run of them did not check.
+        cases = [case for case in cases if len(case["prompt_ids"]) <= 8]
+    for case in cases:
         logits = Greedy(model, len(case["prompt_ids"]) + 1).step(case["prompt_ids"], 0)[-1]
         _top5_within(logits, case)
 
@@ -204,7 +210,8 @@ def test_every_golden_on_the_staging_path(vk_default: Backend) -> None:
     # to where memory lives; texel x staging adds time, not coverage of a real device). Every
     # fixture's weights and a prefill through its KV cache cross the staging copies; the
     # one-token decode and greedy walks read the same memory through the same kernels, so
-    # SmolLM2's weights cross them in its first steps only (its engine decode is ~40 s on this path).
+    # SmolLM2's weights cross them in the first steps of its short prompts only (its engine decode
+    # is ~40 s on this path).
     select = "(prefill_logits or smollm2_first_step) and not texel"
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select,
                             str(Path(__file__).relative_to(REPO))], cwd=REPO, env=env, capture_output=True,

@@ -127,6 +127,7 @@ def test_gqa_rows_equal_paged_rows_windows_softcaps(vk: Backend, rng: np.random.
     assert nmse(gqa, want(case, *args)) <= ATTENTION_NMSE
 
 
+@ssbo_sample(lambda geometry, kv_dtype: kv_dtype == "f16")
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
 def test_mixed_prefills_in_one_step(vk: Backend, rng: np.random.Generator, gqa: Modules, kv_dtype: str,
@@ -161,6 +162,7 @@ def test_prompt_of_4096_tokens(vk: Backend, rng: np.random.Generator, gqa: Modul
 
 @pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (16, 0.0), (40, 0.0), (0, 50.0), (5, 2.5)],
                          ids=lambda v: str(v))
+@ssbo_sample(lambda geometry, kv_dtype, window, softcap: kv_dtype == "f16")
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("geometry", [(8, 2, 128), (8, 1, 64)], ids=["h8kv2d128", "h8kv1d64"])
 def test_windows_and_softcaps(vk: Backend, rng: np.random.Generator, gqa: Modules, kv_dtype: str,
