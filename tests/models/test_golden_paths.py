@@ -55,6 +55,7 @@ LOGIT_ATOL = 1e-4
 TOP5_ATOL = 5e-4
 MAX_LEN = 64
 EXACT_TOKENS = 24
+STAGING_PROMPT_TOKENS = 8  # the staging child's SmolLM2 prompts: the short ones (4-6 tokens)
 
 
 def golden(name: str) -> dict[str, Any]:
@@ -151,14 +152,16 @@ def _smol_cases() -> list[dict[str, Any]]:
 
 
 def test_smollm2_first_step(path_backend: Backend, smollm2_path: Path) -> None:
-    """Every prompt's first step: top-5 ids equal transformers', their logits within TOP5_ATOL."""
+    """Every prompt's first step (in the staging child, the short prompts' only): top-5 ids equal
+    transformers', their logits within TOP5_ATOL."""
     model = model_on_path(path_backend, smollm2_path)
     cases = _smol_cases()
     if os.environ.get("VKRT_FORCE_STAGING") == "1":
         # The staging child: the weights have crossed the staging copies once any prompt has run
         # through every layer; the short prompts do that, the 40-64-token ones (~3 s each on this
         # path under llvmpipe) add nothing the parent's run of them did not check.
-        cases = [case for case in cases if len(case["prompt_ids"]) <= 8]
+        cases = [case for case in cases if len(case["prompt_ids"]) <= STAGING_PROMPT_TOKENS]
+        assert cases, f"no golden prompt of at most {STAGING_PROMPT_TOKENS} tokens for the staging child"
     for case in cases:
         logits = Greedy(model, len(case["prompt_ids"]) + 1).step(case["prompt_ids"], 0)[-1]
         _top5_within(logits, case)
